@@ -1,0 +1,203 @@
+#pragma once
+// Backward programs B1-B4 and aux A3 of OPS.md.
+//
+// The identity that keeps RMSNorm backward tile-local: with n = x·r, y = n ⊙ γ the normalized input
+// of a consumer z = r ⊙ (h · Wᵀ), and g = dz · W,
+//     dx = r · (g ⊙ γ − n · ZdZ),   ZdZ[m] = ⟨g ⊙ γ, n⟩ / H = Σ_j dz[m,j] · z[m,j] / H,
+// so ZdZ is reduced by whichever epilogue produced dz (B2, B3, B4) and folded by A3.
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "coda/programs/forward.hpp"
+
+namespace coda::programs {
+
+// B1 (RMSNorm backward, in the epilogue of g = dz · W):
+//   n = x·r;  dx += r·(g·γ − n·ZdZ);  h_out = n ⊙ γ;  dγ[n, t] = Σ_{m in tile t} g·n
+template <class Real>
+struct RmsnormBackward : NoSubtileHooks {
+  TileIn<Real> x;                 // (M, H) saved residual stream
+  VectorIn<Real> r;               // (M)
+  VectorIn<Real> gamma;           // (H)
+  VectorIn<Real> zdz;             // (M) folded ZdZ (already divided by H)
+  TileOut<Real> dx;               // (M, H), usually StoreMode::kAccumulate into the residual grad
+  TileOut<Real> h_out;            // (M, H) recomputed normalized input, for the weight gradient
+  Real* dgamma_partials = nullptr;
+  PartialLayout layout;           // per_column(M, H, tile_m, tile_n)
+
+  std::vector<Real> col_acc;
+
+  void validate(int64_t M, int64_t N, const TileConfig& cfg) const {
+    const char* who = "gemm_rmsnorm_backward";
+    x.require(who, "x", M, N);
+    r.require(who, "r", M);
+    gamma.require(who, "gamma", N);
+    zdz.require(who, "zdz", M);
+    dx.require(who, "dx", M, N);
+    h_out.require(who, "h_out", M, N);
+    layout.require(who, "dgamma_partials", dgamma_partials,
+                   PartialLayout::per_column(M, N, cfg.tile_m, cfg.tile_n));
+  }
+  void begin_tile(const TileInfo& t) { col_acc.assign(t.cols, Real(0)); }
+  void visit(const TileInfo& t, int64_t m, int64_t n, Real g0, Real g1) {
+    const Real g[2] = {g0, g1};
+    const Real rm = r.load(m), zm = zdz.load(m);
+    for (int c = 0; c < 2; ++c) {
+      const Real nv = x.load(m, n + c) * rm;
+      const Real gam = gamma.load(n + c);
+      dx.store(m, n + c, rm * (g[c] * gam - nv * zm));
+      h_out.store(m, n + c, nv * gam);
+      col_acc[n + c - t.n0] += g[c] * nv;
+    }
+  }
+  void end_tile(const TileInfo& t) {
+    for (int64_t j = 0; j < t.cols; ++j)
+      dgamma_partials[layout.index(t.n0 + j, t.tile_m_index)] = col_acc[j];
+  }
+};
+
+// B2 (SwiGLU backward, in the epilogue of da = dx_out · W_down), (g, u) the saved pair of z:
+//   du = da·silu(g);  dg = da·u·σ(g)·(1 + g·(1 − σ(g)));  a = silu(g)·u;  ZdZ_t += g·dg + u·du
+// Output column n of da owns the interleaved pair (2n, 2n+1) of z and dz.
+template <class Real>
+struct SwigluBackward : NoSubtileHooks {
+  TileIn<Real> z;                 // (M, 2I) saved pre-activation, interleaved
+  TileOut<Real> dz;               // (M, 2I) interleaved
+  TileOut<Real> a;                // (M, I) recomputed activation, for dW_down
+  Real* zdz_partials = nullptr;   // per_row(M, I, tile_m, tile_n): Σ (g·dg + u·du), not yet / H
+  PartialLayout layout;
+
+  std::vector<Real> row_acc;
+
+  void validate(int64_t M, int64_t N, const TileConfig& cfg) const {
+    const char* who = "gemm_swiglu_backward";
+    z.require(who, "z", M, 2 * N);
+    dz.require(who, "dz", M, 2 * N);
+    a.require(who, "a", M, N);
+    layout.require(who, "zdz_partials", zdz_partials,
+                   PartialLayout::per_row(M, N, cfg.tile_m, cfg.tile_n));
+  }
+  void begin_tile(const TileInfo& t) { row_acc.assign(t.rows, Real(0)); }
+  void visit(const TileInfo& t, int64_t m, int64_t n, Real da0, Real da1) {
+    const Real da[2] = {da0, da1};
+    for (int c = 0; c < 2; ++c) {
+      const int64_t col = n + c;
+      const Real g = z.load(m, 2 * col), u = z.load(m, 2 * col + 1);
+      Real dg, du, av;
+      epilogue::SwiGluBackward{}(g, u, da[c], dg, du, av);
+      dz.store(m, 2 * col, dg);
+      dz.store(m, 2 * col + 1, du);
+      a.store(m, col, av);
+      row_acc[m - t.m0] += g * dg + u * du;
+    }
+  }
+  void end_tile(const TileInfo& t) {
+    for (int64_t i = 0; i < t.rows; ++i)
+      zdz_partials[layout.index(t.m0 + i, t.tile_n_index)] = row_acc[i];
+  }
+};
+
+// B3 (RoPE backward, elementwise over the packed QKV gradient):
+//   dz = Rᵀ·dy (rotate by −θ; V columns pass through);  ZdZ[m] += Σ_n y·dy  (R orthogonal)
+// Returns the per-row sums (not yet / H) in `zdz_sum`.
+template <class Real>
+void rope_backward(const TileIn<Real>& y, const TileIn<Real>& dy, const VectorIn<int32_t>& pos,
+                   const VectorIn<RopeFrequency>& freq, const TileOut<Real>& dz, Real* zdz_sum) {
+  CODA_CHECK(y.data && dy.data && dz.data && zdz_sum, "rope_backward: null pointer argument");
+  CODA_CHECK(y.rows == dy.rows && y.cols == dy.cols, "rope_backward: y is (", y.rows, ", ", y.cols,
+             ") but dy is (", dy.rows, ", ", dy.cols, ")");
+  CODA_CHECK(freq.size == y.cols, "rope_backward: freq has ", freq.size, " entries, expected ",
+             y.cols);
+  CODA_CHECK(y.cols % 2 == 0, "rope_backward: width must be even, got ", y.cols);
+  for (int64_t m = 0; m < y.rows; ++m) {
+    Real s = 0;
+    for (int64_t n = 0; n < y.cols; n += 2) {
+      Real c, sn, d0, d1;
+      rope_cos_sin<Real>(pos.load(m), freq.load(n), c, sn);
+      const Real dy0 = dy.load(m, n), dy1 = dy.load(m, n + 1);
+      epilogue::RopeRotateTranspose{}(dy0, dy1, c, sn, d0, d1);
+      dz.store(m, n, d0);
+      dz.store(m, n + 1, d1);
+      s += y.load(m, n) * dy0 + y.load(m, n + 1) * dy1;
+    }
+    zdz_sum[m] = s;
+  }
+}
+
+// B4 (cross-entropy backward, in the epilogue of a recomputed ℓ = r·(h · W_vocabᵀ)):
+//   p = exp(ℓ − lse);  dℓ = (p·(1 + 2λ·lse) − onehot(target)) · scale[m];  ZdZ_t += ℓ·dℓ
+// scale[m] is the incoming loss gradient over the token count (mean) or 1 (sum); 0 for ignored
+// tokens. Columns >= V get no gradient.
+template <class Real, class Target = int64_t>
+struct RmsnormCrossEntropyBackward : NoSubtileHooks {
+  VectorIn<Real> r, lse, scale;    // (M)
+  VectorIn<Target> targets;        // (M)
+  int64_t vocab = 0;
+  double z_loss = 0.0;
+  TileOut<Real> dlogits;           // (M, V)
+  Real* zdz_partials = nullptr;    // per_row(M, V, tile_m, tile_n): Σ ℓ·dℓ, not yet / H
+  PartialLayout layout;
+
+  std::vector<Real> row_acc;
+
+  void validate(int64_t M, int64_t N, const TileConfig& cfg) const {
+    const char* who = "gemm_rmsnorm_cross_entropy_backward";
+    CODA_CHECK(vocab > 0 && vocab <= N, who, ": vocab must be in [1, N = ", N, "], got ", vocab);
+    r.require(who, "r", M);
+    lse.require(who, "lse", M);
+    scale.require(who, "scale", M);
+    targets.require(who, "targets", M);
+    dlogits.require(who, "dlogits", M, vocab);
+    layout.require(who, "zdz_partials", zdz_partials,
+                   PartialLayout::per_row(M, N, cfg.tile_m, cfg.tile_n));
+  }
+  void begin_tile(const TileInfo& t) { row_acc.assign(t.rows, Real(0)); }
+  void visit(const TileInfo& t, int64_t m, int64_t n, Real acc0, Real acc1) {
+    const Real acc[2] = {acc0, acc1};
+    const Real rm = r.load(m), lm = lse.load(m), sm = scale.load(m);
+    const int64_t target = static_cast<int64_t>(targets.load(m));
+    for (int c = 0; c < 2; ++c) {
+      if (n + c >= vocab) continue;
+      const Real l = acc[c] * rm;
+      const Real p = std::exp(l - lm) * (Real(1) + Real(2 * z_loss) * lm);
+      const Real d = (p - (target == n + c ? Real(1) : Real(0))) * sm;
+      dlogits.store(m, n + c, d);
+      row_acc[m - t.m0] += l * d;
+    }
+  }
+  void end_tile(const TileInfo& t) {
+    for (int64_t i = 0; i < t.rows; ++i)
+      zdz_partials[layout.index(t.m0 + i, t.tile_n_index)] = row_acc[i];
+  }
+};
+
+// Per-token gradient scale of the loss: grad_loss / counted (mean) or grad_loss (sum/none), 0 if
+// the token is ignored.
+template <class Real, class Target>
+std::vector<Real> cross_entropy_scale(const Target* targets, int64_t m, const CrossEntropyOptions& o,
+                                      Real grad_loss, int64_t counted) {
+  std::vector<Real> s(m, Real(0));
+  for (int64_t i = 0; i < m; ++i) {
+    if (static_cast<int64_t>(targets[i]) == o.ignore_index) continue;
+    s[i] = o.reduction == Reduction::kMean ? grad_loss / static_cast<Real>(counted) : grad_loss;
+  }
+  return s;
+}
+
+// A3: ZdZ[m] = Σ_t partial[m, t] / H;  dγ[n] = Σ_t partial[n, t]
+template <class Real, class In>
+std::vector<Real> fold_zdz(const In* partials, const PartialLayout& layout, int64_t hidden) {
+  CODA_CHECK(hidden > 0, "fold_zdz: hidden must be positive, got ", hidden);
+  auto v = epilogue::fold_partials<Real>(partials, layout, Real(0), epilogue::Plus{});
+  for (auto& e : v) e /= static_cast<Real>(hidden);
+  return v;
+}
+
+template <class Real, class In>
+std::vector<Real> fold_dgamma(const In* partials, const PartialLayout& layout) {
+  return epilogue::fold_partials<Real>(partials, layout, Real(0), epilogue::Plus{});
+}
+
+}  // namespace coda::programs
