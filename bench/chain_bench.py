@@ -1,0 +1,261 @@
+"""Forward layer chain (OPS.md §4), fused vs every baseline, side by side in one process on the GPU.
+
+Chain = out-proj + residual + RMSNorm -> gate/up + SwiGLU -> down-proj + residual + RMSNorm ->
+QKV + RoPE, one layer, attention excluded. Variants:
+  coda          our fused GEMM-epilogue ops (libcoda_capi via ctypes)
+  gemm_only     the same four cuBLAS GEMMs with every memory-bound op removed (the floor)
+  eager         cuBLAS + eager PyTorch (HF-style RMSNorm, SiLU*mul, rotate_half RoPE)
+  compile       torch.compile of the eager chain (Inductor fuses between cuBLAS calls)
+  liger         cuBLAS + Liger Kernel (fused add+RMSNorm, SwiGLU, RoPE) if importable
+Every variant's outputs (x2, qkv) are checked against an fp32 evaluation of the chain before any
+time is printed; the accuracy columns give max |out - fp32 ref| of ours and of eager bf16.
+
+  python3 bench/chain_bench.py --lib build/src/libcoda_capi.so [--quick] [--json out.json]
+"""
+
+import argparse
+import ctypes
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+MODELS = {  # name: hidden, q heads, kv heads, head dim, ffn
+    "llama3-1B": (2048, 32, 8, 64, 8192),
+    "llama3-8B": (4096, 32, 8, 128, 14336),
+    "llama3-70B": (8192, 64, 8, 128, 28672),
+}
+EPS = 1e-5
+THETA = 500000.0
+
+
+class Coda:
+    def __init__(self, path):
+        self.lib = ctypes.CDLL(path)
+        self.lib.coda_last_error.restype = ctypes.c_char_p
+
+    def __call__(self, name, *args):
+        conv = []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                conv.append(ctypes.c_void_p(a.data_ptr()))
+            elif isinstance(a, float):
+                conv.append(ctypes.c_float(a))
+            else:
+                conv.append(a)
+        rc = getattr(self.lib, name)(*conv)
+        if rc != 0:
+            raise RuntimeError(f"{name}: {self.lib.coda_last_error().decode()}")
+
+
+def rope_perm(heads, d):
+    """Row permutation taking HF half-split RoPE rows to adjacent pairs, per head."""
+    idx = []
+    for h in range(heads):
+        for j in range(d):
+            idx.append(h * d + (j // 2 if j % 2 == 0 else d // 2 + j // 2))
+    return torch.tensor(idx)
+
+
+def rms_norm(x, w):  # HF LlamaRMSNorm
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)
+    return w * xf.to(x.dtype)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def make_chain(hq, hkv, d, inter):
+    def chain(y, x0, wo, g_ffn, wgu, wd, g_attn, wqkv, cos, sin):
+        x1 = F.linear(y, wo) + x0
+        h1 = rms_norm(x1, g_ffn)
+        gate, up = F.linear(h1, wgu).chunk(2, dim=-1)
+        a = F.silu(gate) * up
+        x2 = F.linear(a, wd) + x1
+        h2 = rms_norm(x2, g_attn)
+        qkv = F.linear(h2, wqkv)
+        m = qkv.shape[0]
+        q = qkv[:, : hq * d].view(m, hq, d)
+        k = qkv[:, hq * d : (hq + hkv) * d].view(m, hkv, d)
+        v = qkv[:, (hq + hkv) * d :]
+        c, s = cos[:, None, :], sin[:, None, :]
+        q = q * c + rotate_half(q) * s
+        k = k * c + rotate_half(k) * s
+        return x2, torch.cat([q.reshape(m, -1), k.reshape(m, -1), v], dim=-1)
+
+    return chain
+
+
+def bench_ms(fn):
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def run_shape(coda, model, m, results, progress):
+    hidden, hq, hkv, d, inter = MODELS[model]
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(m + hidden)
+
+    def rnd(*shape, scale=1.0):
+        return ((torch.rand(*shape, device=dev, generator=g) * 2 - 1) * scale).to(torch.bfloat16)
+
+    qkv_w = (hq + 2 * hkv) * d
+    y = rnd(m, hq * d)
+    x0 = rnd(m, hidden)
+    wo = rnd(hidden, hq * d, scale=hidden**-0.5)
+    wg = rnd(inter, hidden, scale=hidden**-0.5)
+    wu = rnd(inter, hidden, scale=hidden**-0.5)
+    wd = rnd(hidden, inter, scale=inter**-0.5)
+    wqkv_hf = rnd(qkv_w, hidden, scale=hidden**-0.5)
+    g_ffn = (1 + 0.1 * torch.randn(hidden, device=dev, generator=g)).to(torch.bfloat16)
+    g_attn = (1 + 0.1 * torch.randn(hidden, device=dev, generator=g)).to(torch.bfloat16)
+    pos = (torch.arange(m, device=dev) % 4096).to(torch.int32)
+    inv_freq = [THETA ** (-2.0 * i / d) for i in range(d // 2)]
+    ang = pos.double()[:, None] * torch.tensor(inv_freq, device=dev, dtype=torch.float64)[None, :]
+    cos = torch.cat([ang.cos(), ang.cos()], -1).to(torch.bfloat16)
+    sin = torch.cat([ang.sin(), ang.sin()], -1).to(torch.bfloat16)
+    wgu_split = torch.cat([wg, wu], 0).contiguous()
+    # Fused layouts: gate/up interleaved; Q and K rows permuted to adjacent RoPE pairs.
+    wgu_inter = torch.stack([wg, wu], 1).reshape(2 * inter, hidden).contiguous()
+    perm = torch.cat([rope_perm(hq, d), hq * d + rope_perm(hkv, d),
+                      torch.arange((hq + hkv) * d, qkv_w)]).to(dev)
+    wqkv_f = wqkv_hf[perm].contiguous()
+    args = (y, x0, wo, g_ffn, wgu_split, wd, g_attn, wqkv_hf, cos, sin)
+
+    # fp32 reference of the chain (same bf16 inputs, fp32 math) and the eager bf16 result.
+    chain = make_chain(hq, hkv, d, inter)
+    ref_x2, ref_qkv = chain(*[a.float() for a in args[:-2]], cos.float(), sin.float())
+    eager_x2, eager_qkv = chain(*args)
+
+    # ours
+    ext = (ctypes.c_longlong * 2)()
+    coda("coda_residual_rmsnorm_partials_layout", m, hidden, hq * d, ext)
+    s1 = torch.empty(ext[0] * ext[1], device=dev, dtype=torch.float32)
+    ext2 = (ctypes.c_longlong * 2)()
+    coda("coda_residual_rmsnorm_partials_layout", m, hidden, inter, ext2)
+    s2 = torch.empty(ext2[0] * ext2[1], device=dev, dtype=torch.float32)
+    x1 = torch.empty(m, hidden, device=dev, dtype=torch.bfloat16)
+    h1 = torch.empty_like(x1)
+    x2 = torch.empty_like(x1)
+    h2 = torch.empty_like(x1)
+    r1 = torch.empty(m, device=dev, dtype=torch.float32)
+    r2 = torch.empty_like(r1)
+    z = torch.empty(m, 2 * inter, device=dev, dtype=torch.bfloat16)
+    act = torch.empty(m, inter, device=dev, dtype=torch.bfloat16)
+    qkv = torch.empty(m, qkv_w, device=dev, dtype=torch.bfloat16)
+    hi = (ctypes.c_uint * qkv_w)()
+    lo = (ctypes.c_uint * qkv_w)()
+    coda("coda_rope_column_table", hq, hkv, d, (ctypes.c_double * (d // 2))(*inv_freq), hi, lo)
+    # uint32 bit patterns carried in int32 tensors (the kernel reads the bits)
+    fhi = torch.tensor([v - (1 << 32) if v >= (1 << 31) else v for v in hi], dtype=torch.int32, device=dev)
+    flo = torch.tensor([v - (1 << 32) if v >= (1 << 31) else v for v in lo], dtype=torch.int32, device=dev)
+    stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+
+    def coda_chain():
+        coda("coda_gemm_residual_rmsnorm_partial", y, wo, x0, g_ffn, x1, h1, s1, m, hidden, hq * d, stream)
+        coda("coda_rmsnorm_fold", s1, m, ext[0], ext[1], hidden, EPS, r1, stream)
+        coda("coda_gemm_rmsnorm_swiglu", h1, wgu_inter, r1, z, act, m, 2 * inter, hidden, stream)
+        coda("coda_gemm_residual_rmsnorm_partial", act, wd, x1, g_attn, x2, h2, s2, m, hidden, inter, stream)
+        coda("coda_rmsnorm_fold", s2, m, ext2[0], ext2[1], hidden, EPS, r2, stream)
+        coda("coda_gemm_rmsnorm_rope", h2, wqkv_f, r2, pos, fhi, flo, qkv, m, qkv_w, hidden, stream)
+
+    coda_chain()
+    torch.cuda.synchronize()
+    # Undo the layout permutation to compare with the HF-layout reference.
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=dev)
+    ours_qkv = qkv[:, inv]
+
+    def err(a, b):
+        return (a.float() - b.float()).abs().max().item()
+
+    acc = {
+        "x2_ours": err(x2, ref_x2), "x2_eager": err(eager_x2, ref_x2),
+        "qkv_ours": err(ours_qkv, ref_qkv), "qkv_eager": err(eager_qkv, ref_qkv),
+    }
+    ok = acc["x2_ours"] <= 2 * acc["x2_eager"] + 1e-6 and acc["qkv_ours"] <= 2 * acc["qkv_eager"] + 1e-6
+
+    variants = {"coda": coda_chain}
+
+    def gemm_only():
+        F.linear(y, wo)
+        F.linear(h1, wgu_split)
+        F.linear(act, wd)
+        F.linear(h2, wqkv_hf)
+
+    variants["gemm_only"] = gemm_only
+    variants["eager"] = lambda: chain(*args)
+    compiled = torch.compile(chain, dynamic=False)
+    variants["compile"] = lambda: compiled(*args)
+    try:
+        from liger_kernel.transformers.functional import (
+            liger_fused_add_rms_norm, liger_rope, liger_swiglu)
+
+        def liger_chain():
+            h1l, x1l = liger_fused_add_rms_norm(F.linear(y, wo), x0, g_ffn, EPS, in_place=False)
+            gate, up = F.linear(h1l, wgu_split).chunk(2, dim=-1)
+            a = liger_swiglu(gate, up)
+            h2l, x2l = liger_fused_add_rms_norm(F.linear(a, wd), x1l, g_attn, EPS, in_place=False)
+            qkv_l = F.linear(h2l, wqkv_hf)
+            q = qkv_l[:, : hq * d].view(1, m, hq, d).transpose(1, 2)
+            k = qkv_l[:, hq * d : (hq + hkv) * d].view(1, m, hkv, d).transpose(1, 2)
+            q, k = liger_rope(q, k, cos[None], sin[None])
+            return x2l, q, k
+
+        lx2, lq, lk = liger_chain()
+        acc["x2_liger"] = err(lx2, ref_x2)
+        variants["liger"] = liger_chain
+    except Exception as e:  # noqa: BLE001 - report why the baseline is absent
+        results.setdefault("absent", {})["liger"] = repr(e)[:300]
+
+    times = {}
+    if ok:
+        for name, fn in variants.items():
+            progress(f"{model} M={m} {name}")
+            fn()
+            torch.cuda.synchronize()
+            times[name] = bench_ms(fn)
+    best_baseline = min(times[k] for k in ("eager", "compile", "liger") if k in times) if ok else float("nan")
+    row = {"model": model, "m": m, "pass": "fwd", "check": "PASS" if ok else "FAIL", **{f"ms_{k}": v for k, v in times.items()},
+           **{f"err_{k}": v for k, v in acc.items()},
+           "speedup_vs_best_baseline": best_baseline / times["coda"] if ok else float("nan")}
+    results["rows"].append(row)
+    line = f"{model:11s} M={m:5d} " + ("FAIL " + json.dumps(acc) if not ok else
+            " ".join(f"{k}={v:.3f}" for k, v in times.items()) + f" | speedup {row['speedup_vs_best_baseline']:.3f}x")
+    print(line, flush=True)
+    del compiled
+    torch.cuda.empty_cache()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lib", required=True)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json")
+    ap.add_argument("--commit", default="unknown")
+    a = ap.parse_args()
+    coda = Coda(a.lib)
+    results = {"benchmark": "forward_chain", "device": torch.cuda.get_device_name(),
+               "torch": torch.__version__, "cuda": torch.version.cuda, "commit": a.commit,
+               "command": " ".join(sys.argv), "rows": []}
+    t0 = time.time()
+    progress = lambda s: print(f"  [{time.time() - t0:6.1f}s] {s}", file=sys.stderr, flush=True)
+    for model in MODELS:
+        for m in ((8192,) if a.quick else (8192, 16384)):
+            run_shape(coda, model, m, results, progress)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+#pragma once
+// Benchmark plumbing: CUDA-event timing with L2 flushes, median of repeats, the JSON results file.
+// Method (BENCHMARKS.md): warm up, time each repeat with events after flushing the 60 MB L2, report
+// the median; random inputs only; every timed result is checked before its time is reported.
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "coda/kernel/cuda_check.hpp"
+
+namespace coda::bench {
+
+class Timer {
+ public:
+  explicit Timer(size_t flush_bytes = size_t(256) << 20) : flush_bytes_(flush_bytes) {
+    CODA_CUDA_CHECK(cudaMalloc(&flush_, flush_bytes_));
+    CODA_CUDA_CHECK(cudaEventCreate(&start_));
+    CODA_CUDA_CHECK(cudaEventCreate(&stop_));
+  }
+  ~Timer() {
+    cudaFree(flush_);
+    cudaEventDestroy(start_);
+    cudaEventDestroy(stop_);
+  }
+  // Median milliseconds of `reps` timed calls after `warmup` untimed ones; the L2 is flushed before
+  // every call (outside the timed region).
+  double median_ms(const std::function<void(cudaStream_t)>& fn, int warmup = 3, int reps = 15,
+                   cudaStream_t stream = nullptr) {
+    for (int i = 0; i < warmup; ++i) fn(stream);
+    std::vector<float> t(reps);
+    for (int i = 0; i < reps; ++i) {
+      CODA_CUDA_CHECK(cudaMemsetAsync(flush_, i & 0xff, flush_bytes_, stream));
+      CODA_CUDA_CHECK(cudaEventRecord(start_, stream));
+      fn(stream);
+      CODA_CUDA_CHECK(cudaEventRecord(stop_, stream));
+      CODA_CUDA_CHECK(cudaEventSynchronize(stop_));
+      CODA_CUDA_CHECK(cudaEventElapsedTime(&t[i], start_, stop_));
+    }
+    std::sort(t.begin(), t.end());
+    return t[reps / 2];
+  }
+
+ private:
+  size_t flush_bytes_;
+  void* flush_ = nullptr;
+  cudaEvent_t start_{}, stop_{};
+};
+
+// A flat JSON object writer: enough for rows of numbers and strings.
+class JsonRow {
+ public:
+  JsonRow& set(const std::string& k, const std::string& v) {
+    std::string esc;
+    for (char c : v) esc += (c == '"' || c == '\\') ? std::string("\\") + c : std::string(1, c);
+    fields_.push_back("\"" + k + "\": \"" + esc + "\"");
+    return *this;
+  }
+  JsonRow& set(const std::string& k, double v) {
+    std::ostringstream o;
+    o.precision(6);
+    if (v != v) o << "null"; else o << v;
+    fields_.push_back("\"" + k + "\": " + o.str());
+    return *this;
+  }
+  std::string str() const {
+    std::string s = "{";
+    for (size_t i = 0; i < fields_.size(); ++i) s += (i ? ", " : "") + fields_[i];
+    return s + "}";
+  }
+
+ private:
+  std::vector<std::string> fields_;
+};
+
+inline std::string device_description() {
+  cudaDeviceProp p{};
+  CODA_CUDA_CHECK(cudaGetDeviceProperties(&p, 0));
+  int rt = 0, drv = 0;
+  cudaRuntimeGetVersion(&rt);
+  cudaDriverGetVersion(&drv);
+  std::ostringstream o;
+  o << p.name << ", " << p.multiProcessorCount << " SMs, CUDA runtime " << rt / 1000 << "."
+    << (rt % 1000) / 10 << ", driver " << drv / 1000 << "." << (drv % 1000) / 10;
+  return o.str();
+}
+
+inline void write_results(const std::string& path, const JsonRow& header,
+                          const std::vector<JsonRow>& rows) {
+  std::ofstream f(path);
+  CODA_CHECK(f.good(), "cannot write results file ", path);
+  std::string h = header.str();
+  h.pop_back();
+  f << h << ", \"rows\": [\n";
+  for (size_t i = 0; i < rows.size(); ++i) f << "  " << rows[i].str() << (i + 1 < rows.size() ? ",\n" : "\n");
+  f << "]}\n";
+}
+
+// --key value / --flag parsing.
+inline std::map<std::string, std::string> parse_args(int argc, char** argv) {
+  std::map<std::string, std::string> a;
+  for (int i = 1; i < argc; ++i) {
+    std::string k = argv[i];
+    if (k.rfind("--", 0) != 0) continue;
+    k = k.substr(2);
+    if (i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0) a[k] = argv[++i];
+    else a[k] = "1";
+  }
+  return a;
+}
+
+}  // namespace coda::bench

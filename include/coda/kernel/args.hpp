@@ -1,0 +1,111 @@
+#pragma once
+// Host-visible description of one Hopper GEMM launch: the problem, the kernel configuration
+// identifiers, and each program's epilogue operands. No CUTLASS here, so the dispatch layer and the
+// tests include it from plain C++.
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+namespace coda::kernel {
+
+using bf16 = __nv_bfloat16;
+
+// D (M, N) = op(A) · op(B), bf16 in, fp32 accumulate. Names say how each operand is stored.
+enum class Operands : int {
+  kXWt = 0,  // A (M, K) row-major, B = W (N, K) row-major: D = X · Wᵀ       (forward)
+  kXW = 1,   // A (M, K) row-major, B = W (K, N) row-major: D = dz · W       (data gradient)
+  kXtY = 2,  // A = Xᵀ with X (K, M) row-major, B (K, N) row-major: D = Xᵀ · Y (weight gradient)
+};
+
+// Kernel configurations (tile M x N x K, cluster, schedule). The list is closed: each one is
+// compiled once per program that uses it (src/kernels/kernels.cmake).
+enum class Config : int {
+  kCoop128x256x64_2x1 = 0,
+  kCoop256x128x64_1x2 = 1,
+  kPing128x128x64_1x2 = 2,
+  kPing128x128x64_2x1 = 3,
+  kPing128x192x64_2x1 = 4,
+  kCoop128x128x64_1x1 = 5,
+  kCount
+};
+
+enum class Program : int {
+  kPlain = 0,                  // D = acc
+  kResidualRmsnormPartial = 1, // F1
+  kRmsnormSwiglu = 2,          // F2
+  kRmsnormRope = 3,            // F3
+  kRmsnormLse = 4,             // F4 (logits not stored)
+  kRmsnormLseLogits = 5,       // F4 + bf16 logits in D
+  kPairLayoutProbe = 6,        // test: D = 1 where the fragment pairing holds
+  kCount
+};
+
+struct GemmProblem {
+  int m = 0, n = 0, k = 0;
+  const bf16* a = nullptr;
+  int64_t lda = 0;
+  const bf16* b = nullptr;
+  int64_t ldb = 0;
+  const bf16* c = nullptr;  // source tile (residual); only programs that load C read it
+  int64_t ldc = 0;
+  bf16* d = nullptr;        // may be null for programs without a D output
+  int64_t ldd = 0;
+};
+
+// Persistent tile scheduler options (runtime, no recompilation).
+enum class Raster : int { kHeuristic = 0, kAlongM = 1, kAlongN = 2 };
+struct SchedulerOptions {
+  int swizzle = 1;  // 1, 2, 4 or 8
+  Raster raster = Raster::kHeuristic;
+};
+
+// ---- per-program epilogue operands ----------------------------------------------------------
+struct PlainArgs {};
+
+struct ResidualRmsnormPartialArgs {  // F1: C = residual, D = x
+  const bf16* gamma = nullptr;       // (N)
+  bf16* h = nullptr;                 // (M, N) x ⊙ γ
+  int64_t ldh = 0;
+  float* sumsq_partials = nullptr;   // PartialLayout::per_row(M, N, tile_m, tile_n)
+};
+
+struct RmsnormSwigluArgs {           // F2: D = z (M, 2I)
+  const float* r = nullptr;          // (M)
+  bf16* a = nullptr;                 // (M, I)
+  int64_t lda = 0;
+};
+
+struct RmsnormRopeArgs {             // F3: D = qkv
+  const float* r = nullptr;          // (M)
+  const int32_t* pos = nullptr;      // (M)
+  const uint32_t* freq_hi = nullptr; // (N) programs::RopeFrequency split in two vectors
+  const uint32_t* freq_lo = nullptr; // (N)
+};
+
+struct RmsnormLseArgs {              // F4: D = logits (bf16) only for kRmsnormLseLogits
+  const float* r = nullptr;          // (M)
+  const int64_t* targets = nullptr;  // (M)
+  float* max_partials = nullptr;     // PartialLayout::per_row(M, N, tile_m, tile_n)
+  float* sum_partials = nullptr;
+  float* target_logit = nullptr;     // (M), untouched for rows whose target is not in [0, N)
+};
+
+// Type-erased launch entry: `args` points to the program's *Args struct.
+using LaunchFn = cudaError_t (*)(const GemmProblem&, const void* args, const SchedulerOptions&,
+                                 cudaStream_t);
+
+// Tile shape of a configuration (partial buffers depend on it).
+struct TileShapeMN {
+  int m, n;
+};
+TileShapeMN tile_shape(Config c);
+const char* config_name(Config c);
+const char* program_name(Program p);
+const char* operands_name(Operands o);
+
+// The compiled kernel for (program, config, operands), or nullptr if it was not built.
+LaunchFn find_kernel(Program p, Config c, Operands o);
+
+}  // namespace coda::kernel

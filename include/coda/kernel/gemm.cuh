@@ -1,0 +1,184 @@
+#pragma once
+// The Hopper executor: CUTLASS 4.2's sm90 warp-specialized persistent GEMM (TMA + wgmma, fp32
+// accumulate) with an epilogue visitor tree built from our programs (fusions.cuh). One explicit
+// instantiation of GemmLauncher<Config, Program, Operands>::run per translation unit.
+
+#include <cute/tensor.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/device/gemm_universal_adapter.h>
+#include <cutlass/gemm/kernel/gemm_universal.hpp>
+#include <cutlass/util/packed_stride.hpp>
+
+#include <mutex>
+
+#include "coda/kernel/args.hpp"
+#include "coda/kernel/fusions.cuh"
+
+namespace coda::kernel {
+
+// ---- configurations -------------------------------------------------------------------------
+template <int TileM, int TileN, int TileK, int ClusterM, int ClusterN, bool Cooperative>
+struct KernelConfig {
+  using TileShape = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::Int<TileK>>;
+  using ClusterShape = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
+  using MainloopSchedule =
+      std::conditional_t<Cooperative, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
+                         cutlass::gemm::KernelTmaWarpSpecializedPingpong>;
+  using EpilogueSchedule =
+      std::conditional_t<Cooperative, cutlass::epilogue::TmaWarpSpecializedCooperative,
+                         cutlass::epilogue::TmaWarpSpecialized>;
+  // NOTE: cooperative splits the tile's M across two consumer warpgroups (64 rows each per wgmma);
+  // pingpong gives each warpgroup a whole tile and overlaps one's epilogue with the other's MMA.
+  static_assert(!Cooperative || TileM % 128 == 0, "cooperative tiles need M divisible by 128");
+  static_assert(TileN % 32 == 0, "epilogue subtiles are 32 columns wide");
+};
+
+template <Config C>
+struct ConfigOf;
+template <> struct ConfigOf<Config::kCoop128x256x64_2x1> { using type = KernelConfig<128, 256, 64, 2, 1, true>; };
+template <> struct ConfigOf<Config::kCoop256x128x64_1x2> { using type = KernelConfig<256, 128, 64, 1, 2, true>; };
+template <> struct ConfigOf<Config::kPing128x128x64_1x2> { using type = KernelConfig<128, 128, 64, 1, 2, false>; };
+template <> struct ConfigOf<Config::kPing128x128x64_2x1> { using type = KernelConfig<128, 128, 64, 2, 1, false>; };
+template <> struct ConfigOf<Config::kPing128x192x64_2x1> { using type = KernelConfig<128, 192, 64, 2, 1, false>; };
+template <> struct ConfigOf<Config::kCoop128x128x64_1x1> { using type = KernelConfig<128, 128, 64, 1, 1, true>; };
+
+template <Operands O>
+struct OperandLayouts;
+template <> struct OperandLayouts<Operands::kXWt> {
+  using A = cutlass::layout::RowMajor;
+  using B = cutlass::layout::ColumnMajor;  // B(k, n) = W[n, k]: K-major
+};
+template <> struct OperandLayouts<Operands::kXW> {
+  using A = cutlass::layout::RowMajor;
+  using B = cutlass::layout::RowMajor;     // B(k, n) = W[k, n]: N-major
+};
+template <> struct OperandLayouts<Operands::kXtY> {
+  using A = cutlass::layout::ColumnMajor;  // A(m, k) = X[k, m]: M-major
+  using B = cutlass::layout::RowMajor;
+};
+
+// Puts the leading dimension into the one dynamic stride of a rank-2(+batch) CuTe stride.
+template <class Stride>
+Stride with_leading_dimension(Stride s, int64_t ld) {
+  if constexpr (cute::is_static<cute::remove_cvref_t<decltype(cute::get<0>(s))>>::value) {
+    cute::get<1>(s) = ld;
+  } else {
+    cute::get<0>(s) = ld;
+  }
+  return s;
+}
+
+inline int sm_count(int device) {
+  static std::mutex mutex;
+  static int cached[64] = {};
+  std::lock_guard<std::mutex> lock(mutex);
+  if (device < 0 || device >= 64) return cutlass::KernelHardwareInfo::query_device_multiprocessor_count(device);
+  if (cached[device] == 0)
+    cached[device] = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(device);
+  return cached[device];
+}
+
+template <Config C, Program P, Operands O>
+struct GemmLauncher {
+  using Cfg = typename ConfigOf<C>::type;
+  using Fusion = FusionOf<P>;
+  using TileShape = typename Cfg::TileShape;
+  using ClusterShape = typename Cfg::ClusterShape;
+  using ElementC = typename Fusion::ElementC;
+  using ElementD = typename Fusion::ElementD;
+  using LayoutC = cutlass::layout::RowMajor;
+  static constexpr int kAlignC = 8;  // 16 bytes of bf16 (also used when C is void)
+  static constexpr int kAlignD = 8;
+
+  using EpilogueTileType = cutlass::epilogue::collective::EpilogueTileAuto;
+  using EpilogueDesc = cutlass::epilogue::collective::detail::EpilogueDescriptor<
+      TileShape, EpilogueTileType, ElementC, ElementD, typename Cfg::EpilogueSchedule>;
+  using Build = typename Fusion::template Build<EpilogueDesc>;
+  using Callbacks = typename Build::Callbacks;
+
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      EpilogueTileType, float, float, ElementC, LayoutC, kAlignC, ElementD, LayoutC, kAlignD,
+      typename Cfg::EpilogueSchedule, Callbacks>::CollectiveOp;
+
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, cutlass::bfloat16_t,
+      typename OperandLayouts<O>::A, 8, cutlass::bfloat16_t, typename OperandLayouts<O>::B, 8,
+      float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      typename Cfg::MainloopSchedule>::CollectiveOp;
+
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>,
+                                                      CollectiveMainloop, CollectiveEpilogue,
+                                                      cutlass::gemm::PersistentScheduler>;
+  using Adapter = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+
+  static cudaError_t run(const GemmProblem& p, const void* fusion_args,
+                         const SchedulerOptions& sched, cudaStream_t stream) {
+    using StrideA = typename Kernel::StrideA;
+    using StrideB = typename Kernel::StrideB;
+    using StrideC = typename Kernel::StrideC;
+    using StrideD = typename Kernel::StrideD;
+    const auto& fa = *static_cast<const typename Fusion::Args*>(fusion_args);
+
+    int device = 0;
+    cudaError_t err = cudaGetDevice(&device);
+    if (err != cudaSuccess) return err;
+    cutlass::KernelHardwareInfo hw;
+    hw.device_id = device;
+    hw.sm_count = sm_count(device);
+
+    typename Adapter::Arguments args{
+        cutlass::gemm::GemmUniversalMode::kGemm,
+        {p.m, p.n, p.k, 1},
+        {reinterpret_cast<const cutlass::bfloat16_t*>(p.a),
+         with_leading_dimension(cutlass::make_cute_packed_stride(StrideA{}, {p.m, p.k, 1}), p.lda),
+         reinterpret_cast<const cutlass::bfloat16_t*>(p.b),
+         with_leading_dimension(cutlass::make_cute_packed_stride(StrideB{}, {p.n, p.k, 1}), p.ldb)},
+        {Build::arguments(fa), c_pointer(p),
+         with_leading_dimension(cutlass::make_cute_packed_stride(StrideC{}, {p.m, p.n, 1}), p.ldc),
+         d_pointer(p),
+         with_leading_dimension(cutlass::make_cute_packed_stride(StrideD{}, {p.m, p.n, 1}), p.ldd)},
+        hw};
+    using RasterOption = cutlass::gemm::kernel::detail::RasterOrderOptions;
+    args.scheduler.max_swizzle_size = sched.swizzle;
+    args.scheduler.raster_order = sched.raster == coda::kernel::Raster::kAlongM   ? RasterOption::AlongM
+                                  : sched.raster == coda::kernel::Raster::kAlongN ? RasterOption::AlongN
+                                                                                   : RasterOption::Heuristic;
+
+    Adapter gemm;
+    if (gemm.can_implement(args) != cutlass::Status::kSuccess) return cudaErrorInvalidValue;
+    const size_t workspace_bytes = Adapter::get_workspace_size(args);
+    void* workspace = nullptr;
+    if (workspace_bytes > 0) {
+      err = cudaMallocAsync(&workspace, workspace_bytes, stream);
+      if (err != cudaSuccess) return err;
+    }
+    cutlass::Status status = gemm.initialize(args, workspace, stream);
+    if (status == cutlass::Status::kSuccess) status = gemm.run(stream);
+    if (workspace) cudaFreeAsync(workspace, stream);
+    if (status != cutlass::Status::kSuccess) return cudaErrorLaunchFailure;
+    return cudaGetLastError();
+  }
+
+ private:
+  static auto c_pointer(const GemmProblem& p) {
+    if constexpr (std::is_void_v<ElementC>) {
+      return static_cast<const void*>(nullptr);
+    } else {
+      return reinterpret_cast<const ElementC*>(p.c);
+    }
+  }
+  static auto d_pointer(const GemmProblem& p) {
+    if constexpr (std::is_void_v<ElementD>) {
+      return static_cast<void*>(nullptr);
+    } else {
+      return reinterpret_cast<ElementD*>(p.d);
+    }
+  }
+};
+
+}  // namespace coda::kernel

@@ -1,0 +1,60 @@
+#pragma once
+// The plain C++ op API: device pointers, shapes and a stream. Every entry validates its arguments
+// (null, sizes, 16-byte alignment, N and K multiples of 8, pointers on the current device) and
+// throws coda::Error naming the argument; then it launches without synchronizing the host.
+// Tensors are contiguous row-major bf16 unless stated; r, partials and other reductions are fp32.
+
+#include <cstdint>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+#include "coda/epilogue/reduction.hpp"
+#include "coda/kernel/args.hpp"
+#include "coda/programs/rope.hpp"
+
+namespace coda::ops {
+
+using kernel::bf16;
+
+// D (M, N) = X (M, K) · W (N, K)ᵀ
+void gemm(const bf16* x, const bf16* w, bf16* d, int m, int n, int k, cudaStream_t stream);
+
+// Layout of the per-row partial buffer the fused forward op for (M, N) writes (it depends on the
+// tile the heuristic picks); allocate layout.elements() floats.
+epilogue::PartialLayout residual_rmsnorm_partials_layout(int m, int n, int k);
+
+// F1: x = A · Wᵀ + residual;  h = x ⊙ γ;  per-tile Σx² partials. A (M, K), W (N, K), residual,
+// x, h (M, N), gamma (N). x may alias residual (in-place residual stream).
+void gemm_residual_rmsnorm_partial(const bf16* a, const bf16* w, const bf16* residual,
+                                   const bf16* gamma, bf16* x, bf16* h, float* sumsq_partials,
+                                   int m, int n, int k, cudaStream_t stream);
+
+// A1: r = rsqrt(Σ partials / hidden + eps), r (M) fp32.
+void rmsnorm_fold(const float* sumsq_partials, const epilogue::PartialLayout& layout, int hidden,
+                  float eps, float* r, cudaStream_t stream);
+
+// F0 (first layer): h = x ⊙ γ, r = rsqrt(mean x² + eps).
+void first_layer_rmsnorm(const bf16* x, const bf16* gamma, int m, int hidden, float eps, bf16* h,
+                         float* r, cudaStream_t stream);
+
+// F2: z = r ⊙ (h · W_guᵀ) (M, 2I) with gate/up interleaved;  a = silu(z_g) · z_u (M, I).
+void gemm_rmsnorm_swiglu(const bf16* h, const bf16* w_gu, const float* r, bf16* z, bf16* a, int m,
+                         int two_i, int k, cudaStream_t stream);
+
+// Device copy of a RoPE column table (programs::rope_column_table): hi and lo words, N each.
+struct RopeTableDevice {
+  const uint32_t* hi = nullptr;
+  const uint32_t* lo = nullptr;
+  int columns = 0;
+};
+// Splits a host table into the two word arrays (host vectors, for upload by the caller).
+void split_rope_table(const std::vector<programs::RopeFrequency>& table, std::vector<uint32_t>& hi,
+                      std::vector<uint32_t>& lo);
+
+// F3: qkv = rope(r ⊙ (h · W_qkvᵀ), pos, freq) on Q and K heads, V unrotated. qkv (M, N).
+void gemm_rmsnorm_rope(const bf16* h, const bf16* w_qkv, const float* r, const int32_t* pos,
+                       const RopeTableDevice& freq, bf16* qkv, int m, int n, int k,
+                       cudaStream_t stream);
+
+}  // namespace coda::ops

@@ -1,0 +1,130 @@
+// Random fills and on-device comparisons (see include/coda/kernel/aux_kernels.hpp).
+#include <cuda_bf16.h>
+
+#include <cmath>
+
+#include "coda/kernel/aux_kernels.hpp"
+#include "coda/kernel/cuda_check.hpp"
+
+namespace coda::kernel {
+namespace {
+
+__device__ __forceinline__ uint64_t mix(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+__global__ void fill_uniform_kernel(bf16* p, size_t n, uint64_t seed, float lo, float hi) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
+       i += size_t(gridDim.x) * blockDim.x) {
+    const uint64_t r = mix(seed * 0x9e3779b97f4a7c15ull + i);
+    const float u = static_cast<float>(r >> 40) * 0x1.0p-24f;
+    p[i] = __float2bfloat16(lo + (hi - lo) * u);
+  }
+}
+
+// Max of non-negative floats via integer atomics (the bit patterns order like the values);
+// NaN (0x7fc00000 and up) wins, so a poisoned or NaN output is never reported as small.
+__device__ __forceinline__ void atomic_max_nonneg(float* addr, float v) {
+  atomicMax(reinterpret_cast<unsigned int*>(addr), __float_as_uint(v));
+}
+
+__global__ void max_abs_diff_kernel(const bf16* a, const bf16* b, size_t n, float* out) {
+  float d = 0.f, m = 0.f;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
+       i += size_t(gridDim.x) * blockDim.x) {
+    const float x = __bfloat162float(a[i]), y = __bfloat162float(b[i]);
+    const float e = fabsf(x - y);
+    d = (isnan(e) || e > d) ? e : d;
+    m = fmaxf(m, fabsf(y));
+  }
+  for (int o = 16; o > 0; o /= 2) {
+    const float od = __shfl_xor_sync(0xffffffff, d, o);
+    d = (isnan(od) || od > d) ? od : d;
+    m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, o));
+  }
+  if ((threadIdx.x & 31) == 0) {
+    atomic_max_nonneg(out, isnan(d) ? __uint_as_float(0x7fc00000u) : d);
+    atomic_max_nonneg(out + 1, m);
+  }
+}
+
+// One thread per row; consecutive threads read consecutive rows of each tile column (coalesced).
+__global__ void fold_rstd_kernel(const float* partials, int64_t m, int64_t rows_padded,
+                                 int64_t tiles, float inv_hidden, float eps, float* r) {
+  const int64_t row = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (row >= m) return;
+  float s = 0.f;
+  for (int64_t t = 0; t < tiles; ++t) s += partials[row + rows_padded * t];
+  r[row] = rsqrtf(s * inv_hidden + eps);
+}
+
+// One warp per row, 8 bf16 (16 bytes) per lane per step; H % 8 == 0 is checked by the caller.
+__global__ void first_layer_rmsnorm_kernel(const bf16* x, const bf16* gamma, int64_t m,
+                                           int64_t hidden, float eps, bf16* h, float* r) {
+  const int64_t row = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= m) return;
+  const uint4* xv = reinterpret_cast<const uint4*>(x + row * hidden);
+  const uint4* gv = reinterpret_cast<const uint4*>(gamma);
+  uint4* hv = reinterpret_cast<uint4*>(h + row * hidden);
+  float s = 0.f;
+  for (int64_t i = lane; i < hidden / 8; i += 32) {
+    uint4 xr = xv[i], gr = gv[i], hr;
+    const __nv_bfloat162* xp = reinterpret_cast<const __nv_bfloat162*>(&xr);
+    const __nv_bfloat162* gp = reinterpret_cast<const __nv_bfloat162*>(&gr);
+    __nv_bfloat162* hp = reinterpret_cast<__nv_bfloat162*>(&hr);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 xf = __bfloat1622float2(xp[j]), gf = __bfloat1622float2(gp[j]);
+      s += xf.x * xf.x + xf.y * xf.y;
+      hp[j] = __floats2bfloat162_rn(xf.x * gf.x, xf.y * gf.y);
+    }
+    hv[i] = hr;
+  }
+  for (int o = 16; o > 0; o /= 2) s += __shfl_xor_sync(0xffffffff, s, o);
+  if (lane == 0) r[row] = rsqrtf(s / float(hidden) + eps);
+}
+
+}  // namespace
+
+void fold_rstd(const float* partials, int64_t m, int64_t rows_padded, int64_t tiles,
+               int64_t hidden, float eps, float* r, cudaStream_t stream) {
+  CODA_CHECK(partials && r, "fold_rstd: null pointer (partials or r)");
+  CODA_CHECK(m > 0 && tiles > 0 && hidden > 0 && rows_padded >= m, "fold_rstd: bad sizes (m ", m,
+             ", rows_padded ", rows_padded, ", tiles ", tiles, ", hidden ", hidden, ")");
+  const int threads = 256;
+  fold_rstd_kernel<<<unsigned((m + threads - 1) / threads), threads, 0, stream>>>(
+      partials, m, rows_padded, tiles, 1.0f / float(hidden), eps, r);
+  CODA_CUDA_CHECK(cudaGetLastError());
+}
+
+void first_layer_rmsnorm(const bf16* x, const bf16* gamma, int64_t m, int64_t hidden, float eps,
+                         bf16* h, float* r, cudaStream_t stream) {
+  CODA_CHECK(x && gamma && h && r, "first_layer_rmsnorm: null pointer (x, gamma, h or r)");
+  CODA_CHECK(m > 0 && hidden > 0 && hidden % 8 == 0,
+             "first_layer_rmsnorm: need m > 0 and hidden a positive multiple of 8, got m ", m,
+             ", hidden ", hidden);
+  const int warps = 8;
+  first_layer_rmsnorm_kernel<<<unsigned((m + warps - 1) / warps), warps * 32, 0, stream>>>(
+      x, gamma, m, hidden, eps, h, r);
+  CODA_CUDA_CHECK(cudaGetLastError());
+}
+
+void fill_uniform_bf16(bf16* p, size_t n, uint64_t seed, float lo, float hi, cudaStream_t stream) {
+  CODA_CHECK(p != nullptr || n == 0, "fill_uniform_bf16: p is null");
+  if (n == 0) return;
+  fill_uniform_kernel<<<1024, 256, 0, stream>>>(p, n, seed, lo, hi);
+  CODA_CUDA_CHECK(cudaGetLastError());
+}
+
+void max_abs_diff_bf16(const bf16* a, const bf16* b, size_t n, float* out, cudaStream_t stream) {
+  CODA_CHECK(a && b && out, "max_abs_diff_bf16: null pointer argument");
+  CODA_CUDA_CHECK(cudaMemsetAsync(out, 0, 2 * sizeof(float), stream));
+  if (n == 0) return;
+  max_abs_diff_kernel<<<1024, 256, 0, stream>>>(a, b, n, out);
+  CODA_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace coda::kernel

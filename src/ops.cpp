@@ -1,0 +1,160 @@
+// The C++ op API (include/coda/ops.hpp): argument checks, the config heuristic, the launch.
+#include "coda/ops.hpp"
+
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "coda/common/check.hpp"
+#include "coda/kernel/aux_kernels.hpp"
+#include "coda/kernel/cuda_check.hpp"
+#include "coda/kernel/heuristic.hpp"
+
+namespace coda::ops {
+namespace {
+
+using kernel::Operands;
+using kernel::Program;
+
+// A device pointer argument: non-null, 16-byte aligned, on the current device.
+void check_device_pointer(const char* op, const char* name, const void* p) {
+  CODA_CHECK(p != nullptr, op, ": ", name, " is null");
+  CODA_CHECK(reinterpret_cast<uintptr_t>(p) % 16 == 0, op, ": ", name,
+             " must be 16-byte aligned, got address ", p);
+  cudaPointerAttributes attr{};
+  const cudaError_t e = cudaPointerGetAttributes(&attr, p);
+  CODA_CHECK(e == cudaSuccess, op, ": cannot query ", name, ": ", cudaGetErrorString(e));
+  int device = 0;
+  CODA_CUDA_CHECK(cudaGetDevice(&device));
+  CODA_CHECK(attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged, op, ": ", name,
+             " is not device memory (pointer type ", int(attr.type), ")");
+  CODA_CHECK(attr.device == device, op, ": ", name, " is on device ", attr.device,
+             " but the current device is ", device);
+}
+
+void check_gemm_sizes(const char* op, int m, int n, int k) {
+  CODA_CHECK(m > 0 && n > 0 && k > 0, op, ": sizes must be positive, got M=", m, " N=", n, " K=", k);
+  CODA_CHECK(n % 8 == 0, op, ": N must be a multiple of 8 (16-byte rows for TMA), got ", n);
+  CODA_CHECK(k % 8 == 0, op, ": K must be a multiple of 8 (16-byte rows for TMA), got ", k);
+}
+
+void launch(const char* op, Program p, int m, int n, int k, const kernel::GemmProblem& prob,
+            const void* args, cudaStream_t stream) {
+  const kernel::KernelChoice c = kernel::choose_config(p, Operands::kXWt, m, n, k);
+  const kernel::LaunchFn fn = kernel::find_kernel(p, c.config, Operands::kXWt);
+  CODA_CHECK(fn != nullptr, op, ": no compiled kernel for this program (build with CODA_KERNELS=all)");
+  const cudaError_t e = fn(prob, args, c.scheduler, stream);
+  CODA_CHECK(e == cudaSuccess, op, ": launch failed (", kernel::config_name(c.config), ", M=", m,
+             " N=", n, " K=", k, "): ", cudaGetErrorString(e));
+}
+
+epilogue::PartialLayout partial_layout(Program p, int m, int n, int k) {
+  const auto c = kernel::choose_config(p, Operands::kXWt, m, n, k);
+  const auto t = kernel::tile_shape(c.config);
+  return epilogue::PartialLayout::per_row(m, n, t.m, t.n);
+}
+
+}  // namespace
+
+void gemm(const bf16* x, const bf16* w, bf16* d, int m, int n, int k, cudaStream_t stream) {
+  const char* op = "coda::ops::gemm";
+  check_gemm_sizes(op, m, n, k);
+  check_device_pointer(op, "x", x);
+  check_device_pointer(op, "w", w);
+  check_device_pointer(op, "d", d);
+  kernel::PlainArgs args;
+  launch(op, Program::kPlain, m, n, k, {m, n, k, x, k, w, k, nullptr, 0, d, n}, &args, stream);
+}
+
+epilogue::PartialLayout residual_rmsnorm_partials_layout(int m, int n, int k) {
+  check_gemm_sizes("coda::ops::residual_rmsnorm_partials_layout", m, n, k);
+  return partial_layout(Program::kResidualRmsnormPartial, m, n, k);
+}
+
+void gemm_residual_rmsnorm_partial(const bf16* a, const bf16* w, const bf16* residual,
+                                   const bf16* gamma, bf16* x, bf16* h, float* sumsq_partials,
+                                   int m, int n, int k, cudaStream_t stream) {
+  const char* op = "coda::ops::gemm_residual_rmsnorm_partial";
+  check_gemm_sizes(op, m, n, k);
+  check_device_pointer(op, "a", a);
+  check_device_pointer(op, "w", w);
+  check_device_pointer(op, "residual", residual);
+  check_device_pointer(op, "gamma", gamma);
+  check_device_pointer(op, "x", x);
+  check_device_pointer(op, "h", h);
+  check_device_pointer(op, "sumsq_partials", sumsq_partials);
+  CODA_CHECK(static_cast<const void*>(h) != x && static_cast<const void*>(h) != residual, op,
+             ": h must not alias x or residual");
+  kernel::ResidualRmsnormPartialArgs args{gamma, h, n, sumsq_partials};
+  launch(op, Program::kResidualRmsnormPartial, m, n, k, {m, n, k, a, k, w, k, residual, n, x, n},
+         &args, stream);
+}
+
+void rmsnorm_fold(const float* sumsq_partials, const epilogue::PartialLayout& layout, int hidden,
+                  float eps, float* r, cudaStream_t stream) {
+  const char* op = "coda::ops::rmsnorm_fold";
+  check_device_pointer(op, "sumsq_partials", sumsq_partials);
+  check_device_pointer(op, "r", r);
+  CODA_CHECK(hidden > 0, op, ": hidden must be positive, got ", hidden);
+  CODA_CHECK(eps >= 0.f, op, ": eps must be >= 0, got ", eps);
+  kernel::fold_rstd(sumsq_partials, layout.logical, layout.extent, layout.tiles, hidden, eps, r,
+                    stream);
+}
+
+void first_layer_rmsnorm(const bf16* x, const bf16* gamma, int m, int hidden, float eps, bf16* h,
+                         float* r, cudaStream_t stream) {
+  const char* op = "coda::ops::first_layer_rmsnorm";
+  CODA_CHECK(m > 0 && hidden > 0 && hidden % 8 == 0, op,
+             ": need M > 0 and hidden a positive multiple of 8, got M=", m, " hidden=", hidden);
+  check_device_pointer(op, "x", x);
+  check_device_pointer(op, "gamma", gamma);
+  check_device_pointer(op, "h", h);
+  check_device_pointer(op, "r", r);
+  kernel::first_layer_rmsnorm(x, gamma, m, hidden, eps, h, r, stream);
+}
+
+void gemm_rmsnorm_swiglu(const bf16* h, const bf16* w_gu, const float* r, bf16* z, bf16* a, int m,
+                         int two_i, int k, cudaStream_t stream) {
+  const char* op = "coda::ops::gemm_rmsnorm_swiglu";
+  check_gemm_sizes(op, m, two_i, k);
+  CODA_CHECK(two_i % 16 == 0, op, ": 2I must be a multiple of 16 (a's rows of I are 16-byte "
+             "aligned), got ", two_i);
+  check_device_pointer(op, "h", h);
+  check_device_pointer(op, "w_gu", w_gu);
+  check_device_pointer(op, "r", r);
+  check_device_pointer(op, "z", z);
+  check_device_pointer(op, "a", a);
+  kernel::RmsnormSwigluArgs args{r, a, two_i / 2};
+  launch(op, Program::kRmsnormSwiglu, m, two_i, k, {m, two_i, k, h, k, w_gu, k, nullptr, 0, z, two_i},
+         &args, stream);
+}
+
+void split_rope_table(const std::vector<programs::RopeFrequency>& table, std::vector<uint32_t>& hi,
+                      std::vector<uint32_t>& lo) {
+  hi.resize(table.size());
+  lo.resize(table.size());
+  for (size_t i = 0; i < table.size(); ++i) {
+    hi[i] = table[i].hi;
+    lo[i] = table[i].lo;
+  }
+}
+
+void gemm_rmsnorm_rope(const bf16* h, const bf16* w_qkv, const float* r, const int32_t* pos,
+                       const RopeTableDevice& freq, bf16* qkv, int m, int n, int k,
+                       cudaStream_t stream) {
+  const char* op = "coda::ops::gemm_rmsnorm_rope";
+  check_gemm_sizes(op, m, n, k);
+  check_device_pointer(op, "h", h);
+  check_device_pointer(op, "w_qkv", w_qkv);
+  check_device_pointer(op, "r", r);
+  check_device_pointer(op, "pos", pos);
+  check_device_pointer(op, "freq.hi", freq.hi);
+  check_device_pointer(op, "freq.lo", freq.lo);
+  check_device_pointer(op, "qkv", qkv);
+  CODA_CHECK(freq.columns == n, op, ": freq table has ", freq.columns, " columns, expected N=", n);
+  kernel::RmsnormRopeArgs args{r, pos, freq.hi, freq.lo};
+  launch(op, Program::kRmsnormRope, m, n, k, {m, n, k, h, k, w_qkv, k, nullptr, 0, qkv, n}, &args,
+         stream);
+}
+
+}  // namespace coda::ops

@@ -1,0 +1,388 @@
+// Every compiled Hopper kernel against the CPU reference executor on fresh random inputs, ragged
+// shapes included (M = 1, 19, 111, 4097; N, K multiples of 8 but not of the tile). Outputs are
+// poisoned (NaN) before each run, so an unwritten element fails. Tolerance (OPS.md §5):
+//   max|out − ref| <= 2 · max|out_pt − ref| + 1e-6,
+// with ref the fp64 reference and out_pt PyTorch's unfused bf16 path, emulated on the host (each
+// eager op rounds its output to bf16). Skipped with a message when no Hopper GPU is present.
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "coda/kernel/args.hpp"
+#include "coda/programs/forward.hpp"
+#include "coda/reference/executor.hpp"
+#include "support/bf16.hpp"
+#include "support/device.hpp"
+#include "support/numeric.hpp"
+
+namespace coda::kernel {
+namespace {
+
+using reference::MatrixRef;
+using testing::DeviceBuffer;
+using testing::round_bf16;
+using V = std::vector<double>;
+
+struct Shape {
+  int m, n, k;
+};
+// N = 200 and K = 136 are multiples of 8 but of no tile; M covers 1, a prime, and > a tile.
+const Shape kShapes[] = {{1, 200, 136}, {19, 8, 8}, {111, 200, 136}, {4097, 200, 136},
+                         {111, 1032, 520}};
+
+class GpuKernelTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const std::string why = testing::gpu_unavailable_reason();
+    if (!why.empty()) GTEST_SKIP() << "GPU test skipped: " << why;
+  }
+};
+
+std::vector<Config> compiled_configs(Program p) {
+  std::vector<Config> out;
+  for (int c = 0; c < static_cast<int>(Config::kCount); ++c)
+    if (find_kernel(p, static_cast<Config>(c), Operands::kXWt)) out.push_back(static_cast<Config>(c));
+  return out;
+}
+
+reference::TileConfig reference_tiles(Config c) {
+  const TileShapeMN t = tile_shape(c);
+  // Epilogue subtile: 128x32 (cooperative) or 64x32 (pingpong); only the tile affects outputs.
+  return {t.m, t.n, std::string(config_name(c)).rfind("coop", 0) == 0 ? 128 : 64, 32};
+}
+
+void run(Program p, Config c, const GemmProblem& prob, const void* args) {
+  const LaunchFn fn = find_kernel(p, c, Operands::kXWt);
+  ASSERT_NE(fn, nullptr);
+  CODA_CUDA_CHECK(fn(prob, args, SchedulerOptions{}, nullptr));
+  CODA_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+std::vector<double> download_bf16(const DeviceBuffer<bf16>& b) {
+  std::vector<bf16> raw = b.download();
+  std::vector<uint16_t> bits(raw.size());
+  std::memcpy(bits.data(), raw.data(), raw.size() * 2);
+  return testing::from_bf16_bits(bits);
+}
+
+DeviceBuffer<bf16> upload_bf16(const V& v) {
+  const auto bits = testing::to_bf16_bits(v);
+  std::vector<bf16> raw(bits.size());
+  std::memcpy(static_cast<void*>(raw.data()), bits.data(), bits.size() * 2);
+  return DeviceBuffer<bf16>(raw);
+}
+
+template <class T>
+std::vector<double> as_double(const std::vector<T>& v) {
+  return std::vector<double>(v.begin(), v.end());
+}
+
+// The tolerance rule, plus: every element written (finite) and the sizes agree.
+void expect_rule(const std::string& what, const V& out, const V& ref, const V& pt) {
+  ASSERT_EQ(out.size(), ref.size()) << what;
+  for (size_t i = 0; i < out.size(); ++i)
+    ASSERT_TRUE(std::isfinite(out[i])) << what << ": element " << i << " not written (" << out[i] << ")";
+  const double e = testing::max_abs_error(out, ref), e_pt = testing::max_abs_error(pt, ref);
+  EXPECT_LE(e, 2 * e_pt + 1e-6) << what << ": ours " << e << " vs PyTorch-bf16 " << e_pt;
+}
+
+V gemm_ref(const V& a, const V& w, const Shape& s) {
+  return reference::gemm<double>(MatrixRef<double>::row_major(a.data(), s.m, s.k),
+                                 MatrixRef<double>::row_major(w.data(), s.n, s.k));
+}
+
+std::string label(Config c, const Shape& s) {
+  return std::string(config_name(c)) + " M=" + std::to_string(s.m) + " N=" + std::to_string(s.n) +
+         " K=" + std::to_string(s.k);
+}
+
+TEST_F(GpuKernelTest, AccumulatorPairsAreAdjacentColumnsOfOneThread) {
+  const auto configs = compiled_configs(Program::kPairLayoutProbe);
+  ASSERT_FALSE(configs.empty());
+  testing::Rng rng(1);
+  for (Config c : configs)
+    for (const Shape& s : kShapes) {
+      auto a = upload_bf16(testing::bf16_uniform(size_t(s.m) * s.k, -1, 1, rng));
+      auto w = upload_bf16(testing::bf16_uniform(size_t(s.n) * s.k, -1, 1, rng));
+      DeviceBuffer<bf16> d(size_t(s.m) * s.n);
+      d.poison();
+      PlainArgs args;
+      run(Program::kPairLayoutProbe, c, {s.m, s.n, s.k, a.get(), s.k, w.get(), s.k, nullptr, 0, d.get(), s.n}, &args);
+      for (double v : download_bf16(d)) ASSERT_EQ(v, 1.0) << label(c, s);
+    }
+}
+
+TEST_F(GpuKernelTest, PlainGemmMatchesReference) {
+  const auto configs = compiled_configs(Program::kPlain);
+  ASSERT_FALSE(configs.empty());
+  testing::Rng rng(2);
+  for (Config c : configs)
+    for (const Shape& s : kShapes) {
+      const V a = testing::bf16_uniform(size_t(s.m) * s.k, -1, 1, rng);
+      const V w = testing::bf16_uniform(size_t(s.n) * s.k, -1, 1, rng);
+      auto da = upload_bf16(a), dw = upload_bf16(w);
+      DeviceBuffer<bf16> d(size_t(s.m) * s.n);
+      d.poison();
+      PlainArgs args;
+      run(Program::kPlain, c, {s.m, s.n, s.k, da.get(), s.k, dw.get(), s.k, nullptr, 0, d.get(), s.n}, &args);
+      const V ref = gemm_ref(a, w, s);
+      V pt(ref.size());
+      for (size_t i = 0; i < ref.size(); ++i) pt[i] = round_bf16(ref[i]);
+      expect_rule("gemm " + label(c, s), download_bf16(d), ref, pt);
+    }
+}
+
+TEST_F(GpuKernelTest, ResidualRmsnormPartialMatchesReference) {
+  const auto configs = compiled_configs(Program::kResidualRmsnormPartial);
+  ASSERT_FALSE(configs.empty());
+  testing::Rng rng(3);
+  for (Config c : configs)
+    for (const Shape& s : kShapes) {
+      const size_t mn = size_t(s.m) * s.n;
+      const V a = testing::bf16_uniform(size_t(s.m) * s.k, -1, 1, rng);
+      const V w = testing::bf16_uniform(size_t(s.n) * s.k, -0.2, 0.2, rng);
+      const V res = testing::bf16_uniform(mn, -2, 2, rng);
+      const V gamma = testing::bf16_uniform(s.n, 0.5, 1.5, rng);
+      const auto tiles = reference_tiles(c);
+      const auto layout = epilogue::PartialLayout::per_row(s.m, s.n, tiles.tile_m, tiles.tile_n);
+      auto da = upload_bf16(a), dw = upload_bf16(w), dres = upload_bf16(res), dg = upload_bf16(gamma);
+      DeviceBuffer<bf16> dx(mn), dh(mn);
+      DeviceBuffer<float> dpart(layout.elements());
+      dx.poison();
+      dh.poison();
+      dpart.poison();
+      ResidualRmsnormPartialArgs args{dg.get(), dh.get(), s.n, dpart.get()};
+      run(Program::kResidualRmsnormPartial, c,
+          {s.m, s.n, s.k, da.get(), s.k, dw.get(), s.k, dres.get(), s.n, dx.get(), s.n}, &args);
+
+      programs::ResidualRmsnormPartial<double> p;
+      V x(mn), h(mn), part(layout.elements(), 0.0);
+      p.residual = {res.data(), s.m, s.n, s.n};
+      p.gamma = {gamma.data(), s.n};
+      p.x = {x.data(), s.m, s.n, s.n};
+      p.h = {h.data(), s.m, s.n, s.n};
+      p.sumsq_partials = part.data();
+      p.layout = layout;
+      reference::execute<double>(MatrixRef<double>::row_major(a.data(), s.m, s.k),
+                                 MatrixRef<double>::row_major(w.data(), s.n, s.k), p, tiles);
+      // PyTorch: y = bf16(a wᵀ); x = bf16(y + res); h = bf16(x γ); Σ x² over bf16 x.
+      const V y = gemm_ref(a, w, s);
+      V x_pt(mn), h_pt(mn), part_pt(layout.elements(), 0.0);
+      for (int i = 0; i < s.m; ++i)
+        for (int j = 0; j < s.n; ++j) {
+          const size_t e = size_t(i) * s.n + j;
+          x_pt[e] = round_bf16(round_bf16(y[e]) + res[e]);
+          h_pt[e] = round_bf16(x_pt[e] * gamma[j]);
+          part_pt[layout.index(i, j / tiles.tile_n)] += x_pt[e] * x_pt[e];
+        }
+      // Only rows < M of the padded partial buffer are defined outputs.
+      V part_gpu = as_double(dpart.download()), part_ref = part, part_py = part_pt;
+      for (int64_t t = 0; t < layout.tiles; ++t)
+        for (int64_t i = s.m; i < layout.extent; ++i)
+          part_gpu[layout.index(i, t)] = part_ref[layout.index(i, t)] = part_py[layout.index(i, t)] = 0;
+      const std::string l = label(c, s);
+      expect_rule("F1 x " + l, download_bf16(dx), x, x_pt);
+      expect_rule("F1 h " + l, download_bf16(dh), h, h_pt);
+      expect_rule("F1 sumsq partials " + l, part_gpu, part_ref, part_py);
+    }
+}
+
+TEST_F(GpuKernelTest, RmsnormSwigluMatchesReference) {
+  const auto configs = compiled_configs(Program::kRmsnormSwiglu);
+  ASSERT_FALSE(configs.empty());
+  testing::Rng rng(4);
+  for (Config c : configs)
+    for (const Shape& s : kShapes) {
+      const size_t mn = size_t(s.m) * s.n;
+      const V h = testing::bf16_uniform(size_t(s.m) * s.k, -1, 1, rng);
+      const V w = testing::bf16_uniform(size_t(s.n) * s.k, -0.3, 0.3, rng);
+      std::vector<float> r(s.m);
+      for (auto& v : r) v = static_cast<float>(rng.uniform(0.3, 3));
+      auto dh = upload_bf16(h), dw = upload_bf16(w);
+      DeviceBuffer<float> dr(r);
+      DeviceBuffer<bf16> dz(mn), dact(mn / 2);
+      dz.poison();
+      dact.poison();
+      RmsnormSwigluArgs args{dr.get(), dact.get(), s.n / 2};
+      run(Program::kRmsnormSwiglu, c,
+          {s.m, s.n, s.k, dh.get(), s.k, dw.get(), s.k, nullptr, 0, dz.get(), s.n}, &args);
+
+      const V rd = as_double(r);
+      programs::RmsnormSwiglu<double> p;
+      V z(mn), act(mn / 2);
+      p.r = {rd.data(), s.m};
+      p.z = {z.data(), s.m, s.n, s.n};
+      p.a = {act.data(), s.m, s.n / 2, s.n / 2};
+      reference::execute<double>(MatrixRef<double>::row_major(h.data(), s.m, s.k),
+                                 MatrixRef<double>::row_major(w.data(), s.n, s.k), p,
+                                 reference_tiles(c));
+      // PyTorch: y = bf16(h wᵀ); z = bf16(y r); a = bf16(bf16(silu(g)) u).
+      const V y = gemm_ref(h, w, s);
+      V z_pt(mn), a_pt(mn / 2);
+      for (int i = 0; i < s.m; ++i)
+        for (int j = 0; j < s.n; j += 2) {
+          const size_t e = size_t(i) * s.n + j;
+          z_pt[e] = round_bf16(round_bf16(y[e]) * rd[i]);
+          z_pt[e + 1] = round_bf16(round_bf16(y[e + 1]) * rd[i]);
+          a_pt[e / 2] = round_bf16(round_bf16(epilogue::silu(z_pt[e])) * z_pt[e + 1]);
+        }
+      const std::string l = label(c, s);
+      expect_rule("F2 z " + l, download_bf16(dz), z, z_pt);
+      expect_rule("F2 a " + l, download_bf16(dact), act, a_pt);
+    }
+}
+
+TEST_F(GpuKernelTest, RmsnormRopeMatchesReferenceWithGqaAndLongPositions) {
+  const auto configs = compiled_configs(Program::kRmsnormRope);
+  ASSERT_FALSE(configs.empty());
+  testing::Rng rng(5);
+  const programs::QkvLayout layouts[] = {{3, 1, 64}, {4, 2, 128}};  // N = 320, 1024
+  for (Config c : configs)
+    for (const auto& ql : layouts)
+      for (int m : {1, 111, 4097}) {
+        const Shape s{m, ql.width(), 136};
+        const size_t mn = size_t(s.m) * s.n;
+        const V h = testing::bf16_uniform(size_t(s.m) * s.k, -1, 1, rng);
+        const V w = testing::bf16_uniform(size_t(s.n) * s.k, -0.3, 0.3, rng);
+        std::vector<float> r(s.m);
+        std::vector<int32_t> pos(s.m);
+        for (int i = 0; i < s.m; ++i) {
+          r[i] = static_cast<float>(rng.uniform(0.3, 3));
+          pos[i] = static_cast<int32_t>(rng.integer(0, 1 << 17));
+        }
+        const auto inv = programs::rope_inv_freq(ql.head_dim, 500000.0, {.enabled = true});
+        const auto table = programs::rope_column_table(ql, inv);
+        std::vector<uint32_t> hi(s.n), lo(s.n);
+        for (int j = 0; j < s.n; ++j) {
+          hi[j] = table[j].hi;
+          lo[j] = table[j].lo;
+        }
+        auto dh = upload_bf16(h), dw = upload_bf16(w);
+        DeviceBuffer<float> dr(r);
+        DeviceBuffer<int32_t> dpos(pos);
+        DeviceBuffer<uint32_t> dhi(hi), dlo(lo);
+        DeviceBuffer<bf16> dq(mn);
+        dq.poison();
+        RmsnormRopeArgs args{dr.get(), dpos.get(), dhi.get(), dlo.get()};
+        run(Program::kRmsnormRope, c,
+            {s.m, s.n, s.k, dh.get(), s.k, dw.get(), s.k, nullptr, 0, dq.get(), s.n}, &args);
+
+        const V rd = as_double(r);
+        programs::RmsnormRope<double> p;
+        V q(mn);
+        p.r = {rd.data(), s.m};
+        p.pos = {pos.data(), s.m};
+        p.freq = {table.data(), s.n};
+        p.qkv = {q.data(), s.m, s.n, s.n};
+        reference::execute<double>(MatrixRef<double>::row_major(h.data(), s.m, s.k),
+                                   MatrixRef<double>::row_major(w.data(), s.n, s.k), p,
+                                   reference_tiles(c));
+        // PyTorch (HF eager): q = bf16(bf16(y) r); cos, sin cast to bf16; q·cos and rot(q)·sin
+        // each rounded, then their sum.
+        const V y = gemm_ref(h, w, s);
+        V q_pt(mn);
+        for (int i = 0; i < s.m; ++i)
+          for (int j = 0; j < s.n; j += 2) {
+            const size_t e = size_t(i) * s.n + j;
+            const double x0 = round_bf16(round_bf16(y[e]) * rd[i]);
+            const double x1 = round_bf16(round_bf16(y[e + 1]) * rd[i]);
+            const bool rotated = j < ql.q_width() + ql.kv_width();
+            const double th = rotated ? double(pos[i]) * inv[(j % ql.head_dim) / 2] : 0.0;
+            const double cs = round_bf16(std::cos(th)), sn = round_bf16(std::sin(th));
+            q_pt[e] = round_bf16(round_bf16(x0 * cs) - round_bf16(x1 * sn));
+            q_pt[e + 1] = round_bf16(round_bf16(x1 * cs) + round_bf16(x0 * sn));
+          }
+        expect_rule("F3 qkv " + label(c, s), download_bf16(dq), q, q_pt);
+      }
+}
+
+void check_lse(Program prog) {
+  const auto configs = compiled_configs(prog);
+  ASSERT_FALSE(configs.empty());
+  testing::Rng rng(6);
+  // V = 1000 and 200 are not multiples of any tile; the last N-tile is ragged.
+  const Shape shapes[] = {{1, 200, 136}, {111, 1000, 136}, {4097, 200, 136}};
+  for (Config c : configs)
+    for (const Shape& s : shapes) {
+      const V h = testing::bf16_uniform(size_t(s.m) * s.k, -1, 1, rng);
+      const V w = testing::bf16_uniform(size_t(s.n) * s.k, -1, 1, rng);
+      std::vector<float> r(s.m);
+      std::vector<int64_t> tgt(s.m);
+      for (int i = 0; i < s.m; ++i) {
+        r[i] = static_cast<float>(rng.uniform(0.5, 4));
+        tgt[i] = i % 5 == 4 ? -100 : rng.integer(0, s.n - 1);
+      }
+      const auto tiles = reference_tiles(c);
+      const auto layout = epilogue::PartialLayout::per_row(s.m, s.n, tiles.tile_m, tiles.tile_n);
+      auto dh = upload_bf16(h), dw = upload_bf16(w);
+      DeviceBuffer<float> dr(r), dmax(layout.elements()), dsum(layout.elements()), dtl(s.m);
+      DeviceBuffer<int64_t> dt(tgt);
+      DeviceBuffer<bf16> dlog(prog == Program::kRmsnormLseLogits ? size_t(s.m) * s.n : 0);
+      dmax.poison();
+      dsum.poison();
+      dtl.poison();
+      dlog.poison();
+      RmsnormLseArgs args{dr.get(), dt.get(), dmax.get(), dsum.get(), dtl.get()};
+      run(prog, c, {s.m, s.n, s.k, dh.get(), s.k, dw.get(), s.k, nullptr, 0, dlog.get(), s.n}, &args);
+
+      const V rd = as_double(r);
+      programs::RmsnormLse<double> p;
+      V pmax(layout.elements()), psum(layout.elements()), tl(s.m, 0.0), logits(size_t(s.m) * s.n);
+      p.r = {rd.data(), s.m};
+      p.targets = {tgt.data(), s.m};
+      p.vocab = s.n;
+      p.max_partials = pmax.data();
+      p.sumexp_partials = psum.data();
+      p.layout = layout;
+      p.target_logit = {tl.data(), s.m};
+      p.logits = {logits.data(), s.m, s.n, s.n};
+      reference::execute<double>(MatrixRef<double>::row_major(h.data(), s.m, s.k),
+                                 MatrixRef<double>::row_major(w.data(), s.n, s.k), p, tiles);
+      const programs::CrossEntropyOptions opt{};
+      const auto ref = programs::fold_lse_loss<double>(pmax.data(), psum.data(), layout, tl.data(),
+                                                       tgt.data(), s.n, opt);
+      const V gmax = as_double(dmax.download()), gsum = as_double(dsum.download());
+      const V gtl = as_double(dtl.download());
+      const auto ours = programs::fold_lse_loss<double>(gmax.data(), gsum.data(), layout, gtl.data(),
+                                                        tgt.data(), s.n, opt);
+      // PyTorch: logits = bf16(bf16(y) r); lse and the target logit from those.
+      const V y = gemm_ref(h, w, s);
+      V lse_pt(s.m), tl_pt(s.m), logit_pt(size_t(s.m) * s.n);
+      for (int i = 0; i < s.m; ++i) {
+        double mx = -INFINITY, se = 0;
+        for (int j = 0; j < s.n; ++j) {
+          const size_t e = size_t(i) * s.n + j;
+          logit_pt[e] = round_bf16(round_bf16(y[e]) * rd[i]);
+          mx = std::max(mx, logit_pt[e]);
+        }
+        for (int j = 0; j < s.n; ++j) se += std::exp(logit_pt[size_t(i) * s.n + j] - mx);
+        lse_pt[i] = mx + std::log(se);
+        tl_pt[i] = tgt[i] >= 0 ? logit_pt[size_t(i) * s.n + tgt[i]] : 0.0;
+      }
+      V tl_gpu(s.m), tl_ref(s.m);
+      for (int i = 0; i < s.m; ++i) {
+        tl_gpu[i] = tgt[i] >= 0 ? gtl[i] : 0.0;  // ignored rows: never written, by design
+        tl_ref[i] = tgt[i] >= 0 ? tl[i] : 0.0;
+      }
+      const std::string l = std::string(program_name(prog)) + " " + label(c, s);
+      expect_rule("lse " + l, ours.lse, ref.lse, lse_pt);
+      expect_rule("target logit " + l, tl_gpu, tl_ref, tl_pt);
+      EXPECT_NEAR(ours.loss, ref.loss, 2 * std::abs(ref.loss - [&] {
+        double t = 0;
+        int64_t n = 0;
+        for (int i = 0; i < s.m; ++i)
+          if (tgt[i] >= 0) t += lse_pt[i] - tl_pt[i], ++n;
+        return t / n;
+      }()) + 1e-6) << l;
+      if (prog == Program::kRmsnormLseLogits) expect_rule("logits " + l, download_bf16(dlog), logits, logit_pt);
+    }
+}
+
+TEST_F(GpuKernelTest, RmsnormLseMatchesReferenceWithRaggedVocab) { check_lse(Program::kRmsnormLse); }
+TEST_F(GpuKernelTest, RmsnormLseLogitsMatchesReference) { check_lse(Program::kRmsnormLseLogits); }
+
+}  // namespace
+}  // namespace coda::kernel
