@@ -194,8 +194,11 @@ TEST_F(GpuKernelTest, RmsnormSwigluMatchesReference) {
   const auto configs = compiled_configs(Program::kRmsnormSwiglu);
   ASSERT_FALSE(configs.empty());
   testing::Rng rng(4);
+  // 2I must be a multiple of 16 (the (M, I) output's rows are 16-byte aligned for TMA).
+  const Shape shapes[] = {{1, 208, 136}, {19, 16, 8}, {111, 208, 136}, {4097, 208, 136},
+                          {111, 1040, 520}};
   for (Config c : configs)
-    for (const Shape& s : kShapes) {
+    for (const Shape& s : shapes) {
       const size_t mn = size_t(s.m) * s.n;
       const V h = testing::bf16_uniform(size_t(s.m) * s.k, -1, 1, rng);
       const V w = testing::bf16_uniform(size_t(s.n) * s.k, -0.3, 0.3, rng);
@@ -304,7 +307,7 @@ void check_lse(Program prog) {
   ASSERT_FALSE(configs.empty());
   testing::Rng rng(6);
   // V = 1000 and 200 are not multiples of any tile; the last N-tile is ragged.
-  const Shape shapes[] = {{1, 200, 136}, {111, 1000, 136}, {4097, 200, 136}};
+  const Shape shapes[] = {{1, 200, 8}, {3, 200, 136}, {111, 1000, 136}, {4097, 200, 136}};
   for (Config c : configs)
     for (const Shape& s : shapes) {
       const V h = testing::bf16_uniform(size_t(s.m) * s.k, -1, 1, rng);
@@ -368,6 +371,19 @@ void check_lse(Program prog) {
         tl_ref[i] = tgt[i] >= 0 ? tl[i] : 0.0;
       }
       const std::string l = std::string(program_name(prog)) + " " + label(c, s);
+      for (int i = 0; i < s.m; ++i) {
+        if (tgt[i] < 0 || std::abs(tl_gpu[i] - tl_ref[i]) <= 2 * std::abs(tl_pt[i] - tl_ref[i]) + 1e-6)
+          continue;
+        // Diagnose the first wrong row: which reference logit equals what the GPU wrote?
+        int match = -1;
+        for (int j = 0; j < s.n; ++j)
+          if (std::abs(logits[size_t(i) * s.n + j] - tl_gpu[i]) < 1e-2 * (1 + std::abs(tl_gpu[i]))) match = j;
+        ADD_FAILURE() << l << ": row " << i << " target " << tgt[i] << " gpu " << tl_gpu[i]
+                      << " ref " << tl_ref[i] << " (gpu value is the ref logit of column " << match
+                      << "); gpu max/sum tile0 " << gmax[layout.index(i, 0)] << "/" << gsum[layout.index(i, 0)]
+                      << " ref " << pmax[layout.index(i, 0)] << "/" << psum[layout.index(i, 0)];
+        break;
+      }
       expect_rule("lse " + l, ours.lse, ref.lse, lse_pt);
       expect_rule("target logit " + l, tl_gpu, tl_ref, tl_pt);
       EXPECT_NEAR(ours.loss, ref.loss, 2 * std::abs(ref.loss - [&] {

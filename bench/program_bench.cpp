@@ -1,0 +1,241 @@
+// Each fused forward program vs our plain GEMM of the same shape and configuration (the epilogue's
+// cost), at the LLaMA-3 shapes of BENCHMARKS.md. Every fused output is spot-checked against an fp64
+// host computation at random positions before its time is reported.
+//
+//   coda_program_bench [--quick] [--json results.json] [--commit sha] [--command "..."]
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "coda/kernel/args.hpp"
+#include "coda/kernel/aux_kernels.hpp"
+#include "coda/kernel/heuristic.hpp"
+#include "coda/programs/rope.hpp"
+#include "support/harness.hpp"
+
+namespace {
+
+using namespace coda;
+using kernel::bf16;
+using kernel::Config;
+using kernel::Program;
+
+struct Case {
+  std::string model, op;
+  Program program;
+  int m, n, k;
+  int heads = 0, kv_heads = 0, head_dim = 0;  // F3 only
+};
+
+std::vector<Case> cases(bool quick) {
+  struct Model {
+    const char* name;
+    int h, q, kv, d, i;
+  };
+  const Model models[] = {{"llama3-1B", 2048, 32, 8, 64, 8192},
+                          {"llama3-8B", 4096, 32, 8, 128, 14336},
+                          {"llama3-70B", 8192, 64, 8, 128, 28672}};
+  std::vector<Case> out;
+  for (int m : {8192, 16384}) {
+    for (const Model& md : models) {
+      out.push_back({md.name, "out_proj+F1", Program::kResidualRmsnormPartial, m, md.h, md.q * md.d});
+      out.push_back({md.name, "gate_up+F2", Program::kRmsnormSwiglu, m, 2 * md.i, md.h});
+      out.push_back({md.name, "down_proj+F1", Program::kResidualRmsnormPartial, m, md.h, md.i});
+      out.push_back({md.name, "qkv+F3", Program::kRmsnormRope, m, (md.q + 2 * md.kv) * md.d, md.h,
+                     md.q, md.kv, md.d});
+      out.push_back({md.name, "lm_head+F4", Program::kRmsnormLse, m, 128256, md.h});
+    }
+    if (quick) break;
+  }
+  return out;
+}
+
+float bf(const bf16& v) { return __bfloat162float(v); }
+
+template <class T>
+std::vector<T> download(const T* p, size_t offset, size_t n) {
+  std::vector<T> h(n);
+  CODA_CUDA_CHECK(cudaMemcpy(h.data(), p + offset, n * sizeof(T), cudaMemcpyDeviceToHost));
+  return h;
+}
+
+double dot_row(const bf16* a, const bf16* w, int m, int n, int k) {
+  const auto ar = download(a, size_t(m) * k, k), wr = download(w, size_t(n) * k, k);
+  double s = 0;
+  for (int i = 0; i < k; ++i) s += double(bf(ar[i])) * double(bf(wr[i]));
+  return s;
+}
+
+// |got − want| within bf16 output rounding plus fp32-accumulation slack.
+bool close(double got, double want) { return std::abs(got - want) <= 1e-2 * std::abs(want) + 2e-2; }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  auto args = bench::parse_args(argc, argv);
+  int ndev = 0;
+  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
+    std::printf("coda_program_bench: no CUDA device; nothing to measure\n");
+    return 0;
+  }
+  bench::Timer timer;
+  std::vector<bench::JsonRow> rows;
+  bench::JsonRow header;
+  header.set("benchmark", "fused_program_vs_plain_gemm").set("device", bench::device_description())
+      .set("commit", args.count("commit") ? args["commit"] : "unknown")
+      .set("command", args.count("command") ? args["command"] : "coda_program_bench");
+  std::printf("%-11s %-13s %6s %6s %6s | %-22s %8s %8s %7s | check\n", "model", "op", "M", "N", "K",
+              "config", "plain", "fused", "ratio");
+  uint64_t seed = 1;
+  for (const Case& c : cases(args.count("quick"))) {
+    const size_t na = size_t(c.m) * c.k, nw = size_t(c.n) * c.k, nd = size_t(c.m) * c.n;
+    bf16 *a, *w, *d, *res = nullptr, *h = nullptr, *gamma = nullptr;
+    float *r = nullptr, *part = nullptr, *part2 = nullptr, *tl = nullptr;
+    int32_t* pos = nullptr;
+    int64_t* tgt = nullptr;
+    uint32_t *fhi = nullptr, *flo = nullptr;
+    CODA_CUDA_CHECK(cudaMalloc(&a, na * 2));
+    CODA_CUDA_CHECK(cudaMalloc(&w, nw * 2));
+    CODA_CUDA_CHECK(cudaMalloc(&d, nd * 2));
+    kernel::fill_uniform_bf16(a, na, seed++, -1.f, 1.f, nullptr);
+    kernel::fill_uniform_bf16(w, nw, seed++, -1.f / std::sqrt(float(c.k)), 1.f / std::sqrt(float(c.k)), nullptr);
+    std::vector<float> r_host(c.m);
+    for (int i = 0; i < c.m; ++i) r_host[i] = 0.5f + float((i * 7919) % 1000) / 1000.f;
+    CODA_CUDA_CHECK(cudaMalloc(&r, c.m * 4));
+    CODA_CUDA_CHECK(cudaMemcpy(r, r_host.data(), c.m * 4, cudaMemcpyHostToDevice));
+    // Partials are sized for the largest tile count any config uses (tile_n >= 128).
+    const size_t part_elems = size_t((c.m + 255) / 256 * 256) * ((c.n + 127) / 128);
+    CODA_CUDA_CHECK(cudaMalloc(&part, part_elems * 4));
+    CODA_CUDA_CHECK(cudaMalloc(&part2, part_elems * 4));
+    std::vector<programs::RopeFrequency> table;
+    std::vector<int32_t> pos_host(c.m);
+    std::vector<int64_t> tgt_host(c.m);
+    for (int i = 0; i < c.m; ++i) pos_host[i] = i % 8192, tgt_host[i] = (int64_t(i) * 104729) % c.n;
+
+    kernel::PlainArgs plain;
+    kernel::ResidualRmsnormPartialArgs f1;
+    kernel::RmsnormSwigluArgs f2;
+    kernel::RmsnormRopeArgs f3;
+    kernel::RmsnormLseArgs f4;
+    const void* fargs = nullptr;
+    if (c.program == Program::kResidualRmsnormPartial) {
+      CODA_CUDA_CHECK(cudaMalloc(&res, nd * 2));
+      CODA_CUDA_CHECK(cudaMalloc(&h, nd * 2));
+      CODA_CUDA_CHECK(cudaMalloc(&gamma, c.n * 2));
+      kernel::fill_uniform_bf16(res, nd, seed++, -1.f, 1.f, nullptr);
+      kernel::fill_uniform_bf16(gamma, c.n, seed++, 0.5f, 1.5f, nullptr);
+      f1 = {gamma, h, c.n, part};
+      fargs = &f1;
+    } else if (c.program == Program::kRmsnormSwiglu) {
+      CODA_CUDA_CHECK(cudaMalloc(&h, nd));  // (M, N/2) bf16
+      f2 = {r, h, c.n / 2};
+      fargs = &f2;
+    } else if (c.program == Program::kRmsnormRope) {
+      table = programs::rope_column_table({c.heads, c.kv_heads, c.head_dim},
+                                          programs::rope_inv_freq(c.head_dim, 500000.0, {.enabled = true}));
+      std::vector<uint32_t> hi(c.n), lo(c.n);
+      for (int j = 0; j < c.n; ++j) hi[j] = table[j].hi, lo[j] = table[j].lo;
+      CODA_CUDA_CHECK(cudaMalloc(&pos, c.m * 4));
+      CODA_CUDA_CHECK(cudaMalloc(&fhi, c.n * 4));
+      CODA_CUDA_CHECK(cudaMalloc(&flo, c.n * 4));
+      CODA_CUDA_CHECK(cudaMemcpy(pos, pos_host.data(), c.m * 4, cudaMemcpyHostToDevice));
+      CODA_CUDA_CHECK(cudaMemcpy(fhi, hi.data(), c.n * 4, cudaMemcpyHostToDevice));
+      CODA_CUDA_CHECK(cudaMemcpy(flo, lo.data(), c.n * 4, cudaMemcpyHostToDevice));
+      f3 = {r, pos, fhi, flo};
+      fargs = &f3;
+    } else {
+      CODA_CUDA_CHECK(cudaMalloc(&tgt, c.m * 8));
+      CODA_CUDA_CHECK(cudaMalloc(&tl, c.m * 4));
+      CODA_CUDA_CHECK(cudaMemcpy(tgt, tgt_host.data(), c.m * 8, cudaMemcpyHostToDevice));
+      f4 = {r, tgt, part, part2, tl};
+      fargs = &f4;
+    }
+    const kernel::GemmProblem prob{c.m, c.n, c.k, a, c.k, w, c.k, res, c.n,
+                                   c.program == Program::kRmsnormLse ? nullptr : d, c.n};
+    const kernel::GemmProblem plain_prob{c.m, c.n, c.k, a, c.k, w, c.k, nullptr, 0, d, c.n};
+
+    for (int ci = 0; ci < int(Config::kCount); ++ci) {
+      const Config cfg = Config(ci);
+      const auto fused_fn = kernel::find_kernel(c.program, cfg, kernel::Operands::kXWt);
+      const auto plain_fn = kernel::find_kernel(Program::kPlain, cfg, kernel::Operands::kXWt);
+      if (!fused_fn || !plain_fn) continue;
+      const kernel::SchedulerOptions so = kernel::plain_gemm_config(c.m, c.n, c.k).scheduler;
+      // Spot check of the fused result.
+      CODA_CUDA_CHECK(cudaMemset(d, 0xff, nd * 2));
+      if (tl) CODA_CUDA_CHECK(cudaMemset(tl, 0xff, c.m * 4));
+      CODA_CUDA_CHECK(fused_fn(prob, fargs, so, nullptr));
+      CODA_CUDA_CHECK(cudaDeviceSynchronize());
+      bool ok = true;
+      int checked = 0;
+      for (int s = 0; s < 24 && ok; ++s) {
+        const int mi = int((uint64_t(s) * 2654435761u + 17) % c.m);
+        const int ni = int((uint64_t(s) * 40503u + 3) % c.n) & ~1;
+        if (c.program == Program::kResidualRmsnormPartial) {
+          const double x = dot_row(a, w, mi, ni, c.k) + bf(download(res, size_t(mi) * c.n + ni, 1)[0]);
+          const double got_x = bf(download(d, size_t(mi) * c.n + ni, 1)[0]);
+          const double got_h = bf(download(h, size_t(mi) * c.n + ni, 1)[0]);
+          const double g = bf(download(gamma, ni, 1)[0]);
+          ok = close(got_x, x) && close(got_h, x * g);
+        } else if (c.program == Program::kRmsnormSwiglu) {
+          const double zg = r_host[mi] * dot_row(a, w, mi, ni, c.k);
+          const double zu = r_host[mi] * dot_row(a, w, mi, ni + 1, c.k);
+          const double got_z = bf(download(d, size_t(mi) * c.n + ni, 1)[0]);
+          const double got_a = bf(download(h, size_t(mi) * (c.n / 2) + ni / 2, 1)[0]);
+          ok = close(got_z, zg) && close(got_a, zg / (1 + std::exp(-zg)) * zu);
+        } else if (c.program == Program::kRmsnormRope) {
+          const double x0 = r_host[mi] * dot_row(a, w, mi, ni, c.k);
+          const double x1 = r_host[mi] * dot_row(a, w, mi, ni + 1, c.k);
+          double cs, sn;
+          programs::rope_cos_sin<double>(pos_host[mi], table[ni], cs, sn);
+          const auto got = download(d, size_t(mi) * c.n + ni, 2);
+          ok = close(bf(got[0]), x0 * cs - x1 * sn) && close(bf(got[1]), x0 * sn + x1 * cs);
+        } else if (s < 1) {  // one whole row of the LM head: lse from the partials, target logit
+          std::vector<double> logit(c.n);
+          const auto ar = download(a, size_t(mi) * c.k, c.k);
+          const auto wall = download(w, 0, nw);
+          double mx = -INFINITY, se = 0;
+          for (int j = 0; j < c.n; ++j) {
+            double t = 0;
+            for (int i = 0; i < c.k; ++i) t += double(bf(ar[i])) * double(bf(wall[size_t(j) * c.k + i]));
+            logit[j] = t * r_host[mi];
+            mx = std::max(mx, logit[j]);
+          }
+          for (double v : logit) se += std::exp(v - mx);
+          const auto tile = kernel::tile_shape(cfg);
+          const int64_t pad = (c.m + tile.m - 1) / tile.m * tile.m, tiles = (c.n + tile.n - 1) / tile.n;
+          const auto gm = download(part, 0, size_t(pad * tiles)), gs = download(part2, 0, size_t(pad * tiles));
+          double gmx = -INFINITY, gse = 0;
+          for (int64_t t = 0; t < tiles; ++t) gmx = std::max(gmx, double(gm[mi + pad * t]));
+          for (int64_t t = 0; t < tiles; ++t) gse += gs[mi + pad * t] * std::exp(gm[mi + pad * t] - gmx);
+          const double got_tl = download(tl, mi, 1)[0];
+          ok = std::abs((gmx + std::log(gse)) - (mx + std::log(se))) < 1e-3 &&
+               std::abs(got_tl - logit[tgt_host[mi]]) < 1e-3 * (1 + std::abs(logit[tgt_host[mi]]));
+        }
+        ++checked;
+      }
+      double t_plain = NAN, t_fused = NAN;
+      if (ok) {
+        t_plain = timer.median_ms([&](cudaStream_t st) { CODA_CUDA_CHECK(plain_fn(plain_prob, &plain, so, st)); });
+        t_fused = timer.median_ms([&](cudaStream_t st) { CODA_CUDA_CHECK(fused_fn(prob, fargs, so, st)); });
+      }
+      std::printf("%-11s %-13s %6d %6d %6d | %-22s %8.3f %8.3f %7.3f | %s (%d samples)\n",
+                  c.model.c_str(), c.op.c_str(), c.m, c.n, c.k, kernel::config_name(cfg), t_plain,
+                  t_fused, t_fused / t_plain, ok ? "ok" : "FAIL", checked);
+      std::fflush(stdout);
+      rows.push_back(bench::JsonRow().set("model", c.model).set("op", c.op)
+                         .set("program", kernel::program_name(c.program))
+                         .set("m", c.m).set("n", c.n).set("k", c.k)
+                         .set("config", kernel::config_name(cfg)).set("check", ok ? "ok" : "FAIL")
+                         .set("plain_ms", t_plain).set("fused_ms", t_fused)
+                         .set("fused_over_plain", t_fused / t_plain));
+      if (args.count("json")) bench::write_results(args["json"], header, rows);
+    }
+    for (void* p : {(void*)a, (void*)w, (void*)d, (void*)res, (void*)h, (void*)gamma, (void*)r,
+                    (void*)part, (void*)part2, (void*)tl, (void*)pos, (void*)tgt, (void*)fhi, (void*)flo})
+      if (p) cudaFree(p);
+  }
+  return 0;
+}
