@@ -38,6 +38,7 @@ const char* program_name(Program p) {
     case Program::kRmsnormLse: return "gemm_rmsnorm_lse";
     case Program::kRmsnormLseLogits: return "gemm_rmsnorm_lse_logits";
     case Program::kPairLayoutProbe: return "pair_layout_probe";
+    case Program::kRmsnormBackward: return "gemm_rmsnorm_backward";
     case Program::kCount: break;
   }
   return "?";

@@ -39,19 +39,20 @@ void check_gemm_sizes(const char* op, int m, int n, int k) {
 }
 
 void launch(const char* op, Program p, int m, int n, int k, const kernel::GemmProblem& prob,
-            const void* args, cudaStream_t stream) {
-  const kernel::KernelChoice c = kernel::choose_config(p, Operands::kXWt, m, n, k);
-  const kernel::LaunchFn fn = kernel::find_kernel(p, c.config, Operands::kXWt);
+            const void* args, cudaStream_t stream, Operands o = Operands::kXWt) {
+  const kernel::KernelChoice c = kernel::choose_config(p, o, m, n, k);
+  const kernel::LaunchFn fn = kernel::find_kernel(p, c.config, o);
   CODA_CHECK(fn != nullptr, op, ": no compiled kernel for this program (build with CODA_KERNELS=all)");
   const cudaError_t e = fn(prob, args, c.scheduler, stream);
   CODA_CHECK(e == cudaSuccess, op, ": launch failed (", kernel::config_name(c.config), ", M=", m,
              " N=", n, " K=", k, "): ", cudaGetErrorString(e));
 }
 
-epilogue::PartialLayout partial_layout(Program p, int m, int n, int k) {
-  const auto c = kernel::choose_config(p, Operands::kXWt, m, n, k);
+epilogue::PartialLayout partial_layout(Program p, int m, int n, int k, Operands o = Operands::kXWt) {
+  const auto c = kernel::choose_config(p, o, m, n, k);
   const auto t = kernel::tile_shape(c.config);
-  return epilogue::PartialLayout::per_row(m, n, t.m, t.n);
+  return p == Program::kRmsnormBackward ? epilogue::PartialLayout::per_column(m, n, t.m, t.n)
+                                        : epilogue::PartialLayout::per_row(m, n, t.m, t.n);
 }
 
 }  // namespace
@@ -155,6 +156,36 @@ void gemm_rmsnorm_rope(const bf16* h, const bf16* w_qkv, const float* r, const i
   kernel::RmsnormRopeArgs args{r, pos, freq.hi, freq.lo};
   launch(op, Program::kRmsnormRope, m, n, k, {m, n, k, h, k, w_qkv, k, nullptr, 0, qkv, n}, &args,
          stream);
+}
+
+epilogue::PartialLayout rmsnorm_backward_partials_layout(int m, int hidden, int n_out) {
+  check_gemm_sizes("coda::ops::rmsnorm_backward_partials_layout", m, hidden, n_out);
+  return partial_layout(Program::kRmsnormBackward, m, hidden, n_out, Operands::kXW);
+}
+
+void gemm_rmsnorm_backward(const bf16* dz, const bf16* w, const bf16* x, const float* r,
+                           const bf16* gamma, const float* zdz, const bf16* dres, bf16* dx,
+                           bf16* h_out, float* dgamma_partials, int m, int hidden, int n_out,
+                           cudaStream_t stream) {
+  const char* op = "coda::ops::gemm_rmsnorm_backward";
+  check_gemm_sizes(op, m, hidden, n_out);
+  check_device_pointer(op, "dz", dz);
+  check_device_pointer(op, "w", w);
+  check_device_pointer(op, "x", x);
+  check_device_pointer(op, "r", r);
+  check_device_pointer(op, "gamma", gamma);
+  check_device_pointer(op, "zdz", zdz);
+  check_device_pointer(op, "dres", dres);
+  check_device_pointer(op, "dx", dx);
+  check_device_pointer(op, "h_out", h_out);
+  check_device_pointer(op, "dgamma_partials", dgamma_partials);
+  CODA_CHECK(static_cast<const void*>(h_out) != dx && static_cast<const void*>(h_out) != dres &&
+                 static_cast<const void*>(h_out) != x,
+             op, ": h_out must not alias dx, dres or x");
+  kernel::RmsnormBackwardArgs args{x, hidden, r, gamma, zdz, h_out, hidden, dgamma_partials};
+  launch(op, Program::kRmsnormBackward, m, hidden, n_out,
+         {m, hidden, n_out, dz, n_out, w, hidden, dres, hidden, dx, hidden}, &args, stream,
+         Operands::kXW);
 }
 
 }  // namespace coda::ops

@@ -57,4 +57,12 @@ void gemm_rmsnorm_rope(const bf16* h, const bf16* w_qkv, const float* r, const i
                        const RopeTableDevice& freq, bf16* qkv, int m, int n, int k,
                        cudaStream_t stream);
 
+// B1: g = dz · W (dz (M, Nout), W (Nout, H)); dx = dres + r·(g·γ − x·r·ZdZ) written to dx (which
+// may alias dres: an in-place accumulate); h_out = x·r·γ; per-tile dγ partials (per_column layout).
+epilogue::PartialLayout rmsnorm_backward_partials_layout(int m, int hidden, int n_out);
+void gemm_rmsnorm_backward(const bf16* dz, const bf16* w, const bf16* x, const float* r,
+                           const bf16* gamma, const float* zdz, const bf16* dres, bf16* dx,
+                           bf16* h_out, float* dgamma_partials, int m, int hidden, int n_out,
+                           cudaStream_t stream);
+
 }  // namespace coda::ops

@@ -14,11 +14,27 @@ set(CODA_ALL_KERNELS
   "ResidualRmsnormPartial:Coop128x256x64_2x1:XWt"
   "RmsnormSwiglu:Ping128x128x64_1x2:XWt"
   "RmsnormSwiglu:Coop128x256x64_2x1:XWt"
+  "RmsnormSwiglu:Ping128x192x64_2x1:XWt"
   "RmsnormRope:Ping128x128x64_1x2:XWt"
   "RmsnormRope:Coop128x256x64_2x1:XWt"
   "RmsnormLse:Coop128x256x64_2x1:XWt"
+  "RmsnormLse:Ping128x192x64_2x1:XWt"
   "RmsnormLseLogits:Coop128x256x64_2x1:XWt"
+  # backward programs and the transposed operand layouts the backward pass needs
+  "RmsnormBackward:Ping128x128x64_1x2:XW"
+  "Plain:Ping128x128x64_1x2:XW"
+  "Plain:Coop128x256x64_2x1:XtY"
   # tests: the fragment pairing every pairwise epilogue relies on, per schedule
   "PairLayoutProbe:Ping128x128x64_1x2:XWt"
   "PairLayoutProbe:Coop128x256x64_2x1:XWt"
 )
+
+# The fusion header each program's translation units include (include/coda/kernel/fusions/).
+set(CODA_FUSION_HEADER_Plain plain.cuh)
+set(CODA_FUSION_HEADER_ResidualRmsnormPartial residual_rmsnorm.cuh)
+set(CODA_FUSION_HEADER_RmsnormSwiglu rmsnorm_swiglu.cuh)
+set(CODA_FUSION_HEADER_RmsnormRope rmsnorm_rope.cuh)
+set(CODA_FUSION_HEADER_RmsnormLse rmsnorm_lse.cuh)
+set(CODA_FUSION_HEADER_RmsnormLseLogits rmsnorm_lse.cuh)
+set(CODA_FUSION_HEADER_PairLayoutProbe pair_layout_probe.cuh)
+set(CODA_FUSION_HEADER_RmsnormBackward rmsnorm_backward.cuh)

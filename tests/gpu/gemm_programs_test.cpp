@@ -16,88 +16,16 @@
 #include "coda/reference/executor.hpp"
 #include "support/bf16.hpp"
 #include "support/device.hpp"
+#include "support/gpu_check.hpp"
 #include "support/numeric.hpp"
 
 namespace coda::kernel {
 namespace {
 
-using reference::MatrixRef;
-using testing::DeviceBuffer;
-using testing::round_bf16;
-using V = std::vector<double>;
-
-struct Shape {
-  int m, n, k;
-};
 // N = 200 and K = 136 are multiples of 8 but of no tile; M covers 1, a prime, and > a tile.
 const Shape kShapes[] = {{1, 200, 136}, {19, 8, 8}, {111, 200, 136}, {4097, 200, 136},
                          {111, 1032, 520}};
 
-class GpuKernelTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    const std::string why = testing::gpu_unavailable_reason();
-    if (!why.empty()) GTEST_SKIP() << "GPU test skipped: " << why;
-  }
-};
-
-std::vector<Config> compiled_configs(Program p) {
-  std::vector<Config> out;
-  for (int c = 0; c < static_cast<int>(Config::kCount); ++c)
-    if (find_kernel(p, static_cast<Config>(c), Operands::kXWt)) out.push_back(static_cast<Config>(c));
-  return out;
-}
-
-reference::TileConfig reference_tiles(Config c) {
-  const TileShapeMN t = tile_shape(c);
-  // Epilogue subtile: 128x32 (cooperative) or 64x32 (pingpong); only the tile affects outputs.
-  return {t.m, t.n, std::string(config_name(c)).rfind("coop", 0) == 0 ? 128 : 64, 32};
-}
-
-void run(Program p, Config c, const GemmProblem& prob, const void* args) {
-  const LaunchFn fn = find_kernel(p, c, Operands::kXWt);
-  ASSERT_NE(fn, nullptr);
-  CODA_CUDA_CHECK(fn(prob, args, SchedulerOptions{}, nullptr));
-  CODA_CUDA_CHECK(cudaDeviceSynchronize());
-}
-
-std::vector<double> download_bf16(const DeviceBuffer<bf16>& b) {
-  std::vector<bf16> raw = b.download();
-  std::vector<uint16_t> bits(raw.size());
-  std::memcpy(bits.data(), raw.data(), raw.size() * 2);
-  return testing::from_bf16_bits(bits);
-}
-
-DeviceBuffer<bf16> upload_bf16(const V& v) {
-  const auto bits = testing::to_bf16_bits(v);
-  std::vector<bf16> raw(bits.size());
-  std::memcpy(static_cast<void*>(raw.data()), bits.data(), bits.size() * 2);
-  return DeviceBuffer<bf16>(raw);
-}
-
-template <class T>
-std::vector<double> as_double(const std::vector<T>& v) {
-  return std::vector<double>(v.begin(), v.end());
-}
-
-// The tolerance rule, plus: every element written (finite) and the sizes agree.
-void expect_rule(const std::string& what, const V& out, const V& ref, const V& pt) {
-  ASSERT_EQ(out.size(), ref.size()) << what;
-  for (size_t i = 0; i < out.size(); ++i)
-    ASSERT_TRUE(std::isfinite(out[i])) << what << ": element " << i << " not written (" << out[i] << ")";
-  const double e = testing::max_abs_error(out, ref), e_pt = testing::max_abs_error(pt, ref);
-  EXPECT_LE(e, 2 * e_pt + 1e-6) << what << ": ours " << e << " vs PyTorch-bf16 " << e_pt;
-}
-
-V gemm_ref(const V& a, const V& w, const Shape& s) {
-  return reference::gemm<double>(MatrixRef<double>::row_major(a.data(), s.m, s.k),
-                                 MatrixRef<double>::row_major(w.data(), s.n, s.k));
-}
-
-std::string label(Config c, const Shape& s) {
-  return std::string(config_name(c)) + " M=" + std::to_string(s.m) + " N=" + std::to_string(s.n) +
-         " K=" + std::to_string(s.k);
-}
 
 TEST_F(GpuKernelTest, AccumulatorPairsAreAdjacentColumnsOfOneThread) {
   const auto configs = compiled_configs(Program::kPairLayoutProbe);

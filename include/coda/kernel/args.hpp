@@ -39,6 +39,7 @@ enum class Program : int {
   kRmsnormLse = 4,             // F4 (logits not stored)
   kRmsnormLseLogits = 5,       // F4 + bf16 logits in D
   kPairLayoutProbe = 6,        // test: D = 1 where the fragment pairing holds
+  kRmsnormBackward = 7,        // B1 (operands kXW)
   kCount
 };
 
@@ -90,6 +91,17 @@ struct RmsnormLseArgs {              // F4: D = logits (bf16) only for kRmsnormL
   float* max_partials = nullptr;     // PartialLayout::per_row(M, N, tile_m, tile_n)
   float* sum_partials = nullptr;
   float* target_logit = nullptr;     // (M), untouched for rows whose target is not in [0, N)
+};
+
+struct RmsnormBackwardArgs {         // B1: A = dz, B = W (K = N_out, N = H); C = dres, D = dx
+  const bf16* x = nullptr;           // (M, H) saved residual stream
+  int64_t ldx = 0;
+  const float* r = nullptr;          // (M)
+  const bf16* gamma = nullptr;       // (H)
+  const float* zdz = nullptr;        // (M), folded: Σ dz·z / H
+  bf16* h_out = nullptr;             // (M, H)
+  int64_t ldh = 0;
+  float* dgamma_partials = nullptr;  // PartialLayout::per_column(M, H, tile_m, tile_n)
 };
 
 // Type-erased launch entry: `args` points to the program's *Args struct.

@@ -1,7 +1,8 @@
 #pragma once
 // The Hopper executor: CUTLASS 4.2's sm90 warp-specialized persistent GEMM (TMA + wgmma, fp32
 // accumulate) with an epilogue visitor tree built from our programs (fusions.cuh). One explicit
-// instantiation of GemmLauncher<Config, Program, Operands>::run per translation unit.
+// instantiation of GemmLauncher<Config, Program, Operands>::run per translation unit, which
+// includes the program's fusion header (fusions/*.cuh) before this one.
 
 #include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
@@ -14,7 +15,7 @@
 #include <mutex>
 
 #include "coda/kernel/args.hpp"
-#include "coda/kernel/fusions.cuh"
+#include "coda/kernel/fusions/common.cuh"
 
 namespace coda::kernel {
 

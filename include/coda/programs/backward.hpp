@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "coda/programs/formulas.hpp"
 #include "coda/programs/forward.hpp"
 
 namespace coda::programs {
@@ -45,11 +46,11 @@ struct RmsnormBackward : NoSubtileHooks {
     const Real g[2] = {g0, g1};
     const Real rm = r.load(m), zm = zdz.load(m);
     for (int c = 0; c < 2; ++c) {
-      const Real nv = x.load(m, n + c) * rm;
-      const Real gam = gamma.load(n + c);
-      dx.store(m, n + c, rm * (g[c] * gam - nv * zm));
-      h_out.store(m, n + c, nv * gam);
-      col_acc[n + c - t.n0] += g[c] * nv;
+      const Real xv = x.load(m, n + c), gam = gamma.load(n + c);
+      // dx is accumulated by the store (StoreMode::kAccumulate), so dres enters as 0 here.
+      dx.store(m, n + c, RmsnormBackwardDx{}(g[c], Real(0), xv, rm, gam, zm));
+      h_out.store(m, n + c, NormalizedScaled{}(xv, rm, gam));
+      col_acc[n + c - t.n0] += GradTimesNormalized{}(g[c], xv, rm);
     }
   }
   void end_tile(const TileInfo& t) {

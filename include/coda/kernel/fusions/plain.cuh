@@ -1,0 +1,19 @@
+#pragma once
+#include "coda/kernel/fusions/common.cuh"
+
+namespace coda::kernel {
+
+// D = acc
+template <>
+struct FusionOf<Program::kPlain> {
+  using ElementC = void;
+  using ElementD = bfloat16_t;
+  using Args = PlainArgs;
+  template <class EpilogueDesc>
+  struct Build {
+    using Callbacks = cf::Sm90AccFetch;
+    static typename Callbacks::Arguments arguments(Args const&) { return {}; }
+  };
+};
+
+}  // namespace coda::kernel

@@ -1,0 +1,45 @@
+#pragma once
+#include "coda/kernel/nodes/pairwise_compute.cuh"
+#include "coda/programs/rope.hpp"
+#include "coda/kernel/fusions/common.cuh"
+
+namespace coda::kernel {
+
+// F3: (q, k) = rope(r[m] · acc, pos[m], freq[n]); v = r[m] · acc (freq = 0 on V columns)
+struct RopeFragment {
+  struct Arguments {};
+  template <int F>
+  CUTLASS_DEVICE cutlass::Array<float, F> operator()(
+      Arguments const&, cutlass::Array<float, F> const& acc, cutlass::Array<float, F> const& r,
+      cutlass::Array<int32_t, F> const& pos, cutlass::Array<uint32_t, F> const& hi,
+      cutlass::Array<uint32_t, F> const& lo) const {
+    cutlass::Array<float, F> out;
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < F / 2; ++j) {
+      float c, s;
+      programs::rope_cos_sin<float>(pos[2 * j], programs::RopeFrequency{hi[2 * j], lo[2 * j]}, c, s);
+      epilogue::RopeRotate{}(acc[2 * j] * r[2 * j], acc[2 * j + 1] * r[2 * j], c, s, out[2 * j],
+                             out[2 * j + 1]);
+    }
+    return out;
+  }
+};
+
+template <>
+struct FusionOf<Program::kRmsnormRope> {
+  using ElementC = void;
+  using ElementD = bfloat16_t;
+  using Args = RmsnormRopeArgs;
+  template <class EpilogueDesc>
+  struct Build {
+    using Tile = typename EpilogueDesc::TileShape;
+    using Callbacks = cf::Sm90EVT<PairwiseCompute<RopeFragment, float>, cf::Sm90AccFetch,
+                                  RowVector<Tile, float>, RowVector<Tile, int32_t>,
+                                  ColumnVector<Tile, uint32_t>, ColumnVector<Tile, uint32_t>>;
+    static typename Callbacks::Arguments arguments(Args const& a) {
+      return {{}, {a.r, 0.0f, {}}, {a.pos, 0, {}}, {a.freq_hi, 0u, {}}, {a.freq_lo, 0u, {}}, {}};
+    }
+  };
+};
+
+}  // namespace coda::kernel

@@ -1,0 +1,28 @@
+#pragma once
+// Per-element formulas of programs that are more than one primitive functor, kept free of host-only
+// includes so the Hopper fusions (include/coda/kernel/fusions) and the CPU programs share them.
+
+#include "coda/common/host_device.hpp"
+
+namespace coda::programs {
+
+// B1's per-element formulas (both executors call these).
+// dx = dres + r·(g·γ − n·ZdZ) with n = x·r: the RMSNorm input gradient added to the residual's.
+struct RmsnormBackwardDx {
+  template <class T>
+  CODA_HD T operator()(T g, T dres, T x, T r, T gamma, T zdz) const {
+    return dres + r * (g * gamma - x * r * zdz);
+  }
+};
+// h_out = n ⊙ γ = x·r·γ (the normalized input, recomputed for the weight gradient).
+struct NormalizedScaled {
+  template <class T>
+  CODA_HD T operator()(T x, T r, T gamma) const { return x * r * gamma; }
+};
+// dγ contribution g·n = g·x·r.
+struct GradTimesNormalized {
+  template <class T>
+  CODA_HD T operator()(T g, T x, T r) const { return g * x * r; }
+};
+
+}  // namespace coda::programs
