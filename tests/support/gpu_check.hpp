@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -25,6 +26,13 @@ using V = std::vector<double>;
 struct Shape {
   int m, n, k;
 };
+
+// CODA_GPU_TEST_SMALL=1 skips the shapes above ~1000 rows (compute-sanitizer runs, where every
+// kernel is instrumented and the large ones dominate the time).
+inline bool skip_large(const Shape& s) {
+  const char* v = std::getenv("CODA_GPU_TEST_SMALL");
+  return v && v[0] == '1' && (s.m > 1000 || s.k > 1000);
+}
 
 class GpuKernelTest : public ::testing::Test {
  protected:
