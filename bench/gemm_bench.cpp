@@ -8,6 +8,7 @@
 #include <cublasLt.h>
 
 #include <cmath>
+#include <tuple>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -204,12 +205,15 @@ int main(int argc, char** argv) {
           if (t == t && !(t >= best)) best = t, best_c = c, best_s = so;
         }
     }
-    // The reported row: the chosen configuration re-timed side by side with cuBLAS.
-    const double t_cublas2 = timer.median_ms([&](cudaStream_t st) { cublas.gemm(x, w, d_ref, s.m, s.n, s.k, st); }, 3, 30);
-    const double t_ours = time_ours(best_c, best_s);
-    const double t_ours2 = t_ours == t_ours ? timer.median_ms([&](cudaStream_t st) {
-      CODA_CUDA_CHECK(kernel::find_kernel(kernel::Program::kPlain, best_c, kernel::Operands::kXWt)(prob, &plain, best_s, st));
-    }, 3, 30) : NAN;
+    // The reported row: the chosen configuration timed interleaved with cuBLAS.
+    const double t_check = time_ours(best_c, best_s, 3);  // correctness check (NaN on FAIL)
+    double t_cublas2 = NAN, t_ours2 = NAN;
+    if (t_check == t_check) {
+      const kernel::LaunchFn fn = kernel::find_kernel(kernel::Program::kPlain, best_c, kernel::Operands::kXWt);
+      std::tie(t_cublas2, t_ours2) = timer.median_ms_interleaved(
+          [&](cudaStream_t st) { cublas.gemm(x, w, d_ref, s.m, s.n, s.k, st); },
+          [&](cudaStream_t st) { CODA_CUDA_CHECK(fn(prob, &plain, best_s, st)); });
+    }
     const double ratio = t_cublas2 / t_ours2;
     std::printf("%-11s %-9s %6d %6d %6d | %8.3f %7.1f | %8.3f %7.1f %6.3f | %s sw%d %s\n",
                 s.model.c_str(), s.op.c_str(), s.m, s.n, s.k, t_cublas2, flop / t_cublas2 / 1e9,

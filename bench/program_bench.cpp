@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <tuple>
 #include <string>
 #include <vector>
 
@@ -162,7 +163,9 @@ int main(int argc, char** argv) {
       const auto fused_fn = kernel::find_kernel(c.program, cfg, kernel::Operands::kXWt);
       const auto plain_fn = kernel::find_kernel(Program::kPlain, cfg, kernel::Operands::kXWt);
       if (!fused_fn || !plain_fn) continue;
-      const kernel::SchedulerOptions so = kernel::plain_gemm_config(c.m, c.n, c.k).scheduler;
+      // The scheduler options the op layer would use for this program and shape.
+      const kernel::SchedulerOptions so =
+          kernel::choose_config(c.program, kernel::Operands::kXWt, c.m, c.n, c.k).scheduler;
       // Spot check of the fused result.
       CODA_CUDA_CHECK(cudaMemset(d, 0xff, nd * 2));
       if (tl) CODA_CUDA_CHECK(cudaMemset(tl, 0xff, c.m * 4));
@@ -218,8 +221,9 @@ int main(int argc, char** argv) {
       }
       double t_plain = NAN, t_fused = NAN;
       if (ok) {
-        t_plain = timer.median_ms([&](cudaStream_t st) { CODA_CUDA_CHECK(plain_fn(plain_prob, &plain, so, st)); });
-        t_fused = timer.median_ms([&](cudaStream_t st) { CODA_CUDA_CHECK(fused_fn(prob, fargs, so, st)); });
+        std::tie(t_plain, t_fused) = timer.median_ms_interleaved(
+            [&](cudaStream_t st) { CODA_CUDA_CHECK(plain_fn(plain_prob, &plain, so, st)); },
+            [&](cudaStream_t st) { CODA_CUDA_CHECK(fused_fn(prob, fargs, so, st)); });
       }
       std::printf("%-11s %-13s %6d %6d %6d | %-22s %8.3f %8.3f %7.3f | %s (%d samples)\n",
                   c.model.c_str(), c.op.c_str(), c.m, c.n, c.k, kernel::config_name(cfg), t_plain,

@@ -11,6 +11,7 @@
 #include <functional>
 #include <map>
 #include <sstream>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -36,19 +37,40 @@ class Timer {
                    cudaStream_t stream = nullptr) {
     for (int i = 0; i < warmup; ++i) fn(stream);
     std::vector<float> t(reps);
-    for (int i = 0; i < reps; ++i) {
-      CODA_CUDA_CHECK(cudaMemsetAsync(flush_, i & 0xff, flush_bytes_, stream));
-      CODA_CUDA_CHECK(cudaEventRecord(start_, stream));
-      fn(stream);
-      CODA_CUDA_CHECK(cudaEventRecord(stop_, stream));
-      CODA_CUDA_CHECK(cudaEventSynchronize(stop_));
-      CODA_CUDA_CHECK(cudaEventElapsedTime(&t[i], start_, stop_));
-    }
+    for (int i = 0; i < reps; ++i) t[i] = once(fn, i, stream);
     std::sort(t.begin(), t.end());
     return t[reps / 2];
   }
 
+  // Two candidates timed alternately (A, B, A, B, ...) so both see the same clock and thermal
+  // state: on the H200 the same kernel's time drifted by up to ~20% between runs minutes apart,
+  // which made back-to-back medians of different kernels incomparable. Returns {median A, median B}.
+  std::pair<double, double> median_ms_interleaved(const std::function<void(cudaStream_t)>& a,
+                                                  const std::function<void(cudaStream_t)>& b,
+                                                  int warmup = 3, int reps = 21,
+                                                  cudaStream_t stream = nullptr) {
+    for (int i = 0; i < warmup; ++i) a(stream), b(stream);
+    std::vector<float> ta(reps), tb(reps);
+    for (int i = 0; i < reps; ++i) {
+      ta[i] = once(a, i, stream);
+      tb[i] = once(b, i, stream);
+    }
+    std::sort(ta.begin(), ta.end());
+    std::sort(tb.begin(), tb.end());
+    return {ta[reps / 2], tb[reps / 2]};
+  }
+
  private:
+  float once(const std::function<void(cudaStream_t)>& fn, int i, cudaStream_t stream) {
+    CODA_CUDA_CHECK(cudaMemsetAsync(flush_, i & 0xff, flush_bytes_, stream));
+    CODA_CUDA_CHECK(cudaEventRecord(start_, stream));
+    fn(stream);
+    CODA_CUDA_CHECK(cudaEventRecord(stop_, stream));
+    CODA_CUDA_CHECK(cudaEventSynchronize(stop_));
+    float ms = 0;
+    CODA_CUDA_CHECK(cudaEventElapsedTime(&ms, start_, stop_));
+    return ms;
+  }
   size_t flush_bytes_;
   void* flush_ = nullptr;
   cudaEvent_t start_{}, stop_{};
