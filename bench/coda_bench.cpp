@@ -20,23 +20,25 @@ int main() {
   testing::Rng rng(8);
   for (auto& t : targets) t = rng.uniform() < 0.1 ? -100 : rng.integer(0, cfg.vocab - 1);
 
-  std::printf("coda-bench (CPU reference): LLaMA block H=%d heads=%d/%d d=%d I=%d V=%d M=%d "
-              "layers=%d\n", cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-              cfg.intermediate, cfg.vocab, cfg.tokens(), cfg.n_layers);
+  std::printf(
+      "coda-bench (CPU reference): LLaMA block H=%d heads=%d/%d d=%d I=%d V=%d M=%d "
+      "layers=%d\n",
+      cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.intermediate, cfg.vocab,
+      cfg.tokens(), cfg.n_layers);
   testing::ModelGrads g_std;
   const double loss_std = testing::llama_loss(cfg, weights, x0, targets, {}, &g_std);
   reference::FusedGrads<double> g_raw;
-  const double loss_fused =
-      reference::fused_llama_loss(testing::fused_shape(cfg), testing::to_fused(cfg, weights), x0,
-                                  targets, programs::CrossEntropyOptions{},
-                                  reference::TileConfig{128, 128, 64, 32}, &g_raw);
+  const double loss_fused = reference::fused_llama_loss(
+      testing::fused_shape(cfg), testing::to_fused(cfg, weights), x0, targets,
+      programs::CrossEntropyOptions{}, reference::TileConfig{128, 128, 64, 32}, &g_raw);
   const auto g = testing::from_fused(cfg, g_raw);
 
   std::printf("%-28s %14s\n", "output", "max rel error");
   std::printf("%-28s %14.3e   (fused %.12f, standard %.12f)\n", "loss",
               std::abs(loss_fused - loss_std) / std::abs(loss_std), loss_fused, loss_std);
   double worst = std::abs(loss_fused - loss_std) / std::abs(loss_std);
-  auto row = [&](const std::string& name, const std::vector<double>& a, const std::vector<double>& b) {
+  auto row = [&](const std::string& name, const std::vector<double>& a,
+                 const std::vector<double>& b) {
     const double e = max_rel_error(a, b);
     worst = std::max(worst, e);
     std::printf("%-28s %14.3e\n", name.c_str(), e);

@@ -8,9 +8,9 @@
 #include <cublasLt.h>
 
 #include <cmath>
-#include <tuple>
 #include <cstdio>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "coda/kernel/args.hpp"
@@ -23,9 +23,9 @@ namespace {
 using namespace coda;
 using kernel::bf16;
 
-#define CUBLAS_CHECK(expr)                                                               \
-  do {                                                                                   \
-    const cublasStatus_t s_ = (expr);                                                    \
+#define CUBLAS_CHECK(expr)                                                                  \
+  do {                                                                                      \
+    const cublasStatus_t s_ = (expr);                                                       \
     CODA_CHECK(s_ == CUBLAS_STATUS_SUCCESS, #expr, " failed with cuBLAS status ", int(s_)); \
   } while (0)
 
@@ -92,17 +92,19 @@ class Cublas {
     CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     const cublasOperation_t t = CUBLAS_OP_T, nn = CUBLAS_OP_N;
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof(t)));
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &nn, sizeof(nn)));
+    CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &nn, sizeof(nn)));
     CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_16BF, k, n, k));
     CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, k, m, k));
     CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, CUDA_R_16BF, n, m, n));
     cublasLtMatmulPreference_t pref;
     CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                      &kWorkspace, sizeof(kWorkspace)));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &kWorkspace, sizeof(kWorkspace)));
     cublasLtMatmulHeuristicResult_t r{};
     int found = 0;
-    CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt_, p.op, p.a, p.b, p.c, p.c, pref, 1, &r, &found));
+    CUBLAS_CHECK(
+        cublasLtMatmulAlgoGetHeuristic(lt_, p.op, p.a, p.b, p.c, p.c, pref, 1, &r, &found));
     CODA_CHECK(found > 0, "cuBLASLt found no algorithm for ", m, "x", n, "x", k);
     p.algo = r.algo;
     cublasLtMatmulPreferenceDestroy(pref);
@@ -153,10 +155,13 @@ int main(int argc, char** argv) {
   int counted = 0;
   auto write_json = [&](double geo, double worst_ratio, int n) {
     bench::JsonRow header;
-    header.set("benchmark", "plain_gemm_vs_cublas").set("device", bench::device_description())
+    header.set("benchmark", "plain_gemm_vs_cublas")
+        .set("device", bench::device_description())
         .set("commit", args.count("commit") ? args["commit"] : "unknown")
         .set("command", args.count("command") ? args["command"] : "coda_gemm_bench")
-        .set("geomean_ratio", geo).set("worst_ratio", worst_ratio).set("shapes", n);
+        .set("geomean_ratio", geo)
+        .set("worst_ratio", worst_ratio)
+        .set("shapes", n);
     bench::write_results(args["json"], header, rows);
   };
   for (const Shape& s : shapes(quick)) {
@@ -169,12 +174,14 @@ int main(int argc, char** argv) {
     kernel::fill_uniform_bf16(x, na, 11 + s.m, -1.f, 1.f, nullptr);
     kernel::fill_uniform_bf16(w, nw, 12 + s.n, -1.f, 1.f, nullptr);
     const double flop = 2.0 * s.m * s.n * s.k;
-    const double t_cublas = timer.median_ms([&](cudaStream_t st) { cublas.gemm(x, w, d_ref, s.m, s.n, s.k, st); });
+    const double t_cublas =
+        timer.median_ms([&](cudaStream_t st) { cublas.gemm(x, w, d_ref, s.m, s.n, s.k, st); });
     const kernel::GemmProblem prob{s.m, s.n, s.k, x, s.k, w, s.k, nullptr, 0, d, s.n};
     kernel::PlainArgs plain;
 
     auto time_ours = [&](kernel::Config c, kernel::SchedulerOptions so, int reps = 15) -> double {
-      const kernel::LaunchFn fn = kernel::find_kernel(kernel::Program::kPlain, c, kernel::Operands::kXWt);
+      const kernel::LaunchFn fn =
+          kernel::find_kernel(kernel::Program::kPlain, c, kernel::Operands::kXWt);
       CODA_CUDA_CHECK(cudaMemset(d, 0xff, nd * 2));
       CODA_CUDA_CHECK(fn(prob, &plain, so, nullptr));
       kernel::max_abs_diff_bf16(d, d_ref, nd, diff, nullptr);
@@ -186,7 +193,8 @@ int main(int argc, char** argv) {
                     s.op.c_str(), kernel::config_name(c), h[0], h[1]);
         return NAN;
       }
-      return timer.median_ms([&](cudaStream_t st) { CODA_CUDA_CHECK(fn(prob, &plain, so, st)); }, 2, reps);
+      return timer.median_ms([&](cudaStream_t st) { CODA_CUDA_CHECK(fn(prob, &plain, so, st)); }, 2,
+                             reps);
     };
 
     kernel::Config best_c = kernel::plain_gemm_config(s.m, s.n, s.k).config;
@@ -197,11 +205,17 @@ int main(int argc, char** argv) {
         for (const auto& so : scheds) {
           const double t = time_ours(c, so, 7);
           rows.push_back(bench::JsonRow()
-                             .set("kind", "sweep").set("model", s.model).set("op", s.op)
-                             .set("m", s.m).set("n", s.n).set("k", s.k)
-                             .set("config", kernel::config_name(c)).set("swizzle", so.swizzle)
+                             .set("kind", "sweep")
+                             .set("model", s.model)
+                             .set("op", s.op)
+                             .set("m", s.m)
+                             .set("n", s.n)
+                             .set("k", s.k)
+                             .set("config", kernel::config_name(c))
+                             .set("swizzle", so.swizzle)
                              .set("raster", so.raster == kernel::Raster::kAlongM ? "M" : "N")
-                             .set("ms", t).set("cublas_ms", t_cublas));
+                             .set("ms", t)
+                             .set("cublas_ms", t_cublas));
           if (t == t && !(t >= best)) best = t, best_c = c, best_s = so;
         }
     }
@@ -209,7 +223,8 @@ int main(int argc, char** argv) {
     const double t_check = time_ours(best_c, best_s, 3);  // correctness check (NaN on FAIL)
     double t_cublas2 = NAN, t_ours2 = NAN;
     if (t_check == t_check) {
-      const kernel::LaunchFn fn = kernel::find_kernel(kernel::Program::kPlain, best_c, kernel::Operands::kXWt);
+      const kernel::LaunchFn fn =
+          kernel::find_kernel(kernel::Program::kPlain, best_c, kernel::Operands::kXWt);
       std::tie(t_cublas2, t_ours2) = timer.median_ms_interleaved(
           [&](cudaStream_t st) { cublas.gemm(x, w, d_ref, s.m, s.n, s.k, st); },
           [&](cudaStream_t st) { CODA_CUDA_CHECK(fn(prob, &plain, best_s, st)); });
@@ -218,15 +233,26 @@ int main(int argc, char** argv) {
     std::printf("%-11s %-9s %6d %6d %6d | %8.3f %7.1f | %8.3f %7.1f %6.3f | %s sw%d %s\n",
                 s.model.c_str(), s.op.c_str(), s.m, s.n, s.k, t_cublas2, flop / t_cublas2 / 1e9,
                 t_ours2, flop / t_ours2 / 1e9, ratio, kernel::config_name(best_c), best_s.swizzle,
-                best_s.raster == kernel::Raster::kAlongM ? "M" : best_s.raster == kernel::Raster::kAlongN ? "N" : "H");
+                best_s.raster == kernel::Raster::kAlongM   ? "M"
+                : best_s.raster == kernel::Raster::kAlongN ? "N"
+                                                           : "H");
     std::fflush(stdout);
     rows.push_back(bench::JsonRow()
-                       .set("kind", "best").set("model", s.model).set("op", s.op)
-                       .set("m", s.m).set("n", s.n).set("k", s.k)
-                       .set("config", kernel::config_name(best_c)).set("swizzle", best_s.swizzle)
-                       .set("raster", best_s.raster == kernel::Raster::kAlongM ? "M" : best_s.raster == kernel::Raster::kAlongN ? "N" : "H")
-                       .set("ms", t_ours2).set("cublas_ms", t_cublas2)
-                       .set("tflops", flop / t_ours2 / 1e9).set("cublas_tflops", flop / t_cublas2 / 1e9)
+                       .set("kind", "best")
+                       .set("model", s.model)
+                       .set("op", s.op)
+                       .set("m", s.m)
+                       .set("n", s.n)
+                       .set("k", s.k)
+                       .set("config", kernel::config_name(best_c))
+                       .set("swizzle", best_s.swizzle)
+                       .set("raster", best_s.raster == kernel::Raster::kAlongM   ? "M"
+                                      : best_s.raster == kernel::Raster::kAlongN ? "N"
+                                                                                 : "H")
+                       .set("ms", t_ours2)
+                       .set("cublas_ms", t_cublas2)
+                       .set("tflops", flop / t_ours2 / 1e9)
+                       .set("cublas_tflops", flop / t_cublas2 / 1e9)
                        .set("ratio_vs_cublas", ratio));
     if (ratio == ratio) {
       log_sum += std::log(ratio);
@@ -237,7 +263,8 @@ int main(int argc, char** argv) {
     cudaFree(w);
     cudaFree(d_ref);
     cudaFree(d);
-    if (args.count("json")) write_json(std::exp(log_sum / counted), worst, counted);  // survives a kill
+    if (args.count("json"))
+      write_json(std::exp(log_sum / counted), worst, counted);  // survives a kill
   }
   const double geo = counted ? std::exp(log_sum / counted) : NAN;
   std::printf("\nplain GEMM vs cuBLAS over %d shapes: geometric mean %.3f, worst %.3f\n", counted,

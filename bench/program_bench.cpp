@@ -7,8 +7,8 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <tuple>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "coda/kernel/args.hpp"
@@ -42,7 +42,8 @@ std::vector<Case> cases(bool quick) {
   std::vector<Case> out;
   for (int m : {8192, 16384}) {
     for (const Model& md : models) {
-      out.push_back({md.name, "out_proj+F1", Program::kResidualRmsnormPartial, m, md.h, md.q * md.d});
+      out.push_back(
+          {md.name, "out_proj+F1", Program::kResidualRmsnormPartial, m, md.h, md.q * md.d});
       out.push_back({md.name, "gate_up+F2", Program::kRmsnormSwiglu, m, 2 * md.i, md.h});
       out.push_back({md.name, "down_proj+F1", Program::kResidualRmsnormPartial, m, md.h, md.i});
       out.push_back({md.name, "qkv+F3", Program::kRmsnormRope, m, (md.q + 2 * md.kv) * md.d, md.h,
@@ -85,7 +86,8 @@ int main(int argc, char** argv) {
   bench::Timer timer;
   std::vector<bench::JsonRow> rows;
   bench::JsonRow header;
-  header.set("benchmark", "fused_program_vs_plain_gemm").set("device", bench::device_description())
+  header.set("benchmark", "fused_program_vs_plain_gemm")
+      .set("device", bench::device_description())
       .set("commit", args.count("commit") ? args["commit"] : "unknown")
       .set("command", args.count("command") ? args["command"] : "coda_program_bench");
   std::printf("%-11s %-13s %6s %6s %6s | %-22s %8s %8s %7s | check\n", "model", "op", "M", "N", "K",
@@ -102,7 +104,8 @@ int main(int argc, char** argv) {
     CODA_CUDA_CHECK(cudaMalloc(&w, nw * 2));
     CODA_CUDA_CHECK(cudaMalloc(&d, nd * 2));
     kernel::fill_uniform_bf16(a, na, seed++, -1.f, 1.f, nullptr);
-    kernel::fill_uniform_bf16(w, nw, seed++, -1.f / std::sqrt(float(c.k)), 1.f / std::sqrt(float(c.k)), nullptr);
+    kernel::fill_uniform_bf16(w, nw, seed++, -1.f / std::sqrt(float(c.k)),
+                              1.f / std::sqrt(float(c.k)), nullptr);
     std::vector<float> r_host(c.m);
     for (int i = 0; i < c.m; ++i) r_host[i] = 0.5f + float((i * 7919) % 1000) / 1000.f;
     CODA_CUDA_CHECK(cudaMalloc(&r, c.m * 4));
@@ -135,8 +138,9 @@ int main(int argc, char** argv) {
       f2 = {r, h, c.n / 2};
       fargs = &f2;
     } else if (c.program == Program::kRmsnormRope) {
-      table = programs::rope_column_table({c.heads, c.kv_heads, c.head_dim},
-                                          programs::rope_inv_freq(c.head_dim, 500000.0, {.enabled = true}));
+      table = programs::rope_column_table(
+          {c.heads, c.kv_heads, c.head_dim},
+          programs::rope_inv_freq(c.head_dim, 500000.0, {.enabled = true}));
       std::vector<uint32_t> hi(c.n), lo(c.n);
       for (int j = 0; j < c.n; ++j) hi[j] = table[j].hi, lo[j] = table[j].lo;
       CODA_CUDA_CHECK(cudaMalloc(&pos, c.m * 4));
@@ -154,8 +158,9 @@ int main(int argc, char** argv) {
       f4 = {r, tgt, part, part2, tl};
       fargs = &f4;
     }
-    const kernel::GemmProblem prob{c.m, c.n, c.k, a, c.k, w, c.k, res, c.n,
-                                   c.program == Program::kRmsnormLse ? nullptr : d, c.n};
+    const kernel::GemmProblem prob{
+        c.m, c.n, c.k, a, c.k, w, c.k, res, c.n, c.program == Program::kRmsnormLse ? nullptr : d,
+        c.n};
     const kernel::GemmProblem plain_prob{c.m, c.n, c.k, a, c.k, w, c.k, nullptr, 0, d, c.n};
 
     for (int ci = 0; ci < int(Config::kCount); ++ci) {
@@ -177,7 +182,8 @@ int main(int argc, char** argv) {
         const int mi = int((uint64_t(s) * 2654435761u + 17) % c.m);
         const int ni = int((uint64_t(s) * 40503u + 3) % c.n) & ~1;
         if (c.program == Program::kResidualRmsnormPartial) {
-          const double x = dot_row(a, w, mi, ni, c.k) + bf(download(res, size_t(mi) * c.n + ni, 1)[0]);
+          const double x =
+              dot_row(a, w, mi, ni, c.k) + bf(download(res, size_t(mi) * c.n + ni, 1)[0]);
           const double got_x = bf(download(d, size_t(mi) * c.n + ni, 1)[0]);
           const double got_h = bf(download(h, size_t(mi) * c.n + ni, 1)[0]);
           const double g = bf(download(gamma, ni, 1)[0]);
@@ -202,17 +208,21 @@ int main(int argc, char** argv) {
           double mx = -INFINITY, se = 0;
           for (int j = 0; j < c.n; ++j) {
             double t = 0;
-            for (int i = 0; i < c.k; ++i) t += double(bf(ar[i])) * double(bf(wall[size_t(j) * c.k + i]));
+            for (int i = 0; i < c.k; ++i)
+              t += double(bf(ar[i])) * double(bf(wall[size_t(j) * c.k + i]));
             logit[j] = t * r_host[mi];
             mx = std::max(mx, logit[j]);
           }
           for (double v : logit) se += std::exp(v - mx);
           const auto tile = kernel::tile_shape(cfg);
-          const int64_t pad = (c.m + tile.m - 1) / tile.m * tile.m, tiles = (c.n + tile.n - 1) / tile.n;
-          const auto gm = download(part, 0, size_t(pad * tiles)), gs = download(part2, 0, size_t(pad * tiles));
+          const int64_t pad = (c.m + tile.m - 1) / tile.m * tile.m,
+                        tiles = (c.n + tile.n - 1) / tile.n;
+          const auto gm = download(part, 0, size_t(pad * tiles)),
+                     gs = download(part2, 0, size_t(pad * tiles));
           double gmx = -INFINITY, gse = 0;
           for (int64_t t = 0; t < tiles; ++t) gmx = std::max(gmx, double(gm[mi + pad * t]));
-          for (int64_t t = 0; t < tiles; ++t) gse += gs[mi + pad * t] * std::exp(gm[mi + pad * t] - gmx);
+          for (int64_t t = 0; t < tiles; ++t)
+            gse += gs[mi + pad * t] * std::exp(gm[mi + pad * t] - gmx);
           const double got_tl = download(tl, mi, 1)[0];
           ok = std::abs((gmx + std::log(gse)) - (mx + std::log(se))) < 1e-3 &&
                std::abs(got_tl - logit[tgt_host[mi]]) < 1e-3 * (1 + std::abs(logit[tgt_host[mi]]));
@@ -229,16 +239,23 @@ int main(int argc, char** argv) {
                   c.model.c_str(), c.op.c_str(), c.m, c.n, c.k, kernel::config_name(cfg), t_plain,
                   t_fused, t_fused / t_plain, ok ? "ok" : "FAIL", checked);
       std::fflush(stdout);
-      rows.push_back(bench::JsonRow().set("model", c.model).set("op", c.op)
+      rows.push_back(bench::JsonRow()
+                         .set("model", c.model)
+                         .set("op", c.op)
                          .set("program", kernel::program_name(c.program))
-                         .set("m", c.m).set("n", c.n).set("k", c.k)
-                         .set("config", kernel::config_name(cfg)).set("check", ok ? "ok" : "FAIL")
-                         .set("plain_ms", t_plain).set("fused_ms", t_fused)
+                         .set("m", c.m)
+                         .set("n", c.n)
+                         .set("k", c.k)
+                         .set("config", kernel::config_name(cfg))
+                         .set("check", ok ? "ok" : "FAIL")
+                         .set("plain_ms", t_plain)
+                         .set("fused_ms", t_fused)
                          .set("fused_over_plain", t_fused / t_plain));
       if (args.count("json")) bench::write_results(args["json"], header, rows);
     }
-    for (void* p : {(void*)a, (void*)w, (void*)d, (void*)res, (void*)h, (void*)gamma, (void*)r,
-                    (void*)part, (void*)part2, (void*)tl, (void*)pos, (void*)tgt, (void*)fhi, (void*)flo})
+    for (void* p :
+         {(void*)a, (void*)w, (void*)d, (void*)res, (void*)h, (void*)gamma, (void*)r, (void*)part,
+          (void*)part2, (void*)tl, (void*)pos, (void*)tgt, (void*)fhi, (void*)flo})
       if (p) cudaFree(p);
   }
   return 0;

@@ -89,8 +89,8 @@ __global__ void first_layer_rmsnorm_kernel(const bf16* x, const bf16* gamma, int
 
 }  // namespace
 
-void fold_rstd(const float* partials, int64_t m, int64_t rows_padded, int64_t tiles,
-               int64_t hidden, float eps, float* r, cudaStream_t stream) {
+void fold_rstd(const float* partials, int64_t m, int64_t rows_padded, int64_t tiles, int64_t hidden,
+               float eps, float* r, cudaStream_t stream) {
   CODA_CHECK(partials && r, "fold_rstd: null pointer (partials or r)");
   CODA_CHECK(m > 0 && tiles > 0 && hidden > 0 && rows_padded >= m, "fold_rstd: bad sizes (m ", m,
              ", rows_padded ", rows_padded, ", tiles ", tiles, ", hidden ", hidden, ")");

@@ -59,11 +59,10 @@ int coda_rmsnorm_fold(const float* partials, int m, long long extent, long long 
   });
 }
 
-int coda_first_layer_rmsnorm(const void* x, const void* gamma, int m, int hidden, float eps, void* h,
-                             float* r, void* stream) {
-  return guarded([&] {
-    coda::ops::first_layer_rmsnorm(B(x), B(gamma), m, hidden, eps, Bm(h), r, S(stream));
-  });
+int coda_first_layer_rmsnorm(const void* x, const void* gamma, int m, int hidden, float eps,
+                             void* h, float* r, void* stream) {
+  return guarded(
+      [&] { coda::ops::first_layer_rmsnorm(B(x), B(gamma), m, hidden, eps, Bm(h), r, S(stream)); });
 }
 
 int coda_gemm_rmsnorm_swiglu(const void* h, const void* w_gu, const float* r, void* z, void* a,

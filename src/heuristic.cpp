@@ -51,7 +51,7 @@ KernelChoice program_config(Program p, int m, int n, int k) {
 
 KernelChoice choose_config(Program p, Operands o, int m, int n, int k) {
   const KernelChoice c = p == Program::kPlain && o == Operands::kXWt ? plain_gemm_config(m, n, k)
-                                                                      : program_config(p, m, n, k);
+                                                                     : program_config(p, m, n, k);
   if (find_kernel(p, c.config, o)) return c;
   for (int i = 0; i < static_cast<int>(Config::kCount); ++i)
     if (find_kernel(p, static_cast<Config>(i), o)) return {static_cast<Config>(i), c.scheduler};

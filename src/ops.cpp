@@ -26,14 +26,15 @@ void check_device_pointer(const char* op, const char* name, const void* p) {
   CODA_CHECK(e == cudaSuccess, op, ": cannot query ", name, ": ", cudaGetErrorString(e));
   int device = 0;
   CODA_CUDA_CHECK(cudaGetDevice(&device));
-  CODA_CHECK(attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged, op, ": ", name,
-             " is not device memory (pointer type ", int(attr.type), ")");
+  CODA_CHECK(attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged, op, ": ",
+             name, " is not device memory (pointer type ", int(attr.type), ")");
   CODA_CHECK(attr.device == device, op, ": ", name, " is on device ", attr.device,
              " but the current device is ", device);
 }
 
 void check_gemm_sizes(const char* op, int m, int n, int k) {
-  CODA_CHECK(m > 0 && n > 0 && k > 0, op, ": sizes must be positive, got M=", m, " N=", n, " K=", k);
+  CODA_CHECK(m > 0 && n > 0 && k > 0, op, ": sizes must be positive, got M=", m, " N=", n,
+             " K=", k);
   CODA_CHECK(n % 8 == 0, op, ": N must be a multiple of 8 (16-byte rows for TMA), got ", n);
   CODA_CHECK(k % 8 == 0, op, ": K must be a multiple of 8 (16-byte rows for TMA), got ", k);
 }
@@ -42,13 +43,15 @@ void launch(const char* op, Program p, int m, int n, int k, const kernel::GemmPr
             const void* args, cudaStream_t stream, Operands o = Operands::kXWt) {
   const kernel::KernelChoice c = kernel::choose_config(p, o, m, n, k);
   const kernel::LaunchFn fn = kernel::find_kernel(p, c.config, o);
-  CODA_CHECK(fn != nullptr, op, ": no compiled kernel for this program (build with CODA_KERNELS=all)");
+  CODA_CHECK(fn != nullptr, op,
+             ": no compiled kernel for this program (build with CODA_KERNELS=all)");
   const cudaError_t e = fn(prob, args, c.scheduler, stream);
   CODA_CHECK(e == cudaSuccess, op, ": launch failed (", kernel::config_name(c.config), ", M=", m,
              " N=", n, " K=", k, "): ", cudaGetErrorString(e));
 }
 
-epilogue::PartialLayout partial_layout(Program p, int m, int n, int k, Operands o = Operands::kXWt) {
+epilogue::PartialLayout partial_layout(Program p, int m, int n, int k,
+                                       Operands o = Operands::kXWt) {
   const auto c = kernel::choose_config(p, o, m, n, k);
   const auto t = kernel::tile_shape(c.config);
   return p == Program::kRmsnormBackward ? epilogue::PartialLayout::per_column(m, n, t.m, t.n)
@@ -118,16 +121,18 @@ void gemm_rmsnorm_swiglu(const bf16* h, const bf16* w_gu, const float* r, bf16* 
                          int two_i, int k, cudaStream_t stream) {
   const char* op = "coda::ops::gemm_rmsnorm_swiglu";
   check_gemm_sizes(op, m, two_i, k);
-  CODA_CHECK(two_i % 16 == 0, op, ": 2I must be a multiple of 16 (a's rows of I are 16-byte "
-             "aligned), got ", two_i);
+  CODA_CHECK(two_i % 16 == 0, op,
+             ": 2I must be a multiple of 16 (a's rows of I are 16-byte "
+             "aligned), got ",
+             two_i);
   check_device_pointer(op, "h", h);
   check_device_pointer(op, "w_gu", w_gu);
   check_device_pointer(op, "r", r);
   check_device_pointer(op, "z", z);
   check_device_pointer(op, "a", a);
   kernel::RmsnormSwigluArgs args{r, a, two_i / 2};
-  launch(op, Program::kRmsnormSwiglu, m, two_i, k, {m, two_i, k, h, k, w_gu, k, nullptr, 0, z, two_i},
-         &args, stream);
+  launch(op, Program::kRmsnormSwiglu, m, two_i, k,
+         {m, two_i, k, h, k, w_gu, k, nullptr, 0, z, two_i}, &args, stream);
 }
 
 void split_rope_table(const std::vector<programs::RopeFrequency>& table, std::vector<uint32_t>& hi,

@@ -11,8 +11,8 @@
 #include <functional>
 #include <map>
 #include <sstream>
-#include <utility>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "coda/kernel/cuda_check.hpp"
@@ -44,7 +44,8 @@ class Timer {
 
   // Two candidates timed alternately (A, B, A, B, ...) so both see the same clock and thermal
   // state: on the H200 the same kernel's time drifted by up to ~20% between runs minutes apart,
-  // which made back-to-back medians of different kernels incomparable. Returns {median A, median B}.
+  // which made back-to-back medians of different kernels incomparable. Returns {median A, median
+  // B}.
   std::pair<double, double> median_ms_interleaved(const std::function<void(cudaStream_t)>& a,
                                                   const std::function<void(cudaStream_t)>& b,
                                                   int warmup = 3, int reps = 21,
@@ -88,7 +89,10 @@ class JsonRow {
   JsonRow& set(const std::string& k, double v) {
     std::ostringstream o;
     o.precision(6);
-    if (v != v) o << "null"; else o << v;
+    if (v != v)
+      o << "null";
+    else
+      o << v;
     fields_.push_back("\"" + k + "\": " + o.str());
     return *this;
   }
@@ -121,7 +125,8 @@ inline void write_results(const std::string& path, const JsonRow& header,
   std::string h = header.str();
   h.pop_back();
   f << h << ", \"rows\": [\n";
-  for (size_t i = 0; i < rows.size(); ++i) f << "  " << rows[i].str() << (i + 1 < rows.size() ? ",\n" : "\n");
+  for (size_t i = 0; i < rows.size(); ++i)
+    f << "  " << rows[i].str() << (i + 1 < rows.size() ? ",\n" : "\n");
   f << "]}\n";
 }
 
@@ -132,8 +137,10 @@ inline std::map<std::string, std::string> parse_args(int argc, char** argv) {
     std::string k = argv[i];
     if (k.rfind("--", 0) != 0) continue;
     k = k.substr(2);
-    if (i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0) a[k] = argv[++i];
-    else a[k] = "1";
+    if (i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0)
+      a[k] = argv[++i];
+    else
+      a[k] = "1";
   }
   return a;
 }

@@ -4,10 +4,10 @@
 // throws coda::Error naming the argument; then it launches without synchronizing the host.
 // Tensors are contiguous row-major bf16 unless stated; r, partials and other reductions are fp32.
 
+#include <cuda_runtime.h>
+
 #include <cstdint>
 #include <vector>
-
-#include <cuda_runtime.h>
 
 #include "coda/epilogue/reduction.hpp"
 #include "coda/kernel/args.hpp"

@@ -15,10 +15,10 @@
 namespace coda {
 namespace {
 
-using ::testing::AllOf;
-using ::testing::HasSubstr;
 using reference::MatrixRef;
 using reference::TileConfig;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
 using V = std::vector<double>;
 
 // Runs `fn`, expects coda::Error, and returns its message for matching.
@@ -87,7 +87,9 @@ TEST(BadInput, TileDivisibility) {
   EXPECT_THAT(error_of([&] { f.run(); }), HasSubstr("subtile 4x4 must divide the tile 4x6"));
   f.tiles = {4, 6, 2, 3};
   EXPECT_THAT(error_of([&] { f.run(); }), HasSubstr("subtile_n must be even"));
-  EXPECT_THAT(error_of([] { programs::QkvLayout{6, 4, 8}.validate(); }),
+  EXPECT_THAT(error_of([] {
+                programs::QkvLayout{6, 4, 8}.validate();
+              }),
               HasSubstr("n_heads (6) must be a multiple of n_kv_heads (4)"));
   EXPECT_THAT(error_of([] { programs::rope_inv_freq(7, 10000.0); }), HasSubstr("head_dim"));
 }
@@ -106,8 +108,9 @@ TEST(BadInput, NullPointers) {
               }),
               HasSubstr("A is null"));
   EXPECT_THAT(error_of([] {
-                programs::fold_lse_loss<double>(static_cast<double*>(nullptr), static_cast<double*>(nullptr), {},
-                                                nullptr, static_cast<int64_t*>(nullptr), 2, {});
+                programs::fold_lse_loss<double>(static_cast<double*>(nullptr),
+                                                static_cast<double*>(nullptr), {}, nullptr,
+                                                static_cast<int64_t*>(nullptr), 2, {});
               }),
               HasSubstr("null pointer"));
 }
@@ -116,10 +119,18 @@ TEST(BadInput, NonPositiveSizes) {
   F1Fixture f;
   f.tiles = {0, 4, 2, 2};
   EXPECT_THAT(error_of([&] { f.run(); }), HasSubstr("sizes must be positive"));
-  EXPECT_THAT(error_of([] { programs::fold_rstd<double>(static_cast<double*>(nullptr), {}, 0, 1e-5); }),
-              HasSubstr("hidden must be positive, got 0"));
-  reference::LlamaShape s{.hidden = 0, .n_heads = 2, .n_kv_heads = 1, .head_dim = 4,
-                          .intermediate = 8, .vocab = 10, .n_layers = 1, .batch = 1, .seq = 2};
+  EXPECT_THAT(
+      error_of([] { programs::fold_rstd<double>(static_cast<double*>(nullptr), {}, 0, 1e-5); }),
+      HasSubstr("hidden must be positive, got 0"));
+  reference::LlamaShape s{.hidden = 0,
+                          .n_heads = 2,
+                          .n_kv_heads = 1,
+                          .head_dim = 4,
+                          .intermediate = 8,
+                          .vocab = 10,
+                          .n_layers = 1,
+                          .batch = 1,
+                          .seq = 2};
   EXPECT_THAT(error_of([&] { s.validate(); }), HasSubstr("hidden 0"));
 }
 
@@ -127,10 +138,9 @@ TEST(BadInput, OutOfRangeTargetIsNamed) {
   const epilogue::PartialLayout l{1, 1, 1};
   const double pmax = 0, psum = 1, tl = 0;
   const int64_t target = 7;
-  EXPECT_THAT(error_of([&] {
-                programs::fold_lse_loss<double>(&pmax, &psum, l, &tl, &target, 5, {});
-              }),
-              AllOf(HasSubstr("targets[0] = 7"), HasSubstr("[0, 5)")));
+  EXPECT_THAT(
+      error_of([&] { programs::fold_lse_loss<double>(&pmax, &psum, l, &tl, &target, 5, {}); }),
+      AllOf(HasSubstr("targets[0] = 7"), HasSubstr("[0, 5)")));
 }
 
 }  // namespace

@@ -1,6 +1,6 @@
 // The whole reparameterized decoder (first layer, middle blocks, last layer + LM head + CE) forward
-// and backward against the independent, unfused fp64 model: loss and the gradient of every input and
-// weight, both RMSNorm gammas included, within 1e-10 relative.
+// and backward against the independent, unfused fp64 model: loss and the gradient of every input
+// and weight, both RMSNorm gammas included, within 1e-10 relative.
 
 #include <gtest/gtest.h>
 
@@ -97,10 +97,9 @@ TEST(LlamaBlockSanity, PerturbedWeightIsDetected) {
   const double loss_std = llama_loss(cfg, w, x0, targets, {}, nullptr);
   auto fused = to_fused(cfg, w);
   fused.layers[0].gamma_ffn[3] *= 1.0 + 1e-7;
-  const double loss_fused = reference::fused_llama_loss(fused_shape(cfg), fused, x0, targets,
-                                                        programs::CrossEntropyOptions{},
-                                                        reference::TileConfig{},
-                                                        static_cast<reference::FusedGrads<double>*>(nullptr));
+  const double loss_fused = reference::fused_llama_loss(
+      fused_shape(cfg), fused, x0, targets, programs::CrossEntropyOptions{},
+      reference::TileConfig{}, static_cast<reference::FusedGrads<double>*>(nullptr));
   EXPECT_GT(std::abs(loss_fused - loss_std), kTol * std::abs(loss_std));
 }
 

@@ -56,7 +56,8 @@ class ProgramTest : public ::testing::TestWithParam<std::tuple<Shape, TileConfig
 TEST_P(ProgramTest, F1ResidualRmsnormPartialAndA1Fold) {
   const auto [M, N, K] = s();
   const V a = uniform_vector(M * K, -1, 1, seed()), w = uniform_vector(N * K, -1, 1, seed() + 1);
-  const V res = uniform_vector(M * N, -1, 1, seed() + 2), gamma = uniform_vector(N, 0.5, 1.5, seed() + 3);
+  const V res = uniform_vector(M * N, -1, 1, seed() + 2),
+          gamma = uniform_vector(N, 0.5, 1.5, seed() + 3);
   const double eps = 1e-5;
   ResidualRmsnormPartial<double> p;
   V x(M * N), h(M * N);
@@ -192,8 +193,8 @@ TEST_P(ProgramTest, F4RmsnormLseAndA2LossWithIgnoredTokensAndZLoss) {
     p.logits = {logits.data(), M, N, N};
     reference::execute<double>(MatrixRef<double>::row_major(h.data(), M, K),
                                MatrixRef<double>::row_major(w.data(), N, K), p, t());
-    const auto res = fold_lse_loss<double>(pmax.data(), psum.data(), p.layout, tl.data(),
-                                           tgt.data(), N, opt);
+    const auto res =
+        fold_lse_loss<double>(pmax.data(), psum.data(), p.layout, tl.data(), tgt.data(), N, opt);
     V l_ref = plain_gemm(h, w, M, N, K), lse_ref(M);
     double total = 0;
     int64_t count = 0;
@@ -220,8 +221,10 @@ TEST_P(ProgramTest, F4RmsnormLseAndA2LossWithIgnoredTokensAndZLoss) {
 
 TEST_P(ProgramTest, B1RmsnormBackwardAccumulatesIntoResidualGradient) {
   const auto [M, H, Nout] = s();  // g = dz · W with dz (M, Nout), W (Nout, H)
-  const V dz = uniform_vector(M * Nout, -1, 1, seed()), w = uniform_vector(Nout * H, -1, 1, seed() + 1);
-  const V x = uniform_vector(M * H, -2, 2, seed() + 2), gamma = uniform_vector(H, 0.5, 1.5, seed() + 3);
+  const V dz = uniform_vector(M * Nout, -1, 1, seed()),
+          w = uniform_vector(Nout * H, -1, 1, seed() + 1);
+  const V x = uniform_vector(M * H, -2, 2, seed() + 2),
+          gamma = uniform_vector(H, 0.5, 1.5, seed() + 3);
   const V r = uniform_vector(M, 0.3, 2, seed() + 4), zdz = uniform_vector(M, -1, 1, seed() + 5);
   const V dres = uniform_vector(M * H, -1, 1, seed() + 6);
   V dx = dres, h_out(M * H);
@@ -276,7 +279,8 @@ TEST_P(ProgramTest, B2SwigluBackwardOnInterleavedPairs) {
       for (int64_t j = 0; j < I; ++j) da[i * I + j] += dx[i * K + p2] * wd[p2 * I + j];
   for (int64_t i = 0; i < M; ++i)
     for (int64_t j = 0; j < I; ++j) {
-      const double g = z[i * 2 * I + 2 * j], u = z[i * 2 * I + 2 * j + 1], s = 1 / (1 + std::exp(-g));
+      const double g = z[i * 2 * I + 2 * j], u = z[i * 2 * I + 2 * j + 1],
+                   s = 1 / (1 + std::exp(-g));
       const double du = da[i * I + j] * g * s;
       const double dg = da[i * I + j] * u * (s + g * s * (1 - s));  // d/dg (g s) = s + g s (1 - s)
       dz_ref[i * 2 * I + 2 * j] = dg;
@@ -371,7 +375,8 @@ std::string case_name(const ::testing::TestParamInfo<std::tuple<Shape, TileConfi
          std::to_string(t.subtile_m) + "x" + std::to_string(t.subtile_n);
 }
 
-INSTANTIATE_TEST_SUITE_P(RaggedShapesAndTiles, ProgramTest, ::testing::ValuesIn(cases()), case_name);
+INSTANTIATE_TEST_SUITE_P(RaggedShapesAndTiles, ProgramTest, ::testing::ValuesIn(cases()),
+                         case_name);
 
 }  // namespace
 }  // namespace coda::programs

@@ -1,10 +1,11 @@
 // RoPE angles and frequency tables.
 
+#include "coda/programs/rope.hpp"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
 
-#include "coda/programs/rope.hpp"
 #include "support/numeric.hpp"
 
 namespace coda::programs {
@@ -58,7 +59,8 @@ TEST(RopeTable, QAndKColumnsGetPairFrequenciesAndVColumnsZero) {
   ASSERT_EQ(static_cast<int>(t.size()), l.width());
   for (int n = 0; n < l.width(); ++n) {
     const bool rotated = n < l.q_width() + l.kv_width();
-    const RopeFrequency expect = rotated ? rope_frequency_from_radians(inv[(n % 8) / 2]) : RopeFrequency{};
+    const RopeFrequency expect =
+        rotated ? rope_frequency_from_radians(inv[(n % 8) / 2]) : RopeFrequency{};
     EXPECT_EQ(t[n].hi, expect.hi) << n;
     EXPECT_EQ(t[n].lo, expect.lo) << n;
   }

@@ -1,11 +1,12 @@
 // Weight-layout converters: round trips, and that the converted layouts compute the same function.
 
+#include "coda/programs/weight_layout.hpp"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
 
 #include "coda/programs/rope.hpp"
-#include "coda/programs/weight_layout.hpp"
 #include "support/numeric.hpp"
 
 namespace coda::programs {

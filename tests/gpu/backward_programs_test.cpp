@@ -11,8 +11,8 @@
 namespace coda::kernel {
 namespace {
 
-const Shape kShapes[] = {{1, 200, 136}, {19, 8, 8}, {111, 200, 136}, {4097, 200, 136},
-                         {111, 1032, 520}};
+const Shape kShapes[] = {
+    {1, 200, 136}, {19, 8, 8}, {111, 200, 136}, {4097, 200, 136}, {111, 1032, 520}};
 
 V round_all(const V& v) {
   V o(v.size());
@@ -33,8 +33,9 @@ TEST_F(GpuKernelTest, PlainGemmWithUntransposedWeightMatchesReference) {  // D =
       DeviceBuffer<bf16> d(size_t(s.m) * s.n);
       d.poison();
       PlainArgs args;
-      run(Program::kPlain, c, {s.m, s.n, s.k, dx.get(), s.k, dw.get(), s.n, nullptr, 0, d.get(), s.n},
-          &args, Operands::kXW);
+      run(Program::kPlain, c,
+          {s.m, s.n, s.k, dx.get(), s.k, dw.get(), s.n, nullptr, 0, d.get(), s.n}, &args,
+          Operands::kXW);
       const V ref = reference::gemm<double>(MatrixRef<double>::row_major(x.data(), s.m, s.k),
                                             MatrixRef<double>::transposed(w.data(), s.n, s.k));
       expect_rule("X*W " + label(c, s), download_bf16(d), ref, round_all(ref));
@@ -47,8 +48,8 @@ TEST_F(GpuKernelTest, PlainGemmTransposedActivationMatchesReference) {  // D = X
   testing::Rng rng(22);
   // Weight-gradient shapes: D (M, N) = Xᵀ (M, K) · Y (K, N), X (K, M) and Y (K, N) row-major; K
   // plays the tokens and is ragged; M and N (feature sizes) are multiples of 8 as TMA requires.
-  const Shape shapes[] = {{200, 136, 1}, {8, 8, 19}, {200, 136, 111}, {136, 200, 4097},
-                          {1032, 520, 111}};
+  const Shape shapes[] = {
+      {200, 136, 1}, {8, 8, 19}, {200, 136, 111}, {136, 200, 4097}, {1032, 520, 111}};
   for (Config c : configs)
     for (const Shape& s : shapes) {
       if (skip_large(s)) continue;
@@ -58,8 +59,9 @@ TEST_F(GpuKernelTest, PlainGemmTransposedActivationMatchesReference) {  // D = X
       DeviceBuffer<bf16> d(size_t(s.m) * s.n);
       d.poison();
       PlainArgs args;
-      run(Program::kPlain, c, {s.m, s.n, s.k, dx.get(), s.m, dy.get(), s.n, nullptr, 0, d.get(), s.n},
-          &args, Operands::kXtY);
+      run(Program::kPlain, c,
+          {s.m, s.n, s.k, dx.get(), s.m, dy.get(), s.n, nullptr, 0, d.get(), s.n}, &args,
+          Operands::kXtY);
       const V ref = reference::gemm<double>(MatrixRef<double>::transposed(x.data(), s.m, s.k),
                                             MatrixRef<double>::transposed(y.data(), s.n, s.k));
       expect_rule("X^T*Y " + label(c, s), download_bf16(d), ref, round_all(ref));
@@ -88,7 +90,8 @@ void check_rmsnorm_backward(bool in_place) {
       }
       const auto tiles = reference_tiles(c);
       const auto layout = epilogue::PartialLayout::per_column(M, H, tiles.tile_m, tiles.tile_n);
-      auto ddz = upload_bf16(dz), dw = upload_bf16(w), dxs = upload_bf16(x), dg = upload_bf16(gamma);
+      auto ddz = upload_bf16(dz), dw = upload_bf16(w), dxs = upload_bf16(x),
+           dg = upload_bf16(gamma);
       auto ddres = upload_bf16(dres);
       DeviceBuffer<float> dr(r), dzdz(zdz), dpart(layout.elements());
       DeviceBuffer<bf16> ddx(in_place ? 0 : mh), dh(mh);
@@ -96,7 +99,8 @@ void check_rmsnorm_backward(bool in_place) {
       dh.poison();
       dpart.poison();
       bf16* out = in_place ? ddres.get() : ddx.get();
-      RmsnormBackwardArgs args{dxs.get(), H, dr.get(), dg.get(), dzdz.get(), dh.get(), H, dpart.get()};
+      RmsnormBackwardArgs args{dxs.get(),  H,        dr.get(), dg.get(),
+                               dzdz.get(), dh.get(), H,        dpart.get()};
       run(Program::kRmsnormBackward, c,
           {M, H, Nout, ddz.get(), Nout, dw.get(), H, ddres.get(), H, out, H}, &args, Operands::kXW);
 
@@ -122,7 +126,8 @@ void check_rmsnorm_backward(bool in_place) {
         for (int j = 0; j < H; ++j) {
           const size_t e = size_t(i) * H + j;
           const double gb = round_bf16(g[e]), nb = round_bf16(x[e] * rd[i]);
-          dx_pt[e] = round_bf16(dres[e] + round_bf16(rd[i] * (gb * gamma[j] - x[e] * rd[i] * zd[i])));
+          dx_pt[e] =
+              round_bf16(dres[e] + round_bf16(rd[i] * (gb * gamma[j] - x[e] * rd[i] * zd[i])));
           h_pt[e] = round_bf16(nb * gamma[j]);
           part_pt[layout.index(j, i / tiles.tile_m)] += gb * nb;
         }
@@ -132,7 +137,8 @@ void check_rmsnorm_backward(bool in_place) {
       for (size_t i = 0; i < raw.size(); ++i) part_gpu[i] = raw[i];
       for (int64_t t = 0; t < layout.tiles; ++t)
         for (int64_t j = H; j < layout.extent; ++j)
-          part_gpu[layout.index(j, t)] = part_ref[layout.index(j, t)] = part_pt[layout.index(j, t)] = 0;
+          part_gpu[layout.index(j, t)] = part_ref[layout.index(j, t)] =
+              part_pt[layout.index(j, t)] = 0;
       const std::string l = std::string(in_place ? "in-place " : "") + label(c, s);
       expect_rule("B1 dx " + l, download_bf16(in_place ? ddres : ddx), dx, dx_pt);
       expect_rule("B1 h_out " + l, download_bf16(dh), h, h_pt);

@@ -23,9 +23,8 @@ namespace coda::kernel {
 namespace {
 
 // N = 200 and K = 136 are multiples of 8 but of no tile; M covers 1, a prime, and > a tile.
-const Shape kShapes[] = {{1, 200, 136}, {19, 8, 8}, {111, 200, 136}, {4097, 200, 136},
-                         {111, 1032, 520}};
-
+const Shape kShapes[] = {
+    {1, 200, 136}, {19, 8, 8}, {111, 200, 136}, {4097, 200, 136}, {111, 1032, 520}};
 
 TEST_F(GpuKernelTest, AccumulatorPairsAreAdjacentColumnsOfOneThread) {
   const auto configs = compiled_configs(Program::kPairLayoutProbe);
@@ -39,7 +38,8 @@ TEST_F(GpuKernelTest, AccumulatorPairsAreAdjacentColumnsOfOneThread) {
       DeviceBuffer<bf16> d(size_t(s.m) * s.n);
       d.poison();
       PlainArgs args;
-      run(Program::kPairLayoutProbe, c, {s.m, s.n, s.k, a.get(), s.k, w.get(), s.k, nullptr, 0, d.get(), s.n}, &args);
+      run(Program::kPairLayoutProbe, c,
+          {s.m, s.n, s.k, a.get(), s.k, w.get(), s.k, nullptr, 0, d.get(), s.n}, &args);
       for (double v : download_bf16(d)) ASSERT_EQ(v, 1.0) << label(c, s);
     }
 }
@@ -57,7 +57,8 @@ TEST_F(GpuKernelTest, PlainGemmMatchesReference) {
       DeviceBuffer<bf16> d(size_t(s.m) * s.n);
       d.poison();
       PlainArgs args;
-      run(Program::kPlain, c, {s.m, s.n, s.k, da.get(), s.k, dw.get(), s.k, nullptr, 0, d.get(), s.n}, &args);
+      run(Program::kPlain, c,
+          {s.m, s.n, s.k, da.get(), s.k, dw.get(), s.k, nullptr, 0, d.get(), s.n}, &args);
       const V ref = gemm_ref(a, w, s);
       V pt(ref.size());
       for (size_t i = 0; i < ref.size(); ++i) pt[i] = round_bf16(ref[i]);
@@ -79,7 +80,8 @@ TEST_F(GpuKernelTest, ResidualRmsnormPartialMatchesReference) {
       const V gamma = testing::bf16_uniform(s.n, 0.5, 1.5, rng);
       const auto tiles = reference_tiles(c);
       const auto layout = epilogue::PartialLayout::per_row(s.m, s.n, tiles.tile_m, tiles.tile_n);
-      auto da = upload_bf16(a), dw = upload_bf16(w), dres = upload_bf16(res), dg = upload_bf16(gamma);
+      auto da = upload_bf16(a), dw = upload_bf16(w), dres = upload_bf16(res),
+           dg = upload_bf16(gamma);
       DeviceBuffer<bf16> dx(mn), dh(mn);
       DeviceBuffer<float> dpart(layout.elements());
       dx.poison();
@@ -113,7 +115,8 @@ TEST_F(GpuKernelTest, ResidualRmsnormPartialMatchesReference) {
       V part_gpu = as_double(dpart.download()), part_ref = part, part_py = part_pt;
       for (int64_t t = 0; t < layout.tiles; ++t)
         for (int64_t i = s.m; i < layout.extent; ++i)
-          part_gpu[layout.index(i, t)] = part_ref[layout.index(i, t)] = part_py[layout.index(i, t)] = 0;
+          part_gpu[layout.index(i, t)] = part_ref[layout.index(i, t)] =
+              part_py[layout.index(i, t)] = 0;
       const std::string l = label(c, s);
       expect_rule("F1 x " + l, download_bf16(dx), x, x_pt);
       expect_rule("F1 h " + l, download_bf16(dh), h, h_pt);
@@ -126,8 +129,8 @@ TEST_F(GpuKernelTest, RmsnormSwigluMatchesReference) {
   ASSERT_FALSE(configs.empty());
   testing::Rng rng(4);
   // 2I must be a multiple of 16 (the (M, I) output's rows are 16-byte aligned for TMA).
-  const Shape shapes[] = {{1, 208, 136}, {19, 16, 8}, {111, 208, 136}, {4097, 208, 136},
-                          {111, 1040, 520}};
+  const Shape shapes[] = {
+      {1, 208, 136}, {19, 16, 8}, {111, 208, 136}, {4097, 208, 136}, {111, 1040, 520}};
   for (Config c : configs)
     for (const Shape& s : shapes) {
       if (skip_large(s)) continue;
@@ -263,7 +266,8 @@ void check_lse(Program prog) {
       dtl.poison();
       dlog.poison();
       RmsnormLseArgs args{dr.get(), dt.get(), dmax.get(), dsum.get(), dtl.get()};
-      run(prog, c, {s.m, s.n, s.k, dh.get(), s.k, dw.get(), s.k, nullptr, 0, dlog.get(), s.n}, &args);
+      run(prog, c, {s.m, s.n, s.k, dh.get(), s.k, dw.get(), s.k, nullptr, 0, dlog.get(), s.n},
+          &args);
 
       const V rd = as_double(r);
       programs::RmsnormLse<double> p;
@@ -283,8 +287,8 @@ void check_lse(Program prog) {
                                                        tgt.data(), s.n, opt);
       const V gmax = as_double(dmax.download()), gsum = as_double(dsum.download());
       const V gtl = as_double(dtl.download());
-      const auto ours = programs::fold_lse_loss<double>(gmax.data(), gsum.data(), layout, gtl.data(),
-                                                        tgt.data(), s.n, opt);
+      const auto ours = programs::fold_lse_loss<double>(gmax.data(), gsum.data(), layout,
+                                                        gtl.data(), tgt.data(), s.n, opt);
       // PyTorch: logits = bf16(bf16(y) r); lse and the target logit from those.
       const V y = gemm_ref(h, w, s);
       V lse_pt(s.m), tl_pt(s.m), logit_pt(size_t(s.m) * s.n);
@@ -306,32 +310,42 @@ void check_lse(Program prog) {
       }
       const std::string l = std::string(program_name(prog)) + " " + label(c, s);
       for (int i = 0; i < s.m; ++i) {
-        if (tgt[i] < 0 || std::abs(tl_gpu[i] - tl_ref[i]) <= 2 * std::abs(tl_pt[i] - tl_ref[i]) + 1e-6)
+        if (tgt[i] < 0 ||
+            std::abs(tl_gpu[i] - tl_ref[i]) <= 2 * std::abs(tl_pt[i] - tl_ref[i]) + 1e-6)
           continue;
         // Diagnose the first wrong row: which reference logit equals what the GPU wrote?
         int match = -1;
         for (int j = 0; j < s.n; ++j)
-          if (std::abs(logits[size_t(i) * s.n + j] - tl_gpu[i]) < 1e-2 * (1 + std::abs(tl_gpu[i]))) match = j;
+          if (std::abs(logits[size_t(i) * s.n + j] - tl_gpu[i]) < 1e-2 * (1 + std::abs(tl_gpu[i])))
+            match = j;
         ADD_FAILURE() << l << ": row " << i << " target " << tgt[i] << " gpu " << tl_gpu[i]
                       << " ref " << tl_ref[i] << " (gpu value is the ref logit of column " << match
-                      << "); gpu max/sum tile0 " << gmax[layout.index(i, 0)] << "/" << gsum[layout.index(i, 0)]
-                      << " ref " << pmax[layout.index(i, 0)] << "/" << psum[layout.index(i, 0)];
+                      << "); gpu max/sum tile0 " << gmax[layout.index(i, 0)] << "/"
+                      << gsum[layout.index(i, 0)] << " ref " << pmax[layout.index(i, 0)] << "/"
+                      << psum[layout.index(i, 0)];
         break;
       }
       expect_rule("lse " + l, ours.lse, ref.lse, lse_pt);
       expect_rule("target logit " + l, tl_gpu, tl_ref, tl_pt);
-      EXPECT_NEAR(ours.loss, ref.loss, 2 * std::abs(ref.loss - [&] {
-        double t = 0;
-        int64_t n = 0;
-        for (int i = 0; i < s.m; ++i)
-          if (tgt[i] >= 0) t += lse_pt[i] - tl_pt[i], ++n;
-        return t / n;
-      }()) + 1e-6) << l;
-      if (prog == Program::kRmsnormLseLogits) expect_rule("logits " + l, download_bf16(dlog), logits, logit_pt);
+      EXPECT_NEAR(ours.loss, ref.loss,
+                  2 * std::abs(ref.loss -
+                               [&] {
+                                 double t = 0;
+                                 int64_t n = 0;
+                                 for (int i = 0; i < s.m; ++i)
+                                   if (tgt[i] >= 0) t += lse_pt[i] - tl_pt[i], ++n;
+                                 return t / n;
+                               }()) +
+                      1e-6)
+          << l;
+      if (prog == Program::kRmsnormLseLogits)
+        expect_rule("logits " + l, download_bf16(dlog), logits, logit_pt);
     }
 }
 
-TEST_F(GpuKernelTest, RmsnormLseMatchesReferenceWithRaggedVocab) { check_lse(Program::kRmsnormLse); }
+TEST_F(GpuKernelTest, RmsnormLseMatchesReferenceWithRaggedVocab) {
+  check_lse(Program::kRmsnormLse);
+}
 TEST_F(GpuKernelTest, RmsnormLseLogitsMatchesReference) { check_lse(Program::kRmsnormLseLogits); }
 
 }  // namespace

@@ -35,7 +35,10 @@ class DeviceBuffer {
   ~DeviceBuffer() {
     if (p_) cudaFree(p_);
   }
-  DeviceBuffer(DeviceBuffer&& o) noexcept : p_(o.p_), n_(o.n_) { o.p_ = nullptr; o.n_ = 0; }
+  DeviceBuffer(DeviceBuffer&& o) noexcept : p_(o.p_), n_(o.n_) {
+    o.p_ = nullptr;
+    o.n_ = 0;
+  }
   DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
     std::swap(p_, o.p_);
     std::swap(n_, o.n_);

@@ -86,7 +86,8 @@ std::vector<double> as_double(const std::vector<T>& v) {
 inline void expect_rule(const std::string& what, const V& out, const V& ref, const V& pt) {
   ASSERT_EQ(out.size(), ref.size()) << what;
   for (size_t i = 0; i < out.size(); ++i)
-    ASSERT_TRUE(std::isfinite(out[i])) << what << ": element " << i << " not written (" << out[i] << ")";
+    ASSERT_TRUE(std::isfinite(out[i]))
+        << what << ": element " << i << " not written (" << out[i] << ")";
   const double e = testing::max_abs_error(out, ref), e_pt = testing::max_abs_error(pt, ref);
   EXPECT_LE(e, 2 * e_pt + 1e-6) << what << ": ours " << e << " vs PyTorch-bf16 " << e_pt;
 }

@@ -9,22 +9,29 @@
 namespace coda::testing {
 
 inline reference::LlamaShape fused_shape(const LlamaConfig& c) {
-  return {.hidden = c.hidden, .n_heads = c.n_heads, .n_kv_heads = c.n_kv_heads,
-          .head_dim = c.head_dim, .intermediate = c.intermediate, .vocab = c.vocab,
-          .n_layers = c.n_layers, .batch = c.batch, .seq = c.seq, .eps = c.eps};
+  return {.hidden = c.hidden,
+          .n_heads = c.n_heads,
+          .n_kv_heads = c.n_kv_heads,
+          .head_dim = c.head_dim,
+          .intermediate = c.intermediate,
+          .vocab = c.vocab,
+          .n_layers = c.n_layers,
+          .batch = c.batch,
+          .seq = c.seq,
+          .eps = c.eps};
 }
 
 inline reference::FusedModel<double> to_fused(const LlamaConfig& c, const ModelWeights& w) {
   reference::FusedModel<double> f;
   for (const auto& l : w.layers) {
-    f.layers.push_back({.gamma_attn = l.gamma_attn,
-                        .w_qkv = programs::qkv_from_hf(l.wq, l.wk, l.wv, c.n_heads, c.n_kv_heads,
-                                                       c.head_dim, c.hidden),
-                        .w_o = l.wo,
-                        .gamma_ffn = l.gamma_ffn,
-                        .w_gu = programs::interleave_gate_up(l.w_gate, l.w_up, c.intermediate,
-                                                             c.hidden),
-                        .w_down = l.w_down});
+    f.layers.push_back(
+        {.gamma_attn = l.gamma_attn,
+         .w_qkv =
+             programs::qkv_from_hf(l.wq, l.wk, l.wv, c.n_heads, c.n_kv_heads, c.head_dim, c.hidden),
+         .w_o = l.wo,
+         .gamma_ffn = l.gamma_ffn,
+         .w_gu = programs::interleave_gate_up(l.w_gate, l.w_up, c.intermediate, c.hidden),
+         .w_down = l.w_down});
   }
   f.gamma_final = w.gamma_final;
   f.w_vocab = w.w_vocab;

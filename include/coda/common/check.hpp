@@ -29,7 +29,7 @@ template <class... Parts>
 }  // namespace coda
 
 // CODA_CHECK(cond, "A: expected ", m, " rows, got ", a_rows);
-#define CODA_CHECK(cond, ...)                                                 \
-  do {                                                                        \
+#define CODA_CHECK(cond, ...)                                                  \
+  do {                                                                         \
     if (!(cond)) ::coda::detail::fail(__FILE__, __LINE__, #cond, __VA_ARGS__); \
   } while (0)

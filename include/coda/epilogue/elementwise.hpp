@@ -47,23 +47,31 @@ CODA_HD T silu(T x) {
 
 struct Plus {
   template <class T>
-  CODA_HD T operator()(T a, T b) const { return a + b; }
+  CODA_HD T operator()(T a, T b) const {
+    return a + b;
+  }
 };
 
 struct Multiplies {
   template <class T>
-  CODA_HD T operator()(T a, T b) const { return a * b; }
+  CODA_HD T operator()(T a, T b) const {
+    return a * b;
+  }
 };
 
 struct Square {
   template <class T>
-  CODA_HD T operator()(T a) const { return a * a; }
+  CODA_HD T operator()(T a) const {
+    return a * a;
+  }
 };
 
 // --- 2 -> 1: SwiGLU on an interleaved (gate, up) pair: a = silu(g) * u -------------------------
 struct SwiGlu {
   template <class T>
-  CODA_HD T operator()(T g, T u) const { return silu(g) * u; }
+  CODA_HD T operator()(T g, T u) const {
+    return silu(g) * u;
+  }
 };
 
 // --- 1 -> 2: SwiGLU backward. With s = sigmoid(g): du = da * silu(g),
@@ -97,8 +105,8 @@ struct RopeRotateTranspose {
   }
 };
 
-// Applies `f(x[2j], x[2j+1])` to every adjacent pair of a register fragment of N elements, in place.
-// N is a compile-time constant so the loop unrolls and the fragment stays in registers.
+// Applies `f(x[2j], x[2j+1])` to every adjacent pair of a register fragment of N elements, in
+// place. N is a compile-time constant so the loop unrolls and the fragment stays in registers.
 template <int N, class T, class F>
 CODA_HD void for_each_pair(T* fragment, F&& f) {
   static_assert(N % 2 == 0, "pairwise maps need an even fragment");

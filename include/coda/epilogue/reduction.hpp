@@ -17,14 +17,16 @@
 
 namespace coda::epilogue {
 
-CODA_HD int64_t round_up(int64_t x, int64_t multiple) { return (x + multiple - 1) / multiple * multiple; }
+CODA_HD int64_t round_up(int64_t x, int64_t multiple) {
+  return (x + multiple - 1) / multiple * multiple;
+}
 CODA_HD int64_t ceil_div(int64_t x, int64_t d) { return (x + d - 1) / d; }
 
 // Shape of a partial buffer: `extent` padded entries per tile, `tiles` tiles.
 struct PartialLayout {
-  int64_t extent = 0;         // rows_padded (per-row partials) or cols_padded (per-column partials)
-  int64_t tiles = 0;          // number of tiles reduced over
-  int64_t logical = 0;        // M (per-row) or N (per-column): entries past it are padding
+  int64_t extent = 0;   // rows_padded (per-row partials) or cols_padded (per-column partials)
+  int64_t tiles = 0;    // number of tiles reduced over
+  int64_t logical = 0;  // M (per-row) or N (per-column): entries past it are padding
 
   static PartialLayout per_row(int64_t m, int64_t n, int64_t tile_m, int64_t tile_n) {
     return {round_up(m, tile_m), ceil_div(n, tile_n), m};
@@ -48,7 +50,8 @@ struct PartialLayout {
 };
 
 // Host twin of the device block reduction: accumulates values of one tile per row (or column) in
-// registers, then writes the tile's partials. `Op` is a binary functor, `identity` its neutral value.
+// registers, then writes the tile's partials. `Op` is a binary functor, `identity` its neutral
+// value.
 template <class Real, class Op>
 class TilePartialReducer {
  public:
@@ -62,7 +65,8 @@ class TilePartialReducer {
   template <class Out>
   void write(Out* partials, const PartialLayout& layout, int64_t first, int64_t tile) const {
     for (int64_t i = 0; i < static_cast<int64_t>(acc_.size()); ++i) {
-      if (first + i < layout.extent) partials[layout.index(first + i, tile)] = static_cast<Out>(acc_[i]);
+      if (first + i < layout.extent)
+        partials[layout.index(first + i, tile)] = static_cast<Out>(acc_[i]);
     }
   }
 

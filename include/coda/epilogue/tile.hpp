@@ -1,11 +1,13 @@
 #pragma once
 // Primitive 3 of 5: tile loads and stores.
 //
-// A tile operand is a row-major (rows, cols) matrix with a leading dimension, read or written at the
-// accumulator's (m, n). Variants:
-//   - TileIn:          residual / saved activation in (device: pipelined TMA load, Sm90AuxLoad or C);
+// A tile operand is a row-major (rows, cols) matrix with a leading dimension, read or written at
+// the accumulator's (m, n). Variants:
+//   - TileIn:          residual / saved activation in (device: pipelined TMA load, Sm90AuxLoad or
+//   C);
 //   - TileOut:         saved activation out (device: TMA store through smem, Sm90AuxStore or D);
-//   - TileOut, half:   the 2->1 pairwise maps write column n/2 of a (rows, cols/2) output (SwiGLU a);
+//   - TileOut, half:   the 2->1 pairwise maps write column n/2 of a (rows, cols/2) output (SwiGLU
+//   a);
 //   - accumulate-into: out[m, n] = out[m, n] + v (the residual gradient; device: C = D aliasing).
 // Out-of-bounds loads return 0 (TMA zero-fills) and out-of-bounds stores are dropped (TMA clips).
 
@@ -21,7 +23,9 @@ struct TileIn {
   const T* data = nullptr;
   int64_t rows = 0, cols = 0, ld = 0;
 
-  CODA_HD bool contains(int64_t m, int64_t n) const { return m >= 0 && m < rows && n >= 0 && n < cols; }
+  CODA_HD bool contains(int64_t m, int64_t n) const {
+    return m >= 0 && m < rows && n >= 0 && n < cols;
+  }
   CODA_HD T load(int64_t m, int64_t n) const { return contains(m, n) ? data[m * ld + n] : T(0); }
 
   // Argument check for program `who`: non-null, shape (rows, cols), row stride >= cols.
@@ -34,8 +38,8 @@ struct TileIn {
 };
 
 enum class StoreMode : int {
-  kOverwrite,      // out = v
-  kAccumulate,     // out = out + v
+  kOverwrite,   // out = v
+  kAccumulate,  // out = out + v
 };
 
 template <class T>
@@ -44,7 +48,9 @@ struct TileOut {
   int64_t rows = 0, cols = 0, ld = 0;
   StoreMode mode = StoreMode::kOverwrite;
 
-  CODA_HD bool contains(int64_t m, int64_t n) const { return m >= 0 && m < rows && n >= 0 && n < cols; }
+  CODA_HD bool contains(int64_t m, int64_t n) const {
+    return m >= 0 && m < rows && n >= 0 && n < cols;
+  }
 
   CODA_HD void store(int64_t m, int64_t n, T value) const {
     if (!contains(m, n)) return;

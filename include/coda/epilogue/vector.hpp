@@ -3,9 +3,10 @@
 //
 // Per-row vectors are indexed by the output row m (r[m], ZdZ[m], targets[m], pos[m]); per-column
 // vectors by the output column n (gamma[n], rope frequencies). Loads past the end return the given
-// identity, as the device broadcast nodes do for out-of-bounds lanes, so callers never branch on the
-// ragged edge of a tile. On the GPU these are CUTLASS's Sm90ColBroadcast (per row) and
-// Sm90RowBroadcast (per column), staged through shared memory once per tile; the host twin is below.
+// identity, as the device broadcast nodes do for out-of-bounds lanes, so callers never branch on
+// the ragged edge of a tile. On the GPU these are CUTLASS's Sm90ColBroadcast (per row) and
+// Sm90RowBroadcast (per column), staged through shared memory once per tile; the host twin is
+// below.
 
 #include <cstdint>
 

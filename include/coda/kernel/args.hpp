@@ -3,10 +3,10 @@
 // identifiers, and each program's epilogue operands. No CUTLASS here, so the dispatch layer and the
 // tests include it from plain C++.
 
-#include <cstdint>
-
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
+
+#include <cstdint>
 
 namespace coda::kernel {
 
@@ -32,14 +32,14 @@ enum class Config : int {
 };
 
 enum class Program : int {
-  kPlain = 0,                  // D = acc
-  kResidualRmsnormPartial = 1, // F1
-  kRmsnormSwiglu = 2,          // F2
-  kRmsnormRope = 3,            // F3
-  kRmsnormLse = 4,             // F4 (logits not stored)
-  kRmsnormLseLogits = 5,       // F4 + bf16 logits in D
-  kPairLayoutProbe = 6,        // test: D = 1 where the fragment pairing holds
-  kRmsnormBackward = 7,        // B1 (operands kXW)
+  kPlain = 0,                   // D = acc
+  kResidualRmsnormPartial = 1,  // F1
+  kRmsnormSwiglu = 2,           // F2
+  kRmsnormRope = 3,             // F3
+  kRmsnormLse = 4,              // F4 (logits not stored)
+  kRmsnormLseLogits = 5,        // F4 + bf16 logits in D
+  kPairLayoutProbe = 6,         // test: D = 1 where the fragment pairing holds
+  kRmsnormBackward = 7,         // B1 (operands kXW)
   kCount
 };
 
@@ -51,7 +51,7 @@ struct GemmProblem {
   int64_t ldb = 0;
   const bf16* c = nullptr;  // source tile (residual); only programs that load C read it
   int64_t ldc = 0;
-  bf16* d = nullptr;        // may be null for programs without a D output
+  bf16* d = nullptr;  // may be null for programs without a D output
   int64_t ldd = 0;
 };
 
@@ -69,20 +69,20 @@ struct ResidualRmsnormPartialArgs {  // F1: C = residual, D = x
   const bf16* gamma = nullptr;       // (N)
   bf16* h = nullptr;                 // (M, N) x ⊙ γ
   int64_t ldh = 0;
-  float* sumsq_partials = nullptr;   // PartialLayout::per_row(M, N, tile_m, tile_n)
+  float* sumsq_partials = nullptr;  // PartialLayout::per_row(M, N, tile_m, tile_n)
 };
 
-struct RmsnormSwigluArgs {           // F2: D = z (M, 2I)
-  const float* r = nullptr;          // (M)
-  bf16* a = nullptr;                 // (M, I)
+struct RmsnormSwigluArgs {   // F2: D = z (M, 2I)
+  const float* r = nullptr;  // (M)
+  bf16* a = nullptr;         // (M, I)
   int64_t lda = 0;
 };
 
-struct RmsnormRopeArgs {             // F3: D = qkv
-  const float* r = nullptr;          // (M)
-  const int32_t* pos = nullptr;      // (M)
-  const uint32_t* freq_hi = nullptr; // (N) programs::RopeFrequency split in two vectors
-  const uint32_t* freq_lo = nullptr; // (N)
+struct RmsnormRopeArgs {              // F3: D = qkv
+  const float* r = nullptr;           // (M)
+  const int32_t* pos = nullptr;       // (M)
+  const uint32_t* freq_hi = nullptr;  // (N) programs::RopeFrequency split in two vectors
+  const uint32_t* freq_lo = nullptr;  // (N)
 };
 
 struct RmsnormLseArgs {              // F4: D = logits (bf16) only for kRmsnormLseLogits
@@ -90,16 +90,16 @@ struct RmsnormLseArgs {              // F4: D = logits (bf16) only for kRmsnormL
   const int64_t* targets = nullptr;  // (M)
   float* max_partials = nullptr;     // PartialLayout::per_row(M, N, tile_m, tile_n)
   float* sum_partials = nullptr;
-  float* target_logit = nullptr;     // (M), untouched for rows whose target is not in [0, N)
+  float* target_logit = nullptr;  // (M), untouched for rows whose target is not in [0, N)
 };
 
-struct RmsnormBackwardArgs {         // B1: A = dz, B = W (K = N_out, N = H); C = dres, D = dx
-  const bf16* x = nullptr;           // (M, H) saved residual stream
+struct RmsnormBackwardArgs {  // B1: A = dz, B = W (K = N_out, N = H); C = dres, D = dx
+  const bf16* x = nullptr;    // (M, H) saved residual stream
   int64_t ldx = 0;
-  const float* r = nullptr;          // (M)
-  const bf16* gamma = nullptr;       // (H)
-  const float* zdz = nullptr;        // (M), folded: Σ dz·z / H
-  bf16* h_out = nullptr;             // (M, H)
+  const float* r = nullptr;     // (M)
+  const bf16* gamma = nullptr;  // (H)
+  const float* zdz = nullptr;   // (M), folded: Σ dz·z / H
+  bf16* h_out = nullptr;        // (M, H)
   int64_t ldh = 0;
   float* dgamma_partials = nullptr;  // PartialLayout::per_column(M, H, tile_m, tile_n)
 };

@@ -2,10 +2,10 @@
 // Small memory-bound kernels around the GEMMs (src/aux_kernels.cu): random fills for tests and
 // benchmarks, and comparison reductions for on-device checks.
 
+#include <cuda_runtime.h>
+
 #include <cstddef>
 #include <cstdint>
-
-#include <cuda_runtime.h>
 
 #include "coda/kernel/args.hpp"
 
@@ -19,8 +19,8 @@ void fill_uniform_bf16(bf16* p, size_t n, uint64_t seed, float lo, float hi, cud
 void max_abs_diff_bf16(const bf16* a, const bf16* b, size_t n, float* out, cudaStream_t stream);
 
 // A1: r[m] = rsqrt(Σ_t partials[m + rows_padded · t] / hidden + eps), for m < M.
-void fold_rstd(const float* partials, int64_t m, int64_t rows_padded, int64_t tiles,
-               int64_t hidden, float eps, float* r, cudaStream_t stream);
+void fold_rstd(const float* partials, int64_t m, int64_t rows_padded, int64_t tiles, int64_t hidden,
+               float eps, float* r, cudaStream_t stream);
 
 // F0 (first layer): h = x ⊙ γ (bf16), r[m] = rsqrt(mean_n x² + eps). x, h (M, H) row-major.
 void first_layer_rmsnorm(const bf16* x, const bf16* gamma, int64_t m, int64_t hidden, float eps,

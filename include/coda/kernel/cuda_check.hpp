@@ -5,9 +5,9 @@
 
 #include "coda/common/check.hpp"
 
-#define CODA_CUDA_CHECK(expr)                                                          \
-  do {                                                                                 \
-    const cudaError_t coda_status_ = (expr);                                           \
-    CODA_CHECK(coda_status_ == cudaSuccess, #expr, " failed: ",                        \
-               cudaGetErrorName(coda_status_), " (", cudaGetErrorString(coda_status_), ")"); \
+#define CODA_CUDA_CHECK(expr)                                                                   \
+  do {                                                                                          \
+    const cudaError_t coda_status_ = (expr);                                                    \
+    CODA_CHECK(coda_status_ == cudaSuccess, #expr, " failed: ", cudaGetErrorName(coda_status_), \
+               " (", cudaGetErrorString(coda_status_), ")");                                    \
   } while (0)

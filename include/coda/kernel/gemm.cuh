@@ -4,14 +4,14 @@
 // instantiation of GemmLauncher<Config, Program, Operands>::run per translation unit, which
 // includes the program's fusion header (fusions/*.cuh) before this one.
 
-#include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
+#include <cutlass/gemm/device/gemm_universal_adapter.h>
+
+#include <cute/tensor.hpp>
 #include <cutlass/epilogue/collective/collective_builder.hpp>
 #include <cutlass/gemm/collective/collective_builder.hpp>
-#include <cutlass/gemm/device/gemm_universal_adapter.h>
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 #include <cutlass/util/packed_stride.hpp>
-
 #include <mutex>
 
 #include "coda/kernel/args.hpp"
@@ -38,24 +38,45 @@ struct KernelConfig {
 
 template <Config C>
 struct ConfigOf;
-template <> struct ConfigOf<Config::kCoop128x256x64_2x1> { using type = KernelConfig<128, 256, 64, 2, 1, true>; };
-template <> struct ConfigOf<Config::kCoop256x128x64_1x2> { using type = KernelConfig<256, 128, 64, 1, 2, true>; };
-template <> struct ConfigOf<Config::kPing128x128x64_1x2> { using type = KernelConfig<128, 128, 64, 1, 2, false>; };
-template <> struct ConfigOf<Config::kPing128x128x64_2x1> { using type = KernelConfig<128, 128, 64, 2, 1, false>; };
-template <> struct ConfigOf<Config::kPing128x192x64_2x1> { using type = KernelConfig<128, 192, 64, 2, 1, false>; };
-template <> struct ConfigOf<Config::kCoop128x128x64_1x1> { using type = KernelConfig<128, 128, 64, 1, 1, true>; };
+template <>
+struct ConfigOf<Config::kCoop128x256x64_2x1> {
+  using type = KernelConfig<128, 256, 64, 2, 1, true>;
+};
+template <>
+struct ConfigOf<Config::kCoop256x128x64_1x2> {
+  using type = KernelConfig<256, 128, 64, 1, 2, true>;
+};
+template <>
+struct ConfigOf<Config::kPing128x128x64_1x2> {
+  using type = KernelConfig<128, 128, 64, 1, 2, false>;
+};
+template <>
+struct ConfigOf<Config::kPing128x128x64_2x1> {
+  using type = KernelConfig<128, 128, 64, 2, 1, false>;
+};
+template <>
+struct ConfigOf<Config::kPing128x192x64_2x1> {
+  using type = KernelConfig<128, 192, 64, 2, 1, false>;
+};
+template <>
+struct ConfigOf<Config::kCoop128x128x64_1x1> {
+  using type = KernelConfig<128, 128, 64, 1, 1, true>;
+};
 
 template <Operands O>
 struct OperandLayouts;
-template <> struct OperandLayouts<Operands::kXWt> {
+template <>
+struct OperandLayouts<Operands::kXWt> {
   using A = cutlass::layout::RowMajor;
   using B = cutlass::layout::ColumnMajor;  // B(k, n) = W[n, k]: K-major
 };
-template <> struct OperandLayouts<Operands::kXW> {
+template <>
+struct OperandLayouts<Operands::kXW> {
   using A = cutlass::layout::RowMajor;
-  using B = cutlass::layout::RowMajor;     // B(k, n) = W[k, n]: N-major
+  using B = cutlass::layout::RowMajor;  // B(k, n) = W[k, n]: N-major
 };
-template <> struct OperandLayouts<Operands::kXtY> {
+template <>
+struct OperandLayouts<Operands::kXtY> {
   using A = cutlass::layout::ColumnMajor;  // A(m, k) = X[k, m]: M-major
   using B = cutlass::layout::RowMajor;
 };
@@ -75,7 +96,8 @@ inline int sm_count(int device) {
   static std::mutex mutex;
   static int cached[64] = {};
   std::lock_guard<std::mutex> lock(mutex);
-  if (device < 0 || device >= 64) return cutlass::KernelHardwareInfo::query_device_multiprocessor_count(device);
+  if (device < 0 || device >= 64)
+    return cutlass::KernelHardwareInfo::query_device_multiprocessor_count(device);
   if (cached[device] == 0)
     cached[device] = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(device);
   return cached[device];
@@ -112,9 +134,9 @@ struct GemmLauncher {
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       typename Cfg::MainloopSchedule>::CollectiveOp;
 
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>,
-                                                      CollectiveMainloop, CollectiveEpilogue,
-                                                      cutlass::gemm::PersistentScheduler>;
+  using Kernel =
+      cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, CollectiveMainloop,
+                                           CollectiveEpilogue, cutlass::gemm::PersistentScheduler>;
   using Adapter = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
   static cudaError_t run(const GemmProblem& p, const void* fusion_args,
@@ -146,9 +168,10 @@ struct GemmLauncher {
         hw};
     using RasterOption = cutlass::gemm::kernel::detail::RasterOrderOptions;
     args.scheduler.max_swizzle_size = sched.swizzle;
-    args.scheduler.raster_order = sched.raster == coda::kernel::Raster::kAlongM   ? RasterOption::AlongM
-                                  : sched.raster == coda::kernel::Raster::kAlongN ? RasterOption::AlongN
-                                                                                   : RasterOption::Heuristic;
+    args.scheduler.raster_order =
+        sched.raster == coda::kernel::Raster::kAlongM   ? RasterOption::AlongM
+        : sched.raster == coda::kernel::Raster::kAlongN ? RasterOption::AlongN
+                                                        : RasterOption::Heuristic;
 
     Adapter gemm;
     if (gemm.can_implement(args) != cutlass::Status::kSuccess) return cudaErrorInvalidValue;

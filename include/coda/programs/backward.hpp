@@ -19,14 +19,14 @@ namespace coda::programs {
 //   n = x·r;  dx += r·(g·γ − n·ZdZ);  h_out = n ⊙ γ;  dγ[n, t] = Σ_{m in tile t} g·n
 template <class Real>
 struct RmsnormBackward : NoSubtileHooks {
-  TileIn<Real> x;                 // (M, H) saved residual stream
-  VectorIn<Real> r;               // (M)
-  VectorIn<Real> gamma;           // (H)
-  VectorIn<Real> zdz;             // (M) folded ZdZ (already divided by H)
-  TileOut<Real> dx;               // (M, H), usually StoreMode::kAccumulate into the residual grad
-  TileOut<Real> h_out;            // (M, H) recomputed normalized input, for the weight gradient
+  TileIn<Real> x;        // (M, H) saved residual stream
+  VectorIn<Real> r;      // (M)
+  VectorIn<Real> gamma;  // (H)
+  VectorIn<Real> zdz;    // (M) folded ZdZ (already divided by H)
+  TileOut<Real> dx;      // (M, H), usually StoreMode::kAccumulate into the residual grad
+  TileOut<Real> h_out;   // (M, H) recomputed normalized input, for the weight gradient
   Real* dgamma_partials = nullptr;
-  PartialLayout layout;           // per_column(M, H, tile_m, tile_n)
+  PartialLayout layout;  // per_column(M, H, tile_m, tile_n)
 
   std::vector<Real> col_acc;
 
@@ -64,10 +64,10 @@ struct RmsnormBackward : NoSubtileHooks {
 // Output column n of da owns the interleaved pair (2n, 2n+1) of z and dz.
 template <class Real>
 struct SwigluBackward : NoSubtileHooks {
-  TileIn<Real> z;                 // (M, 2I) saved pre-activation, interleaved
-  TileOut<Real> dz;               // (M, 2I) interleaved
-  TileOut<Real> a;                // (M, I) recomputed activation, for dW_down
-  Real* zdz_partials = nullptr;   // per_row(M, I, tile_m, tile_n): Σ (g·dg + u·du), not yet / H
+  TileIn<Real> z;                // (M, 2I) saved pre-activation, interleaved
+  TileOut<Real> dz;              // (M, 2I) interleaved
+  TileOut<Real> a;               // (M, I) recomputed activation, for dW_down
+  Real* zdz_partials = nullptr;  // per_row(M, I, tile_m, tile_n): Σ (g·dg + u·du), not yet / H
   PartialLayout layout;
 
   std::vector<Real> row_acc;
@@ -133,12 +133,12 @@ void rope_backward(const TileIn<Real>& y, const TileIn<Real>& dy, const VectorIn
 // tokens. Columns >= V get no gradient.
 template <class Real, class Target = int64_t>
 struct RmsnormCrossEntropyBackward : NoSubtileHooks {
-  VectorIn<Real> r, lse, scale;    // (M)
-  VectorIn<Target> targets;        // (M)
+  VectorIn<Real> r, lse, scale;  // (M)
+  VectorIn<Target> targets;      // (M)
   int64_t vocab = 0;
   double z_loss = 0.0;
-  TileOut<Real> dlogits;           // (M, V)
-  Real* zdz_partials = nullptr;    // per_row(M, V, tile_m, tile_n): Σ ℓ·dℓ, not yet / H
+  TileOut<Real> dlogits;         // (M, V)
+  Real* zdz_partials = nullptr;  // per_row(M, V, tile_m, tile_n): Σ ℓ·dℓ, not yet / H
   PartialLayout layout;
 
   std::vector<Real> row_acc;
@@ -177,8 +177,9 @@ struct RmsnormCrossEntropyBackward : NoSubtileHooks {
 // Per-token gradient scale of the loss: grad_loss / counted (mean) or grad_loss (sum/none), 0 if
 // the token is ignored.
 template <class Real, class Target>
-std::vector<Real> cross_entropy_scale(const Target* targets, int64_t m, const CrossEntropyOptions& o,
-                                      Real grad_loss, int64_t counted) {
+std::vector<Real> cross_entropy_scale(const Target* targets, int64_t m,
+                                      const CrossEntropyOptions& o, Real grad_loss,
+                                      int64_t counted) {
   std::vector<Real> s(m, Real(0));
   for (int64_t i = 0; i < m; ++i) {
     if (static_cast<int64_t>(targets[i]) == o.ignore_index) continue;

@@ -17,12 +17,16 @@ struct RmsnormBackwardDx {
 // h_out = n ⊙ γ = x·r·γ (the normalized input, recomputed for the weight gradient).
 struct NormalizedScaled {
   template <class T>
-  CODA_HD T operator()(T x, T r, T gamma) const { return x * r * gamma; }
+  CODA_HD T operator()(T x, T r, T gamma) const {
+    return x * r * gamma;
+  }
 };
 // dγ contribution g·n = g·x·r.
 struct GradTimesNormalized {
   template <class T>
-  CODA_HD T operator()(T g, T x, T r) const { return g * x * r; }
+  CODA_HD T operator()(T g, T x, T r) const {
+    return g * x * r;
+  }
 };
 
 }  // namespace coda::programs

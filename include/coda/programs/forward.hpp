@@ -38,12 +38,12 @@ struct NoSubtileHooks {
 // F1 (out-proj, down-proj): x = acc + residual;  h = x ⊙ γ;  S[m, t] = Σ_{n in tile t} x²
 template <class Real>
 struct ResidualRmsnormPartial : NoSubtileHooks {
-  TileIn<Real> residual;        // (M, N), may be empty (data == nullptr) for "no residual"
-  VectorIn<Real> gamma;         // (N)
-  TileOut<Real> x;              // (M, N) new residual stream
-  TileOut<Real> h;              // (M, N) x ⊙ γ, the next GEMM's input
+  TileIn<Real> residual;  // (M, N), may be empty (data == nullptr) for "no residual"
+  VectorIn<Real> gamma;   // (N)
+  TileOut<Real> x;        // (M, N) new residual stream
+  TileOut<Real> h;        // (M, N) x ⊙ γ, the next GEMM's input
   Real* sumsq_partials = nullptr;
-  PartialLayout layout;         // per_row(M, N, tile_m, tile_n)
+  PartialLayout layout;  // per_row(M, N, tile_m, tile_n)
 
   std::vector<Real> row_acc;
 
@@ -53,7 +53,8 @@ struct ResidualRmsnormPartial : NoSubtileHooks {
     gamma.require(who, "gamma", N);
     x.require(who, "x", M, N);
     h.require(who, "h", M, N);
-    layout.require(who, "sumsq_partials", sumsq_partials, PartialLayout::per_row(M, N, cfg.tile_m, cfg.tile_n));
+    layout.require(who, "sumsq_partials", sumsq_partials,
+                   PartialLayout::per_row(M, N, cfg.tile_m, cfg.tile_n));
   }
   void begin_tile(const TileInfo& t) { row_acc.assign(t.rows, Real(0)); }
   void visit(const TileInfo& t, int64_t m, int64_t n, Real acc0, Real acc1) {
@@ -77,7 +78,8 @@ std::vector<Real> fold_rstd(const In* sumsq_partials, const PartialLayout& layou
                             double eps) {
   CODA_CHECK(hidden > 0, "fold_rstd: hidden must be positive, got ", hidden);
   CODA_CHECK(eps >= 0, "fold_rstd: eps must be >= 0, got ", eps);
-  std::vector<Real> r = epilogue::fold_partials<Real>(sumsq_partials, layout, Real(0), epilogue::Plus{});
+  std::vector<Real> r =
+      epilogue::fold_partials<Real>(sumsq_partials, layout, Real(0), epilogue::Plus{});
   for (auto& v : r) v = Real(1) / std::sqrt(v / static_cast<Real>(hidden) + static_cast<Real>(eps));
   return r;
 }
@@ -103,9 +105,9 @@ void first_layer_rmsnorm(const TileIn<Real>& x, const VectorIn<Real>& gamma, dou
 // F2 (gate/up): z = r[m] · acc (interleaved g,u);  a = silu(z_g) · z_u  (half width)
 template <class Real>
 struct RmsnormSwiglu : NoSubtileHooks {
-  VectorIn<Real> r;     // (M)
-  TileOut<Real> z;      // (M, 2I) saved for backward
-  TileOut<Real> a;      // (M, I)
+  VectorIn<Real> r;  // (M)
+  TileOut<Real> z;   // (M, 2I) saved for backward
+  TileOut<Real> a;   // (M, I)
 
   void validate(int64_t M, int64_t N, const TileConfig&) const {
     const char* who = "gemm_rmsnorm_swiglu";
@@ -127,10 +129,10 @@ struct RmsnormSwiglu : NoSubtileHooks {
 // F3 (QKV): q, k = rope(r[m] · acc, pos[m], freq[n]);  v = r[m] · acc  (freq = 0 on V columns)
 template <class Real>
 struct RmsnormRope : NoSubtileHooks {
-  VectorIn<Real> r;                       // (M)
-  VectorIn<int32_t> pos;                  // (M)
-  VectorIn<RopeFrequency> freq;           // (N), rope_column_table
-  TileOut<Real> qkv;                      // (M, N)
+  VectorIn<Real> r;              // (M)
+  VectorIn<int32_t> pos;         // (M)
+  VectorIn<RopeFrequency> freq;  // (N), rope_column_table
+  TileOut<Real> qkv;             // (M, N)
 
   void validate(int64_t M, int64_t N, const TileConfig&) const {
     const char* who = "gemm_rmsnorm_rope";
@@ -160,8 +162,8 @@ struct RmsnormLse {
   Real* max_partials = nullptr;     // per_row layout
   Real* sumexp_partials = nullptr;  // per_row layout
   PartialLayout layout;
-  VectorOut<Real> target_logit;     // (M), written by the tile holding the target
-  TileOut<Real> logits;             // optional (M, V)
+  VectorOut<Real> target_logit;  // (M), written by the tile holding the target
+  TileOut<Real> logits;          // optional (M, V)
 
   std::vector<OnlineMaxSumExp<Real>> state;
 
@@ -206,10 +208,10 @@ struct CrossEntropyOptions {
 
 template <class Real>
 struct LossResult {
-  std::vector<Real> lse;           // (M)
-  std::vector<Real> token_loss;    // (M), 0 for ignored tokens
-  Real loss = 0;                   // reduced (mean: NaN if every token is ignored, like PyTorch)
-  int64_t counted = 0;             // non-ignored tokens
+  std::vector<Real> lse;         // (M)
+  std::vector<Real> token_loss;  // (M), 0 for ignored tokens
+  Real loss = 0;                 // reduced (mean: NaN if every token is ignored, like PyTorch)
+  int64_t counted = 0;           // non-ignored tokens
 };
 
 // A2: lse = logsumexp over tiles of the partials;  loss = lse − ℓ_target (+ z·lse²), 0 if ignored
@@ -228,7 +230,7 @@ LossResult<Real> fold_lse_loss(const In* max_partials, const In* sumexp_partials
     OnlineMaxSumExp<Real> s;
     for (int64_t t = 0; t < layout.tiles; ++t)
       s = OnlineMaxSumExp<Real>::merge(s, {static_cast<Real>(max_partials[layout.index(m, t)]),
-                                          static_cast<Real>(sumexp_partials[layout.index(m, t)])});
+                                           static_cast<Real>(sumexp_partials[layout.index(m, t)])});
     out.lse[m] = s.logsumexp();
     const int64_t target = static_cast<int64_t>(targets[m]);
     if (target == opt.ignore_index) continue;

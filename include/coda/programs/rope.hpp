@@ -7,8 +7,8 @@
 // [-pi, pi). On the GPU only the top 32 bits are formed:
 //     turns32 = pos * hi + umulhi(pos, lo)    (mod 2^32; error < 2^-32 turn = 1.5e-9 rad)
 // and converted to fp32 (error <= pi * 2^-24 = 1.9e-7 rad), so the angle stays within ~2e-7 rad of
-// fp64 up to 2^20 positions and beyond. The double-precision host path uses the full 64-bit product.
-// Columns with T = 0 (V heads) rotate by exactly 0: cos = 1, sin = 0.
+// fp64 up to 2^20 positions and beyond. The double-precision host path uses the full 64-bit
+// product. Columns with T = 0 (V heads) rotate by exactly 0: cos = 1, sin = 0.
 
 #include <cmath>
 #include <cstdint>
@@ -55,7 +55,7 @@ CODA_HD Real rope_angle(int32_t pos, RopeFrequency f) {
 #else
     const uint32_t carry = static_cast<uint32_t>((static_cast<uint64_t>(p) * f.lo) >> 32);
 #endif
-    const int32_t turns = static_cast<int32_t>(p * f.hi + carry);  // mod 2^32
+    const int32_t turns = static_cast<int32_t>(p * f.hi + carry);    // mod 2^32
     return static_cast<Real>(turns) * Real(1.4629180792671596e-9f);  // 2pi / 2^32
   }
 }
@@ -75,8 +75,8 @@ CODA_HD void rope_cos_sin(int32_t pos, RopeFrequency f, Real& cos_a, Real& sin_a
   sin_a = sin(angle);
 }
 
-// Geometry of a packed QKV row: [Q heads | K heads | V heads], each head `head_dim` wide, RoPE pairs
-// adjacent (2i, 2i+1) inside a head.
+// Geometry of a packed QKV row: [Q heads | K heads | V heads], each head `head_dim` wide, RoPE
+// pairs adjacent (2i, 2i+1) inside a head.
 struct QkvLayout {
   int n_heads = 0, n_kv_heads = 0, head_dim = 0;
 
@@ -99,10 +99,11 @@ inline std::vector<RopeFrequency> rope_column_table(const QkvLayout& layout,
                                                     const std::vector<double>& inv_freq) {
   layout.validate();
   CODA_CHECK(static_cast<int>(inv_freq.size()) == layout.head_dim / 2,
-             "rope table: inv_freq must have head_dim/2 = ", layout.head_dim / 2,
-             " entries, got ", inv_freq.size());
+             "rope table: inv_freq must have head_dim/2 = ", layout.head_dim / 2, " entries, got ",
+             inv_freq.size());
   std::vector<RopeFrequency> per_pair(inv_freq.size());
-  for (size_t i = 0; i < inv_freq.size(); ++i) per_pair[i] = rope_frequency_from_radians(inv_freq[i]);
+  for (size_t i = 0; i < inv_freq.size(); ++i)
+    per_pair[i] = rope_frequency_from_radians(inv_freq[i]);
   std::vector<RopeFrequency> table(layout.width());
   const int rotated = layout.q_width() + layout.kv_width();
   for (int n = 0; n < rotated; ++n) table[n] = per_pair[(n % layout.head_dim) / 2];
@@ -117,8 +118,8 @@ struct RopeScaling {
 };
 
 inline std::vector<double> rope_inv_freq(int head_dim, double theta, const RopeScaling& s = {}) {
-  CODA_CHECK(head_dim > 0 && head_dim % 2 == 0, "rope_inv_freq: head_dim must be positive and even, got ",
-             head_dim);
+  CODA_CHECK(head_dim > 0 && head_dim % 2 == 0,
+             "rope_inv_freq: head_dim must be positive and even, got ", head_dim);
   CODA_CHECK(theta > 1.0, "rope_inv_freq: theta must be > 1, got ", theta);
   std::vector<double> f(head_dim / 2);
   const double pi = 3.14159265358979323846;

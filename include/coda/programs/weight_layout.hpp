@@ -1,8 +1,9 @@
 #pragma once
-// Weight-layout converters between the layouts checkpoints use and the ones that keep the epilogue's
-// pairwise maps thread-local (OPS.md §2). All weights are row-major (out, in); converters permute
-// rows only, so they apply unchanged to gradients.
-//   - SwiGLU: split [W_gate; W_up] (each (I, H))  <->  interleaved W_gu (2I, H), rows [g0, u0, g1, ...]
+// Weight-layout converters between the layouts checkpoints use and the ones that keep the
+// epilogue's pairwise maps thread-local (OPS.md §2). All weights are row-major (out, in);
+// converters permute rows only, so they apply unchanged to gradients.
+//   - SwiGLU: split [W_gate; W_up] (each (I, H))  <->  interleaved W_gu (2I, H), rows [g0, u0, g1,
+//   ...]
 //   - RoPE:   HF "rotate_half" rows (i, i + d/2) of each Q/K head  <->  adjacent rows (2i, 2i+1)
 //   - QKV:    separate Wq, Wk, Wv  <->  packed [Q heads | K heads | V heads]
 
@@ -52,7 +53,8 @@ void split_gate_up(const std::vector<T>& w_gu, int64_t intermediate, int64_t hid
   }
 }
 
-// Rows of one projection with `heads` heads of `head_dim` rows each: HF half-split -> adjacent pairs.
+// Rows of one projection with `heads` heads of `head_dim` rows each: HF half-split -> adjacent
+// pairs.
 template <class T>
 std::vector<T> rope_rows_half_to_interleaved(const std::vector<T>& w, int64_t heads,
                                              int64_t head_dim, int64_t cols) {
@@ -85,8 +87,8 @@ std::vector<T> rope_rows_interleaved_to_half(const std::vector<T>& w, int64_t he
 
 // Stacks row blocks: [a; b; c].
 template <class T>
-std::vector<T> pack_qkv(const std::vector<T>& wq, const std::vector<T>& wk, const std::vector<T>& wv,
-                        int64_t cols) {
+std::vector<T> pack_qkv(const std::vector<T>& wq, const std::vector<T>& wk,
+                        const std::vector<T>& wv, int64_t cols) {
   CODA_CHECK(cols > 0, "pack_qkv: cols must be positive, got ", cols);
   for (const auto* w : {&wq, &wk, &wv})
     CODA_CHECK(w->size() % cols == 0, "pack_qkv: a block of ", w->size(),

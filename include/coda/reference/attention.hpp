@@ -1,8 +1,8 @@
 #pragma once
-// Naive causal attention on a packed QKV tensor, fp64/fp32, forward and backward. Attention is not an
-// epilogue program (it sits between fused blocks); the reference block needs it to run a whole
-// layer. Sequences are contiguous: token m = b * seq + t attends to tokens of sequence b at t' <= t.
-// GQA: query head j reads kv head j / (n_heads / n_kv_heads).
+// Naive causal attention on a packed QKV tensor, fp64/fp32, forward and backward. Attention is not
+// an epilogue program (it sits between fused blocks); the reference block needs it to run a whole
+// layer. Sequences are contiguous: token m = b * seq + t attends to tokens of sequence b at t' <=
+// t. GQA: query head j reads kv head j / (n_heads / n_kv_heads).
 
 #include <cmath>
 #include <cstdint>

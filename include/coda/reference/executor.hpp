@@ -1,11 +1,12 @@
 #pragma once
 // The CPU reference executor: D = A * B^T accumulated in Real (fp32 or fp64), then an epilogue
-// program run over the same tile / subtile decomposition the Hopper executor uses, producing the same
-// outputs and the same per-tile partial buffers. It is the oracle of every GPU test and runs in CI.
+// program run over the same tile / subtile decomposition the Hopper executor uses, producing the
+// same outputs and the same per-tile partial buffers. It is the oracle of every GPU test and runs
+// in CI.
 //
 // Subtile order matches CUTLASS's sm90 TMA epilogue collective: for each CTA tile, subtiles are
-// visited N-outer, M-inner; per-row state (partial sums, online max/sum-exp) therefore lives for the
-// whole tile and is written in end_tile, exactly like the device's register accumulators.
+// visited N-outer, M-inner; per-row state (partial sums, online max/sum-exp) therefore lives for
+// the whole tile and is written in end_tile, exactly like the device's register accumulators.
 
 #include <algorithm>
 #include <cstdint>
@@ -24,15 +25,19 @@ struct MatrixRef {
   int64_t rows = 0, cols = 0;
   int64_t row_stride = 0, col_stride = 1;
 
-  static MatrixRef row_major(const T* p, int64_t rows, int64_t cols) { return {p, rows, cols, cols, 1}; }
+  static MatrixRef row_major(const T* p, int64_t rows, int64_t cols) {
+    return {p, rows, cols, cols, 1};
+  }
   // The transpose of a row-major (cols, rows) matrix, without copying.
-  static MatrixRef transposed(const T* p, int64_t rows, int64_t cols) { return {p, rows, cols, 1, rows}; }
+  static MatrixRef transposed(const T* p, int64_t rows, int64_t cols) {
+    return {p, rows, cols, 1, rows};
+  }
   T at(int64_t i, int64_t j) const { return data[i * row_stride + j * col_stride]; }
 };
 
 struct TileConfig {
-  int tile_m = 128, tile_n = 128;       // CTA tile
-  int subtile_m = 64, subtile_n = 32;   // epilogue subtile
+  int tile_m = 128, tile_n = 128;      // CTA tile
+  int subtile_m = 64, subtile_n = 32;  // epilogue subtile
 
   void validate() const {
     CODA_CHECK(tile_m > 0 && tile_n > 0 && subtile_m > 0 && subtile_n > 0,
@@ -48,8 +53,8 @@ struct TileConfig {
 // Where one CTA tile sits, clipped to the problem.
 struct TileInfo {
   int64_t tile_m_index = 0, tile_n_index = 0;
-  int64_t m0 = 0, n0 = 0;        // first row / column
-  int64_t rows = 0, cols = 0;    // valid extent (<= tile size on the ragged edge)
+  int64_t m0 = 0, n0 = 0;      // first row / column
+  int64_t rows = 0, cols = 0;  // valid extent (<= tile size on the ragged edge)
 };
 
 // The program protocol (host side of ARCHITECTURE.md's lifecycle):
@@ -61,14 +66,15 @@ struct TileInfo {
 // `visit` receives global coordinates of the pair (n, n+1), n even, both inside the problem.
 
 template <class Real, class A, class B, class Program>
-void execute(const MatrixRef<A>& a, const MatrixRef<B>& b, Program& program, const TileConfig& cfg) {
+void execute(const MatrixRef<A>& a, const MatrixRef<B>& b, Program& program,
+             const TileConfig& cfg) {
   cfg.validate();
   CODA_CHECK(a.data != nullptr, "execute: A is null");
   CODA_CHECK(b.data != nullptr, "execute: B is null");
-  CODA_CHECK(a.rows > 0 && b.rows > 0 && a.cols > 0, "execute: sizes must be positive, got M=",
-             a.rows, " N=", b.rows, " K=", a.cols);
-  CODA_CHECK(a.cols == b.cols, "execute: A is (", a.rows, ", ", a.cols, ") and B is (", b.rows, ", ",
-             b.cols, "): the K extents differ");
+  CODA_CHECK(a.rows > 0 && b.rows > 0 && a.cols > 0,
+             "execute: sizes must be positive, got M=", a.rows, " N=", b.rows, " K=", a.cols);
+  CODA_CHECK(a.cols == b.cols, "execute: A is (", a.rows, ", ", a.cols, ") and B is (", b.rows,
+             ", ", b.cols, "): the K extents differ");
   CODA_CHECK(b.rows % 2 == 0, "execute: N must be even for pairwise epilogues, got ", b.rows);
   const int64_t m_total = a.rows, n_total = b.rows, k_total = a.cols;
   program.validate(m_total, n_total, cfg);
@@ -98,7 +104,8 @@ void execute(const MatrixRef<A>& a, const MatrixRef<B>& b, Program& program, con
           const int64_t j_end = std::min<int64_t>((en + 1) * cfg.subtile_n, t.cols);
           for (int64_t i = em * cfg.subtile_m; i < i_end; ++i)
             for (int64_t j = en * cfg.subtile_n; j < j_end; j += 2)
-              program.visit(t, t.m0 + i, t.n0 + j, acc[i * cfg.tile_n + j], acc[i * cfg.tile_n + j + 1]);
+              program.visit(t, t.m0 + i, t.n0 + j, acc[i * cfg.tile_n + j],
+                            acc[i * cfg.tile_n + j + 1]);
           program.end_subtile(t, em, en);
         }
       }

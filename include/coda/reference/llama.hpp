@@ -1,6 +1,6 @@
 #pragma once
-// The reparameterized LLaMA decoder on the CPU: every memory-bound op runs as an epilogue program on
-// the reference executor (OPS.md §4), forward and backward. This is the composition the GPU path
+// The reparameterized LLaMA decoder on the CPU: every memory-bound op runs as an epilogue program
+// on the reference executor (OPS.md §4), forward and backward. This is the composition the GPU path
 // follows; tests check it against an independent, unfused fp64 model (tests/support).
 //
 // Fused weight layouts: w_qkv packed [Q | K | V] with RoPE pairs adjacent; w_gu interleaved
@@ -57,7 +57,7 @@ template <class Real>
 struct FusedGrads {
   std::vector<FusedLayer<Real>> layers;
   std::vector<Real> gamma_final, w_vocab;
-  std::vector<Real> dx0;          // (M, H)
+  std::vector<Real> dx0;  // (M, H)
 };
 
 namespace detail {
@@ -194,14 +194,16 @@ Real fused_llama_loss(const LlamaShape& s, const FusedModel<Real>& model,
     f2.a = tile_out(a, M, I);
     execute<Real>(rows(h1, M, H), rows(L.w_gu, 2 * I, H), f2, tiles);
     // F1: x2 = a · W_downᵀ + x1;  h2 = x2 ⊙ γ_next (next layer's attention norm, or the final norm)
-    const auto& gamma_next = l + 1 < s.n_layers ? model.layers[l + 1].gamma_attn : model.gamma_final;
+    const auto& gamma_next =
+        l + 1 < s.n_layers ? model.layers[l + 1].gamma_attn : model.gamma_final;
     residual_rmsnorm(a, L.w_down, M, H, I, sv.x1, gamma_next, s.eps, tiles, x, h, r);
   }
 
   // F4 + A2: LM head and cross-entropy, never materializing logits.
   programs::RmsnormLse<Real, Target> f4;
   f4.layout = epilogue::PartialLayout::per_row(M, V, tiles.tile_m, tiles.tile_n);
-  std::vector<Real> pmax(f4.layout.elements()), psum(f4.layout.elements()), target_logit(M, Real(0));
+  std::vector<Real> pmax(f4.layout.elements()), psum(f4.layout.elements()),
+      target_logit(M, Real(0));
   f4.r = vec(r);
   f4.targets = {targets.data(), M};
   f4.vocab = V;
@@ -216,7 +218,8 @@ Real fused_llama_loss(const LlamaShape& s, const FusedModel<Real>& model,
   // ---- backward ----
   grads->layers.assign(s.n_layers, {});
   // B4: dℓ recomputed from h in the LM head's epilogue, ZdZ of the final norm.
-  const auto scale = programs::cross_entropy_scale<Real>(targets.data(), M, ce, Real(1), loss.counted);
+  const auto scale =
+      programs::cross_entropy_scale<Real>(targets.data(), M, ce, Real(1), loss.counted);
   programs::RmsnormCrossEntropyBackward<Real, Target> b4;
   b4.layout = epilogue::PartialLayout::per_row(M, V, tiles.tile_m, tiles.tile_n);
   std::vector<Real> dlogits(M * V, Real(0)), zdz_partials(b4.layout.elements());

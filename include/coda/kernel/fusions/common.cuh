@@ -5,7 +5,8 @@
 // executor runs the same ones); these files only wire operands to nodes. One Fusion per Program:
 //   ElementC / ElementD  - the source (C) and destination (D) element types (void = none)
 //   Args                 - the host-side operand struct from args.hpp
-//   Build<EpilogueDesc>  - Callbacks (the visitor tree) and arguments(Args) for its nested Arguments
+//   Build<EpilogueDesc>  - Callbacks (the visitor tree) and arguments(Args) for its nested
+//   Arguments
 
 #include <cutlass/epilogue/collective/collective_builder.hpp>
 #include <cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp>
@@ -37,10 +38,13 @@ struct OnFragments {
   };
 };
 
-// Returns its first input: the root of a DAG whose other inputs are side outputs (stores, reductions).
+// Returns its first input: the root of a DAG whose other inputs are side outputs (stores,
+// reductions).
 struct TakeFirst {
   template <class T, class... Rest>
-  CUTLASS_HOST_DEVICE T operator()(T a, Rest...) const { return a; }
+  CUTLASS_HOST_DEVICE T operator()(T a, Rest...) const {
+    return a;
+  }
 };
 
 template <class ScalarFn>
@@ -51,21 +55,25 @@ using ComputeNode = cf::Sm90Compute<OnFragments<ScalarFn>::template Fn, float, f
 template <class Tile, class T>
 using RowVector = cf::Sm90ColBroadcast<0, Tile, T, T, cute::Stride<cute::_1, cute::_0, int64_t>, 1>;
 template <class Tile, class T, class Compute = T>
-using ColumnVector = cf::Sm90RowBroadcast<0, Tile, T, Compute, cute::Stride<cute::_0, cute::_1, int64_t>>;
+using ColumnVector =
+    cf::Sm90RowBroadcast<0, Tile, T, Compute, cute::Stride<cute::_0, cute::_1, int64_t>>;
 
 // Per-row partial sums over a tile's columns, left unreduced across N-tiles:
 // PartialLayout::per_row (rows padded to the tile, row index fastest).
 template <class Tile>
-using RowPartialSum = cf::Sm90ColReduction<cutlass::plus, cutlass::plus, cutlass::plus, 0, Tile,
-                                           float, float, kRound, cute::Stride<cute::_1, cute::_0, int64_t>,
-                                           4, true, /*FinalReduction=*/false>;
+using RowPartialSum =
+    cf::Sm90ColReduction<cutlass::plus, cutlass::plus, cutlass::plus, 0, Tile, float, float, kRound,
+                         cute::Stride<cute::_1, cute::_0, int64_t>, 4, true,
+                         /*FinalReduction=*/false>;
 
 template <class EpilogueDesc, class Element>
 struct AuxStoreNode {
-  using D = cutlass::epilogue::collective::detail::AuxStoreDescriptor<EpilogueDesc,
-                                                                       cutlass::layout::RowMajor, Element>;
-  using type = cf::Sm90AuxStore<D::Stages, typename EpilogueDesc::EpilogueTile, Element, kRound,
-                                typename D::Stride, typename D::SmemLayoutAtom, typename D::CopyOpR2S>;
+  using D =
+      cutlass::epilogue::collective::detail::AuxStoreDescriptor<EpilogueDesc,
+                                                                cutlass::layout::RowMajor, Element>;
+  using type =
+      cf::Sm90AuxStore<D::Stages, typename EpilogueDesc::EpilogueTile, Element, kRound,
+                       typename D::Stride, typename D::SmemLayoutAtom, typename D::CopyOpR2S>;
 };
 
 template <Program P>

@@ -1,6 +1,6 @@
 #pragma once
-#include "coda/kernel/nodes/pair_layout_probe.cuh"
 #include "coda/kernel/fusions/common.cuh"
+#include "coda/kernel/nodes/pair_layout_probe.cuh"
 
 namespace coda::kernel {
 

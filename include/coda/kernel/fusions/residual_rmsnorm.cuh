@@ -12,7 +12,8 @@ struct FusionOf<Program::kResidualRmsnormPartial> {
   template <class EpilogueDesc>
   struct Build {
     using Tile = typename EpilogueDesc::TileShape;
-    using X = cf::Sm90EVT<ComputeNode<epilogue::Plus>, cf::Sm90AccFetch, cf::Sm90SrcFetch<bfloat16_t>>;
+    using X =
+        cf::Sm90EVT<ComputeNode<epilogue::Plus>, cf::Sm90AccFetch, cf::Sm90SrcFetch<bfloat16_t>>;
     using H = cf::Sm90EVT<typename AuxStoreNode<EpilogueDesc, bfloat16_t>::type,
                           cf::Sm90EVT<ComputeNode<epilogue::Multiplies>, cf::Sm90AccFetch,
                                       ColumnVector<Tile, bfloat16_t, float>>>;
@@ -23,11 +24,11 @@ struct FusionOf<Program::kResidualRmsnormPartial> {
 
     static typename Callbacks::Arguments arguments(Args const& a) {
       return {
-          {{}, {}, {}},                                                  // x = acc + C
+          {{}, {}, {}},  // x = acc + C
           {{{}, {reinterpret_cast<const bfloat16_t*>(a.gamma), bfloat16_t(0), {}}, {}},  // x ⊙ γ
-           {reinterpret_cast<bfloat16_t*>(a.h), {a.ldh, cute::_1{}, 0}}},  // store h
-          {{{}, {}}, {a.sumsq_partials, 0.0f, {}}},                      // Σ x² partials
-          {}};                                                           // D = x
+           {reinterpret_cast<bfloat16_t*>(a.h), {a.ldh, cute::_1{}, 0}}},                // store h
+          {{{}, {}}, {a.sumsq_partials, 0.0f, {}}},  // Σ x² partials
+          {}};                                       // D = x
     }
   };
 };

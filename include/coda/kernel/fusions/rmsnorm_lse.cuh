@@ -1,6 +1,6 @@
 #pragma once
-#include "coda/kernel/nodes/online_lse.cuh"
 #include "coda/kernel/fusions/common.cuh"
+#include "coda/kernel/nodes/online_lse.cuh"
 
 namespace coda::kernel {
 
@@ -13,7 +13,8 @@ struct RmsnormLseFusion {
   template <class EpilogueDesc>
   struct Build {
     using Tile = typename EpilogueDesc::TileShape;
-    using L = cf::Sm90EVT<ComputeNode<epilogue::Multiplies>, cf::Sm90AccFetch, RowVector<Tile, float>>;
+    using L =
+        cf::Sm90EVT<ComputeNode<epilogue::Multiplies>, cf::Sm90AccFetch, RowVector<Tile, float>>;
     using Callbacks = cf::Sm90EVT<OnlineLseReduction<Tile, int64_t>, L, RowVector<Tile, int64_t>>;
     static typename Callbacks::Arguments arguments(Args const& a) {
       return {{{}, {a.r, 0.0f, {}}, {}},
@@ -22,7 +23,9 @@ struct RmsnormLseFusion {
     }
   };
 };
-template <> struct FusionOf<Program::kRmsnormLse> : RmsnormLseFusion<void> {};
-template <> struct FusionOf<Program::kRmsnormLseLogits> : RmsnormLseFusion<bfloat16_t> {};
+template <>
+struct FusionOf<Program::kRmsnormLse> : RmsnormLseFusion<void> {};
+template <>
+struct FusionOf<Program::kRmsnormLseLogits> : RmsnormLseFusion<bfloat16_t> {};
 
 }  // namespace coda::kernel

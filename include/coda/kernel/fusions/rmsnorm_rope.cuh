@@ -1,7 +1,7 @@
 #pragma once
+#include "coda/kernel/fusions/common.cuh"
 #include "coda/kernel/nodes/pairwise_compute.cuh"
 #include "coda/programs/rope.hpp"
-#include "coda/kernel/fusions/common.cuh"
 
 namespace coda::kernel {
 
@@ -9,15 +9,18 @@ namespace coda::kernel {
 struct RopeFragment {
   struct Arguments {};
   template <int F>
-  CUTLASS_DEVICE cutlass::Array<float, F> operator()(
-      Arguments const&, cutlass::Array<float, F> const& acc, cutlass::Array<float, F> const& r,
-      cutlass::Array<int32_t, F> const& pos, cutlass::Array<uint32_t, F> const& hi,
-      cutlass::Array<uint32_t, F> const& lo) const {
+  CUTLASS_DEVICE cutlass::Array<float, F> operator()(Arguments const&,
+                                                     cutlass::Array<float, F> const& acc,
+                                                     cutlass::Array<float, F> const& r,
+                                                     cutlass::Array<int32_t, F> const& pos,
+                                                     cutlass::Array<uint32_t, F> const& hi,
+                                                     cutlass::Array<uint32_t, F> const& lo) const {
     cutlass::Array<float, F> out;
     CUTLASS_PRAGMA_UNROLL
     for (int j = 0; j < F / 2; ++j) {
       float c, s;
-      programs::rope_cos_sin<float>(pos[2 * j], programs::RopeFrequency{hi[2 * j], lo[2 * j]}, c, s);
+      programs::rope_cos_sin<float>(pos[2 * j], programs::RopeFrequency{hi[2 * j], lo[2 * j]}, c,
+                                    s);
       epilogue::RopeRotate{}(acc[2 * j] * r[2 * j], acc[2 * j + 1] * r[2 * j], c, s, out[2 * j],
                              out[2 * j + 1]);
     }

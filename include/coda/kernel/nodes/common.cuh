@@ -1,26 +1,27 @@
 #pragma once
 // Shared plumbing of our epilogue visitor nodes (nodes/*.cuh): the nodes the stock CUTLASS sm90 set
-// lacks (HOPPER_NOTES.md), written to the same node protocol (Arguments -> to_underlying_arguments -> Params, SharedStorage, per-tile consumer
-// callbacks: begin / visit / reduce / postreduce / tma_store / end):
+// lacks (HOPPER_NOTES.md), written to the same node protocol (Arguments -> to_underlying_arguments
+// -> Params, SharedStorage, per-tile consumer callbacks: begin / visit / reduce / postreduce /
+// tma_store / end):
 //   - PairwiseCompute: an n-ary map over raw (unconverted) child fragments, so integer inputs such
 //     as fixed-point RoPE frequencies reach the functor bit-exact;
-//   - HalfWidthStore: the 2->1 pairwise output (SwiGLU a), staged in its own smem ring and written by
+//   - HalfWidthStore: the 2->1 pairwise output (SwiGLU a), staged in its own smem ring and written
+//   by
 //     TMA in lock-step with the collective's D store pipeline;
 //   - OnlineLseReduction: per-row online (max, sum-exp) over a tile's valid columns, merged across
 //     the lanes that share a row, written as per-tile partials; picks the target logit;
 //   - PairLayoutProbe: writes 1 where the fragment pairing assumption holds (tests only).
 // Every node indexes the thread's elements through a coordinate tensor, never by assuming which
 // (row, col) a thread holds. NOTE: the collective's args.tCcD holds coordinates relative to the
-// thread's first element (paired with args.residue_tCcD); nodes that need the element's place in the
-// CTA tile partition args.cD (CTA-relative, paired with args.residue_cD) instead: cta_coords().
+// thread's first element (paired with args.residue_tCcD); nodes that need the element's place in
+// the CTA tile partition args.cD (CTA-relative, paired with args.residue_cD) instead: cta_coords().
 
-#include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
-#include <cutlass/epilogue/fusion/sm90_visitor_tma_warpspecialized.hpp>
 #include <cutlass/numeric_conversion.h>
 
 #include <cfloat>
-
+#include <cute/tensor.hpp>
+#include <cutlass/epilogue/fusion/sm90_visitor_tma_warpspecialized.hpp>
 
 namespace coda::kernel {
 

@@ -1,6 +1,7 @@
 #pragma once
 // NOTE: sm90_visitor_tma_warpspecialized.hpp uses NumericArrayConverter without including it.
 #include <cutlass/numeric_conversion.h>
+
 #include "coda/kernel/nodes/common.cuh"
 
 namespace coda::kernel {
@@ -22,7 +23,8 @@ struct HalfWidthStore {
 
   using StrideMNL = cute::Stride<int64_t, _1, int64_t>;
   // Unswizzled row-major half subtile; rows are HalfN * 2 bytes (32 B for a 32-wide subtile).
-  using SmemLayoutTma = cute::Layout<cute::Shape<Int<EpiM>, Int<HalfN>>, cute::Stride<Int<HalfN>, _1>>;
+  using SmemLayoutTma =
+      cute::Layout<cute::Shape<Int<EpiM>, Int<HalfN>>, cute::Stride<Int<HalfN>, _1>>;
   using SmemLayout = cute::Layout<cute::Shape<Int<EpiM>, Int<HalfN>, Int<Stages>>,
                                   cute::Stride<Int<HalfN>, _1, Int<EpiM * HalfN>>>;
 
@@ -47,8 +49,8 @@ struct HalfWidthStore {
   template <class ProblemShape>
   static Params to_underlying_arguments(ProblemShape const& shape, Arguments const& a, void*) {
     auto [M, N, K, L] = cute::append<4>(shape, 1);
-    auto gmem = cute::make_tensor(a.ptr, cute::make_layout(cute::make_shape(M, N / 2, L),
-                                                           StrideMNL{a.ld, _1{}, 0}));
+    auto gmem = cute::make_tensor(
+        a.ptr, cute::make_layout(cute::make_shape(M, N / 2, L), StrideMNL{a.ld, _1{}, 0}));
     return {cute::make_tma_copy(cute::SM90_TMA_STORE{}, gmem, SmemLayoutTma{})};
   }
   template <class ProblemShape>
@@ -57,7 +59,9 @@ struct HalfWidthStore {
     return a.ptr != nullptr && N % 2 == 0 && a.ld >= N / 2 && (a.ld * sizeof(Element)) % 16 == 0;
   }
   template <class ProblemShape>
-  static size_t get_workspace_size(ProblemShape const&, Arguments const&) { return 0; }
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
+    return 0;
+  }
   template <class ProblemShape>
   static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*,
                                               cudaStream_t, cutlass::CudaHostAdapter* = nullptr) {
@@ -82,11 +86,11 @@ struct HalfWidthStore {
     CUTLASS_DEVICE ConsumerStoreCallbacks(CoordTensor c, RegTensor r, SmemTensor s, TmaSmem ts,
                                           TmaGmem tg, Params const* p)
         : tCcD(c), rHalf(r), sHalf(s), bSG_s(ts), bSG_g(tg), params_ptr(p) {}
-    CoordTensor tCcD;    // (CPY,CPY_M,CPY_N,EPI_M,EPI_N) CTA-relative (m, n) of each element
-    RegTensor rHalf;     // half of one subtile's values for this thread
-    SmemTensor sHalf;    // (EPI_M, HalfN, PIPE)
-    TmaSmem bSG_s;       // (TMA,TMA_M,TMA_N,PIPE)
-    TmaGmem bSG_g;       // (TMA,TMA_M,TMA_N,EPI_M,EPI_N)
+    CoordTensor tCcD;  // (CPY,CPY_M,CPY_N,EPI_M,EPI_N) CTA-relative (m, n) of each element
+    RegTensor rHalf;   // half of one subtile's values for this thread
+    SmemTensor sHalf;  // (EPI_M, HalfN, PIPE)
+    TmaSmem bSG_s;     // (TMA,TMA_M,TMA_N,PIPE)
+    TmaGmem bSG_g;     // (TMA,TMA_M,TMA_N,EPI_M,EPI_N)
     Params const* params_ptr;
 
     template <class ElementAccumulator, class ElementInput, int F>
@@ -102,7 +106,8 @@ struct HalfWidthStore {
       return x;
     }
 
-    CUTLASS_DEVICE void postreduce(int epi_m, int epi_n, int store_iteration, bool issue_smem_store) {
+    CUTLASS_DEVICE void postreduce(int epi_m, int epi_n, int store_iteration,
+                                   bool issue_smem_store) {
       if (!issue_smem_store) return;
       const int stage = store_iteration % Stages;
       auto coords = tCcD(cute::_, cute::_, cute::_, epi_m, epi_n);
@@ -130,9 +135,10 @@ struct HalfWidthStore {
     auto [m, n, k, l] = args.tile_coord_mnkl;
     Tensor mHalf = params_ptr->tma.get_tma_tensor(make_shape(M, N / 2, L));
     Tensor gHalf = local_tile(mHalf, make_shape(size<0>(CtaTile{}), size<1>(CtaTile{}) / _2{}),
-                              make_coord(m, n, l));                           // (CTA_M, CTA_N/2)
-    Tensor gHalf_epi = flat_divide(gHalf, make_shape(Int<EpiM>{}, Int<HalfN>{}));  // (EPI_M,HalfN,#M,#N)
-    Tensor sHalf = make_tensor(make_smem_ptr(smem), SmemLayout{});          // (EPI_M,HalfN,PIPE)
+                              make_coord(m, n, l));  // (CTA_M, CTA_N/2)
+    Tensor gHalf_epi =
+        flat_divide(gHalf, make_shape(Int<EpiM>{}, Int<HalfN>{}));  // (EPI_M,HalfN,#M,#N)
+    Tensor sHalf = make_tensor(make_smem_ptr(smem), SmemLayout{});  // (EPI_M,HalfN,PIPE)
     ThrCopy thr = params_ptr->tma.get_slice(_0{});
     Tensor bSG_s = thr.partition_S(sHalf);
     Tensor bSG_g = thr.partition_D(gHalf_epi);
@@ -140,8 +146,8 @@ struct HalfWidthStore {
     Tensor rHalf = make_tensor<Element>(Int<kPerSubtile / 2>{});
     auto tCcCta = cta_coords<ReferenceSrc>(args);
     return ConsumerStoreCallbacks<decltype(tCcCta), decltype(rHalf), decltype(sHalf),
-                                  decltype(bSG_s), decltype(bSG_g)>(
-        tCcCta, rHalf, sHalf, bSG_s, bSG_g, params_ptr);
+                                  decltype(bSG_s), decltype(bSG_g)>(tCcCta, rHalf, sHalf, bSG_s,
+                                                                    bSG_g, params_ptr);
   }
 };
 

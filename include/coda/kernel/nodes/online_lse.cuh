@@ -1,6 +1,7 @@
 #pragma once
 // NOTE: sm90_visitor_tma_warpspecialized.hpp uses NumericArrayConverter without including it.
 #include <cutlass/numeric_conversion.h>
+
 #include "coda/epilogue/online_softmax.hpp"
 #include "coda/kernel/nodes/common.cuh"
 
@@ -39,7 +40,9 @@ struct OnlineLseReduction {
     return a.max_partials && a.sum_partials && a.target_logit;
   }
   template <class ProblemShape>
-  static size_t get_workspace_size(ProblemShape const&, Arguments const&) { return 0; }
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
+    return 0;
+  }
   template <class ProblemShape>
   static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*,
                                               cudaStream_t, cutlass::CudaHostAdapter* = nullptr) {
@@ -62,12 +65,20 @@ struct OnlineLseReduction {
     CUTLASS_DEVICE ConsumerStoreCallbacks(RowState mx, RowState sm, CoordTensor c, Residue r,
                                           LaneLayout lanes, bool reduced_lane, int m, int n,
                                           int tile_n, int rows_padded, Params const& p)
-        : rMax(mx), rSum(sm), tCcD(c), residue(r), lane_layout_MN(lanes),
-          is_reduced_lane(reduced_lane), M(m), N(n), tile_n(tile_n), rows_padded(rows_padded),
+        : rMax(mx),
+          rSum(sm),
+          tCcD(c),
+          residue(r),
+          lane_layout_MN(lanes),
+          is_reduced_lane(reduced_lane),
+          M(m),
+          N(n),
+          tile_n(tile_n),
+          rows_padded(rows_padded),
           params(p) {}
-    RowState rMax, rSum;       // (CPY,CPY_M,CPY_N,EPI_M,EPI_N), stride 0 along N: one slot per row
-    CoordTensor tCcD;          // thread-relative coordinates
-    Residue residue;           // (M, N) − thread's first element
+    RowState rMax, rSum;  // (CPY,CPY_M,CPY_N,EPI_M,EPI_N), stride 0 along N: one slot per row
+    CoordTensor tCcD;     // thread-relative coordinates
+    Residue residue;      // (M, N) − thread's first element
     LaneLayout lane_layout_MN;
     bool is_reduced_lane;
     int M, N, tile_n, rows_padded;
@@ -80,7 +91,8 @@ struct OnlineLseReduction {
       auto rMax_mn = rMax(cute::_, cute::_, cute::_, epi_m, epi_n);
       auto rSum_mn = rSum(cute::_, cute::_, cute::_, epi_m, epi_n);
       auto cD_mn = tCcD(cute::_, cute::_, cute::_, epi_m, epi_n);
-      const int col0 = N - int(cute::get<1>(residue));  // absolute column of the thread's first element
+      const int col0 =
+          N - int(cute::get<1>(residue));  // absolute column of the thread's first element
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < F; ++i) {
         const auto c = cD_mn(epi_v * F + i);
@@ -161,7 +173,8 @@ struct OnlineLseReduction {
     Layout ref2lane = composition(tv2lane, ref_layout_MN);
     Layout lane_layout_MN = make_layout(filter(get<0>(ref2lane)), filter(get<1>(ref2lane)));
     Layout inv_lane_layout_MN = right_inverse(lane_layout_MN);
-    auto lane_mn = idx2crd(inv_lane_layout_MN(cutlass::canonical_lane_idx()), shape(lane_layout_MN));
+    auto lane_mn =
+        idx2crd(inv_lane_layout_MN(cutlass::canonical_lane_idx()), shape(lane_layout_MN));
     Layout tv2warp = Layout<Shape<Int<cutlass::NumThreadsPerWarp>, W, _1>, Stride<_0, _1, _0>>{};
     Layout ref2warp = composition(tv2warp, ref_layout_MN);
     Layout warp_layout_MN = make_layout(filter(get<0>(ref2warp)), filter(get<1>(ref2warp)));
@@ -175,7 +188,8 @@ struct OnlineLseReduction {
     Tensor row_view = make_tensor(make_gmem_ptr(static_cast<float*>(nullptr)),
                                   make_layout(take<0, 2>(CtaTile{}), make_stride(_1{}, _0{})));
     Tensor tCrow = cf::detail::sm90_partition_for_epilogue<ReferenceSrc>(
-        row_view, args.epi_tile, args.tiled_copy, args.thread_idx);  // (CPY,CPY_M,CPY_N,EPI_M,EPI_N)
+        row_view, args.epi_tile, args.tiled_copy,
+        args.thread_idx);  // (CPY,CPY_M,CPY_N,EPI_M,EPI_N)
     Tensor rMax = make_tensor_like<float>(tCrow);
     Tensor rSum = make_tensor_like<float>(tCrow);
     fill(rMax, -INFINITY);

@@ -1,6 +1,7 @@
 #pragma once
 // NOTE: sm90_visitor_tma_warpspecialized.hpp uses NumericArrayConverter without including it.
 #include <cutlass/numeric_conversion.h>
+
 #include "coda/kernel/nodes/common.cuh"
 
 namespace coda::kernel {

@@ -1,6 +1,7 @@
 #pragma once
 // NOTE: sm90_visitor_tma_warpspecialized.hpp uses NumericArrayConverter without including it.
 #include <cutlass/numeric_conversion.h>
+
 #include "coda/kernel/nodes/common.cuh"
 
 namespace coda::kernel {
@@ -9,7 +10,8 @@ namespace coda::kernel {
 // PairwiseCompute<Fn, ElementOutput>: out = Fn{}(params, child fragments...) with the children's
 // fragments passed raw. Fn is a default-constructible struct with
 //   struct Arguments {...};   (may be empty)
-//   template <int F, class... In> Array<float, F> operator()(Arguments const&, Array<In, F> const&...)
+//   template <int F, class... In> Array<float, F> operator()(Arguments const&, Array<In, F>
+//   const&...)
 // ---------------------------------------------------------------------------------------------
 template <class Fn, class ElementOutput>
 struct PairwiseCompute {
@@ -22,9 +24,13 @@ struct PairwiseCompute {
     return a;
   }
   template <class ProblemShape>
-  static bool can_implement(ProblemShape const&, Arguments const&) { return true; }
+  static bool can_implement(ProblemShape const&, Arguments const&) {
+    return true;
+  }
   template <class ProblemShape>
-  static size_t get_workspace_size(ProblemShape const&, Arguments const&) { return 0; }
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
+    return 0;
+  }
   template <class ProblemShape>
   static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*,
                                               cudaStream_t, cutlass::CudaHostAdapter* = nullptr) {
