@@ -73,14 +73,17 @@ def rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
-def make_chain(hq, hkv, d, inter):
+def make_chain(hq, hkv, d, inter, keep=None):
     def chain(y, x0, wo, g_ffn, wgu, wd, g_attn, wqkv, cos, sin):
         x1 = F.linear(y, wo) + x0
         h1 = rms_norm(x1, g_ffn)
-        gate, up = F.linear(h1, wgu).chunk(2, dim=-1)
+        gu = F.linear(h1, wgu)
+        gate, up = gu.chunk(2, dim=-1)
         a = F.silu(gate) * up
         x2 = F.linear(a, wd) + x1
         h2 = rms_norm(x2, g_attn)
+        if keep is not None:  # per-op accuracy: the intermediate tensors of this evaluation
+            keep.update(x1=x1, n1=h1, gate_up=gu, a=a, x2=x2, n2=h2)
         qkv = F.linear(h2, wqkv)
         m = qkv.shape[0]
         q = qkv[:, : hq * d].view(m, hq, d)
@@ -133,8 +136,9 @@ def run_shape(coda, model, m, results, progress):
 
     # fp32 reference of the chain (same bf16 inputs, fp32 math) and the eager bf16 result.
     chain = make_chain(hq, hkv, d, inter)
-    ref_x2, ref_qkv = chain(*[a.float() for a in args[:-2]], cos.float(), sin.float())
-    eager_x2, eager_qkv = chain(*args)
+    ref_t, eager_t = {}, {}
+    ref_x2, ref_qkv = make_chain(hq, hkv, d, inter, ref_t)(*[a.float() for a in args[:-2]], cos.float(), sin.float())
+    eager_x2, eager_qkv = make_chain(hq, hkv, d, inter, eager_t)(*args)
 
     # ours
     ext = (ctypes.c_longlong * 2)()
@@ -182,6 +186,21 @@ def run_shape(coda, model, m, results, progress):
         "x2_ours": err(x2, ref_x2), "x2_eager": err(eager_x2, ref_x2),
         "qkv_ours": err(ours_qkv, ref_qkv), "qkv_eager": err(eager_qkv, ref_qkv),
     }
+    # Per op (issue 4 accuracy table): each fused op's outputs vs the fp32 chain's tensors, next to
+    # eager bf16's. The fused path's normalized GEMM input is r ⊙ h (h = x ⊙ γ is what it stores).
+    gu_ours = torch.cat([z[:, 0::2], z[:, 1::2]], dim=-1)  # interleaved (g, u) -> [gate | up]
+    per_op = {
+        "F1 out-proj: x1": (x1, eager_t["x1"], ref_t["x1"]),
+        "F1 out-proj: RMSNorm(x1)": ((h1.float() * r1[:, None]), eager_t["n1"], ref_t["n1"]),
+        "F2 gate/up: z": (gu_ours, eager_t["gate_up"], ref_t["gate_up"]),
+        "F2 gate/up: silu(g)*u": (act, eager_t["a"], ref_t["a"]),
+        "F1 down-proj: x2": (x2, eager_t["x2"], ref_t["x2"]),
+        "F1 down-proj: RMSNorm(x2)": ((h2.float() * r2[:, None]), eager_t["n2"], ref_t["n2"]),
+        "F3 qkv+RoPE: qkv": (ours_qkv, eager_qkv, ref_qkv),
+    }
+    results.setdefault("accuracy", []).extend(
+        {"model": model, "m": m, "output": k, "max_err_ours": err(o, r), "max_err_eager": err(e, r)}
+        for k, (o, e, r) in per_op.items())
     ok = acc["x2_ours"] <= 2 * acc["x2_eager"] + 1e-6 and acc["qkv_ours"] <= 2 * acc["qkv_eager"] + 1e-6
 
     variants = {"coda": coda_chain}

@@ -17,6 +17,7 @@
 #include "coda/kernel/aux_kernels.hpp"
 #include "coda/kernel/heuristic.hpp"
 #include "support/harness.hpp"
+#include "support/shapes.hpp"
 
 namespace {
 
@@ -35,21 +36,14 @@ struct Shape {
 };
 
 std::vector<Shape> shapes(bool quick) {
-  struct Model {
-    const char* name;
-    int h, q, kv, d, i;
-  };
-  const Model models[] = {{"llama3-1B", 2048, 32, 8, 64, 8192},
-                          {"llama3-8B", 4096, 32, 8, 128, 14336},
-                          {"llama3-70B", 8192, 64, 8, 128, 28672}};
   std::vector<Shape> out;
-  for (int m : {8192, 16384}) {
-    for (const Model& md : models) {
-      out.push_back({md.name, "out_proj", m, md.h, md.q * md.d});
-      out.push_back({md.name, "gate_up", m, 2 * md.i, md.h});
-      out.push_back({md.name, "down_proj", m, md.h, md.i});
-      out.push_back({md.name, "qkv", m, (md.q + 2 * md.kv) * md.d, md.h});
-      out.push_back({md.name, "lm_head", m, 128256, md.h});
+  for (int m : bench::kTokenCounts) {
+    for (const auto& md : bench::kLlama3Models) {
+      out.push_back({md.name, "out_proj", m, md.hidden, md.q_heads * md.head_dim});
+      out.push_back({md.name, "gate_up", m, 2 * md.ffn, md.hidden});
+      out.push_back({md.name, "down_proj", m, md.hidden, md.ffn});
+      out.push_back({md.name, "qkv", m, md.qkv_width(), md.hidden});
+      out.push_back({md.name, "lm_head", m, bench::kLlama3Vocab, md.hidden});
     }
     if (quick) break;
   }

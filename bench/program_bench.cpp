@@ -16,6 +16,7 @@
 #include "coda/kernel/heuristic.hpp"
 #include "coda/programs/rope.hpp"
 #include "support/harness.hpp"
+#include "support/shapes.hpp"
 
 namespace {
 
@@ -32,23 +33,16 @@ struct Case {
 };
 
 std::vector<Case> cases(bool quick) {
-  struct Model {
-    const char* name;
-    int h, q, kv, d, i;
-  };
-  const Model models[] = {{"llama3-1B", 2048, 32, 8, 64, 8192},
-                          {"llama3-8B", 4096, 32, 8, 128, 14336},
-                          {"llama3-70B", 8192, 64, 8, 128, 28672}};
   std::vector<Case> out;
-  for (int m : {8192, 16384}) {
-    for (const Model& md : models) {
-      out.push_back(
-          {md.name, "out_proj+F1", Program::kResidualRmsnormPartial, m, md.h, md.q * md.d});
-      out.push_back({md.name, "gate_up+F2", Program::kRmsnormSwiglu, m, 2 * md.i, md.h});
-      out.push_back({md.name, "down_proj+F1", Program::kResidualRmsnormPartial, m, md.h, md.i});
-      out.push_back({md.name, "qkv+F3", Program::kRmsnormRope, m, (md.q + 2 * md.kv) * md.d, md.h,
-                     md.q, md.kv, md.d});
-      out.push_back({md.name, "lm_head+F4", Program::kRmsnormLse, m, 128256, md.h});
+  for (int m : bench::kTokenCounts) {
+    for (const auto& md : bench::kLlama3Models) {
+      out.push_back({md.name, "out_proj+F1", Program::kResidualRmsnormPartial, m, md.hidden,
+                     md.q_heads * md.head_dim});
+      out.push_back({md.name, "gate_up+F2", Program::kRmsnormSwiglu, m, 2 * md.ffn, md.hidden});
+      out.push_back({md.name, "down_proj+F1", Program::kResidualRmsnormPartial, m, md.hidden, md.ffn});
+      out.push_back({md.name, "qkv+F3", Program::kRmsnormRope, m, md.qkv_width(), md.hidden,
+                     md.q_heads, md.kv_heads, md.head_dim});
+      out.push_back({md.name, "lm_head+F4", Program::kRmsnormLse, m, bench::kLlama3Vocab, md.hidden});
     }
     if (quick) break;
   }

@@ -68,6 +68,12 @@ def chain_table(path):
                    f"{r.get('ms_eager', float('nan')):.3f} | {r.get('ms_compile', float('nan')):.3f} | {r.get('ms_liger', float('nan')):.3f} | "
                    f"{r['speedup_vs_best_baseline']:.3f} | {r['err_x2_ours']:.4f} / {r['err_x2_eager']:.4f} | "
                    f"{r['err_qkv_ours']:.4f} / {r['err_qkv_eager']:.4f} |")
+    if d.get("accuracy"):
+        out += ["", "Per-op accuracy: max |out − fp32 chain| of each fused op's outputs, ours vs eager bf16 "
+                "(OPS.md §5 asks ours ≤ 2 × eager + 1e-6).", "",
+                "| model | M | output | ours | eager bf16 |", "|---|---|---|---|---|"]
+        for a in d["accuracy"]:
+            out.append(f"| {a['model']} | {a['m']} | {a['output']} | {a['max_err_ours']:.4f} | {a['max_err_eager']:.4f} |")
     if d.get("absent"):
         out.append(f"\nAbsent baselines: {d['absent']}")
     return out + [""]

@@ -5,6 +5,8 @@
 
 #include "coda/kernel/aux_kernels.hpp"
 #include "coda/kernel/cuda_check.hpp"
+#include "coda/epilogue/elementwise.hpp"
+#include "coda/programs/rope.hpp"
 
 namespace coda::kernel {
 namespace {
@@ -87,7 +89,75 @@ __global__ void first_layer_rmsnorm_kernel(const bf16* x, const bf16* gamma, int
   if (lane == 0) r[row] = rsqrtf(s / float(hidden) + eps);
 }
 
+__global__ void fold_row_sums_kernel(const float* partials, int64_t m, int64_t rows_padded,
+                                     int64_t tiles, float scale, float* out) {
+  const int64_t row = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (row >= m) return;
+  float s = 0.f;
+  for (int64_t t = 0; t < tiles; ++t) s += partials[row + rows_padded * t];
+  out[row] = s * scale;
+}
+
+// One warp per row; each lane handles pairs (2j, 2j+1) as one 32-bit load of two bf16.
+__global__ void rope_backward_kernel(const bf16* y, const bf16* dy, const int32_t* pos,
+                                     const uint32_t* freq_hi, const uint32_t* freq_lo, int64_t m,
+                                     int64_t width, float inv_hidden, bf16* dz, float* zdz) {
+  const int64_t row = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= m) return;
+  const __nv_bfloat162* y2 = reinterpret_cast<const __nv_bfloat162*>(y + row * width);
+  const __nv_bfloat162* dy2 = reinterpret_cast<const __nv_bfloat162*>(dy + row * width);
+  __nv_bfloat162* dz2 = reinterpret_cast<__nv_bfloat162*>(dz + row * width);
+  const int32_t p = pos[row];
+  float s = 0.f;
+  for (int64_t j = lane; j < width / 2; j += 32) {
+    const float2 yv = __bfloat1622float2(y2[j]), g = __bfloat1622float2(dy2[j]);
+    float c, sn, d0, d1;
+    programs::rope_cos_sin<float>(p, programs::RopeFrequency{freq_hi[2 * j], freq_lo[2 * j]}, c, sn);
+    epilogue::RopeRotateTranspose{}(g.x, g.y, c, sn, d0, d1);
+    dz2[j] = __floats2bfloat162_rn(d0, d1);
+    s += yv.x * g.x + yv.y * g.y;
+  }
+  for (int o = 16; o > 0; o /= 2) s += __shfl_xor_sync(0xffffffff, s, o);
+  if (lane == 0) zdz[row] = s * inv_hidden;
+}
+
 }  // namespace
+
+void fold_row_sums(const float* partials, int64_t m, int64_t rows_padded, int64_t tiles,
+                   float scale, float* out, cudaStream_t stream) {
+  CODA_CHECK(partials && out, "fold_row_sums: null pointer (partials or out)");
+  CODA_CHECK(m > 0 && tiles > 0 && rows_padded >= m, "fold_row_sums: bad sizes (m ", m,
+             ", rows_padded ", rows_padded, ", tiles ", tiles, ")");
+  fold_row_sums_kernel<<<unsigned((m + 255) / 256), 256, 0, stream>>>(partials, m, rows_padded,
+                                                                      tiles, scale, out);
+  CODA_CUDA_CHECK(cudaGetLastError());
+}
+
+void fold_column_sums(const float* partials, int64_t n, int64_t cols_padded, int64_t tiles,
+                      float* out, cudaStream_t stream) {
+  // The same fold with columns in place of rows (partials are column-fastest).
+  CODA_CHECK(partials && out, "fold_column_sums: null pointer (partials or out)");
+  CODA_CHECK(n > 0 && tiles > 0 && cols_padded >= n, "fold_column_sums: bad sizes (n ", n,
+             ", cols_padded ", cols_padded, ", tiles ", tiles, ")");
+  fold_row_sums_kernel<<<unsigned((n + 255) / 256), 256, 0, stream>>>(partials, n, cols_padded,
+                                                                      tiles, 1.0f, out);
+  CODA_CUDA_CHECK(cudaGetLastError());
+}
+
+void rope_backward(const bf16* y, const bf16* dy, const int32_t* pos, const uint32_t* freq_hi,
+                   const uint32_t* freq_lo, int64_t m, int64_t width, int64_t hidden, bf16* dz,
+                   float* zdz, cudaStream_t stream) {
+  CODA_CHECK(y && dy && pos && freq_hi && freq_lo && dz && zdz,
+             "rope_backward: null pointer argument");
+  CODA_CHECK(m > 0 && width > 0 && width % 2 == 0 && hidden > 0,
+             "rope_backward: need m > 0, an even width and hidden > 0, got m ", m, ", width ",
+             width, ", hidden ", hidden);
+  const int warps = 8;
+  rope_backward_kernel<<<unsigned((m + warps - 1) / warps), warps * 32, 0, stream>>>(
+      y, dy, pos, freq_hi, freq_lo, m, width, 1.0f / float(hidden), dz, zdz);
+  CODA_CUDA_CHECK(cudaGetLastError());
+}
 
 void fold_rstd(const float* partials, int64_t m, int64_t rows_padded, int64_t tiles, int64_t hidden,
                float eps, float* r, cudaStream_t stream) {

@@ -34,14 +34,16 @@ KernelChoice program_config(Program p, int m, int n, int k) {
       return {Config::kPing128x128x64_1x2, deep};
     case Program::kRmsnormLse:
       return {Config::kPing128x192x64_2x1, deep};
+    case Program::kRmsnormCrossEntropyBackward:
+      // 128x192 spilled (128 bytes, its fp32 DAG holds ten fragments): 128x128 does not.
+      return {Config::kPing128x128x64_1x2, deep};
     case Program::kRmsnormLseLogits:
       return {Config::kCoop128x256x64_2x1, deep};
     case Program::kResidualRmsnormPartial:
-      if (n <= 4096 && k <= 8192) return {Config::kPing128x128x64_1x2, {1, Raster::kAlongM}};
-      return {Config::kCoop128x256x64_2x1, {1, Raster::kAlongM}};
     case Program::kRmsnormRope:
-      if (n <= 6144) return {Config::kPing128x128x64_1x2, {1, Raster::kAlongM}};
-      return {Config::kCoop128x256x64_2x1, {1, Raster::kAlongM}};
+      // The plain GEMM's choice (F1: out/down-proj, F3: QKV have N <= 10240): pingpong 128x128
+      // below 6144 columns, cooperative 256x128 above, both compiled for these programs.
+      return plain_gemm_config(m, n, k);
     default:
       return plain_gemm_config(m, n, k);
   }

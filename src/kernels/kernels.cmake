@@ -9,19 +9,24 @@ set(CODA_ALL_KERNELS
   "Plain:Ping128x128x64_1x2:XWt"
   "Plain:Ping128x128x64_2x1:XWt"
   "Plain:Ping128x192x64_2x1:XWt"
+  "Plain:Coop128x128x64_1x1:XWt"
   # forward programs
   "ResidualRmsnormPartial:Ping128x128x64_1x2:XWt"
   "ResidualRmsnormPartial:Coop128x256x64_2x1:XWt"
+  "ResidualRmsnormPartial:Coop256x128x64_1x2:XWt"
   "RmsnormSwiglu:Ping128x128x64_1x2:XWt"
   "RmsnormSwiglu:Coop128x256x64_2x1:XWt"
   "RmsnormSwiglu:Ping128x192x64_2x1:XWt"
   "RmsnormRope:Ping128x128x64_1x2:XWt"
   "RmsnormRope:Coop128x256x64_2x1:XWt"
+  "RmsnormRope:Coop256x128x64_1x2:XWt"
   "RmsnormLse:Coop128x256x64_2x1:XWt"
   "RmsnormLse:Ping128x192x64_2x1:XWt"
   "RmsnormLseLogits:Coop128x256x64_2x1:XWt"
   # backward programs and the transposed operand layouts the backward pass needs
   "RmsnormBackward:Ping128x128x64_1x2:XW"
+  "RmsnormCrossEntropyBackward:Ping128x128x64_1x2:XWt"
+  "SwigluBackward:Ping128x128x64_1x2:XW"
   "Plain:Ping128x128x64_1x2:XW"
   "Plain:Coop128x256x64_2x1:XtY"
   # tests: the fragment pairing every pairwise epilogue relies on, per schedule
@@ -38,3 +43,5 @@ set(CODA_FUSION_HEADER_RmsnormLse rmsnorm_lse.cuh)
 set(CODA_FUSION_HEADER_RmsnormLseLogits rmsnorm_lse.cuh)
 set(CODA_FUSION_HEADER_PairLayoutProbe pair_layout_probe.cuh)
 set(CODA_FUSION_HEADER_RmsnormBackward rmsnorm_backward.cuh)
+set(CODA_FUSION_HEADER_RmsnormCrossEntropyBackward rmsnorm_ce_backward.cuh)
+set(CODA_FUSION_HEADER_SwigluBackward swiglu_backward.cuh)

@@ -5,6 +5,10 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
+
+#include "coda/kernel/aux_kernels.hpp"
 #include "coda/programs/backward.hpp"
 #include "support/gpu_check.hpp"
 
@@ -144,6 +148,226 @@ void check_rmsnorm_backward(bool in_place) {
       expect_rule("B1 h_out " + l, download_bf16(dh), h, h_pt);
       expect_rule("B1 dgamma partials " + l, part_gpu, part_ref, part_pt);
     }
+}
+
+TEST_F(GpuKernelTest, CrossEntropyBackwardMatchesReferenceWithIgnoredTokensAndZLoss) {
+  const auto configs = compiled_configs(Program::kRmsnormCrossEntropyBackward);
+  ASSERT_FALSE(configs.empty());
+  testing::Rng rng(25);
+  // V = 200 and 1000: the last N-tile is ragged. ℓ is recomputed from h and W_vocab.
+  const Shape shapes[] = {{1, 200, 136}, {19, 1000, 136}, {111, 1000, 136}, {4097, 200, 136}};
+  const float z_loss = 1e-2f;
+  for (Config c : configs)
+    for (const Shape& s : shapes) {
+      if (skip_large(s)) continue;
+      const int M = s.m, Nv = s.n, H = s.k;  // Nv: vocabulary
+      const V h = testing::bf16_uniform(size_t(M) * H, -1, 1, rng);
+      const V w = testing::bf16_uniform(size_t(Nv) * H, -1, 1, rng);
+      std::vector<float> r(M), scale(M);
+      std::vector<int64_t> tgt(M);
+      for (int i = 0; i < M; ++i) {
+        r[i] = static_cast<float>(rng.uniform(0.5, 3));
+        tgt[i] = i % 7 == 3 ? -100 : rng.integer(0, Nv - 1);
+        scale[i] = tgt[i] < 0 ? 0.0f : static_cast<float>(rng.uniform(0.001, 0.01));
+      }
+      // lse from the fp64 logits (an input of B4, as the forward pass would have produced it).
+      const V y = gemm_ref(h, w, {M, Nv, H});
+      std::vector<float> lse(M);
+      for (int i = 0; i < M; ++i) {
+        double mx = -INFINITY, se = 0;
+        for (int j = 0; j < Nv; ++j) mx = std::max(mx, y[size_t(i) * Nv + j] * r[i]);
+        for (int j = 0; j < Nv; ++j) se += std::exp(y[size_t(i) * Nv + j] * r[i] - mx);
+        lse[i] = static_cast<float>(mx + std::log(se));
+      }
+      const auto tiles = reference_tiles(c);
+      const auto layout = epilogue::PartialLayout::per_row(M, Nv, tiles.tile_m, tiles.tile_n);
+      auto dh = upload_bf16(h), dw = upload_bf16(w);
+      DeviceBuffer<float> dr(r), dlse(lse), dscale(scale), dpart(layout.elements());
+      DeviceBuffer<int64_t> dt(tgt);
+      DeviceBuffer<bf16> dl(size_t(M) * Nv);
+      dl.poison();
+      dpart.poison();
+      RmsnormCrossEntropyBackwardArgs args{dr.get(), dlse.get(), dscale.get(), dt.get(), dpart.get(), z_loss};
+      run(Program::kRmsnormCrossEntropyBackward, c,
+          {M, Nv, H, dh.get(), H, dw.get(), H, nullptr, 0, dl.get(), Nv}, &args);
+
+      const V rd(r.begin(), r.end()), lsed(lse.begin(), lse.end()), sd(scale.begin(), scale.end());
+      programs::RmsnormCrossEntropyBackward<double> p;
+      V dlog(size_t(M) * Nv), part(layout.elements(), 0.0);
+      p.r = {rd.data(), M};
+      p.lse = {lsed.data(), M};
+      p.scale = {sd.data(), M};
+      p.targets = {tgt.data(), M};
+      p.vocab = Nv;
+      p.z_loss = z_loss;
+      p.dlogits = {dlog.data(), M, Nv, Nv};
+      p.zdz_partials = part.data();
+      p.layout = layout;
+      reference::execute<double>(MatrixRef<double>::row_major(h.data(), M, H),
+                                 MatrixRef<double>::row_major(w.data(), Nv, H), p, tiles);
+      // PyTorch: logits = bf16(bf16(h wᵀ) r); dℓ in fp32 from them (softmax · (1 + 2λ lse) −
+      // onehot) · scale, rounded to bf16; ZdZ = Σ ℓ·dℓ over the bf16 tensors.
+      V dl_pt(size_t(M) * Nv), part_pt(layout.elements(), 0.0);
+      for (int i = 0; i < M; ++i)
+        for (int j = 0; j < Nv; ++j) {
+          const size_t e = size_t(i) * Nv + j;
+          const double l = round_bf16(round_bf16(y[e]) * rd[i]);
+          dl_pt[e] = round_bf16((std::exp(l - lsed[i]) * (1 + 2 * z_loss * lsed[i]) -
+                                 (tgt[i] == j ? 1.0 : 0.0)) * sd[i]);
+          part_pt[layout.index(i, j / tiles.tile_n)] += l * dl_pt[e];
+        }
+      V part_gpu(layout.elements());
+      const auto raw = dpart.download();
+      for (size_t i = 0; i < raw.size(); ++i) part_gpu[i] = raw[i];
+      for (int64_t t = 0; t < layout.tiles; ++t)
+        for (int64_t i = M; i < layout.extent; ++i)
+          part_gpu[layout.index(i, t)] = part[layout.index(i, t)] = part_pt[layout.index(i, t)] = 0;
+      const std::string l = label(c, s);
+      expect_rule("B4 dlogits " + l, download_bf16(dl), dlog, dl_pt);
+      expect_rule("B4 ZdZ partials " + l, part_gpu, part, part_pt);
+    }
+}
+
+TEST_F(GpuKernelTest, SwigluBackwardMatchesReference) {
+  const auto configs = compiled_configs(Program::kSwigluBackward, Operands::kXW);
+  ASSERT_FALSE(configs.empty());
+  testing::Rng rng(26);
+  for (Config c : configs)
+    for (const Shape& s : kShapes) {
+      if (skip_large(s)) continue;
+      // da (M, I) = dx_out (M, H) · W_down (H, I): GEMM N = I, K = H. z, dz: (M, 2I) interleaved.
+      const int M = s.m, I = s.n, H = s.k;
+      const V dxo = testing::bf16_uniform(size_t(M) * H, -1, 1, rng);
+      const V wd = testing::bf16_uniform(size_t(H) * I, -0.3, 0.3, rng);
+      const V z = testing::bf16_uniform(size_t(M) * 2 * I, -4, 4, rng);
+      const auto tiles = reference_tiles(c);
+      const auto layout = epilogue::PartialLayout::per_row(M, I, tiles.tile_m, tiles.tile_n);
+      auto ddxo = upload_bf16(dxo), dwd = upload_bf16(wd), dzin = upload_bf16(z);
+      DeviceBuffer<bf16> da_out(size_t(M) * I), ddz(size_t(M) * 2 * I);
+      DeviceBuffer<float> dpart(layout.elements());
+      da_out.poison();
+      ddz.poison();
+      dpart.poison();
+      // (g, u) bf16 pairs are read and written as one 32-bit element each.
+      SwigluBackwardArgs args{reinterpret_cast<const uint32_t*>(dzin.get()), I,
+                              reinterpret_cast<uint32_t*>(ddz.get()), I, dpart.get()};
+      run(Program::kSwigluBackward, c,
+          {M, I, H, ddxo.get(), H, dwd.get(), I, nullptr, 0, da_out.get(), I}, &args, Operands::kXW);
+
+      programs::SwigluBackward<double> p;
+      V dz(size_t(M) * 2 * I), a(size_t(M) * I), part(layout.elements(), 0.0);
+      p.z = {z.data(), M, 2 * I, 2 * I};
+      p.dz = {dz.data(), M, 2 * I, 2 * I};
+      p.a = {a.data(), M, I, I};
+      p.zdz_partials = part.data();
+      p.layout = layout;
+      reference::execute<double>(MatrixRef<double>::row_major(dxo.data(), M, H),
+                                 MatrixRef<double>::transposed(wd.data(), I, H), p, tiles);
+      // PyTorch autograd of silu(g)·u in bf16: da = bf16(dx W); du = bf16(da · bf16(silu g));
+      // dg = bf16(bf16(da · u) · σ(g)(1 + g(1 − σ(g)))); a = bf16(bf16(silu g) · u).
+      const V da = reference::gemm<double>(MatrixRef<double>::row_major(dxo.data(), M, H),
+                                           MatrixRef<double>::transposed(wd.data(), I, H));
+      V dz_pt(dz.size()), a_pt(a.size()), part_pt(layout.elements(), 0.0);
+      for (int i = 0; i < M; ++i)
+        for (int j = 0; j < I; ++j) {
+          const double g = z[size_t(i) * 2 * I + 2 * j], u = z[size_t(i) * 2 * I + 2 * j + 1];
+          const double sg = 1 / (1 + std::exp(-g)), silu = round_bf16(g * sg);
+          const double dab = round_bf16(da[size_t(i) * I + j]);
+          const double du = round_bf16(dab * silu);
+          const double dg = round_bf16(round_bf16(dab * u) * sg * (1 + g * (1 - sg)));
+          dz_pt[size_t(i) * 2 * I + 2 * j] = dg;
+          dz_pt[size_t(i) * 2 * I + 2 * j + 1] = du;
+          a_pt[size_t(i) * I + j] = round_bf16(silu * u);
+          part_pt[layout.index(i, j / tiles.tile_n)] += g * dg + u * du;
+        }
+      V part_gpu(layout.elements());
+      const auto raw = dpart.download();
+      for (size_t i = 0; i < raw.size(); ++i) part_gpu[i] = raw[i];
+      for (int64_t t = 0; t < layout.tiles; ++t)
+        for (int64_t i = M; i < layout.extent; ++i)
+          part_gpu[layout.index(i, t)] = part[layout.index(i, t)] = part_pt[layout.index(i, t)] = 0;
+      const std::string l = label(c, s);
+      expect_rule("B2 dz " + l, download_bf16(ddz), dz, dz_pt);
+      expect_rule("B2 a " + l, download_bf16(da_out), a, a_pt);
+      expect_rule("B2 ZdZ partials " + l, part_gpu, part, part_pt);
+    }
+}
+
+TEST_F(GpuKernelTest, RopeBackwardAndZdZMatchReference) {
+  testing::Rng rng(27);
+  const programs::QkvLayout layouts[] = {{4, 2, 64}, {3, 1, 128}};
+  for (const auto& ql : layouts)
+    for (int M : {1, 19, 111, 4097}) {
+      const int W = ql.width(), H = 256;
+      const V y = testing::bf16_uniform(size_t(M) * W, -2, 2, rng);
+      const V dy = testing::bf16_uniform(size_t(M) * W, -1, 1, rng);
+      std::vector<int32_t> pos(M);
+      for (auto& p : pos) p = static_cast<int32_t>(rng.integer(0, 1 << 17));
+      const auto inv = programs::rope_inv_freq(ql.head_dim, 500000.0, {.enabled = true});
+      const auto table = programs::rope_column_table(ql, inv);
+      std::vector<uint32_t> hi(W), lo(W);
+      for (int j = 0; j < W; ++j) hi[j] = table[j].hi, lo[j] = table[j].lo;
+      auto dyv = upload_bf16(y), ddy = upload_bf16(dy);
+      DeviceBuffer<int32_t> dpos(pos);
+      DeviceBuffer<uint32_t> dhi(hi), dlo(lo);
+      DeviceBuffer<bf16> ddz(size_t(M) * W);
+      DeviceBuffer<float> dzdz(M);
+      ddz.poison();
+      dzdz.poison();
+      rope_backward(dyv.get(), ddy.get(), dpos.get(), dhi.get(), dlo.get(), M, W, H, ddz.get(),
+                    dzdz.get(), nullptr);
+      CODA_CUDA_CHECK(cudaDeviceSynchronize());
+      V dz(size_t(M) * W), zsum(M);
+      programs::rope_backward<double>({y.data(), M, W, W}, {dy.data(), M, W, W}, {pos.data(), M},
+                                      {table.data(), W}, {dz.data(), M, W, W}, zsum.data());
+      for (auto& v : zsum) v /= H;
+      // PyTorch (HF rotate_half autograd, bf16): cos/sin in bf16, each product and sum rounded;
+      // ZdZ as an fp32 sum over bf16 products.
+      V dz_pt(dz.size()), z_pt(M);
+      for (int i = 0; i < M; ++i) {
+        float acc = 0.f;
+        for (int j = 0; j < W; j += 2) {
+          const size_t e = size_t(i) * W + j;
+          const bool rot = j < ql.q_width() + ql.kv_width();
+          const double th = rot ? double(pos[i]) * inv[(j % ql.head_dim) / 2] : 0.0;
+          const double c = round_bf16(std::cos(th)), sn = round_bf16(std::sin(th));
+          dz_pt[e] = round_bf16(round_bf16(dy[e] * c) + round_bf16(dy[e + 1] * sn));
+          dz_pt[e + 1] = round_bf16(round_bf16(dy[e + 1] * c) - round_bf16(dy[e] * sn));
+          acc += float(y[e] * dy[e]) + float(y[e + 1] * dy[e + 1]);
+        }
+        z_pt[i] = double(acc) / H;
+      }
+      const auto zg = dzdz.download();
+      const std::string l = "d=" + std::to_string(ql.head_dim) + " M=" + std::to_string(M);
+      expect_rule("B3 dz " + l, download_bf16(ddz), dz, dz_pt);
+      expect_rule("B3 ZdZ " + l, V(zg.begin(), zg.end()), zsum, z_pt);
+    }
+}
+
+TEST_F(GpuKernelTest, PartialFoldsMatchSums) {
+  testing::Rng rng(28);
+  for (int n : {1, 19, 4097}) {
+    const int64_t padded = (n + 127) / 128 * 128, tiles = 7;
+    std::vector<float> part(padded * tiles);
+    for (auto& v : part) v = static_cast<float>(rng.uniform(-1, 1));
+    DeviceBuffer<float> dpart(part), drow(n), dcol(n);
+    drow.poison();
+    dcol.poison();
+    fold_row_sums(dpart.get(), n, padded, tiles, 0.25f, drow.get(), nullptr);
+    fold_column_sums(dpart.get(), n, padded, tiles, dcol.get(), nullptr);
+    CODA_CUDA_CHECK(cudaDeviceSynchronize());
+    V ref(n), pt(n);
+    for (int i = 0; i < n; ++i) {
+      float f = 0.f;
+      for (int64_t t = 0; t < tiles; ++t) ref[i] += part[i + padded * t], f += part[i + padded * t];
+      pt[i] = f;
+    }
+    const auto rg = drow.download(), cg = dcol.download();
+    V rowv(n), rref(n), rpt(n);
+    for (int i = 0; i < n; ++i) rowv[i] = rg[i], rref[i] = 0.25 * ref[i], rpt[i] = 0.25 * pt[i];
+    expect_rule("fold_row_sums n=" + std::to_string(n), rowv, rref, rpt);
+    expect_rule("fold_column_sums n=" + std::to_string(n), V(cg.begin(), cg.end()), ref, pt);
+  }
 }
 
 TEST_F(GpuKernelTest, RmsnormBackwardMatchesReference) { check_rmsnorm_backward(false); }

@@ -40,6 +40,8 @@ enum class Program : int {
   kRmsnormLseLogits = 5,        // F4 + bf16 logits in D
   kPairLayoutProbe = 6,         // test: D = 1 where the fragment pairing holds
   kRmsnormBackward = 7,         // B1 (operands kXW)
+  kRmsnormCrossEntropyBackward = 8,  // B4 (operands kXWt, ℓ recomputed)
+  kSwigluBackward = 9,               // B2 (operands kXW)
   kCount
 };
 
@@ -102,6 +104,23 @@ struct RmsnormBackwardArgs {  // B1: A = dz, B = W (K = N_out, N = H); C = dres,
   bf16* h_out = nullptr;        // (M, H)
   int64_t ldh = 0;
   float* dgamma_partials = nullptr;  // PartialLayout::per_column(M, H, tile_m, tile_n)
+};
+
+struct RmsnormCrossEntropyBackwardArgs {  // B4: A = h, B = W_vocab; D = dℓ (M, V)
+  const float* r = nullptr;          // (M)
+  const float* lse = nullptr;        // (M)
+  const float* scale = nullptr;      // (M): d loss / d token loss (0 for ignored tokens)
+  const int64_t* targets = nullptr;  // (M)
+  float* zdz_partials = nullptr;     // PartialLayout::per_row(M, V, tile_m, tile_n): Σ ℓ·dℓ
+  float z_loss = 0.0f;
+};
+
+struct SwigluBackwardArgs {          // B2: A = dx_out (M, H), B = W_down (H, I); D = a (M, I)
+  const uint32_t* z = nullptr;       // (M, I) interleaved (g, u) bf16 pairs, one 32-bit element each
+  int64_t ldz = 0;                   // in pairs
+  uint32_t* dz = nullptr;            // (M, I) (dg, du) pairs
+  int64_t lddz = 0;
+  float* zdz_partials = nullptr;     // PartialLayout::per_row(M, I, tile_m, tile_n): Σ g·dg + u·du
 };
 
 // Type-erased launch entry: `args` points to the program's *Args struct.

@@ -26,4 +26,18 @@ void fold_rstd(const float* partials, int64_t m, int64_t rows_padded, int64_t ti
 void first_layer_rmsnorm(const bf16* x, const bf16* gamma, int64_t m, int64_t hidden, float eps,
                          bf16* h, float* r, cudaStream_t stream);
 
+// A3 (ZdZ): out[m] = scale · Σ_t partials[m + rows_padded · t], for m < M (scale = 1 / H).
+void fold_row_sums(const float* partials, int64_t m, int64_t rows_padded, int64_t tiles,
+                   float scale, float* out, cudaStream_t stream);
+
+// A3 (dγ): out[n] = Σ_t partials[n + cols_padded · t], for n < N.
+void fold_column_sums(const float* partials, int64_t n, int64_t cols_padded, int64_t tiles,
+                      float* out, cudaStream_t stream);
+
+// B3 (RoPE backward): dz = Rᵀ·dy on adjacent pairs (V columns, whose frequency is 0, pass
+// through); zdz[m] = Σ_n y·dy / hidden. y, dy, dz (M, width) bf16; pos (M); freq_hi/lo (width).
+void rope_backward(const bf16* y, const bf16* dy, const int32_t* pos, const uint32_t* freq_hi,
+                   const uint32_t* freq_lo, int64_t m, int64_t width, int64_t hidden, bf16* dz,
+                   float* zdz, cudaStream_t stream);
+
 }  // namespace coda::kernel

@@ -103,8 +103,11 @@ inline int sm_count(int device) {
   return cached[device];
 }
 
-template <Config C, Program P, Operands O>
+// ElementAB: the operand type of the mainloop (bf16 today; fp16 and fp8 operands instantiate the
+// same launcher, with the epilogue programs unchanged since they see fp32 accumulators).
+template <Config C, Program P, Operands O, class ElementAB = cutlass::bfloat16_t>
 struct GemmLauncher {
+  static constexpr int kAlignAB = 128 / cutlass::sizeof_bits<ElementAB>::value;  // 16-byte TMA rows
   using Cfg = typename ConfigOf<C>::type;
   using Fusion = FusionOf<P>;
   using TileShape = typename Cfg::TileShape;
@@ -127,8 +130,8 @@ struct GemmLauncher {
       typename Cfg::EpilogueSchedule, Callbacks>::CollectiveOp;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, cutlass::bfloat16_t,
-      typename OperandLayouts<O>::A, 8, cutlass::bfloat16_t, typename OperandLayouts<O>::B, 8,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, typename OperandLayouts<O>::A,
+      kAlignAB, ElementAB, typename OperandLayouts<O>::B, kAlignAB,
       float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
@@ -157,9 +160,9 @@ struct GemmLauncher {
     typename Adapter::Arguments args{
         cutlass::gemm::GemmUniversalMode::kGemm,
         {p.m, p.n, p.k, 1},
-        {reinterpret_cast<const cutlass::bfloat16_t*>(p.a),
+        {reinterpret_cast<const ElementAB*>(p.a),
          with_leading_dimension(cutlass::make_cute_packed_stride(StrideA{}, {p.m, p.k, 1}), p.lda),
-         reinterpret_cast<const cutlass::bfloat16_t*>(p.b),
+         reinterpret_cast<const ElementAB*>(p.b),
          with_leading_dimension(cutlass::make_cute_packed_stride(StrideB{}, {p.n, p.k, 1}), p.ldb)},
         {Build::arguments(fa), c_pointer(p),
          with_leading_dimension(cutlass::make_cute_packed_stride(StrideC{}, {p.m, p.n, 1}), p.ldc),

@@ -162,8 +162,7 @@ struct RmsnormCrossEntropyBackward : NoSubtileHooks {
     for (int c = 0; c < 2; ++c) {
       if (n + c >= vocab) continue;
       const Real l = acc[c] * rm;
-      const Real p = std::exp(l - lm) * (Real(1) + Real(2 * z_loss) * lm);
-      const Real d = (p - (target == n + c ? Real(1) : Real(0))) * sm;
+      const Real d = CrossEntropyGrad{}(l, lm, sm, target == n + c, static_cast<Real>(z_loss));
       dlogits.store(m, n + c, d);
       row_acc[m - t.m0] += l * d;
     }

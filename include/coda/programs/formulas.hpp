@@ -3,6 +3,7 @@
 // includes so the Hopper fusions (include/coda/kernel/fusions) and the CPU programs share them.
 
 #include "coda/common/host_device.hpp"
+#include "coda/epilogue/elementwise.hpp"
 
 namespace coda::programs {
 
@@ -26,6 +27,16 @@ struct GradTimesNormalized {
   template <class T>
   CODA_HD T operator()(T g, T x, T r) const {
     return g * x * r;
+  }
+};
+
+// B4: dℓ = (exp(ℓ − lse)·(1 + 2λ·lse) − [column == target]) · scale: the gradient of
+// lse − ℓ_target + λ·lse² for one logit, times the per-token loss scale (0 for ignored tokens).
+struct CrossEntropyGrad {
+  template <class T>
+  CODA_HD T operator()(T logit, T lse, T scale, bool is_target, T z_loss) const {
+    const T p = epilogue::exp_approx(logit - lse) * (T(1) + T(2) * z_loss * lse);
+    return (p - (is_target ? T(1) : T(0))) * scale;
   }
 };
 

@@ -38,4 +38,38 @@ CUTLASS_DEVICE auto cta_coords(StoreArgs const& args) {
                                                                args.tiled_copy, args.thread_idx);
 }
 
+// The node protocol for nodes whose Params are their Arguments, with no workspace, no shared
+// memory and no producer loads: the host-side statics and the producer hooks. Nodes derive from it
+// and add a constructor, their Params member and get_consumer_store_callbacks.
+template <class Args>
+struct ConsumerOnlyNode {
+  struct SharedStorage {};
+  using Arguments = Args;
+  using Params = Args;
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& a, void*) {
+    return a;
+  }
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const&, Arguments const&) {
+    return true;
+  }
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
+    return 0;
+  }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*,
+                                              cudaStream_t, cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
+  CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
+  template <class... ProducerArgs>
+  CUTLASS_DEVICE auto get_producer_load_callbacks(cf::ProducerLoadArgs<ProducerArgs...> const&) {
+    return cf::EmptyProducerLoadCallbacks{};
+  }
+};
+
 }  // namespace coda::kernel

@@ -20,45 +20,25 @@ namespace coda::kernel {
 // own reductions use: tCcD is relative to the thread's first element and residue_tCcD is
 // (M, N) minus that element, so an element's absolute coordinate is (M, N) − residue + tCcD.
 // ---------------------------------------------------------------------------------------------
-template <class CtaTile, class Target>
-struct OnlineLseReduction {
-  using ElementAux = cutlass::bfloat16_t;  // what D would hold; lets the collective run with no D
-  struct SharedStorage {};
-  struct Arguments {
-    float* max_partials = nullptr;
-    float* sum_partials = nullptr;
-    float* target_logit = nullptr;  // (M)
-  };
-  using Params = Arguments;
+struct OnlineLseArguments {
+  float* max_partials = nullptr;
+  float* sum_partials = nullptr;
+  float* target_logit = nullptr;  // (M)
+};
 
-  template <class ProblemShape>
-  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& a, void*) {
-    return a;
-  }
+template <class CtaTile, class Target>
+struct OnlineLseReduction : ConsumerOnlyNode<OnlineLseArguments> {
+  using Params = OnlineLseArguments;
+  using Arguments = Params;
+  using ElementAux = cutlass::bfloat16_t;  // what D would hold; lets the collective run with no D
   template <class ProblemShape>
   static bool can_implement(ProblemShape const&, Arguments const& a) {
     return a.max_partials && a.sum_partials && a.target_logit;
-  }
-  template <class ProblemShape>
-  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
-    return 0;
-  }
-  template <class ProblemShape>
-  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*,
-                                              cudaStream_t, cutlass::CudaHostAdapter* = nullptr) {
-    return cutlass::Status::kSuccess;
   }
 
   CUTLASS_HOST_DEVICE OnlineLseReduction() {}
   CUTLASS_HOST_DEVICE OnlineLseReduction(Params const& p, SharedStorage const&) : params(p) {}
   Params params;
-
-  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
-  CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
-  template <class... Args>
-  CUTLASS_DEVICE auto get_producer_load_callbacks(cf::ProducerLoadArgs<Args...> const&) {
-    return cf::EmptyProducerLoadCallbacks{};
-  }
 
   template <class RowState, class CoordTensor, class Residue, class LaneLayout>
   struct ConsumerStoreCallbacks : cf::EmptyConsumerStoreCallbacks {
