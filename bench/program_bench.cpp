@@ -87,7 +87,13 @@ int main(int argc, char** argv) {
   std::printf("%-11s %-13s %6s %6s %6s | %-22s %8s %8s %7s | check\n", "model", "op", "M", "N", "K",
               "config", "plain", "fused", "ratio");
   uint64_t seed = 1;
+  // --only MODEL:OP, --m M, --config NAME select single cases (e.g. to profile one under ncu).
+  const std::string only = args.count("only") ? args["only"] : "";
+  const int only_m = args.count("m") ? std::stoi(args["m"]) : 0;
+  const std::string only_config = args.count("config") ? args["config"] : "";
   for (const Case& c : cases(args.count("quick"))) {
+    if (!only.empty() && c.model + ":" + c.op != only) continue;
+    if (only_m && c.m != only_m) continue;
     const size_t na = size_t(c.m) * c.k, nw = size_t(c.n) * c.k, nd = size_t(c.m) * c.n;
     bf16 *a, *w, *d, *res = nullptr, *h = nullptr, *gamma = nullptr;
     float *r = nullptr, *part = nullptr, *part2 = nullptr, *tl = nullptr;
@@ -162,6 +168,7 @@ int main(int argc, char** argv) {
       const auto fused_fn = kernel::find_kernel(c.program, cfg, kernel::Operands::kXWt);
       const auto plain_fn = kernel::find_kernel(Program::kPlain, cfg, kernel::Operands::kXWt);
       if (!fused_fn || !plain_fn) continue;
+      if (!only_config.empty() && only_config != kernel::config_name(cfg)) continue;
       // The scheduler options the op layer would use for this program and shape.
       const kernel::SchedulerOptions so =
           kernel::choose_config(c.program, kernel::Operands::kXWt, c.m, c.n, c.k).scheduler;
