@@ -166,10 +166,10 @@ def run_shape(coda, model, m, results, progress):
 
     def coda_chain():
         coda("coda_gemm_residual_rmsnorm_partial", y, wo, x0, g_ffn, x1, h1, s1, m, hidden, hq * d, stream)
-        coda("coda_rmsnorm_fold", s1, m, ext[0], ext[1], hidden, EPS, r1, stream)
+        coda("coda_rmsnorm_fold", s1, m, ctypes.c_longlong(ext[0]), ctypes.c_longlong(ext[1]), hidden, EPS, r1, stream)
         coda("coda_gemm_rmsnorm_swiglu", h1, wgu_inter, r1, z, act, m, 2 * inter, hidden, stream)
         coda("coda_gemm_residual_rmsnorm_partial", act, wd, x1, g_attn, x2, h2, s2, m, hidden, inter, stream)
-        coda("coda_rmsnorm_fold", s2, m, ext2[0], ext2[1], hidden, EPS, r2, stream)
+        coda("coda_rmsnorm_fold", s2, m, ctypes.c_longlong(ext2[0]), ctypes.c_longlong(ext2[1]), hidden, EPS, r2, stream)
         coda("coda_gemm_rmsnorm_rope", h2, wqkv_f, r2, pos, fhi, flo, qkv, m, qkv_w, hidden, stream)
 
     coda_chain()

@@ -92,4 +92,67 @@ int coda_gemm_rmsnorm_rope(const void* h, const void* w_qkv, const float* r, con
   });
 }
 
+int coda_gemm_xw(const void* x, const void* w, void* d, int m, int n, int k, void* stream) {
+  return guarded([&] { coda::ops::gemm_xw(B(x), B(w), Bm(d), m, n, k, S(stream)); });
+}
+
+int coda_gemm_xty(const void* x, const void* y, void* d, int m, int n, int k, void* stream) {
+  return guarded([&] { coda::ops::gemm_xty(B(x), B(y), Bm(d), m, n, k, S(stream)); });
+}
+
+// Writes {extent, tiles} of the partial buffers of B1 (per column) and B2 (per row).
+int coda_rmsnorm_backward_partials_layout(int m, int hidden, int n_out, long long* extent_tiles) {
+  return guarded([&] {
+    const auto l = coda::ops::rmsnorm_backward_partials_layout(m, hidden, n_out);
+    extent_tiles[0] = l.extent;
+    extent_tiles[1] = l.tiles;
+  });
+}
+int coda_swiglu_backward_partials_layout(int m, int intermediate, int hidden,
+                                         long long* extent_tiles) {
+  return guarded([&] {
+    const auto l = coda::ops::swiglu_backward_partials_layout(m, intermediate, hidden);
+    extent_tiles[0] = l.extent;
+    extent_tiles[1] = l.tiles;
+  });
+}
+
+int coda_gemm_rmsnorm_backward(const void* dz, const void* w, const void* x, const float* r,
+                               const void* gamma, const float* zdz, const void* dres, void* dx,
+                               void* h_out, float* dgamma_partials, int m, int hidden, int n_out,
+                               void* stream) {
+  return guarded([&] {
+    coda::ops::gemm_rmsnorm_backward(B(dz), B(w), B(x), r, B(gamma), zdz, B(dres), Bm(dx),
+                                     Bm(h_out), dgamma_partials, m, hidden, n_out, S(stream));
+  });
+}
+
+int coda_gemm_swiglu_backward(const void* dx_out, const void* w_down, const void* z, void* dz,
+                              void* a, float* zdz_partials, int m, int intermediate, int hidden,
+                              void* stream) {
+  return guarded([&] {
+    coda::ops::gemm_swiglu_backward(B(dx_out), B(w_down), B(z), Bm(dz), Bm(a), zdz_partials, m,
+                                    intermediate, hidden, S(stream));
+  });
+}
+
+int coda_rope_backward(const void* qkv, const void* dqkv, const int* pos, const unsigned* freq_hi,
+                       const unsigned* freq_lo, int m, int width, int hidden, void* dqkv_pre,
+                       float* zdz, void* stream) {
+  return guarded([&] {
+    coda::ops::rope_backward(B(qkv), B(dqkv), pos, {freq_hi, freq_lo, width}, m, width, hidden,
+                             Bm(dqkv_pre), zdz, S(stream));
+  });
+}
+
+int coda_zdz_fold(const float* partials, int m, long long extent, long long tiles, int hidden,
+                  float* zdz, void* stream) {
+  return guarded([&] { coda::ops::zdz_fold(partials, {extent, tiles, m}, hidden, zdz, S(stream)); });
+}
+
+int coda_dgamma_fold(const float* partials, int n, long long extent, long long tiles, float* dgamma,
+                     void* stream) {
+  return guarded([&] { coda::ops::dgamma_fold(partials, {extent, tiles, n}, dgamma, S(stream)); });
+}
+
 }  // extern "C"

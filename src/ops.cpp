@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <string>
+#include <utility>
 
 #include "coda/common/check.hpp"
 #include "coda/kernel/aux_kernels.hpp"
@@ -191,6 +192,88 @@ void gemm_rmsnorm_backward(const bf16* dz, const bf16* w, const bf16* x, const f
   launch(op, Program::kRmsnormBackward, m, hidden, n_out,
          {m, hidden, n_out, dz, n_out, w, hidden, dres, hidden, dx, hidden}, &args, stream,
          Operands::kXW);
+}
+
+void gemm_xw(const bf16* x, const bf16* w, bf16* d, int m, int n, int k, cudaStream_t stream) {
+  const char* op = "coda::ops::gemm_xw";
+  check_gemm_sizes(op, m, n, k);
+  check_device_pointer(op, "x", x);
+  check_device_pointer(op, "w", w);
+  check_device_pointer(op, "d", d);
+  kernel::PlainArgs args;
+  launch(op, Program::kPlain, m, n, k, {m, n, k, x, k, w, n, nullptr, 0, d, n}, &args, stream,
+         Operands::kXW);
+}
+
+void gemm_xty(const bf16* x, const bf16* y, bf16* d, int m, int n, int k, cudaStream_t stream) {
+  const char* op = "coda::ops::gemm_xty";
+  CODA_CHECK(m > 0 && n > 0 && k > 0, op, ": sizes must be positive, got M=", m, " N=", n, " K=", k);
+  CODA_CHECK(m % 8 == 0 && n % 8 == 0, op,
+             ": M and N must be multiples of 8 (16-byte rows of X and Y), got M=", m, " N=", n);
+  check_device_pointer(op, "x", x);
+  check_device_pointer(op, "y", y);
+  check_device_pointer(op, "d", d);
+  kernel::PlainArgs args;
+  launch(op, Program::kPlain, m, n, k, {m, n, k, x, m, y, n, nullptr, 0, d, n}, &args, stream,
+         Operands::kXtY);
+}
+
+epilogue::PartialLayout swiglu_backward_partials_layout(int m, int intermediate, int hidden) {
+  check_gemm_sizes("coda::ops::swiglu_backward_partials_layout", m, intermediate, hidden);
+  return partial_layout(Program::kSwigluBackward, m, intermediate, hidden, Operands::kXW);
+}
+
+void gemm_swiglu_backward(const bf16* dx_out, const bf16* w_down, const bf16* z, bf16* dz, bf16* a,
+                          float* zdz_partials, int m, int intermediate, int hidden,
+                          cudaStream_t stream) {
+  const char* op = "coda::ops::gemm_swiglu_backward";
+  check_gemm_sizes(op, m, intermediate, hidden);
+  check_device_pointer(op, "dx_out", dx_out);
+  check_device_pointer(op, "w_down", w_down);
+  check_device_pointer(op, "z", z);
+  check_device_pointer(op, "dz", dz);
+  check_device_pointer(op, "a", a);
+  check_device_pointer(op, "zdz_partials", zdz_partials);
+  // (g, u) bf16 pairs travel as one 32-bit element each.
+  kernel::SwigluBackwardArgs args{reinterpret_cast<const uint32_t*>(z), intermediate,
+                                  reinterpret_cast<uint32_t*>(dz), intermediate, zdz_partials};
+  launch(op, Program::kSwigluBackward, m, intermediate, hidden,
+         {m, intermediate, hidden, dx_out, hidden, w_down, intermediate, nullptr, 0, a, intermediate},
+         &args, stream, Operands::kXW);
+}
+
+void rope_backward(const bf16* qkv, const bf16* dqkv, const int32_t* pos,
+                   const RopeTableDevice& freq, int m, int width, int hidden, bf16* dqkv_pre,
+                   float* zdz, cudaStream_t stream) {
+  const char* op = "coda::ops::rope_backward";
+  CODA_CHECK(m > 0 && width > 0 && width % 8 == 0 && hidden > 0, op,
+             ": need M > 0, width a positive multiple of 8 and hidden > 0, got M=", m, " width=",
+             width, " hidden=", hidden);
+  CODA_CHECK(freq.columns == width, op, ": freq table has ", freq.columns,
+             " columns, expected width=", width);
+  for (auto [name, p] : {std::pair<const char*, const void*>{"qkv", qkv}, {"dqkv", dqkv},
+                         {"pos", pos}, {"freq.hi", freq.hi}, {"freq.lo", freq.lo},
+                         {"dqkv_pre", dqkv_pre}, {"zdz", zdz}})
+    check_device_pointer(op, name, p);
+  kernel::rope_backward(qkv, dqkv, pos, freq.hi, freq.lo, m, width, hidden, dqkv_pre, zdz, stream);
+}
+
+void zdz_fold(const float* partials, const epilogue::PartialLayout& layout, int hidden, float* zdz,
+              cudaStream_t stream) {
+  const char* op = "coda::ops::zdz_fold";
+  check_device_pointer(op, "partials", partials);
+  check_device_pointer(op, "zdz", zdz);
+  CODA_CHECK(hidden > 0, op, ": hidden must be positive, got ", hidden);
+  kernel::fold_row_sums(partials, layout.logical, layout.extent, layout.tiles, 1.0f / float(hidden),
+                        zdz, stream);
+}
+
+void dgamma_fold(const float* partials, const epilogue::PartialLayout& layout, float* dgamma,
+                 cudaStream_t stream) {
+  const char* op = "coda::ops::dgamma_fold";
+  check_device_pointer(op, "partials", partials);
+  check_device_pointer(op, "dgamma", dgamma);
+  kernel::fold_column_sums(partials, layout.logical, layout.extent, layout.tiles, dgamma, stream);
 }
 
 }  // namespace coda::ops

@@ -65,4 +65,28 @@ void gemm_rmsnorm_backward(const bf16* dz, const bf16* w, const bf16* x, const f
                            bf16* h_out, float* dgamma_partials, int m, int hidden, int n_out,
                            cudaStream_t stream);
 
+// D (M, N) = X (M, K) · W (K, N): the data gradient dz · W of a layer whose weight is W (K = out).
+void gemm_xw(const bf16* x, const bf16* w, bf16* d, int m, int n, int k, cudaStream_t stream);
+
+// D (M, N) = Xᵀ · Y with X (K, M) and Y (K, N): the weight gradient dW = dzᵀ · h (K = tokens).
+void gemm_xty(const bf16* x, const bf16* y, bf16* d, int m, int n, int k, cudaStream_t stream);
+
+// B2: da = dx_out · W_down (dx_out (M, H), W_down (H, I)); with z the saved interleaved (g, u)
+// pairs (M, 2I): dz (M, 2I) interleaved, a = silu(g)·u (M, I) recomputed, Σ g·dg + u·du partials.
+epilogue::PartialLayout swiglu_backward_partials_layout(int m, int intermediate, int hidden);
+void gemm_swiglu_backward(const bf16* dx_out, const bf16* w_down, const bf16* z, bf16* dz, bf16* a,
+                          float* zdz_partials, int m, int intermediate, int hidden,
+                          cudaStream_t stream);
+
+// B3: dqkv_pre = Rᵀ · dqkv on Q/K pairs (V unchanged), zdz[m] = Σ_n qkv·dqkv / hidden.
+void rope_backward(const bf16* qkv, const bf16* dqkv, const int32_t* pos,
+                   const RopeTableDevice& freq, int m, int width, int hidden, bf16* dqkv_pre,
+                   float* zdz, cudaStream_t stream);
+
+// A3: zdz[m] = Σ partials / hidden (per-row layout); dgamma[n] = Σ partials (per-column layout).
+void zdz_fold(const float* partials, const epilogue::PartialLayout& layout, int hidden, float* zdz,
+              cudaStream_t stream);
+void dgamma_fold(const float* partials, const epilogue::PartialLayout& layout, float* dgamma,
+                 cudaStream_t stream);
+
 }  // namespace coda::ops

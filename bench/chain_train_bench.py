@@ -1,0 +1,226 @@
+"""Layer chain forward + backward (OPS.md §4), fused vs every baseline, side by side on the GPU.
+
+The chain of bench/chain_bench.py (out-proj + residual + RMSNorm -> gate/up + SwiGLU -> down +
+residual + RMSNorm -> QKV + RoPE) run forward and backward, given the upstream gradients of its two
+outputs (the residual stream x2 and the post-RoPE qkv, as the next layer's attention backward would
+deliver them). Ours: F1, A1, F2, F1, A1, F3 forward; B3 -> B1 (+ dW_qkv) -> B2 (+ dW_down) -> B1
+(+ dW_gu) -> dW_o, d(y_attn) backward, with the folds (A3). Baselines: the GEMM-only floor (the 12
+GEMMs alone), eager, torch.compile and Liger through autograd. Every gradient is checked against
+an fp32 autograd evaluation (ours <= 2 x eager bf16's error + 1e-6) before any time is printed.
+
+  python3 bench/chain_train_bench.py --lib .gpubin/libcoda_capi.so [--quick] [--json out.json]
+"""
+
+import argparse
+import ctypes
+import json
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from chain_bench import EPS, MODELS, THETA, Coda, bench_ms, make_chain, rope_perm
+
+
+def layout(coda, fn, *args):
+    """{extent, tiles} of a partial buffer, as ctypes long longs (the C ABI takes long long)."""
+    ext = (ctypes.c_longlong * 2)()
+    coda(fn, *args, ext)
+    return ctypes.c_longlong(ext[0]), ctypes.c_longlong(ext[1])
+
+
+def run_shape(coda, model, m, results, progress):
+    hidden, hq, hkv, d, inter = MODELS[model]
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(7 * m + hidden)
+
+    def rnd(*shape, scale=1.0):
+        return ((torch.rand(*shape, device=dev, generator=g) * 2 - 1) * scale).to(torch.bfloat16)
+
+    qkv_w = (hq + 2 * hkv) * d
+    y, x0 = rnd(m, hq * d), rnd(m, hidden)
+    wo = rnd(hidden, hq * d, scale=hidden**-0.5)
+    wg, wu = rnd(inter, hidden, scale=hidden**-0.5), rnd(inter, hidden, scale=hidden**-0.5)
+    wd = rnd(hidden, inter, scale=inter**-0.5)
+    wqkv_hf = rnd(qkv_w, hidden, scale=hidden**-0.5)
+    g_ffn = (1 + 0.1 * torch.randn(hidden, device=dev, generator=g)).to(torch.bfloat16)
+    g_attn = (1 + 0.1 * torch.randn(hidden, device=dev, generator=g)).to(torch.bfloat16)
+    dx2_up, dqkv_up = rnd(m, hidden, scale=0.1), rnd(m, qkv_w, scale=0.1)
+    pos = (torch.arange(m, device=dev) % 4096).to(torch.int32)
+    inv_freq = [THETA ** (-2.0 * i / d) for i in range(d // 2)]
+    ang = pos.double()[:, None] * torch.tensor(inv_freq, device=dev, dtype=torch.float64)[None, :]
+    cos = torch.cat([ang.cos(), ang.cos()], -1).to(torch.bfloat16)
+    sin = torch.cat([ang.sin(), ang.sin()], -1).to(torch.bfloat16)
+    wgu_split = torch.cat([wg, wu], 0).contiguous()
+    wgu_inter = torch.stack([wg, wu], 1).reshape(2 * inter, hidden).contiguous()
+    perm = torch.cat([rope_perm(hq, d), hq * d + rope_perm(hkv, d),
+                      torch.arange((hq + hkv) * d, qkv_w)]).to(dev)
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=dev)
+    wqkv_f = wqkv_hf[perm].contiguous()
+
+    # ---- autograd baselines and the fp32 reference ----
+    chain = make_chain(hq, hkv, d, inter)
+    names = ["y", "x0", "wo", "g_ffn", "wgu", "wd", "g_attn", "wqkv"]
+    leaves = [y, x0, wo, g_ffn, wgu_split, wd, g_attn, wqkv_hf]
+
+    def autograd_step(fn, dtype):
+        ins = [t.detach().to(dtype).requires_grad_() for t in leaves]
+        x2, qkv = fn(*ins, cos.to(dtype), sin.to(dtype))
+        return torch.autograd.grad([x2, qkv], ins, [dx2_up.to(dtype), dqkv_up.to(dtype)])
+
+    ref = dict(zip(names, autograd_step(chain, torch.float32)))
+    eager = dict(zip(names, autograd_step(chain, torch.bfloat16)))
+
+    # ---- ours ----
+    stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+    e = lambda *s, dt=torch.bfloat16: torch.empty(*s, device=dev, dtype=dt)  # noqa: E731
+    f1a, f1b = layout(coda, "coda_residual_rmsnorm_partials_layout", m, hidden, hq * d), \
+        layout(coda, "coda_residual_rmsnorm_partials_layout", m, hidden, inter)
+    s1 = e(f1a[0].value * f1a[1].value, dt=torch.float32)
+    s2 = e(f1b[0].value * f1b[1].value, dt=torch.float32)
+    x1, h1, x2, h2 = e(m, hidden), e(m, hidden), e(m, hidden), e(m, hidden)
+    r1, r2 = e(m, dt=torch.float32), e(m, dt=torch.float32)
+    z, act, qkv = e(m, 2 * inter), e(m, inter), e(m, qkv_w)
+    hi, lo = (ctypes.c_uint * qkv_w)(), (ctypes.c_uint * qkv_w)()
+    coda("coda_rope_column_table", hq, hkv, d, (ctypes.c_double * (d // 2))(*inv_freq), hi, lo)
+    to_i32 = lambda v: torch.tensor([x - (1 << 32) if x >= (1 << 31) else x for x in v],  # noqa: E731
+                                    dtype=torch.int32, device=dev)
+    fhi, flo = to_i32(hi), to_i32(lo)
+    # backward buffers
+    b1q = layout(coda, "coda_rmsnorm_backward_partials_layout", m, hidden, qkv_w)
+    b1g = layout(coda, "coda_rmsnorm_backward_partials_layout", m, hidden, 2 * inter)
+    b2 = layout(coda, "coda_swiglu_backward_partials_layout", m, inter, hidden)
+    pq, pg, p2 = (e(b[0].value * b[1].value, dt=torch.float32) for b in (b1q, b1g, b2))
+    dqkv_f = dqkv_up[:, perm].contiguous()  # the upstream gradient in our column order
+    dqkv_pre, zq, z1 = e(m, qkv_w), e(m, dt=torch.float32), e(m, dt=torch.float32)
+    dx2, dx1, hout2, hout1 = e(m, hidden), e(m, hidden), e(m, hidden), e(m, hidden)
+    dz, a_re, dy = e(m, 2 * inter), e(m, inter), e(m, hq * d)
+    dg_attn, dg_ffn = e(hidden, dt=torch.float32), e(hidden, dt=torch.float32)
+    dwqkv, dwd, dwgu, dwo = e(qkv_w, hidden), e(hidden, inter), e(2 * inter, hidden), e(hidden, hq * d)
+
+    def forward():
+        coda("coda_gemm_residual_rmsnorm_partial", y, wo, x0, g_ffn, x1, h1, s1, m, hidden, hq * d, stream)
+        coda("coda_rmsnorm_fold", s1, m, f1a[0], f1a[1], hidden, EPS, r1, stream)
+        coda("coda_gemm_rmsnorm_swiglu", h1, wgu_inter, r1, z, act, m, 2 * inter, hidden, stream)
+        coda("coda_gemm_residual_rmsnorm_partial", act, wd, x1, g_attn, x2, h2, s2, m, hidden, inter, stream)
+        coda("coda_rmsnorm_fold", s2, m, f1b[0], f1b[1], hidden, EPS, r2, stream)
+        coda("coda_gemm_rmsnorm_rope", h2, wqkv_f, r2, pos, fhi, flo, qkv, m, qkv_w, hidden, stream)
+
+    def backward():
+        coda("coda_rope_backward", qkv, dqkv_f, pos, fhi, flo, m, qkv_w, hidden, dqkv_pre, zq, stream)
+        coda("coda_gemm_rmsnorm_backward", dqkv_pre, wqkv_f, x2, r2, g_attn, zq, dx2_up, dx2, hout2,
+             pq, m, hidden, qkv_w, stream)
+        coda("coda_dgamma_fold", pq, hidden, b1q[0], b1q[1], dg_attn, stream)
+        coda("coda_gemm_xty", dqkv_pre, hout2, dwqkv, qkv_w, hidden, m, stream)
+        coda("coda_gemm_swiglu_backward", dx2, wd, z, dz, a_re, p2, m, inter, hidden, stream)
+        coda("coda_zdz_fold", p2, m, b2[0], b2[1], hidden, z1, stream)
+        coda("coda_gemm_xty", dx2, a_re, dwd, hidden, inter, m, stream)
+        coda("coda_gemm_rmsnorm_backward", dz, wgu_inter, x1, r1, g_ffn, z1, dx2, dx1, hout1, pg, m,
+             hidden, 2 * inter, stream)
+        coda("coda_dgamma_fold", pg, hidden, b1g[0], b1g[1], dg_ffn, stream)
+        coda("coda_gemm_xty", dz, hout1, dwgu, 2 * inter, hidden, m, stream)
+        coda("coda_gemm_xty", dx1, y, dwo, hidden, hq * d, m, stream)
+        coda("coda_gemm_xw", dx1, wo, dy, m, hq * d, hidden, stream)
+
+    def coda_step():
+        forward()
+        backward()
+
+    coda_step()
+    torch.cuda.synchronize()
+    ours = {"y": dy, "x0": dx1, "wo": dwo, "g_ffn": dg_ffn, "g_attn": dg_attn, "wd": dwd,
+            "wgu": torch.cat([dwgu[0::2], dwgu[1::2]], 0), "wqkv": dwqkv[inv]}
+
+    def err(a, b):
+        return (a.float() - b.float()).abs().max().item()
+
+    acc = {k: {"ours": err(ours[k], ref[k]), "eager": err(eager[k], ref[k])} for k in names}
+    ok = all(v["ours"] <= 2 * v["eager"] + 1e-6 for v in acc.values())
+
+    variants = {"coda": coda_step}
+    fwd_in = [a.detach().requires_grad_() for a in leaves]
+
+    def autograd_variant(fn):
+        def step():
+            x2o, qkvo = fn(*fwd_in, cos, sin)
+            torch.autograd.grad([x2o, qkvo], fwd_in, [dx2_up, dqkv_up])
+        return step
+
+    # GEMM-only floor: the same 12 GEMMs (4 forward, 4 data gradients, 4 weight gradients).
+    gemms = [(y, wo, x1), (h1, wgu_split, z), (act, wd, x2), (h2, wqkv_hf, qkv)]
+
+    def gemm_only():
+        for a_in, w, out in gemms:
+            F.linear(a_in, w)
+        for a_in, w, out in gemms:  # `out` stands in for the output gradient (same shape)
+            torch.matmul(out, w)
+            torch.matmul(out.t(), a_in)
+
+    variants["gemm_only"] = gemm_only
+    variants["eager"] = autograd_variant(chain)
+    variants["compile"] = autograd_variant(torch.compile(chain, dynamic=False))
+    try:
+        from liger_kernel.transformers.functional import (
+            liger_fused_add_rms_norm, liger_rope, liger_swiglu)
+
+        def liger_chain(y_, x0_, wo_, gffn_, wgu_, wd_, gattn_, wqkv_, cos_, sin_):
+            h1l, x1l = liger_fused_add_rms_norm(F.linear(y_, wo_), x0_, gffn_, EPS, in_place=False)
+            gate, up = F.linear(h1l, wgu_).chunk(2, dim=-1)
+            h2l, x2l = liger_fused_add_rms_norm(F.linear(liger_swiglu(gate, up), wd_), x1l, gattn_,
+                                                EPS, in_place=False)
+            q_ = F.linear(h2l, wqkv_)
+            q = q_[:, : hq * d].view(1, m, hq, d).transpose(1, 2)
+            k = q_[:, hq * d: (hq + hkv) * d].view(1, m, hkv, d).transpose(1, 2)
+            q, k = liger_rope(q, k, cos_[None], sin_[None])
+            qkv_l = torch.cat([q.transpose(1, 2).reshape(m, -1), k.transpose(1, 2).reshape(m, -1),
+                               q_[:, (hq + hkv) * d:]], -1)
+            return x2l, qkv_l
+
+        variants["liger"] = autograd_variant(liger_chain)
+    except Exception as ex:  # noqa: BLE001 - report why the baseline is absent
+        results.setdefault("absent", {})["liger"] = repr(ex)[:300]
+
+    times = {}
+    if ok:
+        for name, fn in variants.items():
+            progress(f"{model} M={m} {name}")
+            fn()
+            torch.cuda.synchronize()
+            times[name] = bench_ms(fn)
+    base = [times[k] for k in ("eager", "compile", "liger") if k in times]
+    speedup = min(base) / times["coda"] if ok and base else float("nan")
+    results["rows"].append({"model": model, "m": m, "pass": "fwd+bwd", "check": "PASS" if ok else "FAIL",
+                            **{f"ms_{k}": v for k, v in times.items()},
+                            "speedup_vs_best_baseline": speedup,
+                            "grad_errors": acc})
+    msg = " ".join(f"{k}={v:.3f}" for k, v in times.items()) + f" | speedup {speedup:.3f}x" if ok else \
+        "FAIL " + json.dumps(acc)
+    print(f"{model:11s} M={m:5d} {msg}", flush=True)
+    torch.cuda.empty_cache()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lib", required=True)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json")
+    ap.add_argument("--commit", default="unknown")
+    a = ap.parse_args()
+    coda = Coda(a.lib)
+    results = {"benchmark": "chain_fwd_bwd", "device": torch.cuda.get_device_name(),
+               "torch": torch.__version__, "cuda": torch.version.cuda, "commit": a.commit,
+               "command": " ".join(sys.argv), "rows": []}
+    t0 = time.time()
+    progress = lambda s: print(f"  [{time.time() - t0:6.1f}s] {s}", file=sys.stderr, flush=True)  # noqa: E731
+    for model in MODELS:
+        for m in ((8192,) if a.quick else (8192, 16384)):
+            run_shape(coda, model, m, results, progress)
+            if a.json:
+                with open(a.json, "w") as f:
+                    json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
