@@ -22,6 +22,8 @@ import torch.nn.functional as F
 
 from chain_bench import EPS, MODELS, THETA, Coda, bench_ms, make_chain, rope_perm
 
+PROFILE = False
+
 
 def layout(coda, fn, *args):
     """{extent, tiles} of a partial buffer, as ctypes long longs (the C ABI takes long long)."""
@@ -130,6 +132,36 @@ def run_shape(coda, model, m, results, progress):
 
     coda_step()
     torch.cuda.synchronize()
+    if PROFILE:
+        # Per-op time of our chain next to the cuBLAS GEMM of the same shape (events, median of 10).
+        def t(fn):
+            evs = []
+            for _ in range(12):
+                a_, b_ = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a_.record(); fn(); b_.record(); evs.append((a_, b_))
+            torch.cuda.synchronize()
+            return sorted(a_.elapsed_time(b_) for a_, b_ in evs[2:])[5]
+        A = lambda *s: torch.randn(*s, device=dev).to(torch.bfloat16)  # noqa: E731
+        ops = [
+            ("F1 out", lambda: coda("coda_gemm_residual_rmsnorm_partial", y, wo, x0, g_ffn, x1, h1, s1, m, hidden, hq * d, stream), lambda: F.linear(y, wo)),
+            ("F2 gate/up", lambda: coda("coda_gemm_rmsnorm_swiglu", h1, wgu_inter, r1, z, act, m, 2 * inter, hidden, stream), lambda: F.linear(h1, wgu_split)),
+            ("F1 down", lambda: coda("coda_gemm_residual_rmsnorm_partial", act, wd, x1, g_attn, x2, h2, s2, m, hidden, inter, stream), lambda: F.linear(act, wd)),
+            ("F3 qkv", lambda: coda("coda_gemm_rmsnorm_rope", h2, wqkv_f, r2, pos, fhi, flo, qkv, m, qkv_w, hidden, stream), lambda: F.linear(h2, wqkv_hf)),
+            ("B3 rope bwd", lambda: coda("coda_rope_backward", qkv, dqkv_f, pos, fhi, flo, m, qkv_w, hidden, dqkv_pre, zq, stream), lambda: None),
+            ("B1 qkv", lambda: coda("coda_gemm_rmsnorm_backward", dqkv_pre, wqkv_f, x2, r2, g_attn, zq, dx2_up, dx2, hout2, pq, m, hidden, qkv_w, stream), lambda: torch.matmul(dqkv_pre, wqkv_f)),
+            ("dW qkv", lambda: coda("coda_gemm_xty", dqkv_pre, hout2, dwqkv, qkv_w, hidden, m, stream), lambda: torch.matmul(dqkv_pre.t(), hout2)),
+            ("B2 swiglu", lambda: coda("coda_gemm_swiglu_backward", dx2, wd, z, dz, a_re, p2, m, inter, hidden, stream), lambda: torch.matmul(dx2, wd)),
+            ("dW down", lambda: coda("coda_gemm_xty", dx2, a_re, dwd, hidden, inter, m, stream), lambda: torch.matmul(dx2.t(), a_re)),
+            ("B1 gate/up", lambda: coda("coda_gemm_rmsnorm_backward", dz, wgu_inter, x1, r1, g_ffn, z1, dx2, dx1, hout1, pg, m, hidden, 2 * inter, stream), lambda: torch.matmul(dz, wgu_inter)),
+            ("dW gate/up", lambda: coda("coda_gemm_xty", dz, hout1, dwgu, 2 * inter, hidden, m, stream), lambda: torch.matmul(dz.t(), hout1)),
+            ("dW o", lambda: coda("coda_gemm_xty", dx1, y, dwo, hidden, hq * d, m, stream), lambda: torch.matmul(dx1.t(), y)),
+            ("dy", lambda: coda("coda_gemm_xw", dx1, wo, dy, m, hq * d, hidden, stream), lambda: torch.matmul(dx1, wo)),
+        ]
+        prof = {name: {"ours_ms": t(fn), "cublas_gemm_ms": t(ref_fn) if name != "B3 rope bwd" else 0.0}
+                for name, fn, ref_fn in ops}
+        results.setdefault("profile", []).append({"model": model, "m": m, "ops": prof})
+        for name, v in prof.items():
+            print(f"  {model} M={m} {name:12s} ours {v['ours_ms']:.3f} ms   cuBLAS GEMM {v['cublas_gemm_ms']:.3f} ms", flush=True)
     ours = {"y": dy, "x0": dx1, "wo": dwo, "g_ffn": dg_ffn, "g_attn": dg_attn, "wd": dwd,
             "wgu": torch.cat([dwgu[0::2], dwgu[1::2]], 0), "wqkv": dwqkv[inv]}
 
@@ -207,7 +239,10 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json")
     ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--profile", action="store_true", help="also time every op of our chain alone")
     a = ap.parse_args()
+    global PROFILE
+    PROFILE = a.profile
     coda = Coda(a.lib)
     results = {"benchmark": "chain_fwd_bwd", "device": torch.cuda.get_device_name(),
                "torch": torch.__version__, "cuda": torch.version.cuda, "commit": a.commit,

@@ -79,6 +79,26 @@ def chain_table(path):
     return out + [""]
 
 
+def train_table(path):
+    d = json.load(open(path))
+    out = ["## Layer chain forward + backward (given the upstream gradients of x2 and qkv)\n",
+           header(path, d) + f"torch {d.get('torch')}, CUDA {d.get('cuda')}. `triton.testing.do_bench` medians.\n",
+           "| model | M | ours ms | GEMM-only | eager | torch.compile | Liger | speedup vs best baseline | gradients vs fp32 (ours ≤ 2 × eager) |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in d["rows"]:
+        worst = max((v["ours"] / max(v["eager"], 1e-12) for v in r["grad_errors"].values()), default=float("nan"))
+        out.append(f"| {r['model']} | {r['m']} | {r.get('ms_coda', float('nan')):.3f} | {r.get('ms_gemm_only', float('nan')):.3f} | "
+                   f"{r.get('ms_eager', float('nan')):.3f} | {r.get('ms_compile', float('nan')):.3f} | {r.get('ms_liger', float('nan')):.3f} | "
+                   f"{r['speedup_vs_best_baseline']:.3f} | {r['check']} (worst ours/eager error ratio {worst:.2f}) |")
+    for p in d.get("profile", []):
+        out += ["", f"Per op, {p['model']} M = {p['m']} (ours alone vs the cuBLAS GEMM of the same shape, ms):", "",
+                "| op | ours | cuBLAS GEMM | ratio |", "|---|---|---|---|"]
+        for name, v in p["ops"].items():
+            ratio = v["ours_ms"] / v["cublas_gemm_ms"] if v["cublas_gemm_ms"] else float("nan")
+            out.append(f"| {name} | {v['ours_ms']:.3f} | {v['cublas_gemm_ms']:.3f} | {ratio:.2f} |")
+    return out + [""]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--results", default="bench/results")
@@ -88,7 +108,8 @@ def main():
              "All numbers: one NVIDIA H200 (the lent machine), bf16 in, fp32 accumulate. Absolute times "
              "drift between runs by up to ~20% (clock and power state); compare ratios measured in the "
              "same run.\n"]
-    for pattern, fn in (("*-gemm.json", gemm_table), ("*-programs.json", program_table), ("*-chain-fwd.json", chain_table)):
+    for pattern, fn in (("*-gemm.json", gemm_table), ("*-programs.json", program_table),
+                        ("*-chain-fwd.json", chain_table), ("*-chain-fwd-bwd*.json", train_table)):
         path = latest(a.results, pattern)
         if path:
             lines += fn(path)
