@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "coda/kernel/args.hpp"
+#include "coda/kernel/aux_kernels.hpp"
 #include "coda/programs/forward.hpp"
 #include "coda/reference/executor.hpp"
 #include "support/bf16.hpp"
@@ -341,6 +342,53 @@ void check_lse(Program prog) {
       if (prog == Program::kRmsnormLseLogits)
         expect_rule("logits " + l, download_bf16(dlog), logits, logit_pt);
     }
+}
+
+// F0 (first layer) and A1 (the Σx² fold to r) against the CPU reference.
+TEST_F(GpuKernelTest, FirstLayerRmsnormAndRstdFoldMatchReference) {
+  testing::Rng rng(7);
+  for (const Shape& s : kShapes) {
+    if (skip_large(s)) continue;
+    const int M = s.m, H = s.n;
+    const double eps = 1e-5;
+    const V x = testing::bf16_uniform(size_t(M) * H, -3, 3, rng);
+    const V gamma = testing::bf16_uniform(H, 0.5, 1.5, rng);
+    auto dx = upload_bf16(x), dg = upload_bf16(gamma);
+    DeviceBuffer<bf16> dh(size_t(M) * H);
+    DeviceBuffer<float> dr(M), dr2(M);
+    dh.poison();
+    dr.poison();
+    dr2.poison();
+    first_layer_rmsnorm(dx.get(), dg.get(), M, H, static_cast<float>(eps), dh.get(), dr.get(), nullptr);
+    // A1 on partials of the same rows: three tiles that split each row's Σx².
+    const auto layout = epilogue::PartialLayout::per_row(M, H, 128, (H + 2) / 3);
+    std::vector<float> part(layout.elements(), 0.f);
+    for (int i = 0; i < M; ++i)
+      for (int j = 0; j < H; ++j) part[layout.index(i, j / ((H + 2) / 3))] += float(x[size_t(i) * H + j] * x[size_t(i) * H + j]);
+    DeviceBuffer<float> dpart(part);
+    fold_rstd(dpart.get(), M, layout.extent, layout.tiles, H, static_cast<float>(eps), dr2.get(), nullptr);
+    CODA_CUDA_CHECK(cudaDeviceSynchronize());
+
+    V h(size_t(M) * H), r(M);
+    programs::first_layer_rmsnorm<double>({x.data(), M, H, H}, {gamma.data(), H}, eps,
+                                          {h.data(), M, H, H}, r.data());
+    // PyTorch: h = bf16(x γ); r from an fp32 mean of bf16 squares.
+    V h_pt(h.size()), r_pt(M);
+    for (int i = 0; i < M; ++i) {
+      float ss = 0.f;
+      for (int j = 0; j < H; ++j) {
+        const double v = x[size_t(i) * H + j];
+        h_pt[size_t(i) * H + j] = round_bf16(v * gamma[j]);
+        ss += float(v * v);
+      }
+      r_pt[i] = 1.0 / std::sqrt(double(ss / float(H)) + eps);
+    }
+    const auto rg = dr.download(), rg2 = dr2.download();
+    const std::string l = "M=" + std::to_string(M) + " H=" + std::to_string(H);
+    expect_rule("F0 h " + l, download_bf16(dh), h, h_pt);
+    expect_rule("F0 r " + l, V(rg.begin(), rg.end()), r, r_pt);
+    expect_rule("A1 r " + l, V(rg2.begin(), rg2.end()), r, r_pt);
+  }
 }
 
 TEST_F(GpuKernelTest, RmsnormLseMatchesReferenceWithRaggedVocab) {

@@ -1,6 +1,6 @@
 #pragma once
 // The Hopper executor: CUTLASS 4.2's sm90 warp-specialized persistent GEMM (TMA + wgmma, fp32
-// accumulate) with an epilogue visitor tree built from our programs (fusions.cuh). One explicit
+// accumulate) with an epilogue visitor tree built from our programs (fusions/*.cuh). One explicit
 // instantiation of GemmLauncher<Config, Program, Operands>::run per translation unit, which
 // includes the program's fusion header (fusions/*.cuh) before this one.
 
