@@ -16,11 +16,9 @@ time is printed; the accuracy columns give max |out - fp32 ref| of ours and of e
 import argparse
 import ctypes
 import json
-import math
-import os
-import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -103,35 +101,47 @@ def bench_ms(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def run_shape(coda, model, m, results, progress):
+def chain_inputs(model, m, seed):
+    """Random bf16 inputs of one layer chain, its weights in the HF layout and in the fused layouts
+    (gate/up interleaved, Q/K rows permuted to adjacent RoPE pairs), and the RoPE tables. `rnd`
+    draws further tensors from the same generator."""
     hidden, hq, hkv, d, inter = MODELS[model]
     dev = "cuda"
-    g = torch.Generator(device=dev).manual_seed(m + hidden)
+    g = torch.Generator(device=dev).manual_seed(seed)
 
     def rnd(*shape, scale=1.0):
         return ((torch.rand(*shape, device=dev, generator=g) * 2 - 1) * scale).to(torch.bfloat16)
 
-    qkv_w = (hq + 2 * hkv) * d
-    y = rnd(m, hq * d)
-    x0 = rnd(m, hidden)
-    wo = rnd(hidden, hq * d, scale=hidden**-0.5)
-    wg = rnd(inter, hidden, scale=hidden**-0.5)
-    wu = rnd(inter, hidden, scale=hidden**-0.5)
-    wd = rnd(hidden, inter, scale=inter**-0.5)
-    wqkv_hf = rnd(qkv_w, hidden, scale=hidden**-0.5)
-    g_ffn = (1 + 0.1 * torch.randn(hidden, device=dev, generator=g)).to(torch.bfloat16)
-    g_attn = (1 + 0.1 * torch.randn(hidden, device=dev, generator=g)).to(torch.bfloat16)
-    pos = (torch.arange(m, device=dev) % 4096).to(torch.int32)
-    inv_freq = [THETA ** (-2.0 * i / d) for i in range(d // 2)]
-    ang = pos.double()[:, None] * torch.tensor(inv_freq, device=dev, dtype=torch.float64)[None, :]
-    cos = torch.cat([ang.cos(), ang.cos()], -1).to(torch.bfloat16)
-    sin = torch.cat([ang.sin(), ang.sin()], -1).to(torch.bfloat16)
-    wgu_split = torch.cat([wg, wu], 0).contiguous()
-    # Fused layouts: gate/up interleaved; Q and K rows permuted to adjacent RoPE pairs.
-    wgu_inter = torch.stack([wg, wu], 1).reshape(2 * inter, hidden).contiguous()
-    perm = torch.cat([rope_perm(hq, d), hq * d + rope_perm(hkv, d),
-                      torch.arange((hq + hkv) * d, qkv_w)]).to(dev)
-    wqkv_f = wqkv_hf[perm].contiguous()
+    t = SimpleNamespace(hidden=hidden, hq=hq, hkv=hkv, d=d, inter=inter, qkv_w=(hq + 2 * hkv) * d,
+                        dev=dev, rnd=rnd)
+    t.y, t.x0 = rnd(m, hq * d), rnd(m, hidden)
+    t.wo = rnd(hidden, hq * d, scale=hidden**-0.5)
+    t.wg, t.wu = rnd(inter, hidden, scale=hidden**-0.5), rnd(inter, hidden, scale=hidden**-0.5)
+    t.wd = rnd(hidden, inter, scale=inter**-0.5)
+    t.wqkv_hf = rnd(t.qkv_w, hidden, scale=hidden**-0.5)
+    t.g_ffn = (1 + 0.1 * torch.randn(hidden, device=dev, generator=g)).to(torch.bfloat16)
+    t.g_attn = (1 + 0.1 * torch.randn(hidden, device=dev, generator=g)).to(torch.bfloat16)
+    t.pos = (torch.arange(m, device=dev) % 4096).to(torch.int32)
+    t.inv_freq = [THETA ** (-2.0 * i / d) for i in range(d // 2)]
+    ang = t.pos.double()[:, None] * torch.tensor(t.inv_freq, device=dev, dtype=torch.float64)[None, :]
+    t.cos = torch.cat([ang.cos(), ang.cos()], -1).to(torch.bfloat16)
+    t.sin = torch.cat([ang.sin(), ang.sin()], -1).to(torch.bfloat16)
+    t.wgu_split = torch.cat([t.wg, t.wu], 0).contiguous()
+    t.wgu_inter = torch.stack([t.wg, t.wu], 1).reshape(2 * inter, hidden).contiguous()
+    t.perm = torch.cat([rope_perm(hq, d), hq * d + rope_perm(hkv, d),
+                        torch.arange((hq + hkv) * d, t.qkv_w)]).to(dev)
+    t.inv = torch.empty_like(t.perm)
+    t.inv[t.perm] = torch.arange(t.perm.numel(), device=dev)
+    t.wqkv_f = t.wqkv_hf[t.perm].contiguous()
+    return t
+
+
+def run_shape(coda, model, m, results, progress):
+    t = chain_inputs(model, m, m + MODELS[model][0])
+    hidden, hq, hkv, d, inter, qkv_w, dev = t.hidden, t.hq, t.hkv, t.d, t.inter, t.qkv_w, t.dev
+    y, x0, wo, wd, wqkv_hf, g_ffn, g_attn = t.y, t.x0, t.wo, t.wd, t.wqkv_hf, t.g_ffn, t.g_attn
+    pos, inv_freq, cos, sin = t.pos, t.inv_freq, t.cos, t.sin
+    wgu_split, wgu_inter, wqkv_f = t.wgu_split, t.wgu_inter, t.wqkv_f
     args = (y, x0, wo, g_ffn, wgu_split, wd, g_attn, wqkv_hf, cos, sin)
 
     # fp32 reference of the chain (same bf16 inputs, fp32 math) and the eager bf16 result.
@@ -175,9 +185,7 @@ def run_shape(coda, model, m, results, progress):
     coda_chain()
     torch.cuda.synchronize()
     # Undo the layout permutation to compare with the HF-layout reference.
-    inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(perm.numel(), device=dev)
-    ours_qkv = qkv[:, inv]
+    ours_qkv = qkv[:, t.inv]
 
     def err(a, b):
         return (a.float() - b.float()).abs().max().item()
@@ -251,7 +259,6 @@ def run_shape(coda, model, m, results, progress):
     line = f"{model:11s} M={m:5d} " + ("FAIL " + json.dumps(acc) if not ok else
             " ".join(f"{k}={v:.3f}" for k, v in times.items()) + f" | speedup {row['speedup_vs_best_baseline']:.3f}x")
     print(line, flush=True)
-    del compiled
     torch.cuda.empty_cache()
 
 

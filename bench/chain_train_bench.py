@@ -20,7 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from chain_bench import EPS, MODELS, THETA, Coda, bench_ms, make_chain, rope_perm
+from chain_bench import EPS, MODELS, Coda, bench_ms, chain_inputs, make_chain
 
 PROFILE = False
 
@@ -33,34 +33,12 @@ def layout(coda, fn, *args):
 
 
 def run_shape(coda, model, m, results, progress):
-    hidden, hq, hkv, d, inter = MODELS[model]
-    dev = "cuda"
-    g = torch.Generator(device=dev).manual_seed(7 * m + hidden)
-
-    def rnd(*shape, scale=1.0):
-        return ((torch.rand(*shape, device=dev, generator=g) * 2 - 1) * scale).to(torch.bfloat16)
-
-    qkv_w = (hq + 2 * hkv) * d
-    y, x0 = rnd(m, hq * d), rnd(m, hidden)
-    wo = rnd(hidden, hq * d, scale=hidden**-0.5)
-    wg, wu = rnd(inter, hidden, scale=hidden**-0.5), rnd(inter, hidden, scale=hidden**-0.5)
-    wd = rnd(hidden, inter, scale=inter**-0.5)
-    wqkv_hf = rnd(qkv_w, hidden, scale=hidden**-0.5)
-    g_ffn = (1 + 0.1 * torch.randn(hidden, device=dev, generator=g)).to(torch.bfloat16)
-    g_attn = (1 + 0.1 * torch.randn(hidden, device=dev, generator=g)).to(torch.bfloat16)
-    dx2_up, dqkv_up = rnd(m, hidden, scale=0.1), rnd(m, qkv_w, scale=0.1)
-    pos = (torch.arange(m, device=dev) % 4096).to(torch.int32)
-    inv_freq = [THETA ** (-2.0 * i / d) for i in range(d // 2)]
-    ang = pos.double()[:, None] * torch.tensor(inv_freq, device=dev, dtype=torch.float64)[None, :]
-    cos = torch.cat([ang.cos(), ang.cos()], -1).to(torch.bfloat16)
-    sin = torch.cat([ang.sin(), ang.sin()], -1).to(torch.bfloat16)
-    wgu_split = torch.cat([wg, wu], 0).contiguous()
-    wgu_inter = torch.stack([wg, wu], 1).reshape(2 * inter, hidden).contiguous()
-    perm = torch.cat([rope_perm(hq, d), hq * d + rope_perm(hkv, d),
-                      torch.arange((hq + hkv) * d, qkv_w)]).to(dev)
-    inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(perm.numel(), device=dev)
-    wqkv_f = wqkv_hf[perm].contiguous()
+    t = chain_inputs(model, m, 7 * m + MODELS[model][0])
+    hidden, hq, hkv, d, inter, qkv_w, dev = t.hidden, t.hq, t.hkv, t.d, t.inter, t.qkv_w, t.dev
+    y, x0, wo, wd, wqkv_hf, g_ffn, g_attn = t.y, t.x0, t.wo, t.wd, t.wqkv_hf, t.g_ffn, t.g_attn
+    pos, inv_freq, cos, sin, perm, inv = t.pos, t.inv_freq, t.cos, t.sin, t.perm, t.inv
+    wgu_split, wgu_inter, wqkv_f = t.wgu_split, t.wgu_inter, t.wqkv_f
+    dx2_up, dqkv_up = t.rnd(m, hidden, scale=0.1), t.rnd(m, qkv_w, scale=0.1)
 
     # ---- autograd baselines and the fp32 reference ----
     chain = make_chain(hq, hkv, d, inter)
@@ -141,7 +119,6 @@ def run_shape(coda, model, m, results, progress):
                 a_.record(); fn(); b_.record(); evs.append((a_, b_))
             torch.cuda.synchronize()
             return sorted(a_.elapsed_time(b_) for a_, b_ in evs[2:])[5]
-        A = lambda *s: torch.randn(*s, device=dev).to(torch.bfloat16)  # noqa: E731
         ops = [
             ("F1 out", lambda: coda("coda_gemm_residual_rmsnorm_partial", y, wo, x0, g_ffn, x1, h1, s1, m, hidden, hq * d, stream), lambda: F.linear(y, wo)),
             ("F2 gate/up", lambda: coda("coda_gemm_rmsnorm_swiglu", h1, wgu_inter, r1, z, act, m, 2 * inter, hidden, stream), lambda: F.linear(h1, wgu_split)),
