@@ -23,7 +23,7 @@ KernelChoice plain_gemm_config(int m, int n, int k) {
 namespace {
 
 // Fused programs are compiled for fewer configurations (src/kernels/kernels.cmake). Choices from
-// the fused times per configuration in bench/results/2026-11-29-run3-programs.json.
+// the fused times per configuration in bench/results/2026-11-29-run{4,5}-programs.json.
 KernelChoice program_config(Program p, int m, int n, int k) {
   const SchedulerOptions deep{k <= 2048 ? 1 : 8, Raster::kAlongM};
   switch (p) {
