@@ -14,6 +14,7 @@
 #include "coda/kernel/args.hpp"
 #include "coda/kernel/aux_kernels.hpp"
 #include "coda/kernel/heuristic.hpp"
+#include "coda/ops.hpp"
 #include "coda/programs/rope.hpp"
 #include "support/harness.hpp"
 #include "support/shapes.hpp"
@@ -39,10 +40,12 @@ std::vector<Case> cases(bool quick) {
       out.push_back({md.name, "out_proj+F1", Program::kResidualRmsnormPartial, m, md.hidden,
                      md.q_heads * md.head_dim});
       out.push_back({md.name, "gate_up+F2", Program::kRmsnormSwiglu, m, 2 * md.ffn, md.hidden});
-      out.push_back({md.name, "down_proj+F1", Program::kResidualRmsnormPartial, m, md.hidden, md.ffn});
+      out.push_back(
+          {md.name, "down_proj+F1", Program::kResidualRmsnormPartial, m, md.hidden, md.ffn});
       out.push_back({md.name, "qkv+F3", Program::kRmsnormRope, m, md.qkv_width(), md.hidden,
                      md.q_heads, md.kv_heads, md.head_dim});
-      out.push_back({md.name, "lm_head+F4", Program::kRmsnormLse, m, bench::kLlama3Vocab, md.hidden});
+      out.push_back(
+          {md.name, "lm_head+F4", Program::kRmsnormLse, m, bench::kLlama3Vocab, md.hidden});
     }
     if (quick) break;
   }
@@ -141,8 +144,8 @@ int main(int argc, char** argv) {
       table = programs::rope_column_table(
           {c.heads, c.kv_heads, c.head_dim},
           programs::rope_inv_freq(c.head_dim, 500000.0, {.enabled = true}));
-      std::vector<uint32_t> hi(c.n), lo(c.n);
-      for (int j = 0; j < c.n; ++j) hi[j] = table[j].hi, lo[j] = table[j].lo;
+      std::vector<uint32_t> hi, lo;
+      ops::split_rope_table(table, hi, lo);
       CODA_CUDA_CHECK(cudaMalloc(&pos, c.m * 4));
       CODA_CUDA_CHECK(cudaMalloc(&fhi, c.n * 4));
       CODA_CUDA_CHECK(cudaMalloc(&flo, c.n * 4));

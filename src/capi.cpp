@@ -1,6 +1,7 @@
 // A C ABI over coda::ops for foreign callers (the Python benchmark loads it with ctypes until the
 // PyTorch extension exists). Each function returns 0 on success, or -1 with the message available
 // from coda_last_error(); pointers are raw device pointers, `stream` a cudaStream_t.
+#include <algorithm>
 #include <cstring>
 #include <string>
 
@@ -79,7 +80,10 @@ int coda_rope_column_table(int n_heads, int n_kv_heads, int head_dim, const doub
     const coda::programs::QkvLayout l{n_heads, n_kv_heads, head_dim};
     const auto t = coda::programs::rope_column_table(
         l, std::vector<double>(inv_freq, inv_freq + head_dim / 2));
-    for (size_t i = 0; i < t.size(); ++i) hi[i] = t[i].hi, lo[i] = t[i].lo;
+    std::vector<uint32_t> words_hi, words_lo;
+    coda::ops::split_rope_table(t, words_hi, words_lo);
+    std::copy(words_hi.begin(), words_hi.end(), hi);
+    std::copy(words_lo.begin(), words_lo.end(), lo);
   });
 }
 
@@ -147,7 +151,9 @@ int coda_rope_backward(const void* qkv, const void* dqkv, const int* pos, const 
 
 int coda_zdz_fold(const float* partials, int m, long long extent, long long tiles, int hidden,
                   float* zdz, void* stream) {
-  return guarded([&] { coda::ops::zdz_fold(partials, {extent, tiles, m}, hidden, zdz, S(stream)); });
+  return guarded([&] {
+    coda::ops::zdz_fold(partials, {extent, tiles, m}, hidden, zdz, S(stream));
+  });
 }
 
 int coda_dgamma_fold(const float* partials, int n, long long extent, long long tiles, float* dgamma,

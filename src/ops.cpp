@@ -3,6 +3,7 @@
 
 #include <cuda_runtime.h>
 
+#include <initializer_list>
 #include <string>
 #include <utility>
 
@@ -17,20 +18,27 @@ namespace {
 using kernel::Operands;
 using kernel::Program;
 
-// A device pointer argument: non-null, 16-byte aligned, on the current device.
-void check_device_pointer(const char* op, const char* name, const void* p) {
-  CODA_CHECK(p != nullptr, op, ": ", name, " is null");
-  CODA_CHECK(reinterpret_cast<uintptr_t>(p) % 16 == 0, op, ": ", name,
-             " must be 16-byte aligned, got address ", p);
-  cudaPointerAttributes attr{};
-  const cudaError_t e = cudaPointerGetAttributes(&attr, p);
-  CODA_CHECK(e == cudaSuccess, op, ": cannot query ", name, ": ", cudaGetErrorString(e));
+// Device pointer arguments: non-null, 16-byte aligned, on the current device. The host-side
+// checks run for every argument before any device query, so a null or misaligned argument is
+// reported as such (and is reported on a machine without a GPU too).
+void check_device_pointers(const char* op,
+                           std::initializer_list<std::pair<const char*, const void*>> pointers) {
+  for (const auto& [name, p] : pointers) {
+    CODA_CHECK(p != nullptr, op, ": ", name, " is null");
+    CODA_CHECK(reinterpret_cast<uintptr_t>(p) % 16 == 0, op, ": ", name,
+               " must be 16-byte aligned, got address ", p);
+  }
   int device = 0;
   CODA_CUDA_CHECK(cudaGetDevice(&device));
-  CODA_CHECK(attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged, op, ": ",
-             name, " is not device memory (pointer type ", int(attr.type), ")");
-  CODA_CHECK(attr.device == device, op, ": ", name, " is on device ", attr.device,
-             " but the current device is ", device);
+  for (const auto& [name, p] : pointers) {
+    cudaPointerAttributes attr{};
+    const cudaError_t e = cudaPointerGetAttributes(&attr, p);
+    CODA_CHECK(e == cudaSuccess, op, ": cannot query ", name, ": ", cudaGetErrorString(e));
+    CODA_CHECK(attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged, op, ": ",
+               name, " is not device memory (pointer type ", int(attr.type), ")");
+    CODA_CHECK(attr.device == device, op, ": ", name, " is on device ", attr.device,
+               " but the current device is ", device);
+  }
 }
 
 void check_gemm_sizes(const char* op, int m, int n, int k) {
@@ -64,9 +72,7 @@ epilogue::PartialLayout partial_layout(Program p, int m, int n, int k,
 void gemm(const bf16* x, const bf16* w, bf16* d, int m, int n, int k, cudaStream_t stream) {
   const char* op = "coda::ops::gemm";
   check_gemm_sizes(op, m, n, k);
-  check_device_pointer(op, "x", x);
-  check_device_pointer(op, "w", w);
-  check_device_pointer(op, "d", d);
+  check_device_pointers(op, {{"x", x}, {"w", w}, {"d", d}});
   kernel::PlainArgs args;
   launch(op, Program::kPlain, m, n, k, {m, n, k, x, k, w, k, nullptr, 0, d, n}, &args, stream);
 }
@@ -81,13 +87,13 @@ void gemm_residual_rmsnorm_partial(const bf16* a, const bf16* w, const bf16* res
                                    int m, int n, int k, cudaStream_t stream) {
   const char* op = "coda::ops::gemm_residual_rmsnorm_partial";
   check_gemm_sizes(op, m, n, k);
-  check_device_pointer(op, "a", a);
-  check_device_pointer(op, "w", w);
-  check_device_pointer(op, "residual", residual);
-  check_device_pointer(op, "gamma", gamma);
-  check_device_pointer(op, "x", x);
-  check_device_pointer(op, "h", h);
-  check_device_pointer(op, "sumsq_partials", sumsq_partials);
+  check_device_pointers(op, {{"a", a},
+                             {"w", w},
+                             {"residual", residual},
+                             {"gamma", gamma},
+                             {"x", x},
+                             {"h", h},
+                             {"sumsq_partials", sumsq_partials}});
   CODA_CHECK(static_cast<const void*>(h) != x && static_cast<const void*>(h) != residual, op,
              ": h must not alias x or residual");
   kernel::ResidualRmsnormPartialArgs args{gamma, h, n, sumsq_partials};
@@ -98,8 +104,7 @@ void gemm_residual_rmsnorm_partial(const bf16* a, const bf16* w, const bf16* res
 void rmsnorm_fold(const float* sumsq_partials, const epilogue::PartialLayout& layout, int hidden,
                   float eps, float* r, cudaStream_t stream) {
   const char* op = "coda::ops::rmsnorm_fold";
-  check_device_pointer(op, "sumsq_partials", sumsq_partials);
-  check_device_pointer(op, "r", r);
+  check_device_pointers(op, {{"sumsq_partials", sumsq_partials}, {"r", r}});
   CODA_CHECK(hidden > 0, op, ": hidden must be positive, got ", hidden);
   CODA_CHECK(eps >= 0.f, op, ": eps must be >= 0, got ", eps);
   kernel::fold_rstd(sumsq_partials, layout.logical, layout.extent, layout.tiles, hidden, eps, r,
@@ -111,10 +116,7 @@ void first_layer_rmsnorm(const bf16* x, const bf16* gamma, int m, int hidden, fl
   const char* op = "coda::ops::first_layer_rmsnorm";
   CODA_CHECK(m > 0 && hidden > 0 && hidden % 8 == 0, op,
              ": need M > 0 and hidden a positive multiple of 8, got M=", m, " hidden=", hidden);
-  check_device_pointer(op, "x", x);
-  check_device_pointer(op, "gamma", gamma);
-  check_device_pointer(op, "h", h);
-  check_device_pointer(op, "r", r);
+  check_device_pointers(op, {{"x", x}, {"gamma", gamma}, {"h", h}, {"r", r}});
   kernel::first_layer_rmsnorm(x, gamma, m, hidden, eps, h, r, stream);
 }
 
@@ -126,11 +128,7 @@ void gemm_rmsnorm_swiglu(const bf16* h, const bf16* w_gu, const float* r, bf16* 
              ": 2I must be a multiple of 16 (a's rows of I are 16-byte "
              "aligned), got ",
              two_i);
-  check_device_pointer(op, "h", h);
-  check_device_pointer(op, "w_gu", w_gu);
-  check_device_pointer(op, "r", r);
-  check_device_pointer(op, "z", z);
-  check_device_pointer(op, "a", a);
+  check_device_pointers(op, {{"h", h}, {"w_gu", w_gu}, {"r", r}, {"z", z}, {"a", a}});
   kernel::RmsnormSwigluArgs args{r, a, two_i / 2};
   launch(op, Program::kRmsnormSwiglu, m, two_i, k,
          {m, two_i, k, h, k, w_gu, k, nullptr, 0, z, two_i}, &args, stream);
@@ -151,13 +149,13 @@ void gemm_rmsnorm_rope(const bf16* h, const bf16* w_qkv, const float* r, const i
                        cudaStream_t stream) {
   const char* op = "coda::ops::gemm_rmsnorm_rope";
   check_gemm_sizes(op, m, n, k);
-  check_device_pointer(op, "h", h);
-  check_device_pointer(op, "w_qkv", w_qkv);
-  check_device_pointer(op, "r", r);
-  check_device_pointer(op, "pos", pos);
-  check_device_pointer(op, "freq.hi", freq.hi);
-  check_device_pointer(op, "freq.lo", freq.lo);
-  check_device_pointer(op, "qkv", qkv);
+  check_device_pointers(op, {{"h", h},
+                             {"w_qkv", w_qkv},
+                             {"r", r},
+                             {"pos", pos},
+                             {"freq.hi", freq.hi},
+                             {"freq.lo", freq.lo},
+                             {"qkv", qkv}});
   CODA_CHECK(freq.columns == n, op, ": freq table has ", freq.columns, " columns, expected N=", n);
   kernel::RmsnormRopeArgs args{r, pos, freq.hi, freq.lo};
   launch(op, Program::kRmsnormRope, m, n, k, {m, n, k, h, k, w_qkv, k, nullptr, 0, qkv, n}, &args,
@@ -175,16 +173,16 @@ void gemm_rmsnorm_backward(const bf16* dz, const bf16* w, const bf16* x, const f
                            cudaStream_t stream) {
   const char* op = "coda::ops::gemm_rmsnorm_backward";
   check_gemm_sizes(op, m, hidden, n_out);
-  check_device_pointer(op, "dz", dz);
-  check_device_pointer(op, "w", w);
-  check_device_pointer(op, "x", x);
-  check_device_pointer(op, "r", r);
-  check_device_pointer(op, "gamma", gamma);
-  check_device_pointer(op, "zdz", zdz);
-  check_device_pointer(op, "dres", dres);
-  check_device_pointer(op, "dx", dx);
-  check_device_pointer(op, "h_out", h_out);
-  check_device_pointer(op, "dgamma_partials", dgamma_partials);
+  check_device_pointers(op, {{"dz", dz},
+                             {"w", w},
+                             {"x", x},
+                             {"r", r},
+                             {"gamma", gamma},
+                             {"zdz", zdz},
+                             {"dres", dres},
+                             {"dx", dx},
+                             {"h_out", h_out},
+                             {"dgamma_partials", dgamma_partials}});
   CODA_CHECK(static_cast<const void*>(h_out) != dx && static_cast<const void*>(h_out) != dres &&
                  static_cast<const void*>(h_out) != x,
              op, ": h_out must not alias dx, dres or x");
@@ -197,9 +195,7 @@ void gemm_rmsnorm_backward(const bf16* dz, const bf16* w, const bf16* x, const f
 void gemm_xw(const bf16* x, const bf16* w, bf16* d, int m, int n, int k, cudaStream_t stream) {
   const char* op = "coda::ops::gemm_xw";
   check_gemm_sizes(op, m, n, k);
-  check_device_pointer(op, "x", x);
-  check_device_pointer(op, "w", w);
-  check_device_pointer(op, "d", d);
+  check_device_pointers(op, {{"x", x}, {"w", w}, {"d", d}});
   kernel::PlainArgs args;
   launch(op, Program::kPlain, m, n, k, {m, n, k, x, k, w, n, nullptr, 0, d, n}, &args, stream,
          Operands::kXW);
@@ -207,12 +203,11 @@ void gemm_xw(const bf16* x, const bf16* w, bf16* d, int m, int n, int k, cudaStr
 
 void gemm_xty(const bf16* x, const bf16* y, bf16* d, int m, int n, int k, cudaStream_t stream) {
   const char* op = "coda::ops::gemm_xty";
-  CODA_CHECK(m > 0 && n > 0 && k > 0, op, ": sizes must be positive, got M=", m, " N=", n, " K=", k);
+  CODA_CHECK(m > 0 && n > 0 && k > 0, op, ": sizes must be positive, got M=", m, " N=", n,
+             " K=", k);
   CODA_CHECK(m % 8 == 0 && n % 8 == 0, op,
              ": M and N must be multiples of 8 (16-byte rows of X and Y), got M=", m, " N=", n);
-  check_device_pointer(op, "x", x);
-  check_device_pointer(op, "y", y);
-  check_device_pointer(op, "d", d);
+  check_device_pointers(op, {{"x", x}, {"y", y}, {"d", d}});
   kernel::PlainArgs args;
   launch(op, Program::kPlain, m, n, k, {m, n, k, x, m, y, n, nullptr, 0, d, n}, &args, stream,
          Operands::kXtY);
@@ -228,18 +223,19 @@ void gemm_swiglu_backward(const bf16* dx_out, const bf16* w_down, const bf16* z,
                           cudaStream_t stream) {
   const char* op = "coda::ops::gemm_swiglu_backward";
   check_gemm_sizes(op, m, intermediate, hidden);
-  check_device_pointer(op, "dx_out", dx_out);
-  check_device_pointer(op, "w_down", w_down);
-  check_device_pointer(op, "z", z);
-  check_device_pointer(op, "dz", dz);
-  check_device_pointer(op, "a", a);
-  check_device_pointer(op, "zdz_partials", zdz_partials);
+  check_device_pointers(op, {{"dx_out", dx_out},
+                             {"w_down", w_down},
+                             {"z", z},
+                             {"dz", dz},
+                             {"a", a},
+                             {"zdz_partials", zdz_partials}});
   // (g, u) bf16 pairs travel as one 32-bit element each.
   kernel::SwigluBackwardArgs args{reinterpret_cast<const uint32_t*>(z), intermediate,
                                   reinterpret_cast<uint32_t*>(dz), intermediate, zdz_partials};
-  launch(op, Program::kSwigluBackward, m, intermediate, hidden,
-         {m, intermediate, hidden, dx_out, hidden, w_down, intermediate, nullptr, 0, a, intermediate},
-         &args, stream, Operands::kXW);
+  launch(
+      op, Program::kSwigluBackward, m, intermediate, hidden,
+      {m, intermediate, hidden, dx_out, hidden, w_down, intermediate, nullptr, 0, a, intermediate},
+      &args, stream, Operands::kXW);
 }
 
 void rope_backward(const bf16* qkv, const bf16* dqkv, const int32_t* pos,
@@ -247,22 +243,24 @@ void rope_backward(const bf16* qkv, const bf16* dqkv, const int32_t* pos,
                    float* zdz, cudaStream_t stream) {
   const char* op = "coda::ops::rope_backward";
   CODA_CHECK(m > 0 && width > 0 && width % 8 == 0 && hidden > 0, op,
-             ": need M > 0, width a positive multiple of 8 and hidden > 0, got M=", m, " width=",
-             width, " hidden=", hidden);
+             ": need M > 0, width a positive multiple of 8 and hidden > 0, got M=", m,
+             " width=", width, " hidden=", hidden);
   CODA_CHECK(freq.columns == width, op, ": freq table has ", freq.columns,
              " columns, expected width=", width);
-  for (auto [name, p] : {std::pair<const char*, const void*>{"qkv", qkv}, {"dqkv", dqkv},
-                         {"pos", pos}, {"freq.hi", freq.hi}, {"freq.lo", freq.lo},
-                         {"dqkv_pre", dqkv_pre}, {"zdz", zdz}})
-    check_device_pointer(op, name, p);
+  check_device_pointers(op, {{"qkv", qkv},
+                             {"dqkv", dqkv},
+                             {"pos", pos},
+                             {"freq.hi", freq.hi},
+                             {"freq.lo", freq.lo},
+                             {"dqkv_pre", dqkv_pre},
+                             {"zdz", zdz}});
   kernel::rope_backward(qkv, dqkv, pos, freq.hi, freq.lo, m, width, hidden, dqkv_pre, zdz, stream);
 }
 
 void zdz_fold(const float* partials, const epilogue::PartialLayout& layout, int hidden, float* zdz,
               cudaStream_t stream) {
   const char* op = "coda::ops::zdz_fold";
-  check_device_pointer(op, "partials", partials);
-  check_device_pointer(op, "zdz", zdz);
+  check_device_pointers(op, {{"partials", partials}, {"zdz", zdz}});
   CODA_CHECK(hidden > 0, op, ": hidden must be positive, got ", hidden);
   kernel::fold_row_sums(partials, layout.logical, layout.extent, layout.tiles, 1.0f / float(hidden),
                         zdz, stream);
@@ -271,8 +269,7 @@ void zdz_fold(const float* partials, const epilogue::PartialLayout& layout, int 
 void dgamma_fold(const float* partials, const epilogue::PartialLayout& layout, float* dgamma,
                  cudaStream_t stream) {
   const char* op = "coda::ops::dgamma_fold";
-  check_device_pointer(op, "partials", partials);
-  check_device_pointer(op, "dgamma", dgamma);
+  check_device_pointers(op, {{"partials", partials}, {"dgamma", dgamma}});
   kernel::fold_column_sums(partials, layout.logical, layout.extent, layout.tiles, dgamma, stream);
 }
 

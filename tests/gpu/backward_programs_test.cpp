@@ -9,6 +9,7 @@
 #include <cmath>
 
 #include "coda/kernel/aux_kernels.hpp"
+#include "coda/ops.hpp"
 #include "coda/programs/backward.hpp"
 #include "support/gpu_check.hpp"
 
@@ -187,7 +188,8 @@ TEST_F(GpuKernelTest, CrossEntropyBackwardMatchesReferenceWithIgnoredTokensAndZL
       DeviceBuffer<bf16> dl(size_t(M) * Nv);
       dl.poison();
       dpart.poison();
-      RmsnormCrossEntropyBackwardArgs args{dr.get(), dlse.get(), dscale.get(), dt.get(), dpart.get(), z_loss};
+      RmsnormCrossEntropyBackwardArgs args{dr.get(), dlse.get(),  dscale.get(),
+                                           dt.get(), dpart.get(), z_loss};
       run(Program::kRmsnormCrossEntropyBackward, c,
           {M, Nv, H, dh.get(), H, dw.get(), H, nullptr, 0, dl.get(), Nv}, &args);
 
@@ -212,8 +214,9 @@ TEST_F(GpuKernelTest, CrossEntropyBackwardMatchesReferenceWithIgnoredTokensAndZL
         for (int j = 0; j < Nv; ++j) {
           const size_t e = size_t(i) * Nv + j;
           const double l = round_bf16(round_bf16(y[e]) * rd[i]);
-          dl_pt[e] = round_bf16((std::exp(l - lsed[i]) * (1 + 2 * z_loss * lsed[i]) -
-                                 (tgt[i] == j ? 1.0 : 0.0)) * sd[i]);
+          dl_pt[e] = round_bf16(
+              (std::exp(l - lsed[i]) * (1 + 2 * z_loss * lsed[i]) - (tgt[i] == j ? 1.0 : 0.0)) *
+              sd[i]);
           part_pt[layout.index(i, j / tiles.tile_n)] += l * dl_pt[e];
         }
       V part_gpu(layout.elements());
@@ -252,7 +255,8 @@ TEST_F(GpuKernelTest, SwigluBackwardMatchesReference) {
       SwigluBackwardArgs args{reinterpret_cast<const uint32_t*>(dzin.get()), I,
                               reinterpret_cast<uint32_t*>(ddz.get()), I, dpart.get()};
       run(Program::kSwigluBackward, c,
-          {M, I, H, ddxo.get(), H, dwd.get(), I, nullptr, 0, da_out.get(), I}, &args, Operands::kXW);
+          {M, I, H, ddxo.get(), H, dwd.get(), I, nullptr, 0, da_out.get(), I}, &args,
+          Operands::kXW);
 
       programs::SwigluBackward<double> p;
       V dz(size_t(M) * 2 * I), a(size_t(M) * I), part(layout.elements(), 0.0);
@@ -305,8 +309,8 @@ TEST_F(GpuKernelTest, RopeBackwardAndZdZMatchReference) {
       for (auto& p : pos) p = static_cast<int32_t>(rng.integer(0, 1 << 17));
       const auto inv = programs::rope_inv_freq(ql.head_dim, 500000.0, {.enabled = true});
       const auto table = programs::rope_column_table(ql, inv);
-      std::vector<uint32_t> hi(W), lo(W);
-      for (int j = 0; j < W; ++j) hi[j] = table[j].hi, lo[j] = table[j].lo;
+      std::vector<uint32_t> hi, lo;
+      ops::split_rope_table(table, hi, lo);
       auto dyv = upload_bf16(y), ddy = upload_bf16(dy);
       DeviceBuffer<int32_t> dpos(pos);
       DeviceBuffer<uint32_t> dhi(hi), dlo(lo);

@@ -13,6 +13,7 @@
 
 #include "coda/kernel/args.hpp"
 #include "coda/kernel/aux_kernels.hpp"
+#include "coda/ops.hpp"
 #include "coda/programs/forward.hpp"
 #include "coda/reference/executor.hpp"
 #include "support/bf16.hpp"
@@ -195,11 +196,8 @@ TEST_F(GpuKernelTest, RmsnormRopeMatchesReferenceWithGqaAndLongPositions) {
         }
         const auto inv = programs::rope_inv_freq(ql.head_dim, 500000.0, {.enabled = true});
         const auto table = programs::rope_column_table(ql, inv);
-        std::vector<uint32_t> hi(s.n), lo(s.n);
-        for (int j = 0; j < s.n; ++j) {
-          hi[j] = table[j].hi;
-          lo[j] = table[j].lo;
-        }
+        std::vector<uint32_t> hi, lo;
+        ops::split_rope_table(table, hi, lo);
         auto dh = upload_bf16(h), dw = upload_bf16(w);
         DeviceBuffer<float> dr(r);
         DeviceBuffer<int32_t> dpos(pos);
@@ -359,14 +357,18 @@ TEST_F(GpuKernelTest, FirstLayerRmsnormAndRstdFoldMatchReference) {
     dh.poison();
     dr.poison();
     dr2.poison();
-    first_layer_rmsnorm(dx.get(), dg.get(), M, H, static_cast<float>(eps), dh.get(), dr.get(), nullptr);
+    first_layer_rmsnorm(dx.get(), dg.get(), M, H, static_cast<float>(eps), dh.get(), dr.get(),
+                        nullptr);
     // A1 on partials of the same rows: three tiles that split each row's Σx².
     const auto layout = epilogue::PartialLayout::per_row(M, H, 128, (H + 2) / 3);
     std::vector<float> part(layout.elements(), 0.f);
     for (int i = 0; i < M; ++i)
-      for (int j = 0; j < H; ++j) part[layout.index(i, j / ((H + 2) / 3))] += float(x[size_t(i) * H + j] * x[size_t(i) * H + j]);
+      for (int j = 0; j < H; ++j)
+        part[layout.index(i, j / ((H + 2) / 3))] +=
+            float(x[size_t(i) * H + j] * x[size_t(i) * H + j]);
     DeviceBuffer<float> dpart(part);
-    fold_rstd(dpart.get(), M, layout.extent, layout.tiles, H, static_cast<float>(eps), dr2.get(), nullptr);
+    fold_rstd(dpart.get(), M, layout.extent, layout.tiles, H, static_cast<float>(eps), dr2.get(),
+              nullptr);
     CODA_CUDA_CHECK(cudaDeviceSynchronize());
 
     V h(size_t(M) * H), r(M);
