@@ -6,6 +6,7 @@
 #include "coda/kernel/aux_kernels.hpp"
 #include "coda/kernel/cuda_check.hpp"
 #include "coda/epilogue/elementwise.hpp"
+#include "coda/epilogue/online_softmax.hpp"
 #include "coda/programs/rope.hpp"
 
 namespace coda::kernel {
@@ -122,6 +123,31 @@ __global__ void rope_backward_kernel(const bf16* y, const bf16* dy, const int32_
   if (lane == 0) zdz[row] = s * inv_hidden;
 }
 
+
+__global__ void fold_lse_loss_kernel(const float* max_partials, const float* sum_partials,
+                                     int64_t m, int64_t rows_padded, int64_t tiles,
+                                     const float* target_logit, const int64_t* targets,
+                                     int64_t vocab, int64_t ignore_index, float z_loss, float* lse,
+                                     float* token_loss) {
+  const int64_t row = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (row >= m) return;
+  epilogue::OnlineMaxSumExp<float> s;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t i = row + rows_padded * t;
+    s = epilogue::OnlineMaxSumExp<float>::merge(s, {max_partials[i], sum_partials[i]});
+  }
+  const float l = s.logsumexp();
+  lse[row] = l;
+  const int64_t target = targets[row];
+  if (target == ignore_index) {
+    token_loss[row] = 0.f;
+  } else if (target < 0 || target >= vocab) {
+    token_loss[row] = __int_as_float(0x7fc00000);  // NaN: an invalid target must not pass silently
+  } else {
+    token_loss[row] = l - target_logit[row] + z_loss * l * l;
+  }
+}
+
 }  // namespace
 
 void fold_row_sums(const float* partials, int64_t m, int64_t rows_padded, int64_t tiles,
@@ -194,6 +220,20 @@ void max_abs_diff_bf16(const bf16* a, const bf16* b, size_t n, float* out, cudaS
   CODA_CUDA_CHECK(cudaMemsetAsync(out, 0, 2 * sizeof(float), stream));
   if (n == 0) return;
   max_abs_diff_kernel<<<1024, 256, 0, stream>>>(a, b, n, out);
+  CODA_CUDA_CHECK(cudaGetLastError());
+}
+
+void fold_lse_loss(const float* max_partials, const float* sum_partials, int64_t m,
+                   int64_t rows_padded, int64_t tiles, const float* target_logit,
+                   const int64_t* targets, int64_t vocab, int64_t ignore_index, float z_loss,
+                   float* lse, float* token_loss, cudaStream_t stream) {
+  CODA_CHECK(max_partials && sum_partials && target_logit && targets && lse && token_loss,
+             "fold_lse_loss: null pointer argument");
+  CODA_CHECK(m > 0 && tiles > 0 && rows_padded >= m && vocab > 0, "fold_lse_loss: bad sizes (m ",
+             m, ", rows_padded ", rows_padded, ", tiles ", tiles, ", vocab ", vocab, ")");
+  fold_lse_loss_kernel<<<unsigned((m + 255) / 256), 256, 0, stream>>>(
+      max_partials, sum_partials, m, rows_padded, tiles, target_logit, targets, vocab,
+      ignore_index, z_loss, lse, token_loss);
   CODA_CUDA_CHECK(cudaGetLastError());
 }
 

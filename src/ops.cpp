@@ -273,4 +273,65 @@ void dgamma_fold(const float* partials, const epilogue::PartialLayout& layout, f
   kernel::fold_column_sums(partials, layout.logical, layout.extent, layout.tiles, dgamma, stream);
 }
 
+epilogue::PartialLayout lm_head_partials_layout(int m, int vocab, int hidden) {
+  check_gemm_sizes("coda::ops::lm_head_partials_layout", m, vocab, hidden);
+  return partial_layout(Program::kRmsnormLse, m, vocab, hidden);
+}
+
+void gemm_rmsnorm_lse(const bf16* h, const bf16* w_vocab, const float* r, const int64_t* targets,
+                      float* max_partials, float* sum_partials, float* target_logit, int m,
+                      int vocab, int hidden, cudaStream_t stream) {
+  const char* op = "coda::ops::gemm_rmsnorm_lse";
+  check_gemm_sizes(op, m, vocab, hidden);
+  check_device_pointers(op, {{"h", h},
+                             {"w_vocab", w_vocab},
+                             {"r", r},
+                             {"targets", targets},
+                             {"max_partials", max_partials},
+                             {"sum_partials", sum_partials},
+                             {"target_logit", target_logit}});
+  kernel::RmsnormLseArgs args{r, targets, max_partials, sum_partials, target_logit};
+  launch(op, Program::kRmsnormLse, m, vocab, hidden,
+         {m, vocab, hidden, h, hidden, w_vocab, hidden, nullptr, 0, nullptr, vocab}, &args,
+         stream);
+}
+
+void lse_loss_fold(const float* max_partials, const float* sum_partials,
+                   const epilogue::PartialLayout& layout, const float* target_logit,
+                   const int64_t* targets, int vocab, int64_t ignore_index, float z_loss,
+                   float* lse, float* token_loss, cudaStream_t stream) {
+  const char* op = "coda::ops::lse_loss_fold";
+  check_device_pointers(op, {{"max_partials", max_partials},
+                             {"sum_partials", sum_partials},
+                             {"target_logit", target_logit},
+                             {"targets", targets},
+                             {"lse", lse},
+                             {"token_loss", token_loss}});
+  CODA_CHECK(vocab > 0, op, ": vocab must be positive, got ", vocab);
+  kernel::fold_lse_loss(max_partials, sum_partials, layout.logical, layout.extent, layout.tiles,
+                        target_logit, targets, vocab, ignore_index, z_loss, lse, token_loss,
+                        stream);
+}
+
+void gemm_rmsnorm_cross_entropy_backward(const bf16* h, const bf16* w_vocab, const float* r,
+                                         const float* lse, const float* scale,
+                                         const int64_t* targets, float z_loss, bf16* dlogits,
+                                         float* zdz_partials, int m, int vocab, int hidden,
+                                         cudaStream_t stream) {
+  const char* op = "coda::ops::gemm_rmsnorm_cross_entropy_backward";
+  check_gemm_sizes(op, m, vocab, hidden);
+  check_device_pointers(op, {{"h", h},
+                             {"w_vocab", w_vocab},
+                             {"r", r},
+                             {"lse", lse},
+                             {"scale", scale},
+                             {"targets", targets},
+                             {"dlogits", dlogits},
+                             {"zdz_partials", zdz_partials}});
+  kernel::RmsnormCrossEntropyBackwardArgs args{r, lse, scale, targets, zdz_partials, z_loss};
+  launch(op, Program::kRmsnormCrossEntropyBackward, m, vocab, hidden,
+         {m, vocab, hidden, h, hidden, w_vocab, hidden, nullptr, 0, dlogits, vocab}, &args,
+         stream);
+}
+
 }  // namespace coda::ops

@@ -89,4 +89,27 @@ void zdz_fold(const float* partials, const epilogue::PartialLayout& layout, int 
 void dgamma_fold(const float* partials, const epilogue::PartialLayout& layout, float* dgamma,
                  cudaStream_t stream);
 
+// F4: logits ℓ = r ⊙ (h · W_vocabᵀ) (M, V), never stored: per-tile online (max, Σexp) partials
+// (layout from lm_head_partials_layout) and target_logit[m] = ℓ[m, targets[m]] (left untouched
+// for targets outside [0, V), e.g. ignore_index). h (M, H), w_vocab (V, H), r (M), targets (M).
+epilogue::PartialLayout lm_head_partials_layout(int m, int vocab, int hidden);
+void gemm_rmsnorm_lse(const bf16* h, const bf16* w_vocab, const float* r, const int64_t* targets,
+                      float* max_partials, float* sum_partials, float* target_logit, int m,
+                      int vocab, int hidden, cudaStream_t stream);
+
+// A2: lse (M) and per-token loss (M): lse − ℓ_target + z_loss·lse², 0 for ignore_index, NaN for a
+// target outside [0, V) that is not ignore_index (checked on the device; the host never syncs).
+void lse_loss_fold(const float* max_partials, const float* sum_partials,
+                   const epilogue::PartialLayout& layout, const float* target_logit,
+                   const int64_t* targets, int vocab, int64_t ignore_index, float z_loss,
+                   float* lse, float* token_loss, cudaStream_t stream);
+
+// B4: dℓ = (softmax(ℓ) − onehot(target) + 2·z_loss·lse·softmax(ℓ)) · scale[m] recomputed from h,
+// written as bf16 (M, V); Σ ℓ·dℓ per-tile partials (per_row, same layout as F4's) for ZdZ.
+void gemm_rmsnorm_cross_entropy_backward(const bf16* h, const bf16* w_vocab, const float* r,
+                                         const float* lse, const float* scale,
+                                         const int64_t* targets, float z_loss, bf16* dlogits,
+                                         float* zdz_partials, int m, int vocab, int hidden,
+                                         cudaStream_t stream);
+
 }  // namespace coda::ops

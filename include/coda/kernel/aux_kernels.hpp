@@ -40,4 +40,12 @@ void rope_backward(const bf16* y, const bf16* dy, const int32_t* pos, const uint
                    const uint32_t* freq_lo, int64_t m, int64_t width, int64_t hidden, bf16* dz,
                    float* zdz, cudaStream_t stream);
 
+// A2 (per token): lse[m] = logsumexp over the tiles' (max, sumexp) partials (per_row layout);
+// token_loss[m] = lse − target_logit + z_loss·lse², 0 where targets[m] == ignore_index, NaN where
+// the target is neither ignored nor in [0, vocab) (no host check: the loss shows it).
+void fold_lse_loss(const float* max_partials, const float* sum_partials, int64_t m,
+                   int64_t rows_padded, int64_t tiles, const float* target_logit,
+                   const int64_t* targets, int64_t vocab, int64_t ignore_index, float z_loss,
+                   float* lse, float* token_loss, cudaStream_t stream);
+
 }  // namespace coda::kernel

@@ -1,0 +1,181 @@
+// Autograd kernels of the differentiable coda ops (torch::autograd::Function). Each forward runs
+// the op below autograd and saves only what its backward program reads (OPS.md §3); each backward
+// calls the matching *_backward op, so torch.compile traces both as ordinary op calls.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include <string>
+#include <tuple>
+
+namespace coda::torch_ext {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using at::Tensor;
+
+template <class Signature>
+c10::TypedOperatorHandle<Signature> op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+// A gradient the caller did not produce (output unused) is a zero contribution.
+Tensor grad_or_zeros(const Tensor& g, const Tensor& like) {
+  return g.defined() ? g.contiguous() : at::zeros_like(like);
+}
+
+class NormQkv : public torch::autograd::Function<NormQkv> {
+ public:
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& gamma,
+                        const Tensor& w_qkv, const Tensor& h, const Tensor& r, const Tensor& pos,
+                        const Tensor& table) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto f = op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                              const Tensor&, const Tensor&, const Tensor&)>("coda::norm_qkv");
+    Tensor qkv = f.call(x, gamma, w_qkv, h, r, pos, table);
+    ctx->save_for_backward({qkv, x, gamma, w_qkv, r, pos, table});
+    return qkv;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    const auto s = ctx->get_saved_variables();
+    static auto b =
+        op<std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
+                                              const Tensor&, const Tensor&, const Tensor&,
+                                              const Tensor&, const Tensor&)>(
+            "coda::norm_qkv_backward");
+    auto [dx, dgamma, dw] =
+        b.call(grad_or_zeros(g[0], s[0]), s[0], s[1], s[2], s[3], s[4], s[5], s[6]);
+    return {dx, dgamma, dw, Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+};
+
+class OutProjResidualNorm : public torch::autograd::Function<OutProjResidualNorm> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const Tensor& y, const Tensor& w_o,
+                               const Tensor& residual, const Tensor& gamma, double eps) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto f = op<std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&,
+                                                          const Tensor&, const Tensor&, double)>(
+        "coda::out_proj_residual_norm");
+    auto [x, h, r] = f.call(y, w_o, residual, gamma, eps);
+    ctx->mark_non_differentiable({h, r});  // caches for the consumer, which differentiates x, γ
+    ctx->save_for_backward({y, w_o});
+    return {x, h, r};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    const auto s = ctx->get_saved_variables();
+    if (!g[0].defined()) return {Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+    static auto b = op<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&)>(
+        "coda::linear_backward");
+    const Tensor dx = g[0].contiguous();
+    auto [dy, dw] = b.call(dx, s[0], s[1]);
+    return {dy, dw, dx, Tensor(), Tensor()};
+  }
+};
+
+class Mlp : public torch::autograd::Function<Mlp> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& gamma,
+                               const Tensor& w_gu, const Tensor& w_down, const Tensor& h,
+                               const Tensor& r, const Tensor& gamma_next, double eps) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto f =
+        op<std::tuple<Tensor, Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
+                                                      const Tensor&, const Tensor&, const Tensor&,
+                                                      const Tensor&, double)>("coda::mlp");
+    auto [x_out, h_out, r_out, z] = f.call(x, gamma, w_gu, w_down, h, r, gamma_next, eps);
+    ctx->mark_non_differentiable({h_out, r_out, z});
+    ctx->save_for_backward({x, gamma, w_gu, w_down, r, z});
+    return {x_out, h_out, r_out, z};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    const auto s = ctx->get_saved_variables();
+    if (!g[0].defined()) return variable_list(8);
+    static auto b = op<std::tuple<Tensor, Tensor, Tensor, Tensor>(
+        const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+        const Tensor&)>("coda::mlp_backward");
+    auto [dx, dgamma, dw_gu, dw_down] = b.call(g[0].contiguous(), s[0], s[1], s[2], s[3], s[4], s[5]);
+    return {dx, dgamma, dw_gu, dw_down, Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+};
+
+class LmHeadLoss : public torch::autograd::Function<LmHeadLoss> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& gamma,
+                               const Tensor& w_vocab, const Tensor& h, const Tensor& r,
+                               const Tensor& targets, int64_t ignore_index,
+                               c10::string_view reduction, double z_loss,
+                               int64_t max_chunk_bytes) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto f = op<std::tuple<Tensor, Tensor>(
+        const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+        int64_t, c10::string_view, double, int64_t)>("coda::lm_head_loss");
+    auto [loss, lse] =
+        f.call(x, gamma, w_vocab, h, r, targets, ignore_index, reduction, z_loss, max_chunk_bytes);
+    ctx->mark_non_differentiable({lse});
+    ctx->save_for_backward({x, gamma, w_vocab, h, r, targets, lse});
+    ctx->saved_data["ignore_index"] = ignore_index;
+    ctx->saved_data["reduction"] = std::string(reduction);
+    ctx->saved_data["z_loss"] = z_loss;
+    ctx->saved_data["max_chunk_bytes"] = max_chunk_bytes;
+    return {loss, lse};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    const auto s = ctx->get_saved_variables();
+    if (!g[0].defined()) return variable_list(10);
+    static auto b = op<std::tuple<Tensor, Tensor, Tensor>(
+        const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+        const Tensor&, const Tensor&, int64_t, c10::string_view, double, int64_t)>(
+        "coda::lm_head_loss_backward");
+    const std::string reduction = ctx->saved_data["reduction"].toStringRef();
+    auto [dx, dgamma, dw] =
+        b.call(g[0].contiguous(), s[0], s[1], s[2], s[3], s[4], s[5], s[6],
+               ctx->saved_data["ignore_index"].toInt(), reduction,
+               ctx->saved_data["z_loss"].toDouble(), ctx->saved_data["max_chunk_bytes"].toInt());
+    variable_list out(10);
+    out[0] = dx;
+    out[1] = dgamma;
+    out[2] = dw;
+    return out;
+  }
+};
+
+// The norm statistics are caches (see docs/torch-ops.md): computed below autograd, no graph.
+std::tuple<Tensor, Tensor> rmsnorm_stats_autograd(const Tensor& x, const Tensor& gamma,
+                                                  double eps) {
+  at::AutoDispatchBelowADInplaceOrView guard;
+  static auto f = op<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, double)>(
+      "coda::rmsnorm_stats");
+  return f.call(x, gamma, eps);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(coda, Autograd, m) {
+  m.impl("rmsnorm_stats", &rmsnorm_stats_autograd);
+  m.impl("norm_qkv", [](const Tensor& x, const Tensor& gamma, const Tensor& w_qkv,
+                        const Tensor& h, const Tensor& r, const Tensor& pos, const Tensor& table) {
+    return NormQkv::apply(x, gamma, w_qkv, h, r, pos, table);
+  });
+  m.impl("out_proj_residual_norm", [](const Tensor& y, const Tensor& w_o, const Tensor& residual,
+                                      const Tensor& gamma, double eps) {
+    auto o = OutProjResidualNorm::apply(y, w_o, residual, gamma, eps);
+    return std::make_tuple(o[0], o[1], o[2]);
+  });
+  m.impl("mlp", [](const Tensor& x, const Tensor& gamma, const Tensor& w_gu, const Tensor& w_down,
+                   const Tensor& h, const Tensor& r, const Tensor& gamma_next, double eps) {
+    auto o = Mlp::apply(x, gamma, w_gu, w_down, h, r, gamma_next, eps);
+    return std::make_tuple(o[0], o[1], o[2], o[3]);
+  });
+  m.impl("lm_head_loss", [](const Tensor& x, const Tensor& gamma, const Tensor& w_vocab,
+                            const Tensor& h, const Tensor& r, const Tensor& targets,
+                            int64_t ignore_index, c10::string_view reduction, double z_loss,
+                            int64_t max_chunk_bytes) {
+    auto o = LmHeadLoss::apply(x, gamma, w_vocab, h, r, targets, ignore_index, reduction, z_loss,
+                               max_chunk_bytes);
+    return std::make_tuple(o[0], o[1]);
+  });
+}
+
+}  // namespace coda::torch_ext

@@ -1,0 +1,116 @@
+#pragma once
+// Argument checks shared by the CPU and CUDA kernels of the coda ops. Every failure names the op,
+// the argument and the expected vs actual value (shape, dtype, device, layout).
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <initializer_list>
+#include <sstream>
+#include <string>
+
+namespace coda::torch_ext {
+
+inline std::string shape_string(c10::IntArrayRef s) {
+  std::ostringstream o;
+  o << '(';
+  for (size_t i = 0; i < s.size(); ++i) o << (i ? ", " : "") << s[i];
+  o << (s.size() == 1 ? ",)" : ")");
+  return o.str();
+}
+
+// What every tensor argument of one op call is checked against.
+struct OpContext {
+  const char* op;
+  c10::Device device;
+  at::ScalarType act;  // activation / weight dtype
+  at::ScalarType stat;  // r, lse, loss: float64 when act is float64, else float32
+
+  // The device and activation dtype come from the op's first activation argument.
+  static OpContext from(const char* op, const char* name, const at::Tensor& t) {
+    TORCH_CHECK(t.defined(), op, ": ", name, " is undefined");
+    const auto act = t.scalar_type();
+    if (t.is_cuda()) {
+      TORCH_CHECK(act == at::kBFloat16, op, ": ", name,
+                  " must be bfloat16 on CUDA (the Hopper programs are instantiated for bf16), got ",
+                  act);
+    } else if (t.is_cpu()) {
+      TORCH_CHECK(act == at::kFloat || act == at::kDouble, op, ": ", name,
+                  " must be float32 or float64 on the CPU (reference executor), got ", act);
+    } else {
+      TORCH_CHECK(t.is_meta(), op, ": ", name, " is on ", t.device(),
+                  "; coda ops run on CPU or CUDA");
+    }
+    return {op, t.device(), act, act == at::kDouble ? at::kDouble : at::kFloat};
+  }
+
+  void same_device(const char* name, const at::Tensor& t) const {
+    TORCH_CHECK(t.defined(), op, ": ", name, " is undefined");
+    TORCH_CHECK(t.device() == device, op, ": ", name, " is on ", t.device(),
+                " but the op runs on ", device);
+  }
+  void dtype(const char* name, const at::Tensor& t, at::ScalarType want) const {
+    TORCH_CHECK(t.scalar_type() == want, op, ": ", name, " must be ", want, ", got ",
+                t.scalar_type());
+  }
+  void shape(const char* name, const at::Tensor& t, std::initializer_list<int64_t> want) const {
+    TORCH_CHECK(t.sizes() == c10::IntArrayRef(want), op, ": ", name, " must have shape ",
+                shape_string(want), ", got ", shape_string(t.sizes()));
+  }
+  void contiguous(const char* name, const at::Tensor& t) const {
+    TORCH_CHECK(t.is_contiguous(), op, ": ", name,
+                " must be contiguous (row-major), got strides ", shape_string(t.strides()),
+                " for shape ", shape_string(t.sizes()));
+    if (t.is_cuda())
+      TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, op, ": ", name,
+                  " must be 16-byte aligned (TMA), got address ", t.data_ptr());
+  }
+  // Device, dtype, contiguity and exact shape in one call.
+  void tensor(const char* name, const at::Tensor& t, at::ScalarType want,
+              std::initializer_list<int64_t> want_shape) const {
+    same_device(name, t);
+    dtype(name, t, want);
+    shape(name, t, want_shape);
+    contiguous(name, t);
+  }
+  void activation(const char* name, const at::Tensor& t,
+                  std::initializer_list<int64_t> want_shape) const {
+    tensor(name, t, act, want_shape);
+  }
+  void statistic(const char* name, const at::Tensor& t,
+                 std::initializer_list<int64_t> want_shape) const {
+    tensor(name, t, stat, want_shape);
+  }
+  // A 2-D activation whose sizes are read from it (the op's "M" and width).
+  void matrix(const char* name, const at::Tensor& t) const {
+    same_device(name, t);
+    dtype(name, t, act);
+    TORCH_CHECK(t.dim() == 2, op, ": ", name, " must be 2-D (tokens, features), got shape ",
+                shape_string(t.sizes()));
+    TORCH_CHECK(t.size(0) > 0 && t.size(1) > 0, op, ": ", name, " must be non-empty, got shape ",
+                shape_string(t.sizes()));
+    contiguous(name, t);
+  }
+  // CUDA programs need 16-byte rows: widths that are multiples of 8 bf16 elements.
+  void cuda_width(const char* what, int64_t width, int64_t multiple = 8) const {
+    if (device.is_cuda())
+      TORCH_CHECK(width % multiple == 0, op, ": ", what, " = ", width,
+                  " must be a multiple of ", multiple, " on CUDA (16-byte rows for TMA)");
+  }
+};
+
+inline at::TensorOptions stat_options(const OpContext& c) {
+  return at::TensorOptions().dtype(c.stat).device(c.device);
+}
+
+enum class LossReduction : int { kMean = 0, kSum = 1, kNone = 2 };
+
+inline LossReduction parse_reduction(const char* op, c10::string_view s) {
+  if (s == "mean") return LossReduction::kMean;
+  if (s == "sum") return LossReduction::kSum;
+  if (s == "none") return LossReduction::kNone;
+  TORCH_CHECK(false, op, ": reduction must be 'mean', 'sum' or 'none', got '", std::string(s),
+              "'");
+}
+
+}  // namespace coda::torch_ext

@@ -1,0 +1,168 @@
+// The coda op schemas (docs/torch-ops.md), the rope_table constant builder and the Meta kernels
+// (shape and dtype only, symbolic sizes, so torch.compile's fake tensors trace through the ops).
+#include <torch/library.h>
+
+#include <vector>
+
+#include "checks.hpp"
+#include "coda/programs/rope.hpp"
+
+namespace coda::torch_ext {
+namespace {
+
+at::Tensor rope_table(const at::Tensor& inv_freq, int64_t n_heads, int64_t n_kv_heads,
+                      int64_t head_dim) {
+  const char* op = "coda::rope_table";
+  TORCH_CHECK(inv_freq.device().is_cpu(), op,
+              ": inv_freq must be a CPU tensor (the table is built once on the host, then moved "
+              "with the module), got ",
+              inv_freq.device());
+  TORCH_CHECK(inv_freq.scalar_type() == at::kDouble, op, ": inv_freq must be float64, got ",
+              inv_freq.scalar_type());
+  TORCH_CHECK(inv_freq.dim() == 1 && inv_freq.size(0) == head_dim / 2, op,
+              ": inv_freq must have shape (head_dim / 2,) = (", head_dim / 2, ",), got ",
+              shape_string(inv_freq.sizes()));
+  const programs::QkvLayout layout{static_cast<int>(n_heads), static_cast<int>(n_kv_heads),
+                                   static_cast<int>(head_dim)};
+  layout.validate();
+  const at::Tensor f = inv_freq.contiguous();
+  const std::vector<double> freq(f.data_ptr<double>(), f.data_ptr<double>() + f.numel());
+  const auto columns = programs::rope_column_table(layout, freq);
+  const int64_t w = static_cast<int64_t>(columns.size());
+  at::Tensor table = at::empty({2, w}, at::TensorOptions().dtype(at::kInt));
+  auto* p = table.data_ptr<int32_t>();
+  for (int64_t n = 0; n < w; ++n) {
+    p[n] = static_cast<int32_t>(columns[n].hi);
+    p[w + n] = static_cast<int32_t>(columns[n].lo);
+  }
+  return table;
+}
+
+// ---- Meta kernels ------------------------------------------------------------------------------
+
+at::Tensor rope_table_meta(const at::Tensor& inv_freq, int64_t n_heads, int64_t n_kv_heads,
+                           int64_t head_dim) {
+  return at::empty({2, (n_heads + 2 * n_kv_heads) * head_dim},
+                   inv_freq.options().dtype(at::kInt));
+}
+
+at::ScalarType stat_dtype(const at::Tensor& t) {
+  return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+at::Tensor stat_vector(const at::Tensor& like_rows) {
+  return at::empty_symint({like_rows.sym_size(0)}, like_rows.options().dtype(stat_dtype(like_rows)));
+}
+void expect_2d(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK(t.dim() == 2, op, ": ", name, " must be 2-D, got ", t.dim(), " dimensions");
+}
+
+std::tuple<at::Tensor, at::Tensor> rmsnorm_stats_meta(const at::Tensor& x, const at::Tensor&,
+                                                      double) {
+  expect_2d("coda::rmsnorm_stats", "x", x);
+  return {at::empty_symint(x.sym_sizes(), x.options()), stat_vector(x)};
+}
+at::Tensor norm_qkv_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor& w_qkv,
+                         const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                         const at::Tensor&) {
+  expect_2d("coda::norm_qkv", "x", x);
+  expect_2d("coda::norm_qkv", "w_qkv", w_qkv);
+  return at::empty_symint({x.sym_size(0), w_qkv.sym_size(0)}, x.options());
+}
+std::tuple<at::Tensor, at::Tensor, at::Tensor> out_proj_residual_norm_meta(
+    const at::Tensor& y, const at::Tensor& w_o, const at::Tensor&, const at::Tensor&, double) {
+  expect_2d("coda::out_proj_residual_norm", "y", y);
+  expect_2d("coda::out_proj_residual_norm", "w_o", w_o);
+  at::Tensor x = at::empty_symint({y.sym_size(0), w_o.sym_size(0)}, y.options());
+  return {x, at::empty_like(x), stat_vector(y)};
+}
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mlp_meta(
+    const at::Tensor& x, const at::Tensor&, const at::Tensor& w_gu, const at::Tensor&,
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, double) {
+  expect_2d("coda::mlp", "x", x);
+  expect_2d("coda::mlp", "w_gu", w_gu);
+  return {at::empty_symint(x.sym_sizes(), x.options()),
+          at::empty_symint(x.sym_sizes(), x.options()), stat_vector(x),
+          at::empty_symint({x.sym_size(0), w_gu.sym_size(0)}, x.options())};
+}
+std::tuple<at::Tensor, at::Tensor> lm_head_loss_meta(const at::Tensor& x, const at::Tensor&,
+                                                     const at::Tensor&, const at::Tensor&,
+                                                     const at::Tensor&, const at::Tensor&,
+                                                     int64_t, c10::string_view reduction, double,
+                                                     int64_t) {
+  expect_2d("coda::lm_head_loss", "x", x);
+  const auto red = parse_reduction("coda::lm_head_loss", reduction);
+  at::Tensor loss = red == LossReduction::kNone
+                        ? stat_vector(x)
+                        : at::empty({}, x.options().dtype(stat_dtype(x)));
+  return {loss, stat_vector(x)};
+}
+std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_qkv_backward_meta(
+    const at::Tensor&, const at::Tensor&, const at::Tensor& x, const at::Tensor& gamma,
+    const at::Tensor& w_qkv, const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+  return {at::empty_like(x), at::empty_like(gamma), at::empty_like(w_qkv)};
+}
+std::tuple<at::Tensor, at::Tensor> linear_backward_meta(const at::Tensor&, const at::Tensor& input,
+                                                        const at::Tensor& weight) {
+  return {at::empty_like(input), at::empty_like(weight)};
+}
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mlp_backward_meta(
+    const at::Tensor&, const at::Tensor& x, const at::Tensor& gamma, const at::Tensor& w_gu,
+    const at::Tensor& w_down, const at::Tensor&, const at::Tensor&) {
+  return {at::empty_like(x), at::empty_like(gamma), at::empty_like(w_gu), at::empty_like(w_down)};
+}
+std::tuple<at::Tensor, at::Tensor, at::Tensor> lm_head_loss_backward_meta(
+    const at::Tensor&, const at::Tensor& x, const at::Tensor& gamma, const at::Tensor& w_vocab,
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+    c10::string_view, double, int64_t) {
+  return {at::empty_like(x), at::empty_like(gamma), at::empty_like(w_vocab)};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(coda, m) {
+  m.def("rope_table(Tensor inv_freq, int n_heads, int n_kv_heads, int head_dim) -> Tensor");
+  m.def("rmsnorm_stats(Tensor x, Tensor gamma, float eps) -> (Tensor h, Tensor r)");
+  m.def(
+      "norm_qkv(Tensor x, Tensor gamma, Tensor w_qkv, Tensor h, Tensor r, Tensor pos, "
+      "Tensor rope_table) -> Tensor");
+  m.def(
+      "out_proj_residual_norm(Tensor y, Tensor w_o, Tensor residual, Tensor gamma, float eps) "
+      "-> (Tensor x, Tensor h, Tensor r)");
+  m.def(
+      "mlp(Tensor x, Tensor gamma, Tensor w_gu, Tensor w_down, Tensor h, Tensor r, "
+      "Tensor gamma_next, float eps) -> (Tensor x_out, Tensor h_out, Tensor r_out, Tensor z)");
+  m.def(
+      "lm_head_loss(Tensor x, Tensor gamma, Tensor w_vocab, Tensor h, Tensor r, Tensor targets, "
+      "int ignore_index=-100, str reduction='mean', float z_loss=0.0, "
+      "int max_chunk_bytes=1073741824) -> (Tensor loss, Tensor lse)");
+  m.def(
+      "norm_qkv_backward(Tensor dqkv, Tensor qkv, Tensor x, Tensor gamma, Tensor w_qkv, "
+      "Tensor r, Tensor pos, Tensor rope_table) -> (Tensor dx, Tensor dgamma, Tensor dw_qkv)");
+  m.def(
+      "linear_backward(Tensor dout, Tensor input, Tensor weight) -> (Tensor dinput, "
+      "Tensor dweight)");
+  m.def(
+      "mlp_backward(Tensor dx_out, Tensor x, Tensor gamma, Tensor w_gu, Tensor w_down, Tensor r, "
+      "Tensor z) -> (Tensor dx, Tensor dgamma, Tensor dw_gu, Tensor dw_down)");
+  m.def(
+      "lm_head_loss_backward(Tensor dloss, Tensor x, Tensor gamma, Tensor w_vocab, Tensor h, "
+      "Tensor r, Tensor targets, Tensor lse, int ignore_index, str reduction, float z_loss, "
+      "int max_chunk_bytes) -> (Tensor dx, Tensor dgamma, Tensor dw_vocab)");
+}
+
+TORCH_LIBRARY_IMPL(coda, CPU, m) { m.impl("rope_table", &rope_table); }
+
+TORCH_LIBRARY_IMPL(coda, Meta, m) {
+  m.impl("rope_table", &rope_table_meta);
+  m.impl("rmsnorm_stats", &rmsnorm_stats_meta);
+  m.impl("norm_qkv", &norm_qkv_meta);
+  m.impl("out_proj_residual_norm", &out_proj_residual_norm_meta);
+  m.impl("mlp", &mlp_meta);
+  m.impl("lm_head_loss", &lm_head_loss_meta);
+  m.impl("norm_qkv_backward", &norm_qkv_backward_meta);
+  m.impl("linear_backward", &linear_backward_meta);
+  m.impl("mlp_backward", &mlp_backward_meta);
+  m.impl("lm_head_loss_backward", &lm_head_loss_backward_meta);
+}
+
+}  // namespace coda::torch_ext

@@ -1,0 +1,313 @@
+// CUDA kernels of the coda ops: the Hopper programs through the C++ op API (include/coda/ops.hpp)
+// on PyTorch's current stream. Buffers come from PyTorch's caching allocator; nothing here waits
+// on the device (no .item(), no host copies), so the ops capture into CUDA graphs.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <climits>
+#include <tuple>
+
+#include "coda/ops.hpp"
+#include "validate.hpp"
+
+namespace coda::torch_ext {
+namespace {
+
+using at::Tensor;
+using kernel::bf16;
+namespace ops = coda::ops;
+
+const bf16* bf(const Tensor& t) { return reinterpret_cast<const bf16*>(t.data_ptr()); }
+bf16* bf_out(Tensor& t) { return reinterpret_cast<bf16*>(t.data_ptr()); }
+const float* f32(const Tensor& t) { return t.data_ptr<float>(); }
+float* f32_out(Tensor& t) { return t.data_ptr<float>(); }
+
+int as_int(const char* op, const char* what, int64_t v) {
+  TORCH_CHECK(v <= INT_MAX, op, ": ", what, " = ", v, " exceeds the kernels' int range");
+  return static_cast<int>(v);
+}
+
+cudaStream_t stream_of(const Tensor& t) {
+  return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
+}
+
+ops::RopeTableDevice rope_device(const Tensor& table) {
+  const auto* words = reinterpret_cast<const uint32_t*>(table.data_ptr<int32_t>());
+  const int w = static_cast<int>(table.size(1));
+  return {words, words + w, w};
+}
+
+Tensor partial_buffer(const epilogue::PartialLayout& layout, const Tensor& like) {
+  return at::empty({layout.elements()}, like.options().dtype(at::kFloat));
+}
+
+// dW (N, K) = dzᵀ · h on our mainloop (Xᵀ·Y operands); dz (M, N), h (M, K), bf16.
+Tensor weight_grad(const Tensor& dz, const Tensor& h) {
+  Tensor dw = at::empty({dz.size(1), h.size(1)}, dz.options());
+  ops::gemm_xty(bf(dz), bf(h), bf_out(dw), int(dz.size(1)), int(h.size(1)), int(dz.size(0)),
+                stream_of(dz));
+  return dw;
+}
+
+// B1 + dγ fold: dx = dres + r·(g·γ − n·ZdZ) with g = dz · W; returns h_out; dgamma (fp32, H).
+Tensor rmsnorm_backward(const Tensor& dz, const Tensor& w, const Tensor& x, const Tensor& r,
+                        const Tensor& gamma, const Tensor& zdz, const Tensor& dres, Tensor& dx,
+                        Tensor& dgamma32) {
+  const int m = int(x.size(0)), hidden = int(x.size(1)), n_out = int(dz.size(1));
+  const auto s = stream_of(x);
+  Tensor h_out = at::empty_like(x);
+  const auto layout = ops::rmsnorm_backward_partials_layout(m, hidden, n_out);
+  Tensor partials = partial_buffer(layout, x);
+  ops::gemm_rmsnorm_backward(bf(dz), bf(w), bf(x), f32(r), bf(gamma), f32(zdz), bf(dres),
+                             bf_out(dx), bf_out(h_out), f32_out(partials), m, hidden, n_out, s);
+  ops::dgamma_fold(f32(partials), layout, f32_out(dgamma32), s);
+  return h_out;
+}
+
+// ---- forward ops -------------------------------------------------------------------------------
+
+std::tuple<Tensor, Tensor> rmsnorm_stats(const Tensor& x, const Tensor& gamma, double eps) {
+  const auto c = OpContext::from("coda::rmsnorm_stats", "x", x);
+  const auto sz = validate_rmsnorm_stats(c, x, gamma);
+  const c10::cuda::CUDAGuard guard(x.device());
+  Tensor h = at::empty_like(x), r = at::empty({sz.m}, stat_options(c));
+  ops::first_layer_rmsnorm(bf(x), bf(gamma), as_int(c.op, "M", sz.m), int(sz.hidden), float(eps),
+                           bf_out(h), f32_out(r), stream_of(x));
+  return {h, r};
+}
+
+Tensor norm_qkv(const Tensor& x, const Tensor& gamma, const Tensor& w_qkv, const Tensor& h,
+                const Tensor& r, const Tensor& pos, const Tensor& rope_table) {
+  const auto c = OpContext::from("coda::norm_qkv", "x", x);
+  const auto sz = validate_norm_qkv(c, x, gamma, w_qkv, &h, r, pos, rope_table);
+  const c10::cuda::CUDAGuard guard(x.device());
+  Tensor qkv = at::empty({sz.m, sz.n}, x.options());
+  ops::gemm_rmsnorm_rope(bf(h), bf(w_qkv), f32(r), pos.data_ptr<int32_t>(),
+                         rope_device(rope_table), bf_out(qkv), as_int(c.op, "M", sz.m),
+                         int(sz.n), int(sz.hidden), stream_of(x));
+  return qkv;
+}
+
+// F1 + A1 shared by out_proj_residual_norm and mlp.
+void residual_rmsnorm(const Tensor& a, const Tensor& w, const Tensor& residual,
+                      const Tensor& gamma, double eps, Tensor& x, Tensor& h, Tensor& r) {
+  const int m = int(a.size(0)), n = int(w.size(0)), k = int(a.size(1));
+  const auto s = stream_of(a);
+  const auto layout = ops::residual_rmsnorm_partials_layout(m, n, k);
+  Tensor partials = partial_buffer(layout, a);
+  ops::gemm_residual_rmsnorm_partial(bf(a), bf(w), bf(residual), bf(gamma), bf_out(x), bf_out(h),
+                                     f32_out(partials), m, n, k, s);
+  ops::rmsnorm_fold(f32(partials), layout, n, float(eps), f32_out(r), s);
+}
+
+std::tuple<Tensor, Tensor, Tensor> out_proj_residual_norm(const Tensor& y, const Tensor& w_o,
+                                                          const Tensor& residual,
+                                                          const Tensor& gamma, double eps) {
+  const auto c = OpContext::from("coda::out_proj_residual_norm", "y", y);
+  c.matrix("y", y);
+  c.matrix("w_o", w_o);
+  const int64_t m = y.size(0), k = y.size(1), hidden = w_o.size(0);
+  TORCH_CHECK(w_o.size(1) == k, c.op, ": w_o must have shape (H, ", k, ") for y of shape ",
+              shape_string(y.sizes()), ", got ", shape_string(w_o.sizes()));
+  c.cuda_width("K (y.size(1))", k);
+  c.cuda_width("H (w_o.size(0))", hidden);
+  c.activation("residual", residual, {m, hidden});
+  c.activation("gamma", gamma, {hidden});
+  as_int(c.op, "M", m);
+  const c10::cuda::CUDAGuard guard(y.device());
+  Tensor x = at::empty({m, hidden}, y.options()), h = at::empty_like(x),
+         r = at::empty({m}, stat_options(c));
+  residual_rmsnorm(y, w_o, residual, gamma, eps, x, h, r);
+  return {x, h, r};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> mlp(const Tensor& x, const Tensor& gamma,
+                                               const Tensor& w_gu, const Tensor& w_down,
+                                               const Tensor& h, const Tensor& r,
+                                               const Tensor& gamma_next, double eps) {
+  const auto c = OpContext::from("coda::mlp", "x", x);
+  const auto sz = validate_mlp(c, x, gamma, w_gu, w_down, &h, r);
+  c.activation("gamma_next", gamma_next, {sz.hidden});
+  const int m = as_int(c.op, "M", sz.m);
+  const c10::cuda::CUDAGuard guard(x.device());
+  Tensor z = at::empty({sz.m, 2 * sz.intermediate}, x.options()),
+         a = at::empty({sz.m, sz.intermediate}, x.options()), x_out = at::empty_like(x),
+         h_out = at::empty_like(x), r_out = at::empty({sz.m}, stat_options(c));
+  ops::gemm_rmsnorm_swiglu(bf(h), bf(w_gu), f32(r), bf_out(z), bf_out(a), m,
+                           int(2 * sz.intermediate), int(sz.hidden), stream_of(x));
+  residual_rmsnorm(a, w_down, x, gamma_next, eps, x_out, h_out, r_out);
+  return {x_out, h_out, r_out, z};
+}
+
+std::tuple<Tensor, Tensor> lm_head_loss(const Tensor& x, const Tensor& gamma,
+                                        const Tensor& w_vocab, const Tensor& h, const Tensor& r,
+                                        const Tensor& targets, int64_t ignore_index,
+                                        c10::string_view reduction, double z_loss,
+                                        int64_t /*max_chunk_bytes: the forward holds no logits*/) {
+  const auto c = OpContext::from("coda::lm_head_loss", "x", x);
+  const auto sz = validate_lm_head(c, x, gamma, w_vocab, h, r, targets);
+  const auto red = parse_reduction(c.op, reduction);
+  const int m = as_int(c.op, "M", sz.m), vocab = int(sz.n), hidden = int(sz.hidden);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto s = stream_of(x);
+  const auto layout = ops::lm_head_partials_layout(m, vocab, hidden);
+  Tensor pmax = partial_buffer(layout, x), psum = partial_buffer(layout, x);
+  Tensor target_logit = at::zeros({sz.m}, stat_options(c));
+  ops::gemm_rmsnorm_lse(bf(h), bf(w_vocab), f32(r), targets.data_ptr<int64_t>(), f32_out(pmax),
+                        f32_out(psum), f32_out(target_logit), m, vocab, hidden, s);
+  Tensor lse = at::empty({sz.m}, stat_options(c)), token_loss = at::empty_like(lse);
+  ops::lse_loss_fold(f32(pmax), f32(psum), layout, f32(target_logit),
+                     targets.data_ptr<int64_t>(), vocab, ignore_index, float(z_loss),
+                     f32_out(lse), f32_out(token_loss), s);
+  if (red == LossReduction::kNone) return {token_loss, lse};
+  Tensor total = token_loss.sum();
+  if (red == LossReduction::kSum) return {total, lse};
+  // Mean over counted tokens, on the device: 0 / 0 = NaN when every token is ignored (as PyTorch).
+  return {total / targets.ne(ignore_index).sum().to(at::kFloat), lse};
+}
+
+// ---- backward ops ------------------------------------------------------------------------------
+
+std::tuple<Tensor, Tensor, Tensor> norm_qkv_backward(const Tensor& dqkv, const Tensor& qkv,
+                                                     const Tensor& x, const Tensor& gamma,
+                                                     const Tensor& w_qkv, const Tensor& r,
+                                                     const Tensor& pos,
+                                                     const Tensor& rope_table) {
+  const auto c = OpContext::from("coda::norm_qkv_backward", "x", x);
+  const auto sz = validate_norm_qkv(c, x, gamma, w_qkv, nullptr, r, pos, rope_table);
+  c.activation("dqkv", dqkv, {sz.m, sz.n});
+  c.activation("qkv", qkv, {sz.m, sz.n});
+  const int m = as_int(c.op, "M", sz.m);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto s = stream_of(x);
+  // B3: dqkv_pre = Rᵀ dqkv, ZdZ = Σ qkv·dqkv / H.
+  Tensor dpre = at::empty_like(dqkv), zdz = at::empty({sz.m}, stat_options(c));
+  ops::rope_backward(bf(qkv), bf(dqkv), pos.data_ptr<int32_t>(), rope_device(rope_table), m,
+                     int(sz.n), int(sz.hidden), bf_out(dpre), f32_out(zdz), s);
+  // B1 into a zeroed dx (the residual part of dx is the producer op's, summed by autograd).
+  Tensor dx = at::zeros_like(x), dgamma32 = at::empty({sz.hidden}, stat_options(c));
+  const Tensor h_out = rmsnorm_backward(dpre, w_qkv, x, r, gamma, zdz, dx, dx, dgamma32);
+  return {dx, dgamma32.to(gamma.scalar_type()), weight_grad(dpre, h_out)};
+}
+
+std::tuple<Tensor, Tensor> linear_backward(const Tensor& dout, const Tensor& input,
+                                           const Tensor& weight) {
+  const auto c = OpContext::from("coda::linear_backward", "dout", dout);
+  c.matrix("dout", dout);
+  c.matrix("input", input);
+  const int64_t m = dout.size(0), n = dout.size(1), k = input.size(1);
+  TORCH_CHECK(input.size(0) == m, c.op, ": input must have ", m, " rows like dout, got shape ",
+              shape_string(input.sizes()));
+  c.activation("weight", weight, {n, k});
+  c.cuda_width("N (dout.size(1))", n);
+  c.cuda_width("K (input.size(1))", k);
+  const c10::cuda::CUDAGuard guard(dout.device());
+  Tensor dinput = at::empty({m, k}, dout.options());
+  ops::gemm_xw(bf(dout), bf(weight), bf_out(dinput), as_int(c.op, "M", m), int(k), int(n),
+               stream_of(dout));
+  return {dinput, weight_grad(dout, input)};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> mlp_backward(const Tensor& dx_out, const Tensor& x,
+                                                        const Tensor& gamma, const Tensor& w_gu,
+                                                        const Tensor& w_down, const Tensor& r,
+                                                        const Tensor& z) {
+  const auto c = OpContext::from("coda::mlp_backward", "x", x);
+  const auto sz = validate_mlp(c, x, gamma, w_gu, w_down, nullptr, r);
+  c.activation("dx_out", dx_out, {sz.m, sz.hidden});
+  c.activation("z", z, {sz.m, 2 * sz.intermediate});
+  const int m = as_int(c.op, "M", sz.m), inter = int(sz.intermediate), hidden = int(sz.hidden);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto s = stream_of(x);
+  // B2: da = dx_out · W_down → dz (interleaved), a recomputed, ZdZ partials.
+  Tensor dz = at::empty_like(z), a = at::empty({sz.m, sz.intermediate}, x.options());
+  const auto layout = ops::swiglu_backward_partials_layout(m, inter, hidden);
+  Tensor partials = partial_buffer(layout, x), zdz = at::empty({sz.m}, stat_options(c));
+  ops::gemm_swiglu_backward(bf(dx_out), bf(w_down), bf(z), bf_out(dz), bf_out(a),
+                            f32_out(partials), m, inter, hidden, s);
+  ops::zdz_fold(f32(partials), layout, hidden, f32_out(zdz), s);
+  Tensor dw_down = weight_grad(dx_out, a);
+  // B1 with W_gu: dx = dx_out + norm backward; dW_gu = dzᵀ · h_out.
+  Tensor dx = at::empty_like(x), dgamma32 = at::empty({sz.hidden}, stat_options(c));
+  const Tensor h_out = rmsnorm_backward(dz, w_gu, x, r, gamma, zdz, dx_out, dx, dgamma32);
+  return {dx, dgamma32.to(gamma.scalar_type()), weight_grad(dz, h_out), dw_down};
+}
+
+std::tuple<Tensor, Tensor, Tensor> lm_head_loss_backward(
+    const Tensor& dloss, const Tensor& x, const Tensor& gamma, const Tensor& w_vocab,
+    const Tensor& h, const Tensor& r, const Tensor& targets, const Tensor& lse,
+    int64_t ignore_index, c10::string_view reduction, double z_loss, int64_t max_chunk_bytes) {
+  const auto c = OpContext::from("coda::lm_head_loss_backward", "x", x);
+  const auto sz = validate_lm_head(c, x, gamma, w_vocab, h, r, targets);
+  const auto red = parse_reduction(c.op, reduction);
+  c.statistic("lse", lse, {sz.m});
+  if (red == LossReduction::kNone)
+    c.statistic("dloss", dloss, {sz.m});
+  else
+    c.statistic("dloss", dloss, {});
+  TORCH_CHECK(max_chunk_bytes > 0, c.op, ": max_chunk_bytes must be positive, got ",
+              max_chunk_bytes);
+  const int64_t m = sz.m, vocab = sz.n, hidden = sz.hidden;
+  as_int(c.op, "M", m);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto s = stream_of(x);
+
+  // d loss / d token loss per token, on the device (no host sync): 0 for ignored tokens.
+  const Tensor counted = targets.ne(ignore_index);
+  Tensor scale = red == LossReduction::kNone ? dloss : dloss.expand({m});
+  if (red == LossReduction::kMean) scale = scale / counted.sum().to(at::kFloat);
+  scale = at::where(counted, scale, at::zeros({}, scale.options())).contiguous();
+
+  // Tokens are processed in chunks so that dℓ (chunk × V bf16) stays within max_chunk_bytes.
+  int64_t chunk = std::max<int64_t>(8, (max_chunk_bytes / (vocab * 2)) / 8 * 8);
+  chunk = std::min(chunk, m);
+  const bool chunked = chunk < m;
+  Tensor dlogits = at::empty({chunk, vocab}, x.options());
+  Tensor dx = at::zeros_like(x), dgamma32 = at::zeros({hidden}, stat_options(c));
+  Tensor dw32 = chunked ? at::zeros({vocab, hidden}, stat_options(c)) : Tensor(), dw;
+  Tensor dgamma_chunk = chunked ? at::empty({hidden}, stat_options(c)) : dgamma32;
+  for (int64_t c0 = 0; c0 < m; c0 += chunk) {
+    const int64_t cm = std::min(chunk, m - c0);
+    const auto rows = [&](const Tensor& t) { return t.narrow(0, c0, cm); };
+    Tensor dl = dlogits.narrow(0, 0, cm), dx_c = rows(dx);
+    const auto layout = ops::lm_head_partials_layout(int(cm), int(vocab), int(hidden));
+    Tensor partials = partial_buffer(layout, x), zdz = at::empty({cm}, stat_options(c));
+    // B4: dℓ recomputed from h in the LM head's epilogue, with ZdZ of the final norm.
+    ops::gemm_rmsnorm_cross_entropy_backward(
+        bf(rows(h)), bf(w_vocab), f32(rows(r)), f32(rows(lse)), f32(rows(scale)),
+        rows(targets).data_ptr<int64_t>(), float(z_loss), bf_out(dl), f32_out(partials),
+        int(cm), int(vocab), int(hidden), s);
+    ops::zdz_fold(f32(partials), layout, int(hidden), f32_out(zdz), s);
+    // B1 (final norm) and dW_vocab = dℓᵀ · h_out.
+    const Tensor h_out =
+        rmsnorm_backward(dl, w_vocab, rows(x), rows(r), gamma, zdz, dx_c, dx_c, dgamma_chunk);
+    Tensor dw_c = weight_grad(dl, h_out);
+    if (chunked) {
+      dgamma32.add_(dgamma_chunk);
+      dw32.add_(dw_c);
+    } else {
+      dw = dw_c;
+    }
+  }
+  if (chunked) dw = dw32.to(w_vocab.scalar_type());
+  return {dx, dgamma32.to(gamma.scalar_type()), dw};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(coda, CUDA, m) {
+  m.impl("rmsnorm_stats", &rmsnorm_stats);
+  m.impl("norm_qkv", &norm_qkv);
+  m.impl("out_proj_residual_norm", &out_proj_residual_norm);
+  m.impl("mlp", &mlp);
+  m.impl("lm_head_loss", &lm_head_loss);
+  m.impl("norm_qkv_backward", &norm_qkv_backward);
+  m.impl("linear_backward", &linear_backward);
+  m.impl("mlp_backward", &mlp_backward);
+  m.impl("lm_head_loss_backward", &lm_head_loss_backward);
+}
+
+}  // namespace coda::torch_ext
