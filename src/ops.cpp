@@ -313,6 +313,11 @@ void lse_loss_fold(const float* max_partials, const float* sum_partials,
                         stream);
 }
 
+epilogue::PartialLayout cross_entropy_backward_partials_layout(int m, int vocab, int hidden) {
+  check_gemm_sizes("coda::ops::cross_entropy_backward_partials_layout", m, vocab, hidden);
+  return partial_layout(Program::kRmsnormCrossEntropyBackward, m, vocab, hidden);
+}
+
 void gemm_rmsnorm_cross_entropy_backward(const bf16* h, const bf16* w_vocab, const float* r,
                                          const float* lse, const float* scale,
                                          const int64_t* targets, float z_loss, bf16* dlogits,

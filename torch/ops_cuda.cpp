@@ -273,7 +273,8 @@ std::tuple<Tensor, Tensor, Tensor> lm_head_loss_backward(
     const int64_t cm = std::min(chunk, m - c0);
     const auto rows = [&](const Tensor& t) { return t.narrow(0, c0, cm); };
     Tensor dl = dlogits.narrow(0, 0, cm), dx_c = rows(dx);
-    const auto layout = ops::lm_head_partials_layout(int(cm), int(vocab), int(hidden));
+    const auto layout =
+        ops::cross_entropy_backward_partials_layout(int(cm), int(vocab), int(hidden));
     Tensor partials = partial_buffer(layout, x), zdz = at::empty({cm}, stat_options(c));
     // B4: dℓ recomputed from h in the LM head's epilogue, with ZdZ of the final norm.
     ops::gemm_rmsnorm_cross_entropy_backward(

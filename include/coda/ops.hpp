@@ -104,8 +104,10 @@ void lse_loss_fold(const float* max_partials, const float* sum_partials,
                    const int64_t* targets, int vocab, int64_t ignore_index, float z_loss,
                    float* lse, float* token_loss, cudaStream_t stream);
 
+// B4's Σ ℓ·dℓ partials: its own layout (B4 may run on another tile than F4).
+epilogue::PartialLayout cross_entropy_backward_partials_layout(int m, int vocab, int hidden);
 // B4: dℓ = (softmax(ℓ) − onehot(target) + 2·z_loss·lse·softmax(ℓ)) · scale[m] recomputed from h,
-// written as bf16 (M, V); Σ ℓ·dℓ per-tile partials (per_row, same layout as F4's) for ZdZ.
+// written as bf16 (M, V); Σ ℓ·dℓ per-tile partials (cross_entropy_backward_partials_layout).
 void gemm_rmsnorm_cross_entropy_backward(const bf16* h, const bf16* w_vocab, const float* r,
                                          const float* lse, const float* scale,
                                          const int64_t* targets, float z_loss, bf16* dlogits,
