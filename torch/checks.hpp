@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 
 #include <initializer_list>
+#include <stdexcept>
 #include <sstream>
 #include <string>
 
@@ -102,6 +103,27 @@ struct OpContext {
 inline at::TensorOptions stat_options(const OpContext& c) {
   return at::TensorOptions().dtype(c.stat).device(c.device);
 }
+
+inline void check_eps(const char* op, double eps) {
+  TORCH_CHECK(eps >= 0.0, op, ": eps must be >= 0, got ", eps);
+}
+
+// Errors from the framework-free layers (coda::Error, a std::invalid_argument) become the same
+// RuntimeError as every other argument check, prefixed with the op's name.
+template <class Fn>
+struct Guarded;
+template <class R, class... A>
+struct Guarded<R (*)(A...)> {
+  template <R (*F)(A...), const char* Name>
+  static R call(A... a) {
+    try {
+      return F(a...);
+    } catch (const std::invalid_argument& e) {
+      TORCH_CHECK(false, Name, ": ", e.what());
+    }
+  }
+};
+#define CODA_GUARDED(name, fn) (&::coda::torch_ext::Guarded<decltype(&fn)>::template call<&fn, name>)
 
 enum class LossReduction : int { kMean = 0, kSum = 1, kNone = 2 };
 

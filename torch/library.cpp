@@ -38,6 +38,8 @@ at::Tensor rope_table(const at::Tensor& inv_freq, int64_t n_heads, int64_t n_kv_
   return table;
 }
 
+constexpr char k_rope_table[] = "coda::rope_table";
+
 // ---- Meta kernels ------------------------------------------------------------------------------
 
 at::Tensor rope_table_meta(const at::Tensor& inv_freq, int64_t n_heads, int64_t n_kv_heads,
@@ -150,7 +152,9 @@ TORCH_LIBRARY(coda, m) {
       "int max_chunk_bytes) -> (Tensor dx, Tensor dgamma, Tensor dw_vocab)");
 }
 
-TORCH_LIBRARY_IMPL(coda, CPU, m) { m.impl("rope_table", &rope_table); }
+TORCH_LIBRARY_IMPL(coda, CPU, m) {
+  m.impl("rope_table", CODA_GUARDED(k_rope_table, rope_table));
+}
 
 TORCH_LIBRARY_IMPL(coda, Meta, m) {
   m.impl("rope_table", &rope_table_meta);

@@ -107,6 +107,7 @@ std::tuple<at::Tensor, at::Tensor> rmsnorm_stats(const at::Tensor& x, const at::
                                                  double eps) {
   const auto c = OpContext::from("coda::rmsnorm_stats", "x", x);
   const auto s = validate_rmsnorm_stats(c, x, gamma);
+  check_eps(c.op, eps);
   at::Tensor h = at::empty_like(x), r = at::empty({s.m}, stat_options(c));
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "coda::rmsnorm_stats", [&] {
     programs::first_layer_rmsnorm<scalar_t>(tile_in<scalar_t>(x), vec<scalar_t>(gamma), eps,
@@ -120,6 +121,8 @@ at::Tensor norm_qkv(const at::Tensor& x, const at::Tensor& gamma, const at::Tens
                     const at::Tensor& rope_table) {
   const auto c = OpContext::from("coda::norm_qkv", "x", x);
   const auto s = validate_norm_qkv(c, x, gamma, w_qkv, &h, r, pos, rope_table);
+  TORCH_CHECK(pos.min().item<int32_t>() >= 0, c.op, ": pos must be >= 0, got min ",
+              pos.min().item<int32_t>());
   at::Tensor qkv = at::empty({s.m, s.n}, x.options());
   const auto freq = rope_columns(rope_table);
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "coda::norm_qkv", [&] {
@@ -164,6 +167,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> out_proj_residual_norm(const at::
   TORCH_CHECK(hidden % 2 == 0, c.op, ": H (w_o.size(0)) must be even, got ", hidden);
   c.activation("residual", residual, {m, hidden});
   c.activation("gamma", gamma, {hidden});
+  check_eps(c.op, eps);
   at::Tensor x = at::empty({m, hidden}, y.options()), h = at::empty_like(x),
              r = at::empty({m}, stat_options(c));
   AT_DISPATCH_FLOATING_TYPES(y.scalar_type(), "coda::out_proj_residual_norm", [&] {
@@ -178,6 +182,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mlp(
   const auto c = OpContext::from("coda::mlp", "x", x);
   const auto s = validate_mlp(c, x, gamma, w_gu, w_down, &h, r);
   c.activation("gamma_next", gamma_next, {s.hidden});
+  check_eps(c.op, eps);
   at::Tensor z = at::empty({s.m, 2 * s.intermediate}, x.options()),
              a = at::empty({s.m, s.intermediate}, x.options()), x_out = at::empty_like(x),
              h_out = at::empty_like(x), r_out = at::empty({s.m}, stat_options(c));
@@ -196,10 +201,12 @@ std::tuple<at::Tensor, at::Tensor> lm_head_loss(const at::Tensor& x, const at::T
                                                 const at::Tensor& w_vocab, const at::Tensor& h,
                                                 const at::Tensor& r, const at::Tensor& targets,
                                                 int64_t ignore_index, c10::string_view reduction,
-                                                double z_loss, int64_t /*max_chunk_bytes*/) {
+                                                double z_loss, int64_t max_chunk_bytes) {
   const auto c = OpContext::from("coda::lm_head_loss", "x", x);
   const auto s = validate_lm_head(c, x, gamma, w_vocab, h, r, targets);
   const auto red = parse_reduction(c.op, reduction);
+  TORCH_CHECK(max_chunk_bytes > 0, c.op, ": max_chunk_bytes must be positive, got ",
+              max_chunk_bytes);
   at::Tensor lse = at::empty({s.m}, stat_options(c));
   at::Tensor loss = red == LossReduction::kNone ? at::empty({s.m}, stat_options(c))
                                                 : at::empty({}, stat_options(c));
@@ -310,10 +317,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lm_head_loss_backward(
     const at::Tensor& dloss, const at::Tensor& x, const at::Tensor& gamma,
     const at::Tensor& w_vocab, const at::Tensor& h, const at::Tensor& r, const at::Tensor& targets,
     const at::Tensor& lse, int64_t ignore_index, c10::string_view reduction, double z_loss,
-    int64_t /*max_chunk_bytes*/) {
+    int64_t max_chunk_bytes) {
   const auto c = OpContext::from("coda::lm_head_loss_backward", "x", x);
   const auto s = validate_lm_head(c, x, gamma, w_vocab, h, r, targets);
   const auto red = parse_reduction(c.op, reduction);
+  TORCH_CHECK(max_chunk_bytes > 0, c.op, ": max_chunk_bytes must be positive, got ",
+              max_chunk_bytes);
   c.statistic("lse", lse, {s.m});
   if (red == LossReduction::kNone)
     c.statistic("dloss", dloss, {s.m});
@@ -354,18 +363,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lm_head_loss_backward(
   return {dx, dgamma, dw};
 }
 
+// Op names for CODA_GUARDED (template arguments need linkage).
+constexpr char k_rmsnorm_stats[] = "coda::rmsnorm_stats";
+constexpr char k_norm_qkv[] = "coda::norm_qkv";
+constexpr char k_out_proj_residual_norm[] = "coda::out_proj_residual_norm";
+constexpr char k_mlp[] = "coda::mlp";
+constexpr char k_lm_head_loss[] = "coda::lm_head_loss";
+constexpr char k_norm_qkv_backward[] = "coda::norm_qkv_backward";
+constexpr char k_linear_backward[] = "coda::linear_backward";
+constexpr char k_mlp_backward[] = "coda::mlp_backward";
+constexpr char k_lm_head_loss_backward[] = "coda::lm_head_loss_backward";
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(coda, CPU, m) {
-  m.impl("rmsnorm_stats", &rmsnorm_stats);
-  m.impl("norm_qkv", &norm_qkv);
-  m.impl("out_proj_residual_norm", &out_proj_residual_norm);
-  m.impl("mlp", &mlp);
-  m.impl("lm_head_loss", &lm_head_loss);
-  m.impl("norm_qkv_backward", &norm_qkv_backward);
-  m.impl("linear_backward", &linear_backward);
-  m.impl("mlp_backward", &mlp_backward);
-  m.impl("lm_head_loss_backward", &lm_head_loss_backward);
+  m.impl("rmsnorm_stats", CODA_GUARDED(k_rmsnorm_stats, rmsnorm_stats));
+  m.impl("norm_qkv", CODA_GUARDED(k_norm_qkv, norm_qkv));
+  m.impl("out_proj_residual_norm", CODA_GUARDED(k_out_proj_residual_norm, out_proj_residual_norm));
+  m.impl("mlp", CODA_GUARDED(k_mlp, mlp));
+  m.impl("lm_head_loss", CODA_GUARDED(k_lm_head_loss, lm_head_loss));
+  m.impl("norm_qkv_backward", CODA_GUARDED(k_norm_qkv_backward, norm_qkv_backward));
+  m.impl("linear_backward", CODA_GUARDED(k_linear_backward, linear_backward));
+  m.impl("mlp_backward", CODA_GUARDED(k_mlp_backward, mlp_backward));
+  m.impl("lm_head_loss_backward", CODA_GUARDED(k_lm_head_loss_backward, lm_head_loss_backward));
 }
 
 }  // namespace coda::torch_ext

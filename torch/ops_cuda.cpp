@@ -72,6 +72,7 @@ Tensor rmsnorm_backward(const Tensor& dz, const Tensor& w, const Tensor& x, cons
 std::tuple<Tensor, Tensor> rmsnorm_stats(const Tensor& x, const Tensor& gamma, double eps) {
   const auto c = OpContext::from("coda::rmsnorm_stats", "x", x);
   const auto sz = validate_rmsnorm_stats(c, x, gamma);
+  check_eps(c.op, eps);
   const c10::cuda::CUDAGuard guard(x.device());
   Tensor h = at::empty_like(x), r = at::empty({sz.m}, stat_options(c));
   ops::first_layer_rmsnorm(bf(x), bf(gamma), as_int(c.op, "M", sz.m), int(sz.hidden), float(eps),
@@ -116,6 +117,7 @@ std::tuple<Tensor, Tensor, Tensor> out_proj_residual_norm(const Tensor& y, const
   c.cuda_width("H (w_o.size(0))", hidden);
   c.activation("residual", residual, {m, hidden});
   c.activation("gamma", gamma, {hidden});
+  check_eps(c.op, eps);
   as_int(c.op, "M", m);
   const c10::cuda::CUDAGuard guard(y.device());
   Tensor x = at::empty({m, hidden}, y.options()), h = at::empty_like(x),
@@ -131,6 +133,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> mlp(const Tensor& x, const Tensor& ga
   const auto c = OpContext::from("coda::mlp", "x", x);
   const auto sz = validate_mlp(c, x, gamma, w_gu, w_down, &h, r);
   c.activation("gamma_next", gamma_next, {sz.hidden});
+  check_eps(c.op, eps);
   const int m = as_int(c.op, "M", sz.m);
   const c10::cuda::CUDAGuard guard(x.device());
   Tensor z = at::empty({sz.m, 2 * sz.intermediate}, x.options()),
@@ -146,10 +149,13 @@ std::tuple<Tensor, Tensor> lm_head_loss(const Tensor& x, const Tensor& gamma,
                                         const Tensor& w_vocab, const Tensor& h, const Tensor& r,
                                         const Tensor& targets, int64_t ignore_index,
                                         c10::string_view reduction, double z_loss,
-                                        int64_t /*max_chunk_bytes: the forward holds no logits*/) {
+                                        int64_t max_chunk_bytes) {
   const auto c = OpContext::from("coda::lm_head_loss", "x", x);
   const auto sz = validate_lm_head(c, x, gamma, w_vocab, h, r, targets);
   const auto red = parse_reduction(c.op, reduction);
+  // The forward holds no logits; the backward's chunk is checked here too, before any work.
+  TORCH_CHECK(max_chunk_bytes > 0, c.op, ": max_chunk_bytes must be positive, got ",
+              max_chunk_bytes);
   const int m = as_int(c.op, "M", sz.m), vocab = int(sz.n), hidden = int(sz.hidden);
   const c10::cuda::CUDAGuard guard(x.device());
   const auto s = stream_of(x);

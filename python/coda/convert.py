@@ -1,0 +1,351 @@
+"""Checkpoint converters: Hugging Face ``LlamaForCausalLM`` and TorchTitan llama3 <-> coda.
+
+The coda layout differs in three row permutations (all weights are ``(out, in)``; the converters
+permute rows only, so they apply unchanged to gradients):
+
+* RoPE: HF rotates the two halves of each Q/K head ("rotate_half": row ``i`` pairs with
+  ``i + d/2``); coda, Meta and TorchTitan pair adjacent rows ``(2i, 2i + 1)``.
+* QKV: separate ``Wq, Wk, Wv`` <-> one packed ``w_qkv = [Q heads | K heads | V heads]``.
+* SwiGLU: split ``W_gate, W_up`` <-> interleaved ``w_gu`` rows ``[g0, u0, g1, u1, ...]``.
+
+The state-dict functions take and return plain ``{name: tensor}`` dicts (any tensors: weights or
+their gradients); ``from_*`` / ``to_*`` wrap them for whole models.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .nn import CodaLlamaForCausalLM, LlamaConfig
+
+__all__ = [
+    "rope_half_to_adjacent",
+    "rope_adjacent_to_half",
+    "interleave_gate_up",
+    "split_gate_up",
+    "pack_qkv",
+    "unpack_qkv",
+    "config_from_hf",
+    "hf_to_coda_state_dict",
+    "coda_to_hf_state_dict",
+    "torchtitan_to_coda_state_dict",
+    "coda_to_torchtitan_state_dict",
+    "from_hf",
+    "to_hf",
+    "from_torchtitan",
+    "to_torchtitan",
+]
+
+# ---------------------------------------------------------------------------------------------
+# Row permutations
+
+
+def rope_half_to_adjacent(w: Tensor, heads: int, head_dim: int) -> Tensor:
+    """HF half-split rows of each head -> adjacent RoPE pairs: row ``i`` -> ``2i``,
+    row ``i + d/2`` -> ``2i + 1``."""
+    _check_rows(w, heads * head_dim, "rope_half_to_adjacent")
+    return w.unflatten(0, (heads, 2, head_dim // 2)).transpose(1, 2).flatten(0, 2).contiguous()
+
+
+def rope_adjacent_to_half(w: Tensor, heads: int, head_dim: int) -> Tensor:
+    """Inverse of :func:`rope_half_to_adjacent`."""
+    _check_rows(w, heads * head_dim, "rope_adjacent_to_half")
+    return w.unflatten(0, (heads, head_dim // 2, 2)).transpose(1, 2).flatten(0, 2).contiguous()
+
+
+def interleave_gate_up(w_gate: Tensor, w_up: Tensor) -> Tensor:
+    """``(I, H)`` gate and up -> ``(2I, H)`` with rows ``[g0, u0, g1, u1, ...]``."""
+    if w_gate.shape != w_up.shape:
+        raise ValueError(f"interleave_gate_up: w_gate {tuple(w_gate.shape)} and w_up "
+                         f"{tuple(w_up.shape)} differ")
+    return torch.stack((w_gate, w_up), dim=1).flatten(0, 1)
+
+
+def split_gate_up(w_gu: Tensor) -> tuple[Tensor, Tensor]:
+    """Inverse of :func:`interleave_gate_up`: ``(2I, H)`` -> ``(w_gate, w_up)``."""
+    if w_gu.shape[0] % 2:
+        raise ValueError(f"split_gate_up: w_gu needs an even number of rows, got {w_gu.shape[0]}")
+    return w_gu[0::2].contiguous(), w_gu[1::2].contiguous()
+
+
+def pack_qkv(wq: Tensor, wk: Tensor, wv: Tensor) -> Tensor:
+    """Stack ``[wq; wk; wv]`` (already in the adjacent-pair RoPE layout)."""
+    if wk.shape != wv.shape:
+        raise ValueError(f"pack_qkv: wk {tuple(wk.shape)} and wv {tuple(wv.shape)} differ")
+    return torch.cat((wq, wk, wv), dim=0)
+
+
+def unpack_qkv(w_qkv: Tensor, n_heads: int, n_kv_heads: int, head_dim: int):
+    """Inverse of :func:`pack_qkv`: ``(wq, wk, wv)``."""
+    q, kv = n_heads * head_dim, n_kv_heads * head_dim
+    _check_rows(w_qkv, q + 2 * kv, "unpack_qkv")
+    return (w_qkv[:q].contiguous(), w_qkv[q : q + kv].contiguous(), w_qkv[q + kv :].contiguous())
+
+
+def _check_rows(w: Tensor, rows: int, who: str) -> None:
+    if w.dim() < 1 or w.shape[0] != rows:
+        raise ValueError(f"{who}: expected {rows} rows, got shape {tuple(w.shape)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face
+
+
+def _hf_rope(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
+    """(theta, llama3 scaling dict or None) from a transformers 5 (``rope_parameters``) or
+    4.x (``rope_theta`` + ``rope_scaling``) config."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, Mapping) and "rope_theta" in params:
+        theta = float(params["rope_theta"])
+        scaling = dict(params)
+    else:
+        theta = float(getattr(hf_config, "rope_theta", 10000.0))
+        scaling = dict(getattr(hf_config, "rope_scaling", None) or {})
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if scaling.get("partial_rotary_factor", 1.0) != 1.0:
+        raise NotImplementedError("coda: partial_rotary_factor != 1 is not supported")
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
+        raise NotImplementedError(f"coda: rope_type {rope_type!r} is not supported "
+                                  "(only 'default' and 'llama3')")
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    return theta, {k: scaling[k] for k in keys}
+
+
+def config_from_hf(hf_config: Any) -> LlamaConfig:
+    """A :class:`LlamaConfig` from a transformers ``LlamaConfig``."""
+    for flag in ("attention_bias", "mlp_bias"):
+        if getattr(hf_config, flag, False):
+            raise NotImplementedError(f"coda: {flag}=True is not supported")
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act != "silu":
+        raise NotImplementedError(f"coda: hidden_act {act!r} is not supported (SwiGLU uses silu)")
+    heads = hf_config.num_attention_heads
+    theta, scaling = _hf_rope(hf_config)
+    return LlamaConfig(
+        vocab_size=hf_config.vocab_size,
+        hidden_size=hf_config.hidden_size,
+        intermediate_size=hf_config.intermediate_size,
+        num_layers=hf_config.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rms_norm_eps=float(hf_config.rms_norm_eps),
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+    )
+
+
+def _take(sd: dict[str, Tensor], *names: str) -> Tensor:
+    """Pop the first of ``names`` present (aliases of tied weights), dropping the others."""
+    found = [n for n in names if n in sd]
+    if not found:
+        raise KeyError(f"missing key {names[0]!r}")
+    value = sd[found[0]]
+    for n in found:
+        del sd[n]
+    return value
+
+
+def _no_leftovers(sd: Mapping[str, Tensor], who: str) -> None:
+    if sd:
+        raise ValueError(f"{who}: unexpected keys {sorted(sd)[:10]}")
+
+
+def hf_to_coda_state_dict(hf_sd: Mapping[str, Tensor], config: LlamaConfig) -> dict[str, Tensor]:
+    """HF ``LlamaForCausalLM`` names/layouts -> coda names/layouts."""
+    c = config
+    sd = dict(hf_sd)
+    out: dict[str, Tensor] = {}
+    emb = _take(sd, "model.embed_tokens.weight")
+    out["embed_tokens.weight"] = emb
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        wq = rope_half_to_adjacent(_take(sd, p + "self_attn.q_proj.weight"), c.num_heads,
+                                   c.head_dim)
+        wk = rope_half_to_adjacent(_take(sd, p + "self_attn.k_proj.weight"), c.num_kv_heads,
+                                   c.head_dim)
+        wv = _take(sd, p + "self_attn.v_proj.weight")
+        q = f"layers.{i}."
+        out[q + "gamma_attn"] = _take(sd, p + "input_layernorm.weight")
+        out[q + "w_qkv"] = pack_qkv(wq, wk, wv)
+        out[q + "w_o"] = _take(sd, p + "self_attn.o_proj.weight")
+        out[q + "gamma_ffn"] = _take(sd, p + "post_attention_layernorm.weight")
+        out[q + "w_gu"] = interleave_gate_up(_take(sd, p + "mlp.gate_proj.weight"),
+                                             _take(sd, p + "mlp.up_proj.weight"))
+        out[q + "w_down"] = _take(sd, p + "mlp.down_proj.weight")
+    out["gamma_final"] = _take(sd, "model.norm.weight")
+    if c.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)  # an alias of the embedding
+        out["w_vocab"] = emb
+    else:
+        out["w_vocab"] = _take(sd, "lm_head.weight")
+    _no_leftovers(sd, "hf_to_coda_state_dict")
+    return out
+
+
+def coda_to_hf_state_dict(sd_in: Mapping[str, Tensor], config: LlamaConfig) -> dict[str, Tensor]:
+    """coda names/layouts -> HF ``LlamaForCausalLM`` names/layouts (inverse of
+    :func:`hf_to_coda_state_dict`). With tied embeddings either alias may be present."""
+    c = config
+    sd = dict(sd_in)
+    out: dict[str, Tensor] = {}
+    if c.tie_word_embeddings:
+        emb = _take(sd, "embed_tokens.weight", "w_vocab")
+    else:
+        emb = _take(sd, "embed_tokens.weight")
+    out["model.embed_tokens.weight"] = emb
+    for i in range(c.num_layers):
+        p, q = f"model.layers.{i}.", f"layers.{i}."
+        wq, wk, wv = unpack_qkv(_take(sd, q + "w_qkv"), c.num_heads, c.num_kv_heads, c.head_dim)
+        out[p + "input_layernorm.weight"] = _take(sd, q + "gamma_attn")
+        out[p + "self_attn.q_proj.weight"] = rope_adjacent_to_half(wq, c.num_heads, c.head_dim)
+        out[p + "self_attn.k_proj.weight"] = rope_adjacent_to_half(wk, c.num_kv_heads, c.head_dim)
+        out[p + "self_attn.v_proj.weight"] = wv
+        out[p + "self_attn.o_proj.weight"] = _take(sd, q + "w_o")
+        out[p + "post_attention_layernorm.weight"] = _take(sd, q + "gamma_ffn")
+        gate, up = split_gate_up(_take(sd, q + "w_gu"))
+        out[p + "mlp.gate_proj.weight"] = gate
+        out[p + "mlp.up_proj.weight"] = up
+        out[p + "mlp.down_proj.weight"] = _take(sd, q + "w_down")
+    out["model.norm.weight"] = _take(sd, "gamma_final")
+    out["lm_head.weight"] = emb if c.tie_word_embeddings else _take(sd, "w_vocab")
+    _no_leftovers(sd, "coda_to_hf_state_dict")
+    return out
+
+
+def _detached_params(model: torch.nn.Module) -> dict[str, Tensor]:
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def from_hf(hf_model: torch.nn.Module, device=None, dtype=None) -> CodaLlamaForCausalLM:
+    """A :class:`CodaLlamaForCausalLM` with the weights of a transformers ``LlamaForCausalLM``.
+
+    The new model gets copies of the weights, on ``device`` / in ``dtype`` (default: those of
+    the HF model)."""
+    config = config_from_hf(hf_model.config)
+    ref = next(hf_model.parameters())
+    return _model_from_state_dict(
+        config, hf_to_coda_state_dict(_detached_params(hf_model), config),
+        ref.device if device is None else device, ref.dtype if dtype is None else dtype)
+
+
+def _model_from_state_dict(config, sd, device, dtype) -> CodaLlamaForCausalLM:
+    # Built on the meta device (no throw-away random init), then given copies of the tensors:
+    # the new model must never share storage with the source checkpoint.
+    model = CodaLlamaForCausalLM(config, device="meta", dtype=dtype)
+    sd = {k: v.to(device=device, dtype=dtype, copy=True) for k, v in sd.items()}
+    model.load_state_dict(sd, assign=True)
+    model.tie_weights()  # assign=True replaced the shared Parameter by two
+    model.reset_rope_table()  # the buffer was left on the meta device
+    return model
+
+
+def _copy_into(model: torch.nn.Module, sd: Mapping[str, Tensor], who: str) -> None:
+    # remove_duplicate=False: write every alias of a tied weight (they share storage anyway).
+    params = dict(model.named_parameters(remove_duplicate=False))
+    missing = [n for n in sd if n not in params]
+    if missing:
+        raise ValueError(f"{who}: the target model has no parameters {missing[:10]}")
+    with torch.no_grad():
+        for name, value in sd.items():
+            params[name].copy_(value)
+
+
+def to_hf(model: CodaLlamaForCausalLM, hf_model: torch.nn.Module) -> torch.nn.Module:
+    """Write ``model``'s weights into ``hf_model`` (a transformers ``LlamaForCausalLM`` of the same
+    shape) in place; returns ``hf_model``."""
+    theirs = config_from_hf(hf_model.config)
+    if theirs != model.config:
+        raise ValueError(f"to_hf: configs differ: coda {model.config} vs HF {theirs}")
+    _copy_into(hf_model, coda_to_hf_state_dict(_detached_params(model), model.config), "to_hf")
+    return hf_model
+
+
+# ---------------------------------------------------------------------------------------------
+# TorchTitan llama3 (RoPE already pairs adjacent dims, so Q/K rows are not permuted)
+
+
+def torchtitan_to_coda_state_dict(
+    tt_sd: Mapping[str, Tensor], config: LlamaConfig
+) -> dict[str, Tensor]:
+    """TorchTitan llama3 names -> coda names/layouts (w1 = gate, w3 = up, w2 = down)."""
+    c = config
+    sd = dict(tt_sd)
+    sd.pop("freqs_cis", None)  # a derived buffer some TorchTitan versions keep in the state dict
+    out: dict[str, Tensor] = {}
+    emb = _take(sd, "tok_embeddings.weight")
+    out["embed_tokens.weight"] = emb
+    for i in range(c.num_layers):
+        p = q = f"layers.{i}."  # same prefix, different leaf names
+        out[q + "gamma_attn"] = _take(sd, p + "attention_norm.weight")
+        out[q + "w_qkv"] = pack_qkv(_take(sd, p + "attention.wq.weight"),
+                                    _take(sd, p + "attention.wk.weight"),
+                                    _take(sd, p + "attention.wv.weight"))
+        out[q + "w_o"] = _take(sd, p + "attention.wo.weight")
+        out[q + "gamma_ffn"] = _take(sd, p + "ffn_norm.weight")
+        out[q + "w_gu"] = interleave_gate_up(_take(sd, p + "feed_forward.w1.weight"),
+                                             _take(sd, p + "feed_forward.w3.weight"))
+        out[q + "w_down"] = _take(sd, p + "feed_forward.w2.weight")
+    out["gamma_final"] = _take(sd, "norm.weight")
+    if c.tie_word_embeddings:
+        sd.pop("output.weight", None)
+        out["w_vocab"] = emb
+    else:
+        out["w_vocab"] = _take(sd, "output.weight")
+    _no_leftovers(sd, "torchtitan_to_coda_state_dict")
+    return out
+
+
+def coda_to_torchtitan_state_dict(
+    sd_in: Mapping[str, Tensor], config: LlamaConfig
+) -> dict[str, Tensor]:
+    """Inverse of :func:`torchtitan_to_coda_state_dict`."""
+    c = config
+    sd = dict(sd_in)
+    out: dict[str, Tensor] = {}
+    if c.tie_word_embeddings:
+        emb = _take(sd, "embed_tokens.weight", "w_vocab")
+    else:
+        emb = _take(sd, "embed_tokens.weight")
+    out["tok_embeddings.weight"] = emb
+    for i in range(c.num_layers):
+        p = q = f"layers.{i}."
+        wq, wk, wv = unpack_qkv(_take(sd, q + "w_qkv"), c.num_heads, c.num_kv_heads, c.head_dim)
+        out[p + "attention.wq.weight"] = wq
+        out[p + "attention.wk.weight"] = wk
+        out[p + "attention.wv.weight"] = wv
+        out[p + "attention.wo.weight"] = _take(sd, q + "w_o")
+        out[p + "attention_norm.weight"] = _take(sd, q + "gamma_attn")
+        gate, up = split_gate_up(_take(sd, q + "w_gu"))
+        out[p + "feed_forward.w1.weight"] = gate
+        out[p + "feed_forward.w3.weight"] = up
+        out[p + "feed_forward.w2.weight"] = _take(sd, q + "w_down")
+        out[p + "ffn_norm.weight"] = _take(sd, q + "gamma_ffn")
+    out["norm.weight"] = _take(sd, "gamma_final")
+    out["output.weight"] = emb if c.tie_word_embeddings else _take(sd, "w_vocab")
+    _no_leftovers(sd, "coda_to_torchtitan_state_dict")
+    return out
+
+
+def from_torchtitan(
+    state_dict: Mapping[str, Tensor], config: LlamaConfig, device=None, dtype=None
+) -> CodaLlamaForCausalLM:
+    """A :class:`CodaLlamaForCausalLM` from a TorchTitan llama3 state dict and its config
+    (``rope_theta`` / ``rope_scaling`` must match what TorchTitan's ``precompute_freqs_cis`` used).
+    Device and dtype default to those of the state dict's tensors."""
+    ref = state_dict["tok_embeddings.weight"]
+    return _model_from_state_dict(
+        config, torchtitan_to_coda_state_dict(state_dict, config),
+        ref.device if device is None else device, ref.dtype if dtype is None else dtype)
+
+
+def to_torchtitan(model: CodaLlamaForCausalLM) -> dict[str, Tensor]:
+    """A TorchTitan llama3 state dict (detached tensors sharing or copying ``model``'s storage)."""
+    return coda_to_torchtitan_state_dict(_detached_params(model), model.config)

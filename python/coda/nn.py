@@ -1,0 +1,309 @@
+"""A LLaMA causal LM built from the fused ``torch.ops.coda`` ops.
+
+The composition is the "decoder layer" sketch of docs/torch-ops.md: the op that produces the
+residual stream ``x`` also returns the caches ``(h, r)`` of the *next* RMSNorm, and the op that
+consumes that norm takes ``x``, its ``gamma`` and the caches. So layer ``l``'s ``mlp`` gets
+``gamma_attn`` of layer ``l + 1`` as ``gamma_next`` (``gamma_final`` after the last layer).
+
+Weight layouts differ from Hugging Face's (see ``coda.convert``): ``w_qkv`` is ``[Q | K | V]``
+packed with RoPE pairs adjacent inside each Q/K head, and ``w_gu`` interleaves gate and up rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from . import ops
+
+__all__ = ["LlamaConfig", "CodaDecoderLayer", "CodaLlamaForCausalLM", "NormLMHeadLoss",
+           "sdpa_causal"]
+
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+# attention(q, k, v) with q (B, Hq, S, d) and k, v (B, Hkv, S, d) -> (B, Hq, S, d)
+Attention = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
+@dataclass
+class LlamaConfig:
+    """Shape and hyper-parameters of a LLaMA model.
+
+    ``num_kv_heads`` defaults to ``num_heads`` and ``head_dim`` to ``hidden_size // num_heads``.
+    ``rope_scaling`` is ``None`` or a Hugging Face style LLaMA-3.1 dict with keys ``factor``,
+    ``low_freq_factor``, ``high_freq_factor`` and ``original_max_position_embeddings``.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = field(default=None)
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_kv_heads is None:
+            self.num_kv_heads = self.num_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_heads
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"LlamaConfig: {name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"LlamaConfig: num_heads ({self.num_heads}) must be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"LlamaConfig: head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rope_scaling is not None:
+            # Normalized to the four LLaMA-3.1 keys so configs compare equal however they were
+            # spelled (e.g. with or without HF's "rope_type": "llama3").
+            s = dict(self.rope_scaling)
+            rope_type = s.pop("rope_type", s.pop("type", "llama3"))
+            if rope_type != "llama3":
+                raise ValueError(f"LlamaConfig: only 'llama3' rope_scaling is supported, "
+                                 f"got {rope_type!r}")
+            missing = [k for k in _LLAMA3_KEYS if k not in s]
+            if missing or len(s) != len(_LLAMA3_KEYS):
+                raise ValueError(f"LlamaConfig: rope_scaling needs exactly the keys "
+                                 f"{list(_LLAMA3_KEYS)}, got {sorted(s)}")
+            self.rope_scaling = {k: s[k] for k in _LLAMA3_KEYS}
+
+    @property
+    def qkv_width(self) -> int:
+        return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+
+
+def sdpa_causal(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Default attention: causal SDPA over each whole row, with grouped K/V heads (GQA)."""
+    return F.scaled_dot_product_attention(
+        q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
+    )
+
+
+class CodaDecoderLayer(nn.Module):
+    """One LLaMA decoder layer's parameters and its forward composition."""
+
+    def __init__(self, config: LlamaConfig, device=None, dtype=None) -> None:
+        super().__init__()
+        c = config
+        kw = {"device": device, "dtype": dtype}
+        self.config = c
+        self.gamma_attn = nn.Parameter(torch.empty(c.hidden_size, **kw))
+        self.w_qkv = nn.Parameter(torch.empty(c.qkv_width, c.hidden_size, **kw))
+        self.w_o = nn.Parameter(torch.empty(c.hidden_size, c.num_heads * c.head_dim, **kw))
+        self.gamma_ffn = nn.Parameter(torch.empty(c.hidden_size, **kw))
+        self.w_gu = nn.Parameter(torch.empty(2 * c.intermediate_size, c.hidden_size, **kw))
+        self.w_down = nn.Parameter(torch.empty(c.hidden_size, c.intermediate_size, **kw))
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        with torch.no_grad():
+            for g in (self.gamma_attn, self.gamma_ffn):
+                g.fill_(1.0)
+            for w in (self.w_qkv, self.w_o, self.w_gu, self.w_down):
+                w.normal_(0.0, std)
+
+    def forward(
+        self,
+        x: Tensor,
+        h: Tensor,
+        r: Tensor,
+        pos: Tensor,
+        rope_table: Tensor,
+        gamma_next: Tensor,
+        batch: int,
+        attention: Attention,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """``x (M, H)`` with its caches ``(h, r)`` for ``gamma_attn`` -> ``(x, h, r)`` of the
+        layer output, the caches being for ``gamma_next``."""
+        c = self.config
+        M = x.shape[0]
+        seq = M // batch
+        qkv = ops.norm_qkv(x, self.gamma_attn, self.w_qkv, h, r, pos, rope_table)
+        # (M, W) -> (B, S, heads, d) -> per-part (B, heads, S, d) views; no copy needed.
+        qkv = qkv.view(batch, seq, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
+        q = qkv[:, :, : c.num_heads].transpose(1, 2)
+        k = qkv[:, :, c.num_heads : c.num_heads + c.num_kv_heads].transpose(1, 2)
+        v = qkv[:, :, c.num_heads + c.num_kv_heads :].transpose(1, 2)
+        y = attention(q, k, v)
+        if y.shape != q.shape:
+            raise ValueError(f"attention must return {tuple(q.shape)} (B, Hq, S, d), "
+                             f"got {tuple(y.shape)}")
+        y = y.transpose(1, 2).reshape(M, c.num_heads * c.head_dim).contiguous()
+        x1, h1, r1 = ops.out_proj_residual_norm(y, self.w_o, x, self.gamma_ffn, c.rms_norm_eps)
+        x2, h2, r2, _ = ops.mlp(
+            x1, self.gamma_ffn, self.w_gu, self.w_down, h1, r1, gamma_next, c.rms_norm_eps
+        )
+        return x2, h2, r2
+
+
+class CodaLlamaForCausalLM(nn.Module):
+    """LLaMA causal LM whose blocks, final norm and LM-head loss are the fused coda ops.
+
+    Parameters: ``embed_tokens.weight (V, H)``; per layer ``gamma_attn``, ``w_qkv`` (packed
+    ``[Q | K | V]``, RoPE pairs adjacent), ``w_o``, ``gamma_ffn``, ``w_gu`` (gate/up interleaved),
+    ``w_down``; ``gamma_final`` and ``w_vocab (V, H)``, which is the same Parameter as the
+    embedding weight when ``config.tie_word_embeddings``. The RoPE frequency table is a
+    non-persistent buffer (derived from the config).
+    """
+
+    def __init__(self, config: LlamaConfig, device=None, dtype=None) -> None:
+        super().__init__()
+        self.config = config
+        kw = {"device": device, "dtype": dtype}
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **kw)
+        self.layers = nn.ModuleList(
+            CodaDecoderLayer(config, **kw) for _ in range(config.num_layers)
+        )
+        self.gamma_final = nn.Parameter(torch.empty(config.hidden_size, **kw))
+        if config.tie_word_embeddings:
+            self.w_vocab = self.embed_tokens.weight
+        else:
+            self.w_vocab = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, **kw))
+        self.register_buffer("rope_table", self._build_rope_table(device), persistent=False)
+        self.reset_parameters()
+
+    def _build_rope_table(self, device=None) -> Tensor:
+        # Built on the host in float64 (the op's contract), then moved like any buffer.
+        c = self.config
+        inv_freq = ops.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+        table = ops.rope_table(inv_freq, c.num_heads, c.num_kv_heads, c.head_dim)
+        return table if device is None else table.to(device)
+
+    def reset_rope_table(self) -> None:
+        """Rebuild the RoPE table on the parameters' device (e.g. after ``to_empty()`` from the
+        meta device)."""
+        self.rope_table = self._build_rope_table(self.gamma_final.device)
+
+    def tie_weights(self) -> None:
+        """Re-tie ``w_vocab`` to the embedding (conversions such as ``to_empty`` may untie it)."""
+        if self.config.tie_word_embeddings:
+            self.w_vocab = self.embed_tokens.weight
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        with torch.no_grad():
+            self.embed_tokens.weight.normal_(0.0, std)
+            self.gamma_final.fill_(1.0)
+            if not self.config.tie_word_embeddings:
+                self.w_vocab.normal_(0.0, std)
+        for layer in self.layers:
+            layer.reset_parameters(std)
+
+    def _positions(self, position_ids: Tensor | None, batch: int, seq: int, device) -> Tensor:
+        if position_ids is None:
+            pos = torch.arange(seq, dtype=torch.int32, device=device)
+        else:
+            if position_ids.shape not in ((seq,), (batch, seq), (1, seq)):
+                raise ValueError(f"position_ids must be (S,), (1, S) or (B, S) = ({batch}, {seq}), "
+                                 f"got {tuple(position_ids.shape)}")
+            pos = position_ids.to(device=device, dtype=torch.int32)
+        return pos.expand(batch, seq).reshape(batch * seq).contiguous()
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        labels: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        attention: Attention | None = None,
+        ignore_index: int = -100,
+        reduction: str = "mean",
+        z_loss: float = 0.0,
+    ) -> Tensor:
+        """Run the model on ``input_ids (B, S)``.
+
+        With ``labels (B, S)`` returns the loss. As in Hugging Face, labels are *not* shifted by
+        the caller: position ``s`` is trained to predict ``labels[:, s + 1]``. To keep all
+        ``M = B * S`` rows in the fused LM-head op, the targets are ``labels[:, 1:]`` followed by
+        ``ignore_index`` at the last position of each sequence. ``reduction='mean'`` averages over
+        the non-ignored targets, ``'sum'`` sums, ``'none'`` returns ``(B, S)`` per-token losses
+        (0 where ignored, and at each sequence's last position). ``z_loss`` adds
+        ``z_loss * lse**2`` per counted token.
+
+        Without labels returns the logits ``(B, S, V)`` (computed unfused; for inference/tests).
+
+        ``position_ids`` (``(S,)`` or ``(B, S)``) default to ``arange(S)`` per sequence; they only
+        feed RoPE. ``attention(q, k, v)`` gets ``q (B, Hq, S, d)``, ``k, v (B, Hkv, S, d)`` and
+        must return ``(B, Hq, S, d)``; the default is causal SDPA over each row. Q and K come with
+        their head dimension permuted (RoPE pairs adjacent), which does not change ``q . k``.
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (B, S), got {tuple(input_ids.shape)}")
+        c = self.config
+        batch, seq = input_ids.shape
+        M = batch * seq
+        attention = sdpa_causal if attention is None else attention
+        pos = self._positions(position_ids, batch, seq, input_ids.device)
+
+        x = F.embedding(input_ids.reshape(M), self.embed_tokens.weight)
+        h, r = ops.rmsnorm_stats(x, self.layers[0].gamma_attn, c.rms_norm_eps)
+        for i, layer in enumerate(self.layers):
+            gamma_next = (
+                self.layers[i + 1].gamma_attn if i + 1 < len(self.layers) else self.gamma_final
+            )
+            x, h, r = layer(x, h, r, pos, self.rope_table, gamma_next, batch, attention)
+
+        if labels is None:
+            normed = F.rms_norm(x, (c.hidden_size,), self.gamma_final, c.rms_norm_eps)
+            return (normed @ self.w_vocab.t()).view(batch, seq, c.vocab_size)
+
+        if labels.shape != input_ids.shape:
+            raise ValueError(f"labels must have the shape of input_ids {tuple(input_ids.shape)}, "
+                             f"got {tuple(labels.shape)}")
+        # Shift: row (b, s) predicts labels[b, s + 1]; the last row of each sequence is ignored.
+        targets = F.pad(labels[:, 1:].to(torch.int64), (0, 1), value=ignore_index)
+        loss, _ = ops.lm_head_loss(
+            x, self.gamma_final, self.w_vocab, h, r, targets.reshape(M),
+            ignore_index, reduction, z_loss,
+        )
+        return loss.view(batch, seq) if reduction == "none" else loss
+
+    def extra_repr(self) -> str:
+        return repr(self.config)
+
+
+
+class NormLMHeadLoss(nn.Module):
+    """Final RMSNorm + LM head + cross-entropy as one module, for models that are not built from
+    coda layers: ``loss = CE(rmsnorm(hidden) @ weight.T, targets)`` without materializing all
+    logits at once.
+
+    ``forward(hidden (..., H), targets (...))``: targets are used as given (no shifting), with
+    ``ignore_index`` marking tokens that do not count. Pass ``weight`` to use an outside LM-head
+    weight (e.g. a tied embedding) instead of this module's own ``w_vocab``.
+    """
+
+    def __init__(self, hidden_size: int, vocab_size: int, eps: float = 1e-5,
+                 own_weight: bool = True, device=None, dtype=None) -> None:
+        super().__init__()
+        kw = {"device": device, "dtype": dtype}
+        self.eps = eps
+        self.gamma = nn.Parameter(torch.ones(hidden_size, **kw))
+        self.w_vocab = (nn.Parameter(torch.empty(vocab_size, hidden_size, **kw).normal_(0, 0.02))
+                        if own_weight else None)
+
+    def forward(self, hidden: Tensor, targets: Tensor, weight: Tensor | None = None,
+                ignore_index: int = -100, reduction: str = "mean",
+                z_loss: float = 0.0) -> Tensor:
+        weight = self.w_vocab if weight is None else weight
+        if weight is None:
+            raise ValueError("NormLMHeadLoss: built with own_weight=False, pass weight=")
+        if hidden.shape[:-1] != targets.shape:
+            raise ValueError(f"NormLMHeadLoss: hidden {tuple(hidden.shape)} and targets "
+                             f"{tuple(targets.shape)} disagree on the token dimensions")
+        x = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+        # The caches are not autograd edges; lm_head_loss differentiates x and gamma itself.
+        h, r = ops.rmsnorm_stats(x, self.gamma, self.eps)
+        loss, _ = ops.lm_head_loss(x, self.gamma, weight, h, r, targets.reshape(-1),
+                                   ignore_index, reduction, z_loss)
+        return loss.view(targets.shape) if reduction == "none" else loss

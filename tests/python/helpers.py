@@ -1,0 +1,27 @@
+"""Shared assertions for the Python tests (tolerances of OPS.md §5)."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+
+def max_abs(t: Tensor) -> float:
+    return t.detach().abs().max().item() if t.numel() else 0.0
+
+
+def assert_rel(actual: Tensor, expected: Tensor, rel: float = 1e-9, what: str = "") -> None:
+    """max|actual - expected| <= rel * max|expected| (fp64 algebra check, OPS.md §5: the rewritten
+    algebra must match the standard computation to ~1e-12 relative in fp64)."""
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} vs {expected.shape}"
+    err = max_abs(actual.double() - expected.double())
+    scale = max_abs(expected)
+    assert err <= rel * scale + 1e-300, f"{what}: max err {err:.3e} > {rel:.0e} * {scale:.3e}"
+
+
+def assert_ops_rule(actual: Tensor, ref64: Tensor, plain: Tensor, what: str = "") -> None:
+    """OPS.md §5: max|out - ref| <= 2 * max|out_pt - ref| + 1e-6, with ref the fp64 unfused result
+    and out_pt the plain PyTorch result in the op's own dtype."""
+    assert actual.shape == ref64.shape, f"{what}: shape {actual.shape} vs {ref64.shape}"
+    err = max_abs(actual.double() - ref64)
+    bound = 2 * max_abs(plain.double() - ref64) + 1e-6
+    assert err <= bound, f"{what}: max err {err:.3e} > bound {bound:.3e}"
