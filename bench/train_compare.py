@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Fused (coda.nn) vs unfused (Hugging Face LlamaForCausalLM, eager PyTorch) training of one small
 LLaMA-3-style model from the same initialization on the same synthetic token stream: AdamW, bf16
-weights, N steps. Writes the two loss curves (JSON + PNG), their max relative difference, and
+weights, N steps (with --compile also torch.compile'd twins of both). Writes the two loss curves (JSON + PNG), their max relative difference, and
 tokens/s of each (median step time after warm-up, CUDA events; both models trained in one process,
 steps interleaved so drift hits both alike).
 
@@ -53,6 +53,8 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--compile", action="store_true",
+                    help="also train torch.compile'd twins of both models (timed the same way)")
     ap.add_argument("--out", required=True, help="output prefix (writes .json and .png)")
     args = ap.parse_args()
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -67,29 +69,42 @@ def main():
                       rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
     torch.manual_seed(0)
     ref = LlamaForCausalLM(cfg).to(device=dev, dtype=torch.bfloat16)
-    fused = coda.convert.from_hf(ref)  # same weights, our layouts
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=args.lr, betas=(0.9, 0.95),
-                                weight_decay=0.1, foreach=True)
-    opt_fused = torch.optim.AdamW(fused.parameters(), lr=args.lr, betas=(0.9, 0.95),
-                                  weight_decay=0.1, foreach=True)
+    init = {k: v.clone() for k, v in ref.state_dict().items()}
+    models = {"hf_eager": ref, "coda": coda.convert.from_hf(ref)}  # same weights, our layouts
+    if args.compile:
+        twin = LlamaForCausalLM(cfg).to(device=dev, dtype=torch.bfloat16)
+        twin.load_state_dict(init)
+        models["hf_compile"] = twin
+        models["coda_compile"] = coda.convert.from_hf(twin)
+    forwards = {
+        "hf_eager": lambda ids: models["hf_eager"](input_ids=ids, labels=ids).loss,
+        "coda": lambda ids: models["coda"](ids, ids),
+    }
+    if args.compile:
+        hf_c = torch.compile(models["hf_compile"])
+        coda_c = torch.compile(models["coda_compile"], fullgraph=True)
+        forwards["hf_compile"] = lambda ids: hf_c(input_ids=ids, labels=ids).loss
+        forwards["coda_compile"] = lambda ids: coda_c(ids, ids)
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=args.lr, betas=(0.9, 0.95),
+                                 weight_decay=0.1, foreach=True) for k, m in models.items()}
     warm = max(1, args.steps // 10)
     lr_at = lambda s: args.lr * min(1.0, (s + 1) / warm)  # noqa: E731
 
     data = token_stream(args.vocab, args.batch, args.seq, args.steps).to(dev)
-    losses = {"hf_eager": [], "coda": []}
-    times = {"hf_eager": [], "coda": []}
-    runs = {"hf_eager": (lambda ids: ref(input_ids=ids, labels=ids).loss, opt_ref),
-            "coda": (lambda ids: fused(ids, ids), opt_fused)}
+    names = list(models)
+    losses = {k: [] for k in names}
+    times = {k: [] for k in names}
     t0 = time.time()
     for step in range(args.steps):
         ids = data[step]
-        for name in (("hf_eager", "coda") if step % 2 == 0 else ("coda", "hf_eager")):
-            fwd, opt = runs[name]
+        order = names if step % 2 == 0 else names[::-1]  # alternate so drift hits all alike
+        for name in order:
+            opt = opts[name]
             for gr in opt.param_groups:
                 gr["lr"] = lr_at(step)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            loss = fwd(ids)
+            loss = forwards[name](ids)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -98,8 +113,9 @@ def main():
             times[name].append((start, end))
         if step % 20 == 0 or step == args.steps - 1:
             torch.cuda.synchronize()
-            print(f"[train_compare] step {step + 1}/{args.steps}: hf {losses['hf_eager'][-1].item():.4f}"
-                  f" coda {losses['coda'][-1].item():.4f} ({time.time() - t0:.0f} s)", flush=True)
+            print(f"[train_compare] step {step + 1}/{args.steps}: " +
+                  " ".join(f"{k} {v[-1].item():.4f}" for k, v in losses.items()) +
+                  f" ({time.time() - t0:.0f} s)", flush=True)
     torch.cuda.synchronize()
     curves = {k: [float(v) for v in torch.stack(vs).float().cpu()] for k, vs in losses.items()}
     ms = {k: [s.elapsed_time(e) for s, e in v[warm:]] for k, v in times.items()}
@@ -116,7 +132,11 @@ def main():
         "tokens_per_s": {k: tokens / (statistics.median(v) / 1e3) for k, v in ms.items()},
         "finite": all(math.isfinite(x) for c in curves.values() for x in c),
     }
-    result["speedup"] = result["tokens_per_s"]["coda"] / result["tokens_per_s"]["hf_eager"]
+    result["speedup_vs"] = {k: result["tokens_per_s"]["coda"] / v
+                            for k, v in result["tokens_per_s"].items() if k != "coda"}
+    if args.compile:
+        result["coda_compile_speedup_vs_hf_compile"] = (
+            result["tokens_per_s"]["coda_compile"] / result["tokens_per_s"]["hf_compile"])
     with open(args.out + ".json", "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps({k: v for k, v in result.items() if k != "loss"}, indent=1))
@@ -128,6 +148,9 @@ def main():
     steps = range(1, args.steps + 1)
     a1.plot(steps, curves["hf_eager"], label="HF LlamaForCausalLM (eager bf16)", lw=1.5)
     a1.plot(steps, curves["coda"], label="coda.nn (fused)", lw=1.0, ls="--")
+    for k in ("hf_compile", "coda_compile"):
+        if k in curves:
+            a1.plot(steps, curves[k], label=k.replace("_", " + torch."), lw=0.8, ls=":")
     a1.set_xlabel("AdamW step")
     a1.set_ylabel("training loss")
     a1.set_title(f"{args.layers}L H={args.hidden} GQA {args.heads}/{args.kv_heads} V={args.vocab}")

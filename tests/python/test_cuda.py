@@ -265,7 +265,10 @@ def test_bad_cuda_inputs_name_the_argument():
 
 
 def capture_matches_eager(fn):
-    """fn() -> tensors; run eagerly, then captured in a CUDA graph and replayed: identical."""
+    """fn() -> tensors; run eagerly, then captured in a CUDA graph and replayed: identical.
+
+    fn must return detached tensors: an autograd graph kept alive from the eager run keeps its
+    AccumulateGrad nodes, whose stream (the legacy default stream) the capture would then join."""
     expected = [t.clone() for t in fn()]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -317,7 +320,7 @@ def test_each_op_forward_and_backward_capture_in_a_cuda_graph(case):
     def fn():
         out = fwd(*leaves)
         grads = torch.autograd.grad((out.float() * up).sum(), leaves)
-        return [out, *grads]
+        return [out.detach(), *grads]
 
     same = capture_matches_eager(fn)
     assert all(same), f"{name}: graph replay differs from eager for outputs {same}"
@@ -417,15 +420,15 @@ def test_training_step_captures_in_a_cuda_graph_and_replays_identically():
     def step():
         loss = model(ids, labels, attention=math_attention)
         loss.backward()
-        return loss
+        return loss.detach()
 
     # Eager reference (twice: the eager path itself is deterministic).
     expected = []
     for _ in range(2):
         for p in params:
             p.grad = None
-        loss = step()
-        expected.append([loss.detach().clone()] + [p.grad.clone() for p in params])
+        loss = step()  # detached: no eager graph may outlive its step (see capture_matches_eager)
+        expected.append([loss.clone()] + [p.grad.clone() for p in params])
     for a, b in zip(*expected):
         assert torch.equal(a, b), "eager step is not deterministic"
 
