@@ -1,0 +1,156 @@
+#!/usr/bin/env python3
+"""LM head + cross-entropy, forward + backward, on the GPU: time and peak extra memory of
+
+  coda_chunked      torch.ops.coda.lm_head_loss, logits never stored (F4 + A2), backward in token
+                    chunks of dℓ bounded by --chunk-bytes (B4 + B1 + dW per chunk)
+  coda_one_chunk    the same with one chunk (dℓ for all tokens held at once)
+  eager             RMSNorm, bf16 logits = h·Wᵀ, F.cross_entropy on fp32 logits (as HF does)
+  compile           torch.compile of the eager function
+  liger             RMSNorm (PyTorch) + Liger's fused linear cross-entropy (if importable)
+  gemm_floor        the three GEMMs alone (cuBLAS): h·Wᵀ, dℓ·W, dℓᵀ·h
+
+at the LLaMA-3 1B / 8B / 70B hidden sizes, V = 128256, M = 8192 and 16384. Every method's loss and
+gradients are checked against the eager one before it is timed; times are medians of interleaved
+rounds (CUDA events); peak extra memory is max_memory_allocated during one forward + backward minus
+the memory held before it (inputs, weights). One JSON per run; a progress line per measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+import coda  # noqa: E402
+
+CODA = torch.ops.coda
+V = 128256
+EPS = 1e-5
+SHAPES = [(2048, 16384), (4096, 16384), (8192, 16384), (2048, 8192), (4096, 8192), (8192, 8192)]
+
+
+def make_inputs(H, M, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(M, H, device="cuda", generator=g).to(torch.bfloat16)
+    gamma = (1 + 0.1 * torch.randn(H, device="cuda", generator=g)).to(torch.bfloat16)
+    w = (torch.randn(V, H, device="cuda", generator=g) * H ** -0.5).to(torch.bfloat16)
+    t = torch.randint(0, V, (M,), device="cuda", generator=g)
+    t[::17] = -100
+    return x, gamma, w, t
+
+
+def methods(chunk_bytes):
+    def coda_loss(x, gamma, w, t, chunk):
+        h, r = CODA.rmsnorm_stats(x, gamma, EPS)  # the producing GEMM's epilogue, in a model
+        return CODA.lm_head_loss(x, gamma, w, h, r, t, -100, "mean", 0.0, chunk)[0]
+
+    def eager(x, gamma, w, t):
+        logits = F.rms_norm(x, (x.shape[1],), gamma, EPS) @ w.t()
+        return F.cross_entropy(logits.float(), t)
+
+    out = {
+        "coda_chunked": lambda x, g, w, t: coda_loss(x, g, w, t, chunk_bytes),
+        "coda_one_chunk": lambda x, g, w, t: coda_loss(x, g, w, t, 1 << 62),
+        "eager": eager,
+        "compile": torch.compile(eager),
+    }
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        lce = LigerFusedLinearCrossEntropyLoss()
+        out["liger"] = lambda x, g, w, t: lce(w, F.rms_norm(x, (x.shape[1],), g, EPS), t)
+    except Exception as e:  # reported in the JSON
+        out["liger_unavailable"] = repr(e)
+    return out
+
+
+def gemm_floor(x, gamma, w, t):
+    h = x * gamma
+    dl = h @ w.t()  # stands in for dℓ (same shape and dtype)
+    return h, dl @ w, dl.t() @ h
+
+
+def fwd_bwd(fn, x, gamma, w, t):
+    x, gamma, w = (v.detach().requires_grad_() for v in (x, gamma, w))
+    loss = fn(x, gamma, w, t)
+    gx, gg, gw = torch.autograd.grad(loss, (x, gamma, w))
+    return loss.detach(), gx, gg, gw
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--commit", default=os.environ.get("CODA_COMMIT", "unknown"))
+    ap.add_argument("--chunk-bytes", type=int, default=1 << 30)
+    ap.add_argument("--reps", type=int, default=8)
+    ap.add_argument("--time-budget", type=float, default=330.0,
+                    help="seconds; shapes not started by then are listed as skipped")
+    args = ap.parse_args()
+    t_start = time.time()
+    result = {"command": " ".join(sys.argv), "commit": args.commit,
+              "device": torch.cuda.get_device_name(), "torch": torch.__version__, "V": V,
+              "chunk_bytes": args.chunk_bytes, "rows": [], "skipped": []}
+    ms = methods(args.chunk_bytes)
+    if "liger_unavailable" in ms:
+        result["liger_unavailable"] = ms.pop("liger_unavailable")
+    for H, M in SHAPES:
+        if time.time() - t_start > args.time_budget:
+            result["skipped"].append({"H": H, "M": M, "why": "time budget"})
+            continue
+        x, gamma, w, t = make_inputs(H, M)
+        row = {"H": H, "M": M, "ms": {}, "peak_extra_MiB": {}, "err_vs_eager": {}}
+        ref = fwd_bwd(ms["eager"], x, gamma, w, t)
+        for name, fn in ms.items():
+            got = fwd_bwd(fn, x, gamma, w, t)  # also the warm-up (and compile)
+            row["err_vs_eager"][name] = [rel_err(a, b) for a, b in zip(got, ref)]
+            del got
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            out = fwd_bwd(fn, x, gamma, w, t)
+            torch.cuda.synchronize()
+            row["peak_extra_MiB"][name] = (torch.cuda.max_memory_allocated() - base) / 2**20
+            del out
+        del ref
+        fns = dict(ms, gemm_floor=None)
+        times = {k: [] for k in fns}
+        for rep in range(args.reps):
+            for name in (list(fns) if rep % 2 == 0 else list(fns)[::-1]):
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                out = (gemm_floor(x, gamma, w, t) if name == "gemm_floor"
+                       else fwd_bwd(fns[name], x, gamma, w, t))
+                e.record()
+                del out
+                times[name].append((s, e))
+        torch.cuda.synchronize()
+        row["ms"] = {k: statistics.median(s.elapsed_time(e) for s, e in v) for k, v in times.items()}
+        best = min(v for k, v in row["ms"].items() if k in ("eager", "compile", "liger"))
+        row["coda_chunked_speedup_vs_compile"] = row["ms"]["compile"] / row["ms"]["coda_chunked"]
+        row["coda_chunked_speedup_vs_best_baseline"] = best / row["ms"]["coda_chunked"]
+        result["rows"].append(row)
+        print(f"[lm_head_bench] H={H} M={M}: " +
+              " ".join(f"{k} {v:.2f} ms" for k, v in row["ms"].items()) + " | peak MiB " +
+              " ".join(f"{k} {v:.0f}" for k, v in row["peak_extra_MiB"].items()) +
+              f" ({time.time() - t_start:.0f} s)", flush=True)
+        del x, gamma, w, t
+        torch.cuda.empty_cache()
+        with open(args.json, "w") as f:  # after every shape: a timeout keeps what was measured
+            json.dump(result, f, indent=1)
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
