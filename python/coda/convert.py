@@ -173,7 +173,7 @@ def hf_to_coda_state_dict(hf_sd: Mapping[str, Tensor], config: LlamaConfig) -> d
                                    c.head_dim)
         wv = _take(sd, p + "self_attn.v_proj.weight")
         q = f"layers.{i}."
-        out[q + "gamma_attn"] = _take(sd, p + "input_layernorm.weight")
+        out[f"gamma_attn.{i}"] = _take(sd, p + "input_layernorm.weight")
         out[q + "w_qkv"] = pack_qkv(wq, wk, wv)
         out[q + "w_o"] = _take(sd, p + "self_attn.o_proj.weight")
         out[q + "gamma_ffn"] = _take(sd, p + "post_attention_layernorm.weight")
@@ -204,7 +204,7 @@ def coda_to_hf_state_dict(sd_in: Mapping[str, Tensor], config: LlamaConfig) -> d
     for i in range(c.num_layers):
         p, q = f"model.layers.{i}.", f"layers.{i}."
         wq, wk, wv = unpack_qkv(_take(sd, q + "w_qkv"), c.num_heads, c.num_kv_heads, c.head_dim)
-        out[p + "input_layernorm.weight"] = _take(sd, q + "gamma_attn")
+        out[p + "input_layernorm.weight"] = _take(sd, f"gamma_attn.{i}")
         out[p + "self_attn.q_proj.weight"] = rope_adjacent_to_half(wq, c.num_heads, c.head_dim)
         out[p + "self_attn.k_proj.weight"] = rope_adjacent_to_half(wk, c.num_kv_heads, c.head_dim)
         out[p + "self_attn.v_proj.weight"] = wv
@@ -284,7 +284,7 @@ def torchtitan_to_coda_state_dict(
     out["embed_tokens.weight"] = emb
     for i in range(c.num_layers):
         p = q = f"layers.{i}."  # same prefix, different leaf names
-        out[q + "gamma_attn"] = _take(sd, p + "attention_norm.weight")
+        out[f"gamma_attn.{i}"] = _take(sd, p + "attention_norm.weight")
         out[q + "w_qkv"] = pack_qkv(_take(sd, p + "attention.wq.weight"),
                                     _take(sd, p + "attention.wk.weight"),
                                     _take(sd, p + "attention.wv.weight"))
@@ -322,7 +322,7 @@ def coda_to_torchtitan_state_dict(
         out[p + "attention.wk.weight"] = wk
         out[p + "attention.wv.weight"] = wv
         out[p + "attention.wo.weight"] = _take(sd, q + "w_o")
-        out[p + "attention_norm.weight"] = _take(sd, q + "gamma_attn")
+        out[p + "attention_norm.weight"] = _take(sd, f"gamma_attn.{i}")
         gate, up = split_gate_up(_take(sd, q + "w_gu"))
         out[p + "feed_forward.w1.weight"] = gate
         out[p + "feed_forward.w3.weight"] = up

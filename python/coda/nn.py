@@ -3,7 +3,14 @@
 The composition is the "decoder layer" sketch of docs/torch-ops.md: the op that produces the
 residual stream ``x`` also returns the caches ``(h, r)`` of the *next* RMSNorm, and the op that
 consumes that norm takes ``x``, its ``gamma`` and the caches. So layer ``l``'s ``mlp`` gets
-``gamma_attn`` of layer ``l + 1`` as ``gamma_next`` (``gamma_final`` after the last layer).
+``gamma_attn[l + 1]`` as ``gamma_next`` (``gamma_final`` after the last layer).
+
+Where the parameters live follows from that: a layer's attention-norm weight ``gamma_attn[l]`` is
+applied by the *previous* layer's last GEMM (or the model, for layer 0) and differentiated by the
+layer's own QKV op, so it belongs to neither layer alone: the model holds the ``gamma_attn``
+ParameterList. A layer holds only what it alone uses (``w_qkv``, ``w_o``, ``gamma_ffn``, ``w_gu``,
+``w_down``). This is also what makes per-layer FSDP2 units (``fully_shard(layer)``) work: no layer
+reads another unit's parameters.
 
 Weight layouts differ from Hugging Face's (see ``coda.convert``): ``w_qkv`` is ``[Q | K | V]``
 packed with RoPE pairs adjacent inside each Q/K head, and ``w_gu`` interleaves gate and up rows.
@@ -99,7 +106,6 @@ class CodaDecoderLayer(nn.Module):
         c = config
         kw = {"device": device, "dtype": dtype}
         self.config = c
-        self.gamma_attn = nn.Parameter(torch.empty(c.hidden_size, **kw))
         self.w_qkv = nn.Parameter(torch.empty(c.qkv_width, c.hidden_size, **kw))
         self.w_o = nn.Parameter(torch.empty(c.hidden_size, c.num_heads * c.head_dim, **kw))
         self.gamma_ffn = nn.Parameter(torch.empty(c.hidden_size, **kw))
@@ -109,8 +115,7 @@ class CodaDecoderLayer(nn.Module):
 
     def reset_parameters(self, std: float = 0.02) -> None:
         with torch.no_grad():
-            for g in (self.gamma_attn, self.gamma_ffn):
-                g.fill_(1.0)
+            self.gamma_ffn.fill_(1.0)
             for w in (self.w_qkv, self.w_o, self.w_gu, self.w_down):
                 w.normal_(0.0, std)
 
@@ -119,18 +124,19 @@ class CodaDecoderLayer(nn.Module):
         x: Tensor,
         h: Tensor,
         r: Tensor,
+        gamma: Tensor,
         pos: Tensor,
         rope_table: Tensor,
         gamma_next: Tensor,
         batch: int,
         attention: Attention,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """``x (M, H)`` with its caches ``(h, r)`` for ``gamma_attn`` -> ``(x, h, r)`` of the
-        layer output, the caches being for ``gamma_next``."""
+        """``x (M, H)`` with its caches ``(h, r)`` for ``gamma`` (this layer's attention norm) ->
+        ``(x, h, r)`` of the layer output, the caches being for ``gamma_next``."""
         c = self.config
         M = x.shape[0]
         seq = M // batch
-        qkv = ops.norm_qkv(x, self.gamma_attn, self.w_qkv, h, r, pos, rope_table)
+        qkv = ops.norm_qkv(x, gamma, self.w_qkv, h, r, pos, rope_table)
         # (M, W) -> (B, S, heads, d) -> per-part (B, heads, S, d) views; no copy needed.
         qkv = qkv.view(batch, seq, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
         q = qkv[:, :, : c.num_heads].transpose(1, 2)
@@ -151,7 +157,8 @@ class CodaDecoderLayer(nn.Module):
 class CodaLlamaForCausalLM(nn.Module):
     """LLaMA causal LM whose blocks, final norm and LM-head loss are the fused coda ops.
 
-    Parameters: ``embed_tokens.weight (V, H)``; per layer ``gamma_attn``, ``w_qkv`` (packed
+    Parameters: ``embed_tokens.weight (V, H)``; ``gamma_attn.{l}`` (layer l's attention norm,
+    held by the model: see the module docstring); per layer ``w_qkv`` (packed
     ``[Q | K | V]``, RoPE pairs adjacent), ``w_o``, ``gamma_ffn``, ``w_gu`` (gate/up interleaved),
     ``w_down``; ``gamma_final`` and ``w_vocab (V, H)``, which is the same Parameter as the
     embedding weight when ``config.tie_word_embeddings``. The RoPE frequency table is a
@@ -165,6 +172,9 @@ class CodaLlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **kw)
         self.layers = nn.ModuleList(
             CodaDecoderLayer(config, **kw) for _ in range(config.num_layers)
+        )
+        self.gamma_attn = nn.ParameterList(
+            nn.Parameter(torch.empty(config.hidden_size, **kw)) for _ in range(config.num_layers)
         )
         self.gamma_final = nn.Parameter(torch.empty(config.hidden_size, **kw))
         if config.tie_word_embeddings:
@@ -195,6 +205,8 @@ class CodaLlamaForCausalLM(nn.Module):
         with torch.no_grad():
             self.embed_tokens.weight.normal_(0.0, std)
             self.gamma_final.fill_(1.0)
+            for g in self.gamma_attn:
+                g.fill_(1.0)
             if not self.config.tie_word_embeddings:
                 self.w_vocab.normal_(0.0, std)
         for layer in self.layers:
@@ -246,12 +258,12 @@ class CodaLlamaForCausalLM(nn.Module):
         pos = self._positions(position_ids, batch, seq, input_ids.device)
 
         x = F.embedding(input_ids.reshape(M), self.embed_tokens.weight)
-        h, r = ops.rmsnorm_stats(x, self.layers[0].gamma_attn, c.rms_norm_eps)
+        h, r = ops.rmsnorm_stats(x, self.gamma_attn[0], c.rms_norm_eps)
         for i, layer in enumerate(self.layers):
-            gamma_next = (
-                self.layers[i + 1].gamma_attn if i + 1 < len(self.layers) else self.gamma_final
+            gamma_next = self.gamma_attn[i + 1] if i + 1 < len(self.layers) else self.gamma_final
+            x, h, r = layer(
+                x, h, r, self.gamma_attn[i], pos, self.rope_table, gamma_next, batch, attention
             )
-            x, h, r = layer(x, h, r, pos, self.rope_table, gamma_next, batch, attention)
 
         if labels is None:
             normed = F.rms_norm(x, (c.hidden_size,), self.gamma_final, c.rms_norm_eps)
