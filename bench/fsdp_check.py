@@ -1,0 +1,113 @@
+#!/usr/bin/env python3
+"""coda.nn under FSDP2 on several GPUs vs one GPU: the same model (same initialization), the same
+global batches, AdamW; per-layer fully_shard units. Reports both loss curves, their max relative
+difference, and tokens/s per GPU (median step time after warm-up).
+
+    python3 bench/fsdp_check.py --mode single --out R            # one GPU, writes R-single.json
+    torchrun --nproc-per-node 2 bench/fsdp_check.py --mode fsdp --out R   # writes R-fsdp.json,
+                                                                  # compared with R-single.json
+
+NCCL runs through PyTorch's process group with NVLink multicast off (NCCL_NVLS_ENABLE=0,
+TORCH_SYMM_MEM_DISABLE_MULTICAST=1), as the GPU machines require.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+here = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(here, "..", "python"))
+sys.path.insert(0, here)
+import coda  # noqa: E402
+from coda.nn import CodaLlamaForCausalLM, LlamaConfig  # noqa: E402
+from train_compare import token_stream  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mode", choices=["single", "fsdp"], required=True)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    fsdp = args.mode == "fsdp"
+    if fsdp:
+        dist.init_process_group("nccl")
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        rank, world = 0, 1
+    torch.cuda.set_device(rank)
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_layers=4,
+                      num_heads=16, num_kv_heads=4, rope_theta=500000.0)
+    torch.manual_seed(0)  # the same initialization on every rank and in the single run
+    model = CodaLlamaForCausalLM(cfg, device="cuda", dtype=torch.bfloat16)
+    if fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cuda", (world,))
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    data = token_stream(cfg.vocab_size, args.batch, args.seq, args.steps).cuda()
+    per = args.batch // world
+    losses, times = [], []
+    for step in range(args.steps):
+        ids = data[step, rank * per:(rank + 1) * per]
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        loss = model(ids, ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        e.record()
+        total = loss.detach().clone()
+        if fsdp:  # equal token counts per rank: the mean of the means is the global mean
+            dist.all_reduce(total)
+            total /= world
+        losses.append(total)
+        times.append((s, e))
+    torch.cuda.synchronize()
+    curve = [float(x) for x in torch.stack(losses).float().cpu()]
+    warm = max(1, args.steps // 5)
+    step_ms = statistics.median(s.elapsed_time(e) for s, e in times[warm:])
+    tokens_per_gpu = per * args.seq
+    res = {"mode": args.mode, "world": world, "device": torch.cuda.get_device_name(),
+           "torch": torch.__version__, "commit": os.environ.get("CODA_COMMIT", "unknown"),
+           "command": " ".join(sys.argv), "loss": curve, "median_step_ms": step_ms,
+           "tokens_per_s_per_gpu": tokens_per_gpu / (step_ms / 1e3)}
+    if rank == 0:
+        if fsdp and os.path.exists(args.out + "-single.json"):
+            with open(args.out + "-single.json") as f:
+                single = json.load(f)
+            rel = [abs(a - b) / abs(b) for a, b in zip(curve, single["loss"])]
+            res["vs_single"] = {
+                "max_rel_loss_diff": max(rel), "single_tokens_per_s_per_gpu":
+                single["tokens_per_s_per_gpu"],
+                "per_gpu_throughput_ratio": res["tokens_per_s_per_gpu"] /
+                single["tokens_per_s_per_gpu"]}
+        with open(f"{args.out}-{args.mode}.json", "w") as f:
+            json.dump(res, f, indent=1)
+        print(json.dumps({k: v for k, v in res.items() if k != "loss"}, indent=1), flush=True)
+        print("[fsdp_check] loss first/last:", curve[0], curve[-1], flush=True)
+    if fsdp:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    t0 = time.time()
+    main()
+    print(f"[fsdp_check] {time.time() - t0:.0f} s", flush=True)
