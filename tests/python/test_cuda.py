@@ -165,6 +165,26 @@ def test_lm_head_loss_matches_fp64_reference(reduction, z_loss, chunk_bytes):
     check_op("lm_head_loss", ours, ref, inp, ["x", "gamma", "w_vocab"], 1)
 
 
+@pytest.mark.parametrize("hidden", [2048, 4096, 8192])
+def test_lm_head_loss_at_llama_hidden_sizes(hidden):
+    """K > 2048 runs other scheduler options than the small shapes above (run 14 found NaNs)."""
+    gen = torch.Generator().manual_seed(10)
+    M, V = 300, 4000
+    x = rand(M, hidden, gen=gen).requires_grad_()
+    gamma = rand(hidden, scale=0.1, shift=1.0, gen=gen)
+    w = rand(V, hidden, scale=hidden ** -0.5, gen=gen).requires_grad_()
+    h, r = caches(x.detach(), gamma)
+    t = torch.randint(0, V, (M,), generator=gen).cuda()
+    loss, lse = CODA.lm_head_loss(x, gamma, w, h, r, t)
+    loss.backward()
+    logits = (x.detach().double() * r.double()[:, None] * gamma.double()) @ w.detach().double().t()
+    ref_lse = torch.logsumexp(logits, -1)
+    assert (lse.double() - ref_lse).abs().max().item() < 2e-2
+    assert abs(loss.item() - F.cross_entropy(logits, t).item()) < 2e-2
+    for name, g in (("dx", x.grad), ("dw", w.grad)):
+        assert torch.isfinite(g.float()).all(), f"{name} has NaN/inf"
+
+
 @pytest.mark.parametrize("reduction,expect", [("mean", "nan"), ("sum", 0.0)])
 def test_lm_head_loss_all_ignored_matches_pytorch(reduction, expect):
     gen = torch.Generator().manual_seed(5)
