@@ -99,6 +99,89 @@ def train_table(path):
     return out + [""]
 
 
+def lm_head_table(path):
+    d = json.load(open(path))
+    methods = ["coda_chunked", "coda_one_chunk", "eager", "compile", "liger", "gemm_floor"]
+    out = [f"## LM head + cross-entropy, forward + backward (V = {d['V']})\n", header(path, d),
+           "Medians of interleaved rounds (CUDA events); every method's loss and gradients checked "
+           "against eager first. Peak extra memory: max_memory_allocated during one forward + "
+           f"backward minus what was held before (gradients included); coda's dℓ chunk budget "
+           f"{d['chunk_bytes'] / 2**30:.0f} GiB. Issue 6 asks ≥ 1.12× torch.compile and ≤ 1 GiB.\n",
+           "| H | M | " + " | ".join(f"{m} ms" for m in methods) +
+           " | coda chunked vs compile | peak extra MiB: coda chunked / compile / Liger |",
+           "|---|---|" + "---|" * (len(methods) + 2)]
+    for r in d["rows"]:
+        ms = r["ms"]
+        pk = r["peak_extra_MiB"]
+        out.append(f"| {r['H']} | {r['M']} | " +
+                   " | ".join(f"{ms[m]:.2f}" if m in ms else "—" for m in methods) +
+                   f" | {r['coda_chunked_speedup_vs_compile']:.2f} | "
+                   f"{pk['coda_chunked']:.0f} / {pk['compile']:.0f} / {pk.get('liger', float('nan')):.0f} |")
+    if d.get("skipped"):
+        out.append(f"\nSkipped: {d['skipped']}")
+    if d.get("liger_unavailable"):
+        out.append(f"\nLiger absent: {d['liger_unavailable']}")
+    plot = lm_head_plot(d, path)
+    if plot:
+        out.append(f"\n![LM head time relative to torch.compile]({plot})")
+    return out + [""]
+
+
+def lm_head_plot(d, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    methods = ["coda_chunked", "coda_one_chunk", "eager", "liger", "gemm_floor"]
+    rows = d["rows"]
+    fig, ax = plt.subplots(figsize=(9, 3.6))
+    width = 0.8 / len(methods)
+    for i, m in enumerate(methods):
+        ys = [r["ms"]["compile"] / r["ms"][m] if m in r["ms"] else 0 for r in rows]
+        ax.bar([j + i * width for j in range(len(rows))], ys, width, label=m)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))])
+    ax.set_xticklabels([f"H={r['H']}\nM={r['M']}" for r in rows])
+    ax.set_ylabel("speed relative to torch.compile")
+    ax.set_title("LM head + cross-entropy, fwd + bwd, V = 128256 (H200)")
+    ax.legend(fontsize=8, ncol=3)
+    fig.tight_layout()
+    name = "img/" + os.path.basename(path).replace(".json", ".png")
+    os.makedirs(os.path.join("docs", "img"), exist_ok=True)
+    fig.savefig(os.path.join("docs", name), dpi=110)
+    return name
+
+
+def train_compare_table(path):
+    d = json.load(open(path))
+    c = d["config"]
+    out = ["## Training: coda.nn vs Hugging Face eager, same initialization and data\n", header(path, d),
+           f"{c['layers']} layers, H = {c['hidden']}, GQA {c['heads']}/{c['kv_heads']}, "
+           f"V = {c['vocab']}, {d['tokens_per_step']} tokens per step, {c['steps']} AdamW steps, bf16 "
+           "weights.\n",
+           "| model | median step ms | tokens/s |", "|---|---|---|"]
+    for k, v in d["median_step_ms"].items():
+        out.append(f"| {k} | {v:.2f} | {d['tokens_per_s'][k]:.0f} |")
+    out.append(f"\nLoss curves: max relative difference {d['max_rel_diff']:.2e} (step "
+               f"{d['max_rel_diff_step']}); mean over the last 50 steps {d['mean_rel_diff_last_50']:.2e}.")
+    png = path.replace(".json", ".png")
+    if os.path.exists(png):
+        out.append(f"\n![loss curves](../{os.path.relpath(png)})")
+    return out + [""]
+
+
+def fsdp_table(path):
+    d = json.load(open(path))
+    v = d.get("vs_single", {})
+    return ["## FSDP2 (coda.nn, fully_shard per layer)\n", header(path, d),
+            f"{d['world']} GPUs vs 1: loss curves max relative difference "
+            f"{v.get('max_rel_loss_diff', float('nan')):.2e}; tokens/s per GPU {d['tokens_per_s_per_gpu']:.0f} "
+            f"vs {v.get('single_tokens_per_s_per_gpu', float('nan')):.0f} on one GPU "
+            f"({v.get('per_gpu_throughput_ratio', float('nan')):.2f}×).", ""]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--results", default="bench/results")
@@ -109,7 +192,9 @@ def main():
              "drift between runs by up to ~20% (clock and power state); compare ratios measured in the "
              "same run.\n"]
     for pattern, fn in (("*-gemm.json", gemm_table), ("*-programs.json", program_table),
-                        ("*-chain-fwd.json", chain_table), ("*-chain-fwd-bwd*.json", train_table)):
+                        ("*-chain-fwd.json", chain_table), ("*-chain-fwd-bwd*.json", train_table),
+                        ("*-lm-head.json", lm_head_table), ("*-train-compare.json", train_compare_table),
+                        ("*-fsdp-fsdp.json", fsdp_table)):
         path = latest(a.results, pattern)
         if path:
             lines += fn(path)
