@@ -3,6 +3,7 @@
 // calls the matching *_backward op, so torch.compile traces both as ordinary op calls.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
 
 #include <string>
@@ -30,6 +31,7 @@ class NormQkv : public torch::autograd::Function<NormQkv> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& gamma,
                         const Tensor& w_qkv, const Tensor& h, const Tensor& r, const Tensor& pos,
                         const Tensor& table) {
+    ctx->set_materialize_grads(false);  // unused outputs' gradients stay undefined, no zero-fill
     at::AutoDispatchBelowADInplaceOrView guard;
     static auto f = op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                               const Tensor&, const Tensor&, const Tensor&)>("coda::norm_qkv");
@@ -54,6 +56,7 @@ class OutProjResidualNorm : public torch::autograd::Function<OutProjResidualNorm
  public:
   static variable_list forward(AutogradContext* ctx, const Tensor& y, const Tensor& w_o,
                                const Tensor& residual, const Tensor& gamma, double eps) {
+    ctx->set_materialize_grads(false);  // unused outputs' gradients stay undefined, no zero-fill
     at::AutoDispatchBelowADInplaceOrView guard;
     static auto f = op<std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&,
                                                           const Tensor&, const Tensor&, double)>(
@@ -79,6 +82,7 @@ class Mlp : public torch::autograd::Function<Mlp> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& gamma,
                                const Tensor& w_gu, const Tensor& w_down, const Tensor& h,
                                const Tensor& r, const Tensor& gamma_next, double eps) {
+    ctx->set_materialize_grads(false);  // unused outputs' gradients stay undefined, no zero-fill
     at::AutoDispatchBelowADInplaceOrView guard;
     static auto f =
         op<std::tuple<Tensor, Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
@@ -107,6 +111,7 @@ class LmHeadLoss : public torch::autograd::Function<LmHeadLoss> {
                                const Tensor& targets, int64_t ignore_index,
                                c10::string_view reduction, double z_loss,
                                int64_t max_chunk_bytes) {
+    ctx->set_materialize_grads(false);  // unused outputs' gradients stay undefined, no zero-fill
     at::AutoDispatchBelowADInplaceOrView guard;
     static auto f = op<std::tuple<Tensor, Tensor>(
         const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
@@ -153,6 +158,11 @@ std::tuple<Tensor, Tensor> rmsnorm_stats_autograd(const Tensor& x, const Tensor&
 }  // namespace
 
 TORCH_LIBRARY_IMPL(coda, Autograd, m) {
+  // The backward ops are not differentiable themselves: double backward raises instead of
+  // returning no gradient.
+  for (const char* name : {"norm_qkv_backward", "linear_backward", "mlp_backward",
+                           "lm_head_loss_backward"})
+    m.impl(name, torch::autograd::autogradNotImplementedFallback());
   m.impl("rmsnorm_stats", &rmsnorm_stats_autograd);
   m.impl("norm_qkv", [](const Tensor& x, const Tensor& gamma, const Tensor& w_qkv,
                         const Tensor& h, const Tensor& r, const Tensor& pos, const Tensor& table) {

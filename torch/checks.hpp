@@ -82,6 +82,13 @@ struct OpContext {
                  std::initializer_list<int64_t> want_shape) const {
     tensor(name, t, stat, want_shape);
   }
+  // An incoming gradient that only feeds PyTorch ops: any strides, any alignment.
+  void upstream(const char* name, const at::Tensor& t,
+                std::initializer_list<int64_t> want_shape) const {
+    same_device(name, t);
+    dtype(name, t, stat);
+    shape(name, t, want_shape);
+  }
   // A 2-D activation whose sizes are read from it (the op's "M" and width).
   void matrix(const char* name, const at::Tensor& t) const {
     same_device(name, t);

@@ -245,6 +245,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_qkv_backward(
     const at::Tensor& rope_table) {
   const auto c = OpContext::from("coda::norm_qkv_backward", "x", x);
   const auto s = validate_norm_qkv(c, x, gamma, w_qkv, nullptr, r, pos, rope_table);
+  TORCH_CHECK(pos.min().item<int32_t>() >= 0, c.op, ": pos must be >= 0, got min ",
+              pos.min().item<int32_t>());
   c.activation("dqkv", dqkv, {s.m, s.n});
   c.activation("qkv", qkv, {s.m, s.n});
   const auto freq = rope_columns(rope_table);
@@ -325,20 +327,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lm_head_loss_backward(
               max_chunk_bytes);
   c.statistic("lse", lse, {s.m});
   if (red == LossReduction::kNone)
-    c.statistic("dloss", dloss, {s.m});
+    c.upstream("dloss", dloss, {s.m});
   else
-    c.statistic("dloss", dloss, {});
+    c.upstream("dloss", dloss, {});
   at::Tensor dx = at::empty_like(x), dgamma = at::empty_like(gamma), dw;
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "coda::lm_head_loss_backward", [&] {
     using R = scalar_t;
     const int64_t* t = targets.data_ptr<int64_t>();
+    const at::Tensor dloss_c = dloss.contiguous();
     // d loss / d token loss: the incoming gradient, / counted tokens for 'mean', 0 if ignored.
     std::vector<R> scale(s.m, R(0));
     int64_t counted = 0;
     for (int64_t i = 0; i < s.m; ++i) counted += t[i] != ignore_index;
     for (int64_t i = 0; i < s.m; ++i) {
       if (t[i] == ignore_index) continue;
-      const R g = red == LossReduction::kNone ? in<R>(dloss)[i] : *in<R>(dloss);
+      const R g = red == LossReduction::kNone ? dloss_c.data_ptr<R>()[i] : *dloss_c.data_ptr<R>();
       scale[i] = red == LossReduction::kMean ? g / static_cast<R>(counted) : g;
     }
     // B4: dℓ recomputed from h, ZdZ of the final norm; then B1 and dW_vocab = dℓᵀ · h_out.

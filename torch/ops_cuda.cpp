@@ -251,9 +251,9 @@ std::tuple<Tensor, Tensor, Tensor> lm_head_loss_backward(
   const auto red = parse_reduction(c.op, reduction);
   c.statistic("lse", lse, {sz.m});
   if (red == LossReduction::kNone)
-    c.statistic("dloss", dloss, {sz.m});
+    c.upstream("dloss", dloss, {sz.m});
   else
-    c.statistic("dloss", dloss, {});
+    c.upstream("dloss", dloss, {});
   TORCH_CHECK(max_chunk_bytes > 0, c.op, ": max_chunk_bytes must be positive, got ",
               max_chunk_bytes);
   const int64_t m = sz.m, vocab = sz.n, hidden = sz.hidden;
@@ -263,7 +263,7 @@ std::tuple<Tensor, Tensor, Tensor> lm_head_loss_backward(
 
   // d loss / d token loss per token, on the device (no host sync): 0 for ignored tokens.
   const Tensor counted = targets.ne(ignore_index);
-  Tensor scale = red == LossReduction::kNone ? dloss : dloss.expand({m});
+  Tensor scale = red == LossReduction::kNone ? dloss.contiguous() : dloss.expand({m});
   if (red == LossReduction::kMean) scale = scale / counted.sum().to(at::kFloat);
   scale = at::where(counted, scale, at::zeros({}, scale.options())).contiguous();
 
@@ -271,6 +271,8 @@ std::tuple<Tensor, Tensor, Tensor> lm_head_loss_backward(
   int64_t chunk = std::max<int64_t>(8, (max_chunk_bytes / (vocab * 2)) / 8 * 8);
   chunk = std::min(chunk, m);
   const bool chunked = chunk < m;
+  // Offsets c0 = k·chunk keep r/lse/scale (4 B), targets (8 B) and h/x rows 16-byte aligned.
+  TORCH_INTERNAL_ASSERT(!chunked || chunk % 8 == 0);
   Tensor dlogits = at::empty({chunk, vocab}, x.options());
   Tensor dx = at::zeros_like(x), dgamma32 = at::zeros({hidden}, stat_options(c));
   Tensor dw32 = chunked ? at::zeros({vocab, hidden}, stat_options(c)) : Tensor(), dw;
@@ -303,18 +305,29 @@ std::tuple<Tensor, Tensor, Tensor> lm_head_loss_backward(
   return {dx, dgamma32.to(gamma.scalar_type()), dw};
 }
 
+// Op names for CODA_GUARDED: errors of the C++ op API below become RuntimeErrors naming the op.
+constexpr char k_rmsnorm_stats[] = "coda::rmsnorm_stats";
+constexpr char k_norm_qkv[] = "coda::norm_qkv";
+constexpr char k_out_proj_residual_norm[] = "coda::out_proj_residual_norm";
+constexpr char k_mlp[] = "coda::mlp";
+constexpr char k_lm_head_loss[] = "coda::lm_head_loss";
+constexpr char k_norm_qkv_backward[] = "coda::norm_qkv_backward";
+constexpr char k_linear_backward[] = "coda::linear_backward";
+constexpr char k_mlp_backward[] = "coda::mlp_backward";
+constexpr char k_lm_head_loss_backward[] = "coda::lm_head_loss_backward";
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(coda, CUDA, m) {
-  m.impl("rmsnorm_stats", &rmsnorm_stats);
-  m.impl("norm_qkv", &norm_qkv);
-  m.impl("out_proj_residual_norm", &out_proj_residual_norm);
-  m.impl("mlp", &mlp);
-  m.impl("lm_head_loss", &lm_head_loss);
-  m.impl("norm_qkv_backward", &norm_qkv_backward);
-  m.impl("linear_backward", &linear_backward);
-  m.impl("mlp_backward", &mlp_backward);
-  m.impl("lm_head_loss_backward", &lm_head_loss_backward);
+  m.impl("rmsnorm_stats", CODA_GUARDED(k_rmsnorm_stats, rmsnorm_stats));
+  m.impl("norm_qkv", CODA_GUARDED(k_norm_qkv, norm_qkv));
+  m.impl("out_proj_residual_norm", CODA_GUARDED(k_out_proj_residual_norm, out_proj_residual_norm));
+  m.impl("mlp", CODA_GUARDED(k_mlp, mlp));
+  m.impl("lm_head_loss", CODA_GUARDED(k_lm_head_loss, lm_head_loss));
+  m.impl("norm_qkv_backward", CODA_GUARDED(k_norm_qkv_backward, norm_qkv_backward));
+  m.impl("linear_backward", CODA_GUARDED(k_linear_backward, linear_backward));
+  m.impl("mlp_backward", CODA_GUARDED(k_mlp_backward, mlp_backward));
+  m.impl("lm_head_loss_backward", CODA_GUARDED(k_lm_head_loss_backward, lm_head_loss_backward));
 }
 
 }  // namespace coda::torch_ext

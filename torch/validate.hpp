@@ -28,6 +28,9 @@ inline ProjSizes validate_norm_consumer(const OpContext& c, const at::Tensor& x,
                                         const at::Tensor& w, const at::Tensor* h,
                                         const at::Tensor& r) {
   const auto s = validate_rmsnorm_stats(c, x, gamma);
+  // The consumer's backward runs B1 with N = H: its epilogue maps column pairs.
+  TORCH_CHECK(c.device.is_cuda() || s.hidden % 2 == 0, c.op,
+              ": H (x.size(1)) must be even on the CPU (pairwise epilogues), got ", s.hidden);
   c.matrix(wname, w);
   TORCH_CHECK(w.size(1) == s.hidden, c.op, ": ", wname, " must have shape (N, ", s.hidden,
               ") to consume x of shape ", shape_string(x.sizes()), ", got ",
@@ -60,6 +63,10 @@ inline MlpSizes validate_mlp(const OpContext& c, const at::Tensor& x, const at::
               s.n);
   c.cuda_width("2I (w_gu.size(0))", s.n, 16);
   const int64_t inter = s.n / 2;
+  TORCH_CHECK(c.device.is_cuda() || inter % 2 == 0, c.op,
+              ": I (w_gu.size(0) / 2) must be even on the CPU (the SwiGLU backward maps column "
+              "pairs), got ",
+              inter);
   c.activation("w_down", w_down, {s.hidden, inter});
   return {s.m, s.hidden, inter};
 }
@@ -73,6 +80,9 @@ inline ProjSizes validate_lm_head(const OpContext& c, const at::Tensor& x, const
               "got ",
               s.n);
   c.cuda_width("the vocabulary (w_vocab.size(0))", s.n);
+  // The CUDA epilogues compare targets with column indices in fp32: exact below 2^24.
+  TORCH_CHECK(!c.device.is_cuda() || s.n <= (int64_t(1) << 24), c.op,
+              ": the vocabulary (w_vocab.size(0)) must be <= 2^24 on CUDA, got ", s.n);
   c.tensor("targets", targets, at::kLong, {s.m});
   return s;
 }
