@@ -132,6 +132,19 @@ struct Guarded<R (*)(A...)> {
 };
 #define CODA_GUARDED(name, fn) (&::coda::torch_ext::Guarded<decltype(&fn)>::template call<&fn, name>)
 
+// The ops with CPU and CUDA kernels, in one list: each kernel file defines a function per op with
+// the op's name, and registers them all with CODA_REGISTER_KERNELS(m) (guarded: see above).
+#define CODA_KERNEL_OPS(X)                                                                     \
+  X(rmsnorm_stats) X(norm_qkv) X(out_proj_residual_norm) X(mlp) X(lm_head_loss)             \
+      X(norm_qkv_backward) X(linear_backward) X(mlp_backward) X(lm_head_loss_backward)
+namespace op_names {
+#define CODA_OP_NAME(op) inline constexpr char op[] = "coda::" #op;
+CODA_KERNEL_OPS(CODA_OP_NAME)
+#undef CODA_OP_NAME
+}  // namespace op_names
+#define CODA_REGISTER_KERNEL(op) m.impl(#op, CODA_GUARDED(::coda::torch_ext::op_names::op, op));
+#define CODA_REGISTER_KERNELS(m) CODA_KERNEL_OPS(CODA_REGISTER_KERNEL)
+
 enum class LossReduction : int { kMean = 0, kSum = 1, kNone = 2 };
 
 inline LossReduction parse_reduction(const char* op, c10::string_view s) {

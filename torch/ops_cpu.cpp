@@ -62,6 +62,12 @@ at::Tensor matrix_tensor(const std::vector<R>& v, int64_t r, int64_t c, const at
   return t;
 }
 
+// Positions are read on the host here (the CUDA kernels cannot check them without a sync).
+void check_positions(const OpContext& c, const at::Tensor& pos) {
+  const int32_t lowest = pos.min().item<int32_t>();
+  TORCH_CHECK(lowest >= 0, c.op, ": pos must be >= 0, got min ", lowest);
+}
+
 std::vector<programs::RopeFrequency> rope_columns(const at::Tensor& table) {
   const int64_t w = table.size(1);
   const auto* p = table.data_ptr<int32_t>();
@@ -105,9 +111,8 @@ at::Tensor rmsnorm_backward(const at::Tensor& dz, const at::Tensor& w, const at:
 
 std::tuple<at::Tensor, at::Tensor> rmsnorm_stats(const at::Tensor& x, const at::Tensor& gamma,
                                                  double eps) {
-  const auto c = OpContext::from("coda::rmsnorm_stats", "x", x);
-  const auto s = validate_rmsnorm_stats(c, x, gamma);
-  check_eps(c.op, eps);
+  const auto c = OpContext::from(op_names::rmsnorm_stats, "x", x);
+  const auto s = validate_rmsnorm_stats(c, x, gamma, eps);
   at::Tensor h = at::empty_like(x), r = at::empty({s.m}, stat_options(c));
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "coda::rmsnorm_stats", [&] {
     programs::first_layer_rmsnorm<scalar_t>(tile_in<scalar_t>(x), vec<scalar_t>(gamma), eps,
@@ -119,10 +124,9 @@ std::tuple<at::Tensor, at::Tensor> rmsnorm_stats(const at::Tensor& x, const at::
 at::Tensor norm_qkv(const at::Tensor& x, const at::Tensor& gamma, const at::Tensor& w_qkv,
                     const at::Tensor& h, const at::Tensor& r, const at::Tensor& pos,
                     const at::Tensor& rope_table) {
-  const auto c = OpContext::from("coda::norm_qkv", "x", x);
+  const auto c = OpContext::from(op_names::norm_qkv, "x", x);
   const auto s = validate_norm_qkv(c, x, gamma, w_qkv, &h, r, pos, rope_table);
-  TORCH_CHECK(pos.min().item<int32_t>() >= 0, c.op, ": pos must be >= 0, got min ",
-              pos.min().item<int32_t>());
+  check_positions(c, pos);
   at::Tensor qkv = at::empty({s.m, s.n}, x.options());
   const auto freq = rope_columns(rope_table);
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "coda::norm_qkv", [&] {
@@ -158,18 +162,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> out_proj_residual_norm(const at::
                                                                       const at::Tensor& residual,
                                                                       const at::Tensor& gamma,
                                                                       double eps) {
-  const auto c = OpContext::from("coda::out_proj_residual_norm", "y", y);
-  c.matrix("y", y);
-  c.matrix("w_o", w_o);
-  const int64_t m = y.size(0), k = y.size(1), hidden = w_o.size(0);
-  TORCH_CHECK(w_o.size(1) == k, c.op, ": w_o must have shape (H, ", k, ") for y of shape ",
-              shape_string(y.sizes()), ", got ", shape_string(w_o.sizes()));
-  TORCH_CHECK(hidden % 2 == 0, c.op, ": H (w_o.size(0)) must be even, got ", hidden);
-  c.activation("residual", residual, {m, hidden});
-  c.activation("gamma", gamma, {hidden});
-  check_eps(c.op, eps);
-  at::Tensor x = at::empty({m, hidden}, y.options()), h = at::empty_like(x),
-             r = at::empty({m}, stat_options(c));
+  const auto c = OpContext::from(op_names::out_proj_residual_norm, "y", y);
+  const auto s = validate_out_proj_residual_norm(c, y, w_o, residual, gamma, eps);
+  at::Tensor x = at::empty({s.m, s.hidden}, y.options()), h = at::empty_like(x),
+             r = at::empty({s.m}, stat_options(c));
   AT_DISPATCH_FLOATING_TYPES(y.scalar_type(), "coda::out_proj_residual_norm", [&] {
     residual_rmsnorm<scalar_t>(y, w_o, residual, gamma, eps, x, h, r);
   });
@@ -179,10 +175,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> out_proj_residual_norm(const at::
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mlp(
     const at::Tensor& x, const at::Tensor& gamma, const at::Tensor& w_gu, const at::Tensor& w_down,
     const at::Tensor& h, const at::Tensor& r, const at::Tensor& gamma_next, double eps) {
-  const auto c = OpContext::from("coda::mlp", "x", x);
-  const auto s = validate_mlp(c, x, gamma, w_gu, w_down, &h, r);
-  c.activation("gamma_next", gamma_next, {s.hidden});
-  check_eps(c.op, eps);
+  const auto c = OpContext::from(op_names::mlp, "x", x);
+  const auto s = validate_mlp(c, x, gamma, w_gu, w_down, h, r, gamma_next, eps);
   at::Tensor z = at::empty({s.m, 2 * s.intermediate}, x.options()),
              a = at::empty({s.m, s.intermediate}, x.options()), x_out = at::empty_like(x),
              h_out = at::empty_like(x), r_out = at::empty({s.m}, stat_options(c));
@@ -202,22 +196,21 @@ std::tuple<at::Tensor, at::Tensor> lm_head_loss(const at::Tensor& x, const at::T
                                                 const at::Tensor& r, const at::Tensor& targets,
                                                 int64_t ignore_index, c10::string_view reduction,
                                                 double z_loss, int64_t max_chunk_bytes) {
-  const auto c = OpContext::from("coda::lm_head_loss", "x", x);
-  const auto s = validate_lm_head(c, x, gamma, w_vocab, h, r, targets);
-  const auto red = parse_reduction(c.op, reduction);
-  TORCH_CHECK(max_chunk_bytes > 0, c.op, ": max_chunk_bytes must be positive, got ",
-              max_chunk_bytes);
+  const auto c = OpContext::from(op_names::lm_head_loss, "x", x);
+  const auto s =
+      validate_lm_head_loss(c, x, gamma, w_vocab, h, r, targets, reduction, max_chunk_bytes);
+  const auto red = s.reduction;
   at::Tensor lse = at::empty({s.m}, stat_options(c));
   at::Tensor loss = red == LossReduction::kNone ? at::empty({s.m}, stat_options(c))
                                                 : at::empty({}, stat_options(c));
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "coda::lm_head_loss", [&] {
     using R = scalar_t;
     programs::RmsnormLse<R, int64_t> f4;
-    f4.layout = PartialLayout::per_row(s.m, s.n, kTiles.tile_m, kTiles.tile_n);
+    f4.layout = PartialLayout::per_row(s.m, s.vocab, kTiles.tile_m, kTiles.tile_n);
     std::vector<R> pmax(f4.layout.elements()), psum(f4.layout.elements()), tl(s.m, R(0));
     f4.r = vec<R>(r);
     f4.targets = {targets.data_ptr<int64_t>(), s.m};
-    f4.vocab = s.n;
+    f4.vocab = s.vocab;
     f4.max_partials = pmax.data();
     f4.sumexp_partials = psum.data();
     f4.target_logit = {tl.data(), s.m};
@@ -227,7 +220,7 @@ std::tuple<at::Tensor, at::Tensor> lm_head_loss(const at::Tensor& x, const at::T
     o.reduction = static_cast<programs::Reduction>(red);
     o.z_loss = z_loss;
     const auto res = programs::fold_lse_loss<R>(pmax.data(), psum.data(), f4.layout, tl.data(),
-                                                targets.data_ptr<int64_t>(), s.n, o);
+                                                targets.data_ptr<int64_t>(), s.vocab, o);
     copy_to(res.lse, lse);
     if (red == LossReduction::kNone)
       copy_to(res.token_loss, loss);
@@ -243,12 +236,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_qkv_backward(
     const at::Tensor& dqkv, const at::Tensor& qkv, const at::Tensor& x, const at::Tensor& gamma,
     const at::Tensor& w_qkv, const at::Tensor& r, const at::Tensor& pos,
     const at::Tensor& rope_table) {
-  const auto c = OpContext::from("coda::norm_qkv_backward", "x", x);
-  const auto s = validate_norm_qkv(c, x, gamma, w_qkv, nullptr, r, pos, rope_table);
-  TORCH_CHECK(pos.min().item<int32_t>() >= 0, c.op, ": pos must be >= 0, got min ",
-              pos.min().item<int32_t>());
-  c.activation("dqkv", dqkv, {s.m, s.n});
-  c.activation("qkv", qkv, {s.m, s.n});
+  const auto c = OpContext::from(op_names::norm_qkv_backward, "x", x);
+  const auto s =
+      validate_norm_qkv_backward(c, dqkv, qkv, x, gamma, w_qkv, r, pos, rope_table);
+  check_positions(c, pos);
   const auto freq = rope_columns(rope_table);
   at::Tensor dx = at::empty_like(x), dgamma = at::empty_like(gamma), dw;
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "coda::norm_qkv_backward", [&] {
@@ -269,17 +260,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_qkv_backward(
 
 std::tuple<at::Tensor, at::Tensor> linear_backward(const at::Tensor& dout, const at::Tensor& input,
                                                    const at::Tensor& weight) {
-  const auto c = OpContext::from("coda::linear_backward", "dout", dout);
-  c.matrix("dout", dout);
-  c.matrix("input", input);
-  const int64_t m = dout.size(0), n = dout.size(1), k = input.size(1);
-  TORCH_CHECK(input.size(0) == m, c.op, ": input must have ", m, " rows like dout, got shape ",
-              shape_string(input.sizes()));
-  c.activation("weight", weight, {n, k});
+  const auto c = OpContext::from(op_names::linear_backward, "dout", dout);
+  const auto s = validate_linear_backward(c, dout, input, weight);
   at::Tensor dinput, dweight;
   AT_DISPATCH_FLOATING_TYPES(dout.scalar_type(), "coda::linear_backward", [&] {
     using R = scalar_t;
-    dinput = matrix_tensor(reference::gemm<R>(rows<R>(dout), transposed<R>(weight)), m, k, dout);
+    dinput = matrix_tensor(reference::gemm<R>(rows<R>(dout), transposed<R>(weight)), s.m, s.k, dout);
     dweight = weight_grad<R>(dout, input);
   });
   return {dinput, dweight};
@@ -288,10 +274,8 @@ std::tuple<at::Tensor, at::Tensor> linear_backward(const at::Tensor& dout, const
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mlp_backward(
     const at::Tensor& dx_out, const at::Tensor& x, const at::Tensor& gamma, const at::Tensor& w_gu,
     const at::Tensor& w_down, const at::Tensor& r, const at::Tensor& z) {
-  const auto c = OpContext::from("coda::mlp_backward", "x", x);
-  const auto s = validate_mlp(c, x, gamma, w_gu, w_down, nullptr, r);
-  c.activation("dx_out", dx_out, {s.m, s.hidden});
-  c.activation("z", z, {s.m, 2 * s.intermediate});
+  const auto c = OpContext::from(op_names::mlp_backward, "x", x);
+  const auto s = validate_mlp_backward(c, dx_out, x, gamma, w_gu, w_down, r, z);
   at::Tensor dx = dx_out.clone(), dgamma = at::empty_like(gamma), dw_gu, dw_down;
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "coda::mlp_backward", [&] {
     using R = scalar_t;
@@ -320,16 +304,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lm_head_loss_backward(
     const at::Tensor& w_vocab, const at::Tensor& h, const at::Tensor& r, const at::Tensor& targets,
     const at::Tensor& lse, int64_t ignore_index, c10::string_view reduction, double z_loss,
     int64_t max_chunk_bytes) {
-  const auto c = OpContext::from("coda::lm_head_loss_backward", "x", x);
-  const auto s = validate_lm_head(c, x, gamma, w_vocab, h, r, targets);
-  const auto red = parse_reduction(c.op, reduction);
-  TORCH_CHECK(max_chunk_bytes > 0, c.op, ": max_chunk_bytes must be positive, got ",
-              max_chunk_bytes);
-  c.statistic("lse", lse, {s.m});
-  if (red == LossReduction::kNone)
-    c.upstream("dloss", dloss, {s.m});
-  else
-    c.upstream("dloss", dloss, {});
+  const auto c = OpContext::from(op_names::lm_head_loss_backward, "x", x);
+  const auto s = validate_lm_head_loss_backward(c, dloss, x, gamma, w_vocab, h, r, targets, lse,
+                                                reduction, max_chunk_bytes);
+  const auto red = s.reduction;
   at::Tensor dx = at::empty_like(x), dgamma = at::empty_like(gamma), dw;
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "coda::lm_head_loss_backward", [&] {
     using R = scalar_t;
@@ -346,14 +324,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lm_head_loss_backward(
     }
     // B4: dℓ recomputed from h, ZdZ of the final norm; then B1 and dW_vocab = dℓᵀ · h_out.
     programs::RmsnormCrossEntropyBackward<R, int64_t> b4;
-    b4.layout = PartialLayout::per_row(s.m, s.n, kTiles.tile_m, kTiles.tile_n);
-    at::Tensor dlogits = at::zeros({s.m, s.n}, x.options());
+    b4.layout = PartialLayout::per_row(s.m, s.vocab, kTiles.tile_m, kTiles.tile_n);
+    at::Tensor dlogits = at::zeros({s.m, s.vocab}, x.options());
     std::vector<R> partials(b4.layout.elements(), R(0));
     b4.r = vec<R>(r);
     b4.lse = vec<R>(lse);
     b4.scale = {scale.data(), s.m};
     b4.targets = {t, s.m};
-    b4.vocab = s.n;
+    b4.vocab = s.vocab;
     b4.z_loss = z_loss;
     b4.dlogits = tile_out<R>(dlogits);
     b4.zdz_partials = partials.data();
@@ -366,29 +344,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lm_head_loss_backward(
   return {dx, dgamma, dw};
 }
 
-// Op names for CODA_GUARDED (template arguments need linkage).
-constexpr char k_rmsnorm_stats[] = "coda::rmsnorm_stats";
-constexpr char k_norm_qkv[] = "coda::norm_qkv";
-constexpr char k_out_proj_residual_norm[] = "coda::out_proj_residual_norm";
-constexpr char k_mlp[] = "coda::mlp";
-constexpr char k_lm_head_loss[] = "coda::lm_head_loss";
-constexpr char k_norm_qkv_backward[] = "coda::norm_qkv_backward";
-constexpr char k_linear_backward[] = "coda::linear_backward";
-constexpr char k_mlp_backward[] = "coda::mlp_backward";
-constexpr char k_lm_head_loss_backward[] = "coda::lm_head_loss_backward";
-
 }  // namespace
 
-TORCH_LIBRARY_IMPL(coda, CPU, m) {
-  m.impl("rmsnorm_stats", CODA_GUARDED(k_rmsnorm_stats, rmsnorm_stats));
-  m.impl("norm_qkv", CODA_GUARDED(k_norm_qkv, norm_qkv));
-  m.impl("out_proj_residual_norm", CODA_GUARDED(k_out_proj_residual_norm, out_proj_residual_norm));
-  m.impl("mlp", CODA_GUARDED(k_mlp, mlp));
-  m.impl("lm_head_loss", CODA_GUARDED(k_lm_head_loss, lm_head_loss));
-  m.impl("norm_qkv_backward", CODA_GUARDED(k_norm_qkv_backward, norm_qkv_backward));
-  m.impl("linear_backward", CODA_GUARDED(k_linear_backward, linear_backward));
-  m.impl("mlp_backward", CODA_GUARDED(k_mlp_backward, mlp_backward));
-  m.impl("lm_head_loss_backward", CODA_GUARDED(k_lm_head_loss_backward, lm_head_loss_backward));
-}
+TORCH_LIBRARY_IMPL(coda, CPU, m) { CODA_REGISTER_KERNELS(m) }
 
 }  // namespace coda::torch_ext

@@ -70,9 +70,8 @@ Tensor rmsnorm_backward(const Tensor& dz, const Tensor& w, const Tensor& x, cons
 // ---- forward ops -------------------------------------------------------------------------------
 
 std::tuple<Tensor, Tensor> rmsnorm_stats(const Tensor& x, const Tensor& gamma, double eps) {
-  const auto c = OpContext::from("coda::rmsnorm_stats", "x", x);
-  const auto sz = validate_rmsnorm_stats(c, x, gamma);
-  check_eps(c.op, eps);
+  const auto c = OpContext::from(op_names::rmsnorm_stats, "x", x);
+  const auto sz = validate_rmsnorm_stats(c, x, gamma, eps);
   const c10::cuda::CUDAGuard guard(x.device());
   Tensor h = at::empty_like(x), r = at::empty({sz.m}, stat_options(c));
   ops::first_layer_rmsnorm(bf(x), bf(gamma), as_int(c.op, "M", sz.m), int(sz.hidden), float(eps),
@@ -82,7 +81,7 @@ std::tuple<Tensor, Tensor> rmsnorm_stats(const Tensor& x, const Tensor& gamma, d
 
 Tensor norm_qkv(const Tensor& x, const Tensor& gamma, const Tensor& w_qkv, const Tensor& h,
                 const Tensor& r, const Tensor& pos, const Tensor& rope_table) {
-  const auto c = OpContext::from("coda::norm_qkv", "x", x);
+  const auto c = OpContext::from(op_names::norm_qkv, "x", x);
   const auto sz = validate_norm_qkv(c, x, gamma, w_qkv, &h, r, pos, rope_table);
   const c10::cuda::CUDAGuard guard(x.device());
   Tensor qkv = at::empty({sz.m, sz.n}, x.options());
@@ -107,21 +106,12 @@ void residual_rmsnorm(const Tensor& a, const Tensor& w, const Tensor& residual,
 std::tuple<Tensor, Tensor, Tensor> out_proj_residual_norm(const Tensor& y, const Tensor& w_o,
                                                           const Tensor& residual,
                                                           const Tensor& gamma, double eps) {
-  const auto c = OpContext::from("coda::out_proj_residual_norm", "y", y);
-  c.matrix("y", y);
-  c.matrix("w_o", w_o);
-  const int64_t m = y.size(0), k = y.size(1), hidden = w_o.size(0);
-  TORCH_CHECK(w_o.size(1) == k, c.op, ": w_o must have shape (H, ", k, ") for y of shape ",
-              shape_string(y.sizes()), ", got ", shape_string(w_o.sizes()));
-  c.cuda_width("K (y.size(1))", k);
-  c.cuda_width("H (w_o.size(0))", hidden);
-  c.activation("residual", residual, {m, hidden});
-  c.activation("gamma", gamma, {hidden});
-  check_eps(c.op, eps);
-  as_int(c.op, "M", m);
+  const auto c = OpContext::from(op_names::out_proj_residual_norm, "y", y);
+  const auto sz = validate_out_proj_residual_norm(c, y, w_o, residual, gamma, eps);
+  as_int(c.op, "M", sz.m);
   const c10::cuda::CUDAGuard guard(y.device());
-  Tensor x = at::empty({m, hidden}, y.options()), h = at::empty_like(x),
-         r = at::empty({m}, stat_options(c));
+  Tensor x = at::empty({sz.m, sz.hidden}, y.options()), h = at::empty_like(x),
+         r = at::empty({sz.m}, stat_options(c));
   residual_rmsnorm(y, w_o, residual, gamma, eps, x, h, r);
   return {x, h, r};
 }
@@ -130,10 +120,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> mlp(const Tensor& x, const Tensor& ga
                                                const Tensor& w_gu, const Tensor& w_down,
                                                const Tensor& h, const Tensor& r,
                                                const Tensor& gamma_next, double eps) {
-  const auto c = OpContext::from("coda::mlp", "x", x);
-  const auto sz = validate_mlp(c, x, gamma, w_gu, w_down, &h, r);
-  c.activation("gamma_next", gamma_next, {sz.hidden});
-  check_eps(c.op, eps);
+  const auto c = OpContext::from(op_names::mlp, "x", x);
+  const auto sz = validate_mlp(c, x, gamma, w_gu, w_down, h, r, gamma_next, eps);
   const int m = as_int(c.op, "M", sz.m);
   const c10::cuda::CUDAGuard guard(x.device());
   Tensor z = at::empty({sz.m, 2 * sz.intermediate}, x.options()),
@@ -150,13 +138,12 @@ std::tuple<Tensor, Tensor> lm_head_loss(const Tensor& x, const Tensor& gamma,
                                         const Tensor& targets, int64_t ignore_index,
                                         c10::string_view reduction, double z_loss,
                                         int64_t max_chunk_bytes) {
-  const auto c = OpContext::from("coda::lm_head_loss", "x", x);
-  const auto sz = validate_lm_head(c, x, gamma, w_vocab, h, r, targets);
-  const auto red = parse_reduction(c.op, reduction);
-  // The forward holds no logits; the backward's chunk is checked here too, before any work.
-  TORCH_CHECK(max_chunk_bytes > 0, c.op, ": max_chunk_bytes must be positive, got ",
-              max_chunk_bytes);
-  const int m = as_int(c.op, "M", sz.m), vocab = int(sz.n), hidden = int(sz.hidden);
+  const auto c = OpContext::from(op_names::lm_head_loss, "x", x);
+  // max_chunk_bytes is checked here too, before any work: the forward holds no logits.
+  const auto sz =
+      validate_lm_head_loss(c, x, gamma, w_vocab, h, r, targets, reduction, max_chunk_bytes);
+  const auto red = sz.reduction;
+  const int m = as_int(c.op, "M", sz.m), vocab = int(sz.vocab), hidden = int(sz.hidden);
   const c10::cuda::CUDAGuard guard(x.device());
   const auto s = stream_of(x);
   const auto layout = ops::lm_head_partials_layout(m, vocab, hidden);
@@ -182,10 +169,9 @@ std::tuple<Tensor, Tensor, Tensor> norm_qkv_backward(const Tensor& dqkv, const T
                                                      const Tensor& w_qkv, const Tensor& r,
                                                      const Tensor& pos,
                                                      const Tensor& rope_table) {
-  const auto c = OpContext::from("coda::norm_qkv_backward", "x", x);
-  const auto sz = validate_norm_qkv(c, x, gamma, w_qkv, nullptr, r, pos, rope_table);
-  c.activation("dqkv", dqkv, {sz.m, sz.n});
-  c.activation("qkv", qkv, {sz.m, sz.n});
+  const auto c = OpContext::from(op_names::norm_qkv_backward, "x", x);
+  const auto sz =
+      validate_norm_qkv_backward(c, dqkv, qkv, x, gamma, w_qkv, r, pos, rope_table);
   const int m = as_int(c.op, "M", sz.m);
   const c10::cuda::CUDAGuard guard(x.device());
   const auto s = stream_of(x);
@@ -201,15 +187,9 @@ std::tuple<Tensor, Tensor, Tensor> norm_qkv_backward(const Tensor& dqkv, const T
 
 std::tuple<Tensor, Tensor> linear_backward(const Tensor& dout, const Tensor& input,
                                            const Tensor& weight) {
-  const auto c = OpContext::from("coda::linear_backward", "dout", dout);
-  c.matrix("dout", dout);
-  c.matrix("input", input);
-  const int64_t m = dout.size(0), n = dout.size(1), k = input.size(1);
-  TORCH_CHECK(input.size(0) == m, c.op, ": input must have ", m, " rows like dout, got shape ",
-              shape_string(input.sizes()));
-  c.activation("weight", weight, {n, k});
-  c.cuda_width("N (dout.size(1))", n);
-  c.cuda_width("K (input.size(1))", k);
+  const auto c = OpContext::from(op_names::linear_backward, "dout", dout);
+  const auto sz = validate_linear_backward(c, dout, input, weight);
+  const int64_t m = sz.m, n = sz.n, k = sz.k;
   const c10::cuda::CUDAGuard guard(dout.device());
   Tensor dinput = at::empty({m, k}, dout.options());
   ops::gemm_xw(bf(dout), bf(weight), bf_out(dinput), as_int(c.op, "M", m), int(k), int(n),
@@ -221,10 +201,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> mlp_backward(const Tensor& dx_out, co
                                                         const Tensor& gamma, const Tensor& w_gu,
                                                         const Tensor& w_down, const Tensor& r,
                                                         const Tensor& z) {
-  const auto c = OpContext::from("coda::mlp_backward", "x", x);
-  const auto sz = validate_mlp(c, x, gamma, w_gu, w_down, nullptr, r);
-  c.activation("dx_out", dx_out, {sz.m, sz.hidden});
-  c.activation("z", z, {sz.m, 2 * sz.intermediate});
+  const auto c = OpContext::from(op_names::mlp_backward, "x", x);
+  const auto sz = validate_mlp_backward(c, dx_out, x, gamma, w_gu, w_down, r, z);
   const int m = as_int(c.op, "M", sz.m), inter = int(sz.intermediate), hidden = int(sz.hidden);
   const c10::cuda::CUDAGuard guard(x.device());
   const auto s = stream_of(x);
@@ -246,17 +224,11 @@ std::tuple<Tensor, Tensor, Tensor> lm_head_loss_backward(
     const Tensor& dloss, const Tensor& x, const Tensor& gamma, const Tensor& w_vocab,
     const Tensor& h, const Tensor& r, const Tensor& targets, const Tensor& lse,
     int64_t ignore_index, c10::string_view reduction, double z_loss, int64_t max_chunk_bytes) {
-  const auto c = OpContext::from("coda::lm_head_loss_backward", "x", x);
-  const auto sz = validate_lm_head(c, x, gamma, w_vocab, h, r, targets);
-  const auto red = parse_reduction(c.op, reduction);
-  c.statistic("lse", lse, {sz.m});
-  if (red == LossReduction::kNone)
-    c.upstream("dloss", dloss, {sz.m});
-  else
-    c.upstream("dloss", dloss, {});
-  TORCH_CHECK(max_chunk_bytes > 0, c.op, ": max_chunk_bytes must be positive, got ",
-              max_chunk_bytes);
-  const int64_t m = sz.m, vocab = sz.n, hidden = sz.hidden;
+  const auto c = OpContext::from(op_names::lm_head_loss_backward, "x", x);
+  const auto sz = validate_lm_head_loss_backward(c, dloss, x, gamma, w_vocab, h, r, targets, lse,
+                                                 reduction, max_chunk_bytes);
+  const auto red = sz.reduction;
+  const int64_t m = sz.m, vocab = sz.vocab, hidden = sz.hidden;
   as_int(c.op, "M", m);
   const c10::cuda::CUDAGuard guard(x.device());
   const auto s = stream_of(x);
@@ -305,29 +277,8 @@ std::tuple<Tensor, Tensor, Tensor> lm_head_loss_backward(
   return {dx, dgamma32.to(gamma.scalar_type()), dw};
 }
 
-// Op names for CODA_GUARDED: errors of the C++ op API below become RuntimeErrors naming the op.
-constexpr char k_rmsnorm_stats[] = "coda::rmsnorm_stats";
-constexpr char k_norm_qkv[] = "coda::norm_qkv";
-constexpr char k_out_proj_residual_norm[] = "coda::out_proj_residual_norm";
-constexpr char k_mlp[] = "coda::mlp";
-constexpr char k_lm_head_loss[] = "coda::lm_head_loss";
-constexpr char k_norm_qkv_backward[] = "coda::norm_qkv_backward";
-constexpr char k_linear_backward[] = "coda::linear_backward";
-constexpr char k_mlp_backward[] = "coda::mlp_backward";
-constexpr char k_lm_head_loss_backward[] = "coda::lm_head_loss_backward";
-
 }  // namespace
 
-TORCH_LIBRARY_IMPL(coda, CUDA, m) {
-  m.impl("rmsnorm_stats", CODA_GUARDED(k_rmsnorm_stats, rmsnorm_stats));
-  m.impl("norm_qkv", CODA_GUARDED(k_norm_qkv, norm_qkv));
-  m.impl("out_proj_residual_norm", CODA_GUARDED(k_out_proj_residual_norm, out_proj_residual_norm));
-  m.impl("mlp", CODA_GUARDED(k_mlp, mlp));
-  m.impl("lm_head_loss", CODA_GUARDED(k_lm_head_loss, lm_head_loss));
-  m.impl("norm_qkv_backward", CODA_GUARDED(k_norm_qkv_backward, norm_qkv_backward));
-  m.impl("linear_backward", CODA_GUARDED(k_linear_backward, linear_backward));
-  m.impl("mlp_backward", CODA_GUARDED(k_mlp_backward, mlp_backward));
-  m.impl("lm_head_loss_backward", CODA_GUARDED(k_lm_head_loss_backward, lm_head_loss_backward));
-}
+TORCH_LIBRARY_IMPL(coda, CUDA, m) { CODA_REGISTER_KERNELS(m) }
 
 }  // namespace coda::torch_ext

@@ -1,6 +1,7 @@
 #pragma once
 // Shape/dtype/device validation of each coda op, shared by its CPU and CUDA kernels (the Meta
-// kernels only derive output shapes). Each returns the sizes the kernel needs.
+// kernels only derive output shapes). validate_<op> checks every argument of the op and returns
+// the sizes the kernel needs; the smaller helpers above them are their common parts.
 
 #include "checks.hpp"
 
@@ -84,6 +85,113 @@ inline ProjSizes validate_lm_head(const OpContext& c, const at::Tensor& x, const
   TORCH_CHECK(!c.device.is_cuda() || s.n <= (int64_t(1) << 24), c.op,
               ": the vocabulary (w_vocab.size(0)) must be <= 2^24 on CUDA, got ", s.n);
   c.tensor("targets", targets, at::kLong, {s.m});
+  return s;
+}
+
+// ---- one validator per op -------------------------------------------------------------------
+
+inline NormSizes validate_rmsnorm_stats(const OpContext& c, const at::Tensor& x,
+                                        const at::Tensor& gamma, double eps) {
+  const auto s = validate_rmsnorm_stats(c, x, gamma);
+  check_eps(c.op, eps);
+  return s;
+}
+
+inline ProjSizes validate_norm_qkv_backward(const OpContext& c, const at::Tensor& dqkv,
+                                            const at::Tensor& qkv, const at::Tensor& x,
+                                            const at::Tensor& gamma, const at::Tensor& w_qkv,
+                                            const at::Tensor& r, const at::Tensor& pos,
+                                            const at::Tensor& rope_table) {
+  const auto s = validate_norm_qkv(c, x, gamma, w_qkv, nullptr, r, pos, rope_table);
+  c.activation("dqkv", dqkv, {s.m, s.n});
+  c.activation("qkv", qkv, {s.m, s.n});
+  return s;
+}
+
+struct OutProjSizes {  // y (M, K) · w_o (H, K)ᵀ
+  int64_t m, k, hidden;
+};
+inline OutProjSizes validate_out_proj_residual_norm(const OpContext& c, const at::Tensor& y,
+                                                    const at::Tensor& w_o,
+                                                    const at::Tensor& residual,
+                                                    const at::Tensor& gamma, double eps) {
+  c.matrix("y", y);
+  c.matrix("w_o", w_o);
+  const int64_t m = y.size(0), k = y.size(1), hidden = w_o.size(0);
+  TORCH_CHECK(w_o.size(1) == k, c.op, ": w_o must have shape (H, ", k, ") for y of shape ",
+              shape_string(y.sizes()), ", got ", shape_string(w_o.sizes()));
+  TORCH_CHECK(c.device.is_cuda() || hidden % 2 == 0, c.op,
+              ": H (w_o.size(0)) must be even on the CPU (pairwise epilogues), got ", hidden);
+  c.cuda_width("K (y.size(1))", k);
+  c.cuda_width("H (w_o.size(0))", hidden);
+  c.activation("residual", residual, {m, hidden});
+  c.activation("gamma", gamma, {hidden});
+  check_eps(c.op, eps);
+  return {m, k, hidden};
+}
+
+struct LinearSizes {  // dout (M, N), input (M, K), weight (N, K)
+  int64_t m, n, k;
+};
+inline LinearSizes validate_linear_backward(const OpContext& c, const at::Tensor& dout,
+                                            const at::Tensor& input, const at::Tensor& weight) {
+  c.matrix("dout", dout);
+  c.matrix("input", input);
+  const int64_t m = dout.size(0), n = dout.size(1), k = input.size(1);
+  TORCH_CHECK(input.size(0) == m, c.op, ": input must have ", m, " rows like dout, got shape ",
+              shape_string(input.sizes()));
+  c.activation("weight", weight, {n, k});
+  c.cuda_width("N (dout.size(1))", n);
+  c.cuda_width("K (input.size(1))", k);
+  return {m, n, k};
+}
+
+inline MlpSizes validate_mlp(const OpContext& c, const at::Tensor& x, const at::Tensor& gamma,
+                             const at::Tensor& w_gu, const at::Tensor& w_down, const at::Tensor& h,
+                             const at::Tensor& r, const at::Tensor& gamma_next, double eps) {
+  const auto s = validate_mlp(c, x, gamma, w_gu, w_down, &h, r);
+  c.activation("gamma_next", gamma_next, {s.hidden});
+  check_eps(c.op, eps);
+  return s;
+}
+
+inline MlpSizes validate_mlp_backward(const OpContext& c, const at::Tensor& dx_out,
+                                      const at::Tensor& x, const at::Tensor& gamma,
+                                      const at::Tensor& w_gu, const at::Tensor& w_down,
+                                      const at::Tensor& r, const at::Tensor& z) {
+  const auto s = validate_mlp(c, x, gamma, w_gu, w_down, nullptr, r);
+  c.activation("dx_out", dx_out, {s.m, s.hidden});
+  c.activation("z", z, {s.m, 2 * s.intermediate});
+  return s;
+}
+
+struct LmHeadSizes {
+  int64_t m, hidden, vocab;
+  LossReduction reduction;
+};
+inline LmHeadSizes validate_lm_head_loss(const OpContext& c, const at::Tensor& x,
+                                         const at::Tensor& gamma, const at::Tensor& w_vocab,
+                                         const at::Tensor& h, const at::Tensor& r,
+                                         const at::Tensor& targets, c10::string_view reduction,
+                                         int64_t max_chunk_bytes) {
+  const auto s = validate_lm_head(c, x, gamma, w_vocab, h, r, targets);
+  const auto red = parse_reduction(c.op, reduction);
+  TORCH_CHECK(max_chunk_bytes > 0, c.op, ": max_chunk_bytes must be positive, got ",
+              max_chunk_bytes);
+  return {s.m, s.hidden, s.n, red};
+}
+
+inline LmHeadSizes validate_lm_head_loss_backward(
+    const OpContext& c, const at::Tensor& dloss, const at::Tensor& x, const at::Tensor& gamma,
+    const at::Tensor& w_vocab, const at::Tensor& h, const at::Tensor& r, const at::Tensor& targets,
+    const at::Tensor& lse, c10::string_view reduction, int64_t max_chunk_bytes) {
+  const auto s =
+      validate_lm_head_loss(c, x, gamma, w_vocab, h, r, targets, reduction, max_chunk_bytes);
+  c.statistic("lse", lse, {s.m});
+  if (s.reduction == LossReduction::kNone)
+    c.upstream("dloss", dloss, {s.m});
+  else
+    c.upstream("dloss", dloss, {});
   return s;
 }
 
