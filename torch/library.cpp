@@ -40,6 +40,18 @@ at::Tensor rope_table(const at::Tensor& inv_freq, int64_t n_heads, int64_t n_kv_
 
 constexpr char k_rope_table[] = "coda::rope_table";
 
+// The host's frequencies (programs::rope_inv_freq) as a float64 CPU tensor, so Python does not
+// restate the LLaMA-3.1 scaling.
+at::Tensor rope_inv_freq(int64_t head_dim, double theta, bool llama3_scaling, double factor,
+                         double low_freq_factor, double high_freq_factor,
+                         int64_t original_max_position) {
+  const programs::RopeScaling s{llama3_scaling, factor, low_freq_factor, high_freq_factor,
+                                static_cast<int>(original_max_position)};
+  const auto f = programs::rope_inv_freq(static_cast<int>(head_dim), theta, s);
+  return at::tensor(c10::ArrayRef<double>(f), at::TensorOptions().dtype(at::kDouble));
+}
+constexpr char k_rope_inv_freq[] = "coda::rope_inv_freq";
+
 // ---- Meta kernels ------------------------------------------------------------------------------
 
 at::Tensor rope_table_meta(const at::Tensor& inv_freq, int64_t n_heads, int64_t n_kv_heads,
@@ -123,6 +135,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lm_head_loss_backward_meta(
 
 TORCH_LIBRARY(coda, m) {
   m.def("rope_table(Tensor inv_freq, int n_heads, int n_kv_heads, int head_dim) -> Tensor");
+  m.def(
+      "rope_inv_freq(int head_dim, float theta, bool llama3_scaling=False, float factor=8.0, "
+      "float low_freq_factor=1.0, float high_freq_factor=4.0, int original_max_position=8192) "
+      "-> Tensor",
+      CODA_GUARDED(k_rope_inv_freq, rope_inv_freq));
   m.def("rmsnorm_stats(Tensor x, Tensor gamma, float eps) -> (Tensor h, Tensor r)");
   m.def(
       "norm_qkv(Tensor x, Tensor gamma, Tensor w_qkv, Tensor h, Tensor r, Tensor pos, "

@@ -10,7 +10,6 @@ that consumes a norm differentiates through it with respect to ``x`` and ``gamma
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -34,43 +33,25 @@ def rope_inv_freq(
 ) -> Tensor:
     """LLaMA RoPE inverse frequencies ``theta ** (-2i / head_dim)`` (radians per position).
 
-    Returns a float64 CPU tensor of ``head_dim // 2`` entries, computed like
+    Returns a float64 CPU tensor of ``head_dim // 2`` entries, computed by
     ``coda::programs::rope_inv_freq`` (rope.hpp). ``scaling`` is ``None`` or a Hugging Face style
     LLaMA-3.1 dict with keys ``factor``, ``low_freq_factor``, ``high_freq_factor`` and
     ``original_max_position_embeddings`` (an optional ``rope_type`` must be ``"llama3"``):
     wavelengths longer than ``original / low_freq_factor`` are slowed by ``factor``, shorter than
     ``original / high_freq_factor`` are kept, and the band between is interpolated.
     """
-    if head_dim <= 0 or head_dim % 2:
-        raise ValueError(f"rope_inv_freq: head_dim must be positive and even, got {head_dim}")
-    if not theta > 1.0:
-        raise ValueError(f"rope_inv_freq: theta must be > 1, got {theta}")
-    if scaling is not None:
-        rope_type = scaling.get("rope_type", scaling.get("type", "llama3"))
-        if rope_type != "llama3":
-            raise ValueError(
-                f"rope_inv_freq: only 'llama3' scaling is supported, got {rope_type!r}")
-        missing = [k for k in _LLAMA3_KEYS if k not in scaling]
-        if missing:
-            raise ValueError(f"rope_inv_freq: scaling is missing keys {missing}")
-        factor = float(scaling["factor"])
-        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-        original = float(scaling["original_max_position_embeddings"])
-        low_wavelen, high_wavelen = original / low, original / high
-
-    # Plain Python floats (libm pow) so the values are the ones the C++ host code computes.
-    freqs = []
-    for i in range(head_dim // 2):
-        v = math.pow(theta, -2.0 * i / head_dim)
-        if scaling is not None:
-            wavelen = 2 * math.pi / v
-            if wavelen > low_wavelen:
-                v = v / factor
-            elif wavelen >= high_wavelen:
-                smooth = (original / wavelen - low) / (high - low)
-                v = (1 - smooth) * v / factor + smooth * v
-        freqs.append(v)
-    return torch.tensor(freqs, dtype=torch.float64, device="cpu")  # the table is built on the host
+    if scaling is None:
+        return torch.ops.coda.rope_inv_freq(head_dim, theta)
+    rope_type = scaling.get("rope_type", scaling.get("type", "llama3"))
+    if rope_type != "llama3":
+        raise ValueError(f"rope_inv_freq: only 'llama3' scaling is supported, got {rope_type!r}")
+    missing = [k for k in _LLAMA3_KEYS if k not in scaling]
+    if missing:
+        raise ValueError(f"rope_inv_freq: scaling is missing keys {missing}")
+    # The math is the host code's (programs::rope_inv_freq in rope.hpp), through the op.
+    return torch.ops.coda.rope_inv_freq(
+        head_dim, theta, True, float(scaling["factor"]), float(scaling["low_freq_factor"]),
+        float(scaling["high_freq_factor"]), int(scaling["original_max_position_embeddings"]))
 
 
 def rope_table(

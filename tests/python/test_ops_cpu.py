@@ -389,9 +389,9 @@ def test_rope_inv_freq(scaling):
 
 
 def test_rope_inv_freq_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="head_dim"):
+    with pytest.raises(RuntimeError, match="coda::rope_inv_freq: .*head_dim"):
         ops.rope_inv_freq(7, THETA)
-    with pytest.raises(ValueError, match="theta"):
+    with pytest.raises(RuntimeError, match="coda::rope_inv_freq: .*theta"):
         ops.rope_inv_freq(8, 1.0)
     with pytest.raises(ValueError, match="llama3"):
         ops.rope_inv_freq(8, THETA, {"rope_type": "yarn", "factor": 2.0})
