@@ -158,66 +158,59 @@ def _no_leftovers(sd: Mapping[str, Tensor], who: str) -> None:
         raise ValueError(f"{who}: unexpected keys {sorted(sd)[:10]}")
 
 
+# HF and TorchTitan name the same tensors differently; only HF's Q/K rows need a permutation
+# (rotate_half pairs -> adjacent pairs). HF state dicts go through the TorchTitan names, so the
+# packing into coda's layouts is written once (torchtitan_to_coda_state_dict and its inverse).
+_HF_TOP = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
+           "lm_head.weight": "output.weight"}
+_HF_LAYER = {
+    "input_layernorm.weight": "attention_norm.weight",
+    "self_attn.q_proj.weight": "attention.wq.weight",
+    "self_attn.k_proj.weight": "attention.wk.weight",
+    "self_attn.v_proj.weight": "attention.wv.weight",
+    "self_attn.o_proj.weight": "attention.wo.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "feed_forward.w1.weight",
+    "mlp.up_proj.weight": "feed_forward.w3.weight",
+    "mlp.down_proj.weight": "feed_forward.w2.weight",
+}
+
+
+def _rename_rope(sd: Mapping[str, Tensor], config: LlamaConfig, to_torchtitan: bool,
+                 who: str) -> dict[str, Tensor]:
+    """HF <-> TorchTitan names, permuting the Q/K rows of every head on the way."""
+    top, layer = _HF_TOP, _HF_LAYER
+    src, dst, permute = "model.layers.", "layers.", rope_half_to_adjacent
+    if not to_torchtitan:
+        top, layer = {v: k for k, v in top.items()}, {v: k for k, v in layer.items()}
+        src, dst, permute = dst, src, rope_adjacent_to_half
+    heads = {"attention.wq.weight": config.num_heads, "attention.wk.weight": config.num_kv_heads}
+    out: dict[str, Tensor] = {}
+    for name, value in sd.items():
+        if name in top:
+            out[top[name]] = value
+            continue
+        index, _, leaf = name.removeprefix(src).partition(".")
+        if not name.startswith(src) or not index.isdigit() or leaf not in layer:
+            raise ValueError(f"{who}: unexpected key {name!r}")
+        tt_leaf = layer[leaf] if to_torchtitan else leaf
+        if tt_leaf in heads:
+            value = permute(value, heads[tt_leaf], config.head_dim)
+        out[f"{dst}{index}.{layer[leaf]}"] = value
+    return out
+
+
 def hf_to_coda_state_dict(hf_sd: Mapping[str, Tensor], config: LlamaConfig) -> dict[str, Tensor]:
     """HF ``LlamaForCausalLM`` names/layouts -> coda names/layouts."""
-    c = config
-    sd = dict(hf_sd)
-    out: dict[str, Tensor] = {}
-    emb = _take(sd, "model.embed_tokens.weight")
-    out["embed_tokens.weight"] = emb
-    for i in range(c.num_layers):
-        p = f"model.layers.{i}."
-        wq = rope_half_to_adjacent(_take(sd, p + "self_attn.q_proj.weight"), c.num_heads,
-                                   c.head_dim)
-        wk = rope_half_to_adjacent(_take(sd, p + "self_attn.k_proj.weight"), c.num_kv_heads,
-                                   c.head_dim)
-        wv = _take(sd, p + "self_attn.v_proj.weight")
-        q = f"layers.{i}."
-        out[f"gamma_attn.{i}"] = _take(sd, p + "input_layernorm.weight")
-        out[q + "w_qkv"] = pack_qkv(wq, wk, wv)
-        out[q + "w_o"] = _take(sd, p + "self_attn.o_proj.weight")
-        out[q + "gamma_ffn"] = _take(sd, p + "post_attention_layernorm.weight")
-        out[q + "w_gu"] = interleave_gate_up(_take(sd, p + "mlp.gate_proj.weight"),
-                                             _take(sd, p + "mlp.up_proj.weight"))
-        out[q + "w_down"] = _take(sd, p + "mlp.down_proj.weight")
-    out["gamma_final"] = _take(sd, "model.norm.weight")
-    if c.tie_word_embeddings:
-        sd.pop("lm_head.weight", None)  # an alias of the embedding
-        out["w_vocab"] = emb
-    else:
-        out["w_vocab"] = _take(sd, "lm_head.weight")
-    _no_leftovers(sd, "hf_to_coda_state_dict")
-    return out
+    return torchtitan_to_coda_state_dict(
+        _rename_rope(hf_sd, config, True, "hf_to_coda_state_dict"), config)
 
 
 def coda_to_hf_state_dict(sd_in: Mapping[str, Tensor], config: LlamaConfig) -> dict[str, Tensor]:
     """coda names/layouts -> HF ``LlamaForCausalLM`` names/layouts (inverse of
     :func:`hf_to_coda_state_dict`). With tied embeddings either alias may be present."""
-    c = config
-    sd = dict(sd_in)
-    out: dict[str, Tensor] = {}
-    if c.tie_word_embeddings:
-        emb = _take(sd, "embed_tokens.weight", "w_vocab")
-    else:
-        emb = _take(sd, "embed_tokens.weight")
-    out["model.embed_tokens.weight"] = emb
-    for i in range(c.num_layers):
-        p, q = f"model.layers.{i}.", f"layers.{i}."
-        wq, wk, wv = unpack_qkv(_take(sd, q + "w_qkv"), c.num_heads, c.num_kv_heads, c.head_dim)
-        out[p + "input_layernorm.weight"] = _take(sd, f"gamma_attn.{i}")
-        out[p + "self_attn.q_proj.weight"] = rope_adjacent_to_half(wq, c.num_heads, c.head_dim)
-        out[p + "self_attn.k_proj.weight"] = rope_adjacent_to_half(wk, c.num_kv_heads, c.head_dim)
-        out[p + "self_attn.v_proj.weight"] = wv
-        out[p + "self_attn.o_proj.weight"] = _take(sd, q + "w_o")
-        out[p + "post_attention_layernorm.weight"] = _take(sd, q + "gamma_ffn")
-        gate, up = split_gate_up(_take(sd, q + "w_gu"))
-        out[p + "mlp.gate_proj.weight"] = gate
-        out[p + "mlp.up_proj.weight"] = up
-        out[p + "mlp.down_proj.weight"] = _take(sd, q + "w_down")
-    out["model.norm.weight"] = _take(sd, "gamma_final")
-    out["lm_head.weight"] = emb if c.tie_word_embeddings else _take(sd, "w_vocab")
-    _no_leftovers(sd, "coda_to_hf_state_dict")
-    return out
+    return _rename_rope(coda_to_torchtitan_state_dict(sd_in, config), config, False,
+                        "coda_to_hf_state_dict")
 
 
 def _detached_params(model: torch.nn.Module) -> dict[str, Tensor]:
