@@ -1,9 +1,10 @@
-// Each fused forward program vs our plain GEMM of the same shape and configuration (the epilogue's
-// cost), at the LLaMA-3 shapes of BENCHMARKS.md. Every fused output is spot-checked against an fp64
+// Each fused program (forward F1-F4, backward B1-B2) vs our plain GEMM of the same shape,
+// operand layout and configuration (the epilogue's cost), at the LLaMA-3 shapes of BENCHMARKS.md. Every fused output is spot-checked against an fp64
 // host computation at random positions before its time is reported.
 //
 //   coda_program_bench [--quick] [--json results.json] [--commit sha] [--command "..."]
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -31,6 +32,7 @@ struct Case {
   Program program;
   int m, n, k;
   int heads = 0, kv_heads = 0, head_dim = 0;  // F3 only
+  kernel::Operands operands = kernel::Operands::kXWt;
 };
 
 std::vector<Case> cases(bool quick) {
@@ -46,6 +48,14 @@ std::vector<Case> cases(bool quick) {
                      md.q_heads, md.kv_heads, md.head_dim});
       out.push_back(
           {md.name, "lm_head+F4", Program::kRmsnormLse, m, bench::kLlama3Vocab, md.hidden});
+      // Backward: da = dx_out · W_down (B2, N = I pairs); g = dz · W (B1) for gate/up and QKV.
+      const auto xw = kernel::Operands::kXW;
+      out.push_back({md.name, "down_bwd+B2", Program::kSwigluBackward, m, md.ffn, md.hidden, 0, 0,
+                     0, xw});
+      out.push_back({md.name, "gate_up_bwd+B1", Program::kRmsnormBackward, m, md.hidden,
+                     2 * md.ffn, 0, 0, 0, xw});
+      out.push_back({md.name, "qkv_bwd+B1", Program::kRmsnormBackward, m, md.hidden,
+                     md.qkv_width(), 0, 0, 0, xw});
     }
     if (quick) break;
   }
@@ -61,8 +71,16 @@ std::vector<T> download(const T* p, size_t offset, size_t n) {
   return h;
 }
 
-double dot_row(const bf16* a, const bf16* w, int m, int n, int k) {
-  const auto ar = download(a, size_t(m) * k, k), wr = download(w, size_t(n) * k, k);
+// (A·Wᵀ)[m, n] with W (N, K); or (A·W)[m, n] with W (K, N) when n_cols (= N) is given.
+double dot_row(const bf16* a, const bf16* w, int m, int n, int k, int n_cols = 0) {
+  const auto ar = download(a, size_t(m) * k, k);
+  std::vector<bf16> wr(k);
+  if (n_cols) {  // column n of a (K, N) row-major W: one strided copy
+    CODA_CUDA_CHECK(cudaMemcpy2D(wr.data(), sizeof(bf16), w + n, size_t(n_cols) * sizeof(bf16),
+                                 sizeof(bf16), k, cudaMemcpyDeviceToHost));
+  } else {
+    wr = download(w, size_t(n) * k, k);
+  }
   double s = 0;
   for (int i = 0; i < k; ++i) s += double(bf(ar[i])) * double(bf(wr[i]));
   return s;
@@ -98,8 +116,10 @@ int main(int argc, char** argv) {
     if (!only.empty() && c.model + ":" + c.op != only) continue;
     if (only_m && c.m != only_m) continue;
     const size_t na = size_t(c.m) * c.k, nw = size_t(c.n) * c.k, nd = size_t(c.m) * c.n;
-    bf16 *a, *w, *d, *res = nullptr, *h = nullptr, *gamma = nullptr;
-    float *r = nullptr, *part = nullptr, *part2 = nullptr, *tl = nullptr;
+    const bool xw = c.operands == kernel::Operands::kXW;
+    bf16 *a, *w, *d, *res = nullptr, *h = nullptr, *gamma = nullptr, *x = nullptr;
+    float *r = nullptr, *part = nullptr, *part2 = nullptr, *tl = nullptr, *zdz = nullptr;
+    uint32_t *zpair = nullptr, *dzpair = nullptr;
     int32_t* pos = nullptr;
     int64_t* tgt = nullptr;
     uint32_t *fhi = nullptr, *flo = nullptr;
@@ -113,8 +133,12 @@ int main(int argc, char** argv) {
     for (int i = 0; i < c.m; ++i) r_host[i] = 0.5f + float((i * 7919) % 1000) / 1000.f;
     CODA_CUDA_CHECK(cudaMalloc(&r, c.m * 4));
     CODA_CUDA_CHECK(cudaMemcpy(r, r_host.data(), c.m * 4, cudaMemcpyHostToDevice));
-    // Partials are sized for the largest tile count any config uses (tile_n >= 128).
-    const size_t part_elems = size_t((c.m + 255) / 256 * 256) * ((c.n + 127) / 128);
+    // Partials are sized for the largest tile count any config uses (tiles >= 128 per side),
+    // per row (rows padded, one column per N-tile) or per column (B1's dγ).
+    const size_t part_elems = std::max(size_t((c.m + 255) / 256 * 256) * ((c.n + 127) / 128),
+                                       size_t((c.n + 255) / 256 * 256) * ((c.m + 127) / 128));
+    std::vector<float> zdz_host(c.m);
+    for (int i = 0; i < c.m; ++i) zdz_host[i] = 0.05f * float((i * 31) % 7 - 3);
     CODA_CUDA_CHECK(cudaMalloc(&part, part_elems * 4));
     CODA_CUDA_CHECK(cudaMalloc(&part2, part_elems * 4));
     std::vector<programs::RopeFrequency> table;
@@ -127,6 +151,8 @@ int main(int argc, char** argv) {
     kernel::RmsnormSwigluArgs f2;
     kernel::RmsnormRopeArgs f3;
     kernel::RmsnormLseArgs f4;
+    kernel::SwigluBackwardArgs b2;
+    kernel::RmsnormBackwardArgs b1;
     const void* fargs = nullptr;
     if (c.program == Program::kResidualRmsnormPartial) {
       CODA_CUDA_CHECK(cudaMalloc(&res, nd * 2));
@@ -154,6 +180,25 @@ int main(int argc, char** argv) {
       CODA_CUDA_CHECK(cudaMemcpy(flo, lo.data(), c.n * 4, cudaMemcpyHostToDevice));
       f3 = {r, pos, fhi, flo};
       fargs = &f3;
+    } else if (c.program == Program::kSwigluBackward) {  // z, dz: (M, N) bf16 pairs
+      CODA_CUDA_CHECK(cudaMalloc(&zpair, nd * 4));
+      CODA_CUDA_CHECK(cudaMalloc(&dzpair, nd * 4));
+      kernel::fill_uniform_bf16(reinterpret_cast<bf16*>(zpair), 2 * nd, seed++, -3.f, 3.f,
+                                nullptr);
+      b2 = {zpair, c.n, dzpair, c.n, part};
+      fargs = &b2;
+    } else if (c.program == Program::kRmsnormBackward) {
+      CODA_CUDA_CHECK(cudaMalloc(&res, nd * 2));
+      CODA_CUDA_CHECK(cudaMalloc(&x, nd * 2));
+      CODA_CUDA_CHECK(cudaMalloc(&h, nd * 2));
+      CODA_CUDA_CHECK(cudaMalloc(&gamma, c.n * 2));
+      CODA_CUDA_CHECK(cudaMalloc(&zdz, c.m * 4));
+      kernel::fill_uniform_bf16(res, nd, seed++, -1.f, 1.f, nullptr);
+      kernel::fill_uniform_bf16(x, nd, seed++, -2.f, 2.f, nullptr);
+      kernel::fill_uniform_bf16(gamma, c.n, seed++, 0.5f, 1.5f, nullptr);
+      CODA_CUDA_CHECK(cudaMemcpy(zdz, zdz_host.data(), c.m * 4, cudaMemcpyHostToDevice));
+      b1 = {x, c.n, r, gamma, zdz, h, c.n, part};
+      fargs = &b1;
     } else {
       CODA_CUDA_CHECK(cudaMalloc(&tgt, c.m * 8));
       CODA_CUDA_CHECK(cudaMalloc(&tl, c.m * 4));
@@ -161,20 +206,22 @@ int main(int argc, char** argv) {
       f4 = {r, tgt, part, part2, tl};
       fargs = &f4;
     }
+    // W is (N, K) for X·Wᵀ and (K, N) for X·W.
+    const int ldw = xw ? c.n : c.k;
     const kernel::GemmProblem prob{
-        c.m, c.n, c.k, a, c.k, w, c.k, res, c.n, c.program == Program::kRmsnormLse ? nullptr : d,
+        c.m, c.n, c.k, a, c.k, w, ldw, res, c.n, c.program == Program::kRmsnormLse ? nullptr : d,
         c.n};
-    const kernel::GemmProblem plain_prob{c.m, c.n, c.k, a, c.k, w, c.k, nullptr, 0, d, c.n};
+    const kernel::GemmProblem plain_prob{c.m, c.n, c.k, a, c.k, w, ldw, nullptr, 0, d, c.n};
 
     for (int ci = 0; ci < int(Config::kCount); ++ci) {
       const Config cfg = Config(ci);
-      const auto fused_fn = kernel::find_kernel(c.program, cfg, kernel::Operands::kXWt);
-      const auto plain_fn = kernel::find_kernel(Program::kPlain, cfg, kernel::Operands::kXWt);
+      const auto fused_fn = kernel::find_kernel(c.program, cfg, c.operands);
+      const auto plain_fn = kernel::find_kernel(Program::kPlain, cfg, c.operands);
       if (!fused_fn || !plain_fn) continue;
       if (!only_config.empty() && only_config != kernel::config_name(cfg)) continue;
       // The scheduler options the op layer would use for this program and shape.
       const kernel::SchedulerOptions so =
-          kernel::choose_config(c.program, kernel::Operands::kXWt, c.m, c.n, c.k).scheduler;
+          kernel::choose_config(c.program, c.operands, c.m, c.n, c.k).scheduler;
       // Spot check of the fused result.
       CODA_CUDA_CHECK(cudaMemset(d, 0xff, nd * 2));
       if (tl) CODA_CUDA_CHECK(cudaMemset(tl, 0xff, c.m * 4));
@@ -205,6 +252,21 @@ int main(int argc, char** argv) {
           programs::rope_cos_sin<double>(pos_host[mi], table[ni], cs, sn);
           const auto got = download(d, size_t(mi) * c.n + ni, 2);
           ok = close(bf(got[0]), x0 * cs - x1 * sn) && close(bf(got[1]), x0 * sn + x1 * cs);
+        } else if (c.program == Program::kSwigluBackward) {
+          const double da = dot_row(a, w, mi, ni, c.k, c.n);
+          const auto zz = download(reinterpret_cast<const bf16*>(zpair), size_t(mi) * 2 * c.n + 2 * ni, 2);
+          const auto dz = download(reinterpret_cast<const bf16*>(dzpair), size_t(mi) * 2 * c.n + 2 * ni, 2);
+          const double g = bf(zz[0]), u = bf(zz[1]), sg = 1 / (1 + std::exp(-g));
+          const double got_a = bf(download(d, size_t(mi) * c.n + ni, 1)[0]);
+          ok = close(got_a, g * sg * u) && close(bf(dz[1]), da * g * sg) &&
+               close(bf(dz[0]), da * u * sg * (1 + g * (1 - sg)));
+        } else if (c.program == Program::kRmsnormBackward) {
+          const double g = dot_row(a, w, mi, ni, c.k, c.n);
+          const size_t at = size_t(mi) * c.n + ni;
+          const double dres = bf(download(res, at, 1)[0]), xv = bf(download(x, at, 1)[0]);
+          const double ga = bf(download(gamma, ni, 1)[0]), rr = r_host[mi], zz = zdz_host[mi];
+          ok = close(bf(download(d, at, 1)[0]), dres + rr * (g * ga - xv * rr * zz)) &&
+               close(bf(download(h, at, 1)[0]), xv * rr * ga);
         } else if (s < 1) {  // one whole row of the LM head: lse from the partials, target logit
           std::vector<double> logit(c.n);
           const auto ar = download(a, size_t(mi) * c.k, c.k);
@@ -259,7 +321,8 @@ int main(int argc, char** argv) {
     }
     for (void* p :
          {(void*)a, (void*)w, (void*)d, (void*)res, (void*)h, (void*)gamma, (void*)r, (void*)part,
-          (void*)part2, (void*)tl, (void*)pos, (void*)tgt, (void*)fhi, (void*)flo})
+          (void*)part2, (void*)tl, (void*)pos, (void*)tgt, (void*)fhi, (void*)flo, (void*)x,
+          (void*)zdz, (void*)zpair, (void*)dzpair})
       if (p) cudaFree(p);
   }
   return 0;

@@ -4,6 +4,7 @@
 
 #include "coda/epilogue/online_softmax.hpp"
 #include "coda/kernel/nodes/common.cuh"
+#include "coda/kernel/nodes/row_partials.cuh"
 
 namespace coda::kernel {
 
@@ -40,28 +41,17 @@ struct OnlineLseReduction : ConsumerOnlyNode<OnlineLseArguments> {
   CUTLASS_HOST_DEVICE OnlineLseReduction(Params const& p, SharedStorage const&) : params(p) {}
   Params params;
 
-  template <class RowState, class CoordTensor, class Residue, class LaneLayout>
+  template <class RowState, class CoordTensor, class Residue, class Lanes>
   struct ConsumerStoreCallbacks : cf::EmptyConsumerStoreCallbacks {
     CUTLASS_DEVICE ConsumerStoreCallbacks(RowState mx, RowState sm, CoordTensor c, Residue r,
-                                          LaneLayout lanes, bool reduced_lane, int m, int n,
-                                          int tile_n, int rows_padded, Params const& p)
-        : rMax(mx),
-          rSum(sm),
-          tCcD(c),
-          residue(r),
-          lane_layout_MN(lanes),
-          is_reduced_lane(reduced_lane),
-          M(m),
-          N(n),
-          tile_n(tile_n),
-          rows_padded(rows_padded),
+                                          Lanes lanes, int m, int n, int tile_n, Params const& p)
+        : rMax(mx), rSum(sm), tCcD(c), residue(r), lanes(lanes), M(m), N(n), tile_n(tile_n),
           params(p) {}
     RowState rMax, rSum;  // (CPY,CPY_M,CPY_N,EPI_M,EPI_N), stride 0 along N: one slot per row
     CoordTensor tCcD;     // thread-relative coordinates
     Residue residue;      // (M, N) − thread's first element
-    LaneLayout lane_layout_MN;
-    bool is_reduced_lane;
-    int M, N, tile_n, rows_padded;
+    Lanes lanes;
+    int M, N, tile_n;
     Params const& params;
 
     template <class ElementAccumulator, class ElementLogit, int F>
@@ -102,9 +92,7 @@ struct OnlineLseReduction : ConsumerOnlyNode<OnlineLseArguments> {
       // Merge across the lanes that hold the same rows (a row's columns within a warp).
       auto fMax = cute::filter(rMax);
       auto fSum = cute::filter(rSum);
-      CUTLASS_PRAGMA_UNROLL
-      for (int offset = cute::size<1>(lane_layout_MN) / 2; offset > 0; offset /= 2) {
-        const int lane_delta = lane_layout_MN(_0{}, offset);
+      lanes.for_each_merge_step([&](int lane_delta) {
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < cute::size(fMax); ++i) {
           const float om = __shfl_down_sync(0xffffffff, fMax(i), lane_delta);
@@ -113,73 +101,26 @@ struct OnlineLseReduction : ConsumerOnlyNode<OnlineLseArguments> {
           fMax(i) = merged.max;
           fSum(i) = merged.sum;
         }
-      }
-      if (!is_reduced_lane) return;
-      // One store per (row, N-tile). Rows past M but inside the tile land in the padding.
-      const int row0 = M - int(cute::get<0>(residue));
-      float* pmax = params.max_partials + int64_t(tile_n) * rows_padded;
-      float* psum = params.sum_partials + int64_t(tile_n) * rows_padded;
-      CUTLASS_PRAGMA_UNROLL
-      for (int epi_m = 0; epi_m < int(cute::size<3>(tCcD)); ++epi_m) {
-        auto c_m = tCcD(cute::_, cute::_, cute::_, epi_m, _0{});
-        auto mx_m = rMax(cute::_, cute::_, cute::_, epi_m, _0{});
-        auto sm_m = rSum(cute::_, cute::_, cute::_, epi_m, _0{});
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < int(cute::size(c_m)); ++i) {
-          const int row = row0 + int(cute::get<0>(c_m(i)));
-          if (row < rows_padded) {
-            pmax[row] = mx_m(i);
-            psum[row] = sm_m(i);
-          }
-        }
-      }
+      });
+      if (!lanes.reduced_lane) return;
+      const auto target = row_partials_target<CtaTile>(M, residue, tile_n);
+      for_each_row_slot(tCcD, target, [&](int64_t idx, int i, int epi_m) {
+        params.max_partials[idx] = rMax(cute::_, cute::_, cute::_, epi_m, _0{})(i);
+        params.sum_partials[idx] = rSum(cute::_, cute::_, cute::_, epi_m, _0{})(i);
+      });
     }
   };
 
   template <bool ReferenceSrc, class... Args>
   CUTLASS_DEVICE auto get_consumer_store_callbacks(cf::ConsumerStoreArgs<Args...> const& args) {
-    using namespace cute;
-    // Lanes sharing a row: the same construction as CUTLASS's column reduction.
-    Layout ref_layout_MN = [&]() {
-      auto mn_shape = shape(typename decltype(args.tiled_copy)::Tiler_MN{});
-      if constexpr (ReferenceSrc) {
-        return right_inverse(args.tiled_copy.get_layoutS_TV()).with_shape(mn_shape);
-      } else {
-        return right_inverse(args.tiled_copy.get_layoutD_TV()).with_shape(mn_shape);
-      }
-    }();
-    using W = Int<decltype(args.tiled_copy)::TiledNumThr::value / cutlass::NumThreadsPerWarp>;
-    Layout tv2lane = Layout<Shape<Int<cutlass::NumThreadsPerWarp>, W, _1>, Stride<_1, _0, _0>>{};
-    Layout ref2lane = composition(tv2lane, ref_layout_MN);
-    Layout lane_layout_MN = make_layout(filter(get<0>(ref2lane)), filter(get<1>(ref2lane)));
-    Layout inv_lane_layout_MN = right_inverse(lane_layout_MN);
-    auto lane_mn =
-        idx2crd(inv_lane_layout_MN(cutlass::canonical_lane_idx()), shape(lane_layout_MN));
-    Layout tv2warp = Layout<Shape<Int<cutlass::NumThreadsPerWarp>, W, _1>, Stride<_0, _1, _0>>{};
-    Layout ref2warp = composition(tv2warp, ref_layout_MN);
-    Layout warp_layout_MN = make_layout(filter(get<0>(ref2warp)), filter(get<1>(ref2warp)));
-    static_assert(decltype(size<1>(warp_layout_MN))::value == 1,
-                  "OnlineLseReduction assumes one warp across N per row (true for sm90 wgmma)");
-
     auto [M, N, K, L] = args.problem_shape_mnkl;
     auto [m, n, k, l] = args.tile_coord_mnkl;
-    // Register state with one slot per row: partition a (CTA_M, CTA_N) layout with stride 0 along
-    // N exactly as the coordinates are partitioned, then allocate registers like it.
-    Tensor row_view = make_tensor(make_gmem_ptr(static_cast<float*>(nullptr)),
-                                  make_layout(take<0, 2>(CtaTile{}), make_stride(_1{}, _0{})));
-    Tensor tCrow = cf::detail::sm90_partition_for_epilogue<ReferenceSrc>(
-        row_view, args.epi_tile, args.tiled_copy,
-        args.thread_idx);  // (CPY,CPY_M,CPY_N,EPI_M,EPI_N)
-    Tensor rMax = make_tensor_like<float>(tCrow);
-    Tensor rSum = make_tensor_like<float>(tCrow);
-    fill(rMax, -INFINITY);
-    fill(rSum, 0.0f);
-    const int cta_m = int(size<0>(CtaTile{}));
-    const int rows_padded = int((M + cta_m - 1) / cta_m) * cta_m;
+    auto lanes = row_lanes<ReferenceSrc>(args);
+    auto rMax = make_row_state<ReferenceSrc, CtaTile>(args, -INFINITY);
+    auto rSum = make_row_state<ReferenceSrc, CtaTile>(args, 0.0f);
     return ConsumerStoreCallbacks<decltype(rMax), decltype(args.tCcD), decltype(args.residue_tCcD),
-                                  decltype(lane_layout_MN)>(
-        rMax, rSum, args.tCcD, args.residue_tCcD, lane_layout_MN, get<1>(lane_mn) == 0, int(M),
-        int(N), int(n), rows_padded, params);
+                                  decltype(lanes)>(rMax, rSum, args.tCcD, args.residue_tCcD, lanes,
+                                                   int(M), int(N), int(n), params);
   }
 };
 

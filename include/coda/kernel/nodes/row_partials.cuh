@@ -1,0 +1,101 @@
+#pragma once
+// Per-row state kept in registers over a whole CTA tile by the nodes that reduce along N
+// (OnlineLseReduction, SwigluBackwardNode), and the pieces around it: which lanes of a warp share
+// a row, the merge across them, and the one store per (row, N-tile) into a PartialLayout::per_row
+// buffer (row fastest, rows padded to the tile, one column of partials per N-tile).
+
+#include <cute/tensor.hpp>
+#include <cutlass/epilogue/fusion/sm90_visitor_tma_warpspecialized.hpp>
+
+#include "coda/kernel/nodes/common.cuh"
+
+namespace coda::kernel {
+
+// Lanes of a warp that hold the same rows of the epilogue tile, as CUTLASS's column reduction
+// derives them from the tiled copy; `reduced_lane` is the lane that writes a row's merged value.
+template <class LaneLayout>
+struct RowLanes {
+  LaneLayout lane_layout_MN;  // (lanes along M, lanes along N) -> lane index
+  bool reduced_lane;
+
+  // Calls merge(lane_delta) for each butterfly step that folds the lanes along N into lane 0.
+  template <class Merge>
+  CUTLASS_DEVICE void for_each_merge_step(Merge&& merge) const {
+    CUTLASS_PRAGMA_UNROLL
+    for (int offset = cute::size<1>(lane_layout_MN) / 2; offset > 0; offset /= 2) {
+      merge(lane_layout_MN(_0{}, offset));
+    }
+  }
+};
+
+template <bool ReferenceSrc, class StoreArgs>
+CUTLASS_DEVICE auto row_lanes(StoreArgs const& args) {
+  using namespace cute;
+  Layout ref_layout_MN = [&]() {
+    auto mn_shape = shape(typename decltype(args.tiled_copy)::Tiler_MN{});
+    if constexpr (ReferenceSrc) {
+      return right_inverse(args.tiled_copy.get_layoutS_TV()).with_shape(mn_shape);
+    } else {
+      return right_inverse(args.tiled_copy.get_layoutD_TV()).with_shape(mn_shape);
+    }
+  }();
+  using W = Int<decltype(args.tiled_copy)::TiledNumThr::value / cutlass::NumThreadsPerWarp>;
+  Layout tv2lane = Layout<Shape<Int<cutlass::NumThreadsPerWarp>, W, _1>, Stride<_1, _0, _0>>{};
+  Layout ref2lane = composition(tv2lane, ref_layout_MN);
+  Layout lane_layout_MN = make_layout(filter(get<0>(ref2lane)), filter(get<1>(ref2lane)));
+  Layout inv_lane_layout_MN = right_inverse(lane_layout_MN);
+  auto lane_mn = idx2crd(inv_lane_layout_MN(cutlass::canonical_lane_idx()), shape(lane_layout_MN));
+  Layout tv2warp = Layout<Shape<Int<cutlass::NumThreadsPerWarp>, W, _1>, Stride<_0, _1, _0>>{};
+  Layout ref2warp = composition(tv2warp, ref_layout_MN);
+  Layout warp_layout_MN = make_layout(filter(get<0>(ref2warp)), filter(get<1>(ref2warp)));
+  static_assert(decltype(size<1>(warp_layout_MN))::value == 1,
+                "per-row reductions assume one warp across N per row (true for sm90 wgmma)");
+  return RowLanes<decltype(lane_layout_MN)>{lane_layout_MN, get<1>(lane_mn) == 0};
+}
+
+// A register tensor with one slot per row the thread visits: a (CTA_M, CTA_N) layout with stride 0
+// along N, partitioned exactly as the epilogue partitions coordinates. (CPY,CPY_M,CPY_N,EPI_M,EPI_N)
+template <bool ReferenceSrc, class CtaTile, class StoreArgs>
+CUTLASS_DEVICE auto make_row_state(StoreArgs const& args, float init) {
+  using namespace cute;
+  Tensor row_view = make_tensor(make_gmem_ptr(static_cast<float*>(nullptr)),
+                                make_layout(take<0, 2>(CtaTile{}), make_stride(_1{}, _0{})));
+  Tensor tCrow = cf::detail::sm90_partition_for_epilogue<ReferenceSrc>(
+      row_view, args.epi_tile, args.tiled_copy, args.thread_idx);
+  Tensor state = make_tensor_like<float>(tCrow);
+  fill(state, init);
+  return state;
+}
+
+// Where a tile's per-row partials go: per_row layout, rows padded to the tile.
+struct RowPartialsTarget {
+  int row0;         // absolute row of the thread's first element
+  int rows_padded;  // M rounded up to the tile's M
+  int64_t column;   // N-tile index * rows_padded
+};
+
+template <class CtaTile, class Residue>
+CUTLASS_DEVICE RowPartialsTarget row_partials_target(int M, Residue const& residue, int tile_n) {
+  const int cta_m = int(cute::size<0>(CtaTile{}));
+  const int rows_padded = (M + cta_m - 1) / cta_m * cta_m;
+  return {M - int(cute::get<0>(residue)), rows_padded, int64_t(tile_n) * rows_padded};
+}
+
+// Calls store(index into the partial buffer, i, epi_m) once per row slot of the thread (epi_n = 0
+// covers every row: the state has stride 0 along N). Rows past M but inside the tile land in the
+// padding; nothing is written past it.
+template <class CoordTensor, class Store>
+CUTLASS_DEVICE void for_each_row_slot(CoordTensor const& tCcD, RowPartialsTarget const& t,
+                                      Store&& store) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int epi_m = 0; epi_m < int(cute::size<3>(tCcD)); ++epi_m) {
+    auto c_m = tCcD(cute::_, cute::_, cute::_, epi_m, _0{});
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < int(cute::size(c_m)); ++i) {
+      const int row = t.row0 + int(cute::get<0>(c_m(i)));
+      if (row < t.rows_padded) store(t.column + row, i, epi_m);
+    }
+  }
+}
+
+}  // namespace coda::kernel

@@ -1,0 +1,190 @@
+#pragma once
+// NOTE: sm90_visitor_tma_warpspecialized.hpp uses NumericArrayConverter without including it.
+#include <cutlass/numeric_conversion.h>
+
+#include <cuda_bf16.h>
+
+#include "coda/epilogue/elementwise.hpp"
+#include "coda/kernel/args.hpp"
+#include "coda/kernel/nodes/common.cuh"
+#include "coda/kernel/nodes/row_partials.cuh"
+
+namespace coda::kernel {
+
+// ---------------------------------------------------------------------------------------------
+// SwigluBackwardNode<CtaTile>: the whole B2 epilogue in one node; its one child is da (the
+// accumulator). Output column n owns the interleaved pair (2n, 2n+1) of z and dz, read and written
+// as one 32-bit element:
+//   (g, u) = z pair;  dg, du, a = SwiGluBackward(g, u, da)
+//   dz pair -> global memory (uint32, (M, N));  returns a (D);  ZdZ partial += g·dg + u·du
+// z and dz move between global memory and registers directly (no shared-memory staging): each
+// thread holds adjacent column pairs, so a quad of lanes covers 32 contiguous bytes of a row and
+// every sector is used whole; the z loads for the next subtile are issued while this one is
+// computed (begin_loop), the dz stores after it (end_loop). ZdZ stays in one register per row over the tile and is merged across
+// the lanes sharing the row once, at the end (per_row partials, like OnlineLseReduction).
+// Requires N % 4 == 0 (vector accesses never straddle the end of a row); the op layer checks
+// N % 8 == 0 for TMA already.
+// ---------------------------------------------------------------------------------------------
+namespace swiglu_backward {
+
+CUTLASS_DEVICE float2 unpack_pair(uint32_t bits) {
+  __nv_bfloat162 v;
+  memcpy(&v, &bits, 4);
+  return __bfloat1622float2(v);
+}
+CUTLASS_DEVICE uint32_t pack_pair(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  uint32_t bits;
+  memcpy(&bits, &v, 4);
+  return bits;
+}
+
+}  // namespace swiglu_backward
+
+template <class CtaTile>
+struct SwigluBackwardNode : ConsumerOnlyNode<SwigluBackwardArgs> {
+  using Params = SwigluBackwardArgs;
+  using Arguments = Params;
+  static constexpr int kMaxVector = 4;  // 16-byte accesses at most
+
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const& shape, Arguments const& a) {
+    auto [M, N, K, L] = cute::append<4>(shape, 1);
+    return a.z && a.dz && a.zdz_partials && N % kMaxVector == 0 && a.ldz % kMaxVector == 0 &&
+           a.lddz % kMaxVector == 0;
+  }
+
+  CUTLASS_HOST_DEVICE SwigluBackwardNode() {}
+  CUTLASS_HOST_DEVICE SwigluBackwardNode(Params const& p, SharedStorage const&) : params(p) {}
+  Params params;
+
+  template <class GTensor, class CTensor, class ZTensor, class RTensor, class RowState, class CoordTensor,
+            class Residue, class Lanes, class ShapeMNL>
+  struct ConsumerStoreCallbacks : cf::EmptyConsumerStoreCallbacks {
+    CUTLASS_DEVICE ConsumerStoreCallbacks(GTensor gz, GTensor gdz, CTensor cz, ZTensor rz,
+                                          RTensor rdz, RowState zdz, CoordTensor c, Residue r,
+                                          Lanes lanes, ShapeMNL shape, int tile_n,
+                                          Params const& p)
+        : tC_gZ(gz), tC_gDz(gdz), tC_cZ(cz), tC_rZ(rz), tC_rDz(rdz), rZdZ(zdz), tCcD(c),
+          residue(r), lanes(lanes), shape_mnl(shape), tile_n(tile_n), params(p) {}
+    GTensor tC_gZ, tC_gDz;  // (CPY,CPY_M,CPY_N,EPI_M,EPI_N) global z / dz of this tile
+    CTensor tC_cZ;          // their absolute (m, n, l) coordinates
+    ZTensor tC_rZ;          // (CPY,CPY_M,CPY_N,2) two subtiles of z in registers
+    RTensor tC_rDz;         // (CPY,CPY_M,CPY_N) one subtile of dz
+    RowState rZdZ;          // one slot per row (stride 0 along N)
+    CoordTensor tCcD;       // thread-relative coordinates (for the row partials)
+    Residue residue;
+    Lanes lanes;
+    ShapeMNL shape_mnl;
+    int tile_n;
+    Params const& params;
+
+    // Vectorized, predicated copies of one subtile between global memory and registers.
+    template <class Src, class Dst>
+    CUTLASS_DEVICE void copy_subtile(Src&& src, Dst&& dst, int epi_m, int epi_n) {
+      using namespace cute;
+      constexpr auto MCL = decltype(max_common_layout(tC_gZ(_, _, _, _0{}, _0{}), tC_rDz)){};
+      constexpr int V = cute::min(kMaxVector, int(size(MCL)));
+      Tensor src_vec = recast<cutlass::Array<uint32_t, V>>(coalesce(src));
+      Tensor dst_vec = recast<cutlass::Array<uint32_t, V>>(coalesce(dst));
+      Tensor c_vec = tensor<1>(
+          zipped_divide(coalesce(tC_cZ(_, _, _, epi_m, epi_n)), MCL.compose(Int<V>{})));
+      Tensor p_vec = cute::lazy::transform(
+          c_vec, [&](auto const& c) { return elem_less(c, shape_mnl); });
+      copy_if(p_vec, src_vec, dst_vec);
+    }
+
+    // Subtiles are visited epi_m fastest (the collective's loop order, fully unrolled), so the
+    // z of subtile s + 1 is loaded while subtile s is computed: two register buffers.
+    static constexpr int kEpiM = decltype(cute::size<3>(std::declval<GTensor>()))::value;
+    static constexpr int kEpiN = decltype(cute::size<4>(std::declval<GTensor>()))::value;
+    CUTLASS_DEVICE void load_z(int s) {
+      if (s >= kEpiM * kEpiN) return;
+      const int epi_m = s % kEpiM, epi_n = s / kEpiM;
+      auto buffer = tC_rZ(cute::_, cute::_, cute::_, s & 1);
+      // Rows past M keep z = 0, so they add exactly 0 to ZdZ (the accumulator is 0 there too).
+      cute::fill(buffer, 0u);
+      copy_subtile(tC_gZ(cute::_, cute::_, cute::_, epi_m, epi_n), buffer, epi_m, epi_n);
+    }
+
+    CUTLASS_DEVICE void begin_loop(int epi_m, int epi_n) {
+      const int s = epi_n * kEpiM + epi_m;
+      if (s == 0) load_z(0);
+      load_z(s + 1);
+    }
+
+    template <class ElementAccumulator, class ElementInput, int F>
+    CUTLASS_DEVICE cutlass::Array<float, F> visit(cutlass::Array<ElementAccumulator, F> const&,
+                                                  int epi_v, int epi_m, int epi_n,
+                                                  cutlass::Array<ElementInput, F> const& da) {
+      auto z_frg = cute::recast<cutlass::Array<uint32_t, F>>(
+          cute::coalesce(tC_rZ(cute::_, cute::_, cute::_, (epi_n * kEpiM + epi_m) & 1)));
+      auto dz_frg = cute::recast<cutlass::Array<uint32_t, F>>(cute::coalesce(tC_rDz));
+      cutlass::Array<uint32_t, F> const& z = z_frg(epi_v);
+      cutlass::Array<uint32_t, F> dz;
+      auto zdz_mn = rZdZ(cute::_, cute::_, cute::_, epi_m, epi_n);
+      cutlass::Array<float, F> a;
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < F; ++i) {
+        const float2 gu = swiglu_backward::unpack_pair(z[i]);
+        float dg, du;
+        epilogue::SwiGluBackward{}(gu.x, gu.y, static_cast<float>(da[i]), dg, du, a[i]);
+        dz[i] = swiglu_backward::pack_pair(dg, du);
+        zdz_mn(epi_v * F + i) += gu.x * dg + gu.y * du;
+      }
+      dz_frg(epi_v) = dz;
+      return a;
+    }
+
+    CUTLASS_DEVICE void end_loop(int epi_m, int epi_n) {
+      copy_subtile(tC_rDz, tC_gDz(cute::_, cute::_, cute::_, epi_m, epi_n), epi_m, epi_n);
+    }
+
+    template <class STensor, class SyncFn, class VTensor>
+    CUTLASS_DEVICE void reduce(STensor&&, SyncFn const&, int, int, bool is_last_iteration,
+                               VTensor) {
+      if (!is_last_iteration) return;
+      auto f = cute::filter(rZdZ);
+      lanes.for_each_merge_step([&](int lane_delta) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < cute::size(f); ++i) f(i) += __shfl_down_sync(0xffffffff, f(i), lane_delta);
+      });
+      if (!lanes.reduced_lane) return;
+      const auto target =
+          row_partials_target<CtaTile>(int(cute::get<0>(shape_mnl)), residue, tile_n);
+      for_each_row_slot(tCcD, target, [&](int64_t idx, int i, int epi_m) {
+        params.zdz_partials[idx] = rZdZ(cute::_, cute::_, cute::_, epi_m, _0{})(i);
+      });
+    }
+  };
+
+  template <bool ReferenceSrc, class... Args>
+  CUTLASS_DEVICE auto get_consumer_store_callbacks(cf::ConsumerStoreArgs<Args...> const& args) {
+    using namespace cute;
+    auto [M, N, K, L] = args.problem_shape_mnkl;
+    auto [m, n, k, l] = args.tile_coord_mnkl;
+    auto shape_mnl = make_shape(M, N, L);
+    auto partition = [&](auto const& t) {
+      return cf::detail::sm90_partition_for_epilogue<ReferenceSrc>(
+          t, args.tile_shape_mnk, args.tile_coord_mnkl, args.epi_tile, args.tiled_copy,
+          args.thread_idx);
+    };
+    // z is only read: the const is cast away so z and dz share one tensor type.
+    Tensor tC_gZ = partition(make_tensor(make_gmem_ptr(const_cast<uint32_t*>(params.z)), shape_mnl,
+                                         make_stride(params.ldz, _1{}, int64_t(0))));
+    Tensor tC_gDz = partition(
+        make_tensor(make_gmem_ptr(params.dz), shape_mnl, make_stride(params.lddz, _1{}, int64_t(0))));
+    Tensor tC_cZ = partition(make_identity_tensor(shape_mnl));
+    Tensor tC_rZ = make_tensor<uint32_t>(append(take<0, 3>(shape(tC_gZ)), _2{}));
+    Tensor tC_rDz = make_tensor<uint32_t>(take<0, 3>(shape(tC_gZ)));
+    auto rZdZ = make_row_state<ReferenceSrc, CtaTile>(args, 0.0f);
+    auto lanes = row_lanes<ReferenceSrc>(args);
+    return ConsumerStoreCallbacks<decltype(tC_gZ), decltype(tC_cZ), decltype(tC_rZ),
+                                  decltype(tC_rDz), decltype(rZdZ), decltype(args.tCcD), decltype(args.residue_tCcD),
+                                  decltype(lanes), decltype(shape_mnl)>(
+        tC_gZ, tC_gDz, tC_cZ, tC_rZ, tC_rDz, rZdZ, args.tCcD, args.residue_tCcD, lanes, shape_mnl,
+        int(n), params);
+  }
+};
+
+}  // namespace coda::kernel
