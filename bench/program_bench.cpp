@@ -108,12 +108,14 @@ int main(int argc, char** argv) {
   std::printf("%-11s %-13s %6s %6s %6s | %-22s %8s %8s %7s | check\n", "model", "op", "M", "N", "K",
               "config", "plain", "fused", "ratio");
   uint64_t seed = 1;
-  // --only MODEL:OP, --m M, --config NAME select single cases (e.g. to profile one under ncu).
+  // --only MODEL:OP, --op OP, --m M, --config NAME select cases (e.g. to profile one under ncu).
   const std::string only = args.count("only") ? args["only"] : "";
+  const std::string only_op = args.count("op") ? args["op"] : "";  // --op NAME: every model
   const int only_m = args.count("m") ? std::stoi(args["m"]) : 0;
   const std::string only_config = args.count("config") ? args["config"] : "";
   for (const Case& c : cases(args.count("quick"))) {
     if (!only.empty() && c.model + ":" + c.op != only) continue;
+    if (!only_op.empty() && c.op != only_op) continue;
     if (only_m && c.m != only_m) continue;
     const size_t na = size_t(c.m) * c.k, nw = size_t(c.n) * c.k, nd = size_t(c.m) * c.n;
     const bool xw = c.operands == kernel::Operands::kXW;

@@ -103,7 +103,7 @@ struct OnlineLseReduction : ConsumerOnlyNode<OnlineLseArguments> {
         }
       });
       if (!lanes.reduced_lane) return;
-      const auto target = row_partials_target<CtaTile>(M, residue, tile_n);
+      const auto target = row_partials_target<CtaTile>(M, N, residue, tile_n);
       for_each_row_slot(tCcD, target, [&](int64_t idx, int i, int epi_m) {
         params.max_partials[idx] = rMax(cute::_, cute::_, cute::_, epi_m, _0{})(i);
         params.sum_partials[idx] = rSum(cute::_, cute::_, cute::_, epi_m, _0{})(i);

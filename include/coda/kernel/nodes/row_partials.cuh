@@ -72,21 +72,27 @@ struct RowPartialsTarget {
   int row0;         // absolute row of the thread's first element
   int rows_padded;  // M rounded up to the tile's M
   int64_t column;   // N-tile index * rows_padded
+  bool in_bounds;   // false for a CTA wholly past N (a cluster partly out of the problem)
 };
 
 template <class CtaTile, class Residue>
-CUTLASS_DEVICE RowPartialsTarget row_partials_target(int M, Residue const& residue, int tile_n) {
+CUTLASS_DEVICE RowPartialsTarget row_partials_target(int M, int N, Residue const& residue,
+                                                     int tile_n) {
   const int cta_m = int(cute::size<0>(CtaTile{}));
+  const int cta_n = int(cute::size<1>(CtaTile{}));
   const int rows_padded = (M + cta_m - 1) / cta_m * cta_m;
-  return {M - int(cute::get<0>(residue)), rows_padded, int64_t(tile_n) * rows_padded};
+  return {M - int(cute::get<0>(residue)), rows_padded, int64_t(tile_n) * rows_padded,
+          tile_n * cta_n < N};
 }
 
 // Calls store(index into the partial buffer, i, epi_m) once per row slot of the thread (epi_n = 0
 // covers every row: the state has stride 0 along N). Rows past M but inside the tile land in the
-// padding; nothing is written past it.
+// padding; nothing is written past it, nor for a CTA past the last N-tile (clusters along N
+// round the grid up: such a CTA has no column in the buffer).
 template <class CoordTensor, class Store>
 CUTLASS_DEVICE void for_each_row_slot(CoordTensor const& tCcD, RowPartialsTarget const& t,
                                       Store&& store) {
+  if (!t.in_bounds) return;
   CUTLASS_PRAGMA_UNROLL
   for (int epi_m = 0; epi_m < int(cute::size<3>(tCcD)); ++epi_m) {
     auto c_m = tCcD(cute::_, cute::_, cute::_, epi_m, _0{});

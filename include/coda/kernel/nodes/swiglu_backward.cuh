@@ -63,10 +63,11 @@ struct SwigluBackwardNode : ConsumerOnlyNode<SwigluBackwardArgs> {
   struct ConsumerStoreCallbacks : cf::EmptyConsumerStoreCallbacks {
     CUTLASS_DEVICE ConsumerStoreCallbacks(GTensor gz, GTensor gdz, CTensor cz, ZTensor rz,
                                           RTensor rdz, RowState zdz, CoordTensor c, Residue r,
-                                          Lanes lanes, ShapeMNL shape, int tile_n,
-                                          Params const& p)
+                                          Lanes lanes, ShapeMNL shape, int tile_m, int tile_n,
+                                          int thread_idx, int num_threads, Params const& p)
         : tC_gZ(gz), tC_gDz(gdz), tC_cZ(cz), tC_rZ(rz), tC_rDz(rdz), rZdZ(zdz), tCcD(c),
-          residue(r), lanes(lanes), shape_mnl(shape), tile_n(tile_n), params(p) {}
+          residue(r), lanes(lanes), shape_mnl(shape), tile_m(tile_m), tile_n(tile_n),
+          thread_idx(thread_idx), num_threads(num_threads), params(p) {}
     GTensor tC_gZ, tC_gDz;  // (CPY,CPY_M,CPY_N,EPI_M,EPI_N) global z / dz of this tile
     CTensor tC_cZ;          // their absolute (m, n, l) coordinates
     ZTensor tC_rZ;          // (CPY,CPY_M,CPY_N,2) two subtiles of z in registers
@@ -76,7 +77,8 @@ struct SwigluBackwardNode : ConsumerOnlyNode<SwigluBackwardArgs> {
     Residue residue;
     Lanes lanes;
     ShapeMNL shape_mnl;
-    int tile_n;
+    int tile_m, tile_n;
+    int thread_idx, num_threads;  // within the threads that run this epilogue
     Params const& params;
 
     // Vectorized, predicated copies of one subtile between global memory and registers.
@@ -105,6 +107,21 @@ struct SwigluBackwardNode : ConsumerOnlyNode<SwigluBackwardArgs> {
       // Rows past M keep z = 0, so they add exactly 0 to ZdZ (the accumulator is 0 there too).
       cute::fill(buffer, 0u);
       copy_subtile(tC_gZ(cute::_, cute::_, cute::_, epi_m, epi_n), buffer, epi_m, epi_n);
+    }
+
+    // Once per tile, before its subtiles: ask L2 for the tile's whole z (one bulk prefetch per
+    // row), so that only the first subtile's loads wait for DRAM.
+    CUTLASS_DEVICE void begin() {
+      constexpr int kCtaM = cute::size<0>(CtaTile{}), kCtaN = cute::size<1>(CtaTile{});
+      const int M = int(cute::get<0>(shape_mnl)), N = int(cute::get<1>(shape_mnl));
+      const int row0 = tile_m * kCtaM, col0 = tile_n * kCtaN;
+      const int cols = cute::min(kCtaN, N - col0);
+      if (cols <= 0) return;
+      for (int r = thread_idx; r < kCtaM && row0 + r < M; r += num_threads) {
+        const uint32_t* p = params.z + int64_t(row0 + r) * params.ldz + col0;
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(cols * 4)
+                     : "memory");
+      }
     }
 
     CUTLASS_DEVICE void begin_loop(int epi_m, int epi_n) {
@@ -151,7 +168,8 @@ struct SwigluBackwardNode : ConsumerOnlyNode<SwigluBackwardArgs> {
       });
       if (!lanes.reduced_lane) return;
       const auto target =
-          row_partials_target<CtaTile>(int(cute::get<0>(shape_mnl)), residue, tile_n);
+          row_partials_target<CtaTile>(int(cute::get<0>(shape_mnl)),
+                                                    int(cute::get<1>(shape_mnl)), residue, tile_n);
       for_each_row_slot(tCcD, target, [&](int64_t idx, int i, int epi_m) {
         params.zdz_partials[idx] = rZdZ(cute::_, cute::_, cute::_, epi_m, _0{})(i);
       });
@@ -183,7 +201,7 @@ struct SwigluBackwardNode : ConsumerOnlyNode<SwigluBackwardArgs> {
                                   decltype(tC_rDz), decltype(rZdZ), decltype(args.tCcD), decltype(args.residue_tCcD),
                                   decltype(lanes), decltype(shape_mnl)>(
         tC_gZ, tC_gDz, tC_cZ, tC_rZ, tC_rDz, rZdZ, args.tCcD, args.residue_tCcD, lanes, shape_mnl,
-        int(n), params);
+        int(m), int(n), args.thread_idx, int(size(args.tiled_copy)), params);
   }
 };
 
