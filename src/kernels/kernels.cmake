@@ -27,9 +27,7 @@ set(CODA_ALL_KERNELS
   "RmsnormBackward:Ping128x128x64_1x2:XW"
   "RmsnormCrossEntropyBackward:Ping128x128x64_1x2:XWt"
   "SwigluBackward:Ping128x128x64_1x2:XW"
-  "SwigluBackward:Ping128x192x64_2x1:XW"
   "Plain:Ping128x128x64_1x2:XW"
-  "Plain:Ping128x192x64_2x1:XW"
   "Plain:Coop128x256x64_2x1:XtY"
   # tests: the fragment pairing every pairwise epilogue relies on, per schedule
   "PairLayoutProbe:Ping128x128x64_1x2:XWt"

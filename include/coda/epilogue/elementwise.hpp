@@ -13,22 +13,32 @@
 
 namespace coda::epilogue {
 
-// exp with the GPU's fast path for fp32 (one MUFU.EX2 plus a multiply); exact libm on the host.
+// exp with the GPU's fast path for fp32 (a multiply and one MUFU.EX2, denormal results flushed to
+// zero: the epilogue rounds to bf16 or sums into fp32 partials, where they do not matter); exact
+// libm on the host.
 template <class T>
 CODA_HD T exp_approx(T x) {
 #if defined(__CUDA_ARCH__)
-  if constexpr (sizeof(T) == 4) return __expf(x);
+  if constexpr (sizeof(T) == 4) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+    return y;
+  }
 #endif
   using std::exp;
   return exp(x);
 }
 
-// 1 / x with the GPU's reciprocal (MUFU.RCP + one Newton step, correctly rounded) for fp32: an
-// IEEE division costs a multi-instruction sequence per element in the epilogue.
+// 1 / x with the GPU's approximate reciprocal for fp32 (one MUFU.RCP, within 1 ulp): the correctly
+// rounded forms (IEEE division, __frcp_rn) add a Newton step and a slow-path branch per element.
 template <class T>
 CODA_HD T reciprocal(T x) {
 #if defined(__CUDA_ARCH__)
-  if constexpr (sizeof(T) == 4) return __frcp_rn(x);
+  if constexpr (sizeof(T) == 4) {
+    float y;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+  }
 #endif
   return T(1) / x;
 }

@@ -75,7 +75,7 @@ struct OnlineLseReduction : ConsumerOnlyNode<OnlineLseArguments> {
           sm = sm * epilogue::OnlineMaxSumExp<float>::scaled(mx, x) + 1.0f;
           mx = x;
         } else {
-          sm += __expf(x - mx);
+          sm += epilogue::exp_approx(x - mx);
         }
         // Targets are vocabulary indices (< 2^31) or ignore_index: a 32-bit compare suffices.
         if (static_cast<int>(targets[i]) == col0 + int(cute::get<1>(c))) {

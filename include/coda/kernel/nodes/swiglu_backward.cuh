@@ -65,6 +65,8 @@ struct SwigluBackwardNode : ConsumerOnlyNode<SwigluBackwardArgs> {
                                           int thread_idx, int num_threads, Params const& p)
         : tC_gZ(gz), tC_gDz(gdz), tC_cZ(cz), tC_rZ(rz), rZdZ(zdz), tCcD(c),
           residue(r), lanes(lanes), shape_mnl(shape), tile_m(tile_m), tile_n(tile_n),
+          full_tile((tile_m + 1) * int(cute::size<0>(CtaTile{})) <= int(cute::get<0>(shape)) &&
+                    (tile_n + 1) * int(cute::size<1>(CtaTile{})) <= int(cute::get<1>(shape))),
           thread_idx(thread_idx), num_threads(num_threads), params(p) {}
     GTensor tC_gZ, tC_gDz;  // (CPY,CPY_M,CPY_N,EPI_M,EPI_N) global z / dz of this tile
     CTensor tC_cZ;          // their absolute (m, n, l) coordinates
@@ -75,6 +77,7 @@ struct SwigluBackwardNode : ConsumerOnlyNode<SwigluBackwardArgs> {
     Lanes lanes;
     ShapeMNL shape_mnl;
     int tile_m, tile_n;
+    bool full_tile;               // the tile lies wholly inside (M, N): no per-pair bounds checks
     int thread_idx, num_threads;  // within the threads that run this epilogue
     Params const& params;
 
@@ -89,7 +92,8 @@ struct SwigluBackwardNode : ConsumerOnlyNode<SwigluBackwardArgs> {
       CUTLASS_PRAGMA_UNROLL
       for (int e = 0; e < int(cute::size(regs)); e += 2) {
         uint2 v = make_uint2(0u, 0u);  // rows past M: z = 0 adds exactly 0 to ZdZ
-        if (cute::elem_less(c(e), shape_mnl)) v = __ldg(reinterpret_cast<const uint2*>(&g(e)));
+        if (full_tile || cute::elem_less(c(e), shape_mnl))
+          v = __ldg(reinterpret_cast<const uint2*>(&g(e)));
         regs(e) = v.x;
         regs(e + 1) = v.y;
       }
@@ -152,7 +156,7 @@ struct SwigluBackwardNode : ConsumerOnlyNode<SwigluBackwardArgs> {
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < F; i += 2) {
         const int e = epi_v * F + i;
-        if (cute::elem_less(c(e), shape_mnl))
+        if (full_tile || cute::elem_less(c(e), shape_mnl))
           *reinterpret_cast<uint2*>(&g_dz(e)) = make_uint2(dz[i], dz[i + 1]);
       }
       return a;

@@ -1,0 +1,236 @@
+#pragma once
+// NOTE: sm90_visitor_tma_warpspecialized.hpp uses NumericArrayConverter without including it.
+#include <cutlass/numeric_conversion.h>
+
+#include <cuda_bf16.h>
+
+#include "coda/kernel/args.hpp"
+#include "coda/kernel/nodes/common.cuh"
+#include "coda/kernel/nodes/row_partials.cuh"
+#include "coda/programs/formulas.hpp"
+
+namespace coda::kernel {
+
+// ---------------------------------------------------------------------------------------------
+// RmsnormBackwardNode<CtaTile>: the B1 epilogue in one node. The accumulator is g = dz · W; the
+// children give dres (C), r (per row), γ (per column) and ZdZ (per row). Per element:
+//   dx = dres + r·(g·γ − x·r·ZdZ)   returned (D; may alias C)
+//   h  = x·r·γ                      -> global memory (bf16, (M, N)), a 32-bit store per pair
+//   dγ partial[n, m-tile] += g·x·r  one register per column over the tile
+// x is read from global memory by the node (a 32-bit load per column pair, one subtile ahead;
+// fragment elements (2j, 2j+1) are adjacent columns, N % 8 == 0, so a pair is wholly inside or
+// outside). dγ is merged across the lanes sharing a column (shuffles), then across the warps
+// through the collective's store buffer (fixed order, so the result is deterministic), and
+// written once per (column, M-tile) as PartialLayout::per_column.
+// Replaces a topological visitor whose fp32 fragments lived in a 1040-byte stack frame and whose
+// stock column reduction had 205-way shared-memory bank conflicts (docs/performance-notes.md).
+// ---------------------------------------------------------------------------------------------
+namespace rmsnorm_backward {
+
+CUTLASS_DEVICE float2 unpack_pair(uint32_t bits) {
+  __nv_bfloat162 v;
+  memcpy(&v, &bits, 4);
+  return __bfloat1622float2(v);
+}
+CUTLASS_DEVICE uint32_t pack_pair(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  uint32_t bits;
+  memcpy(&bits, &v, 4);
+  return bits;
+}
+
+}  // namespace rmsnorm_backward
+
+template <class CtaTile>
+struct RmsnormBackwardNode : ConsumerOnlyNode<RmsnormBackwardArgs> {
+  using Params = RmsnormBackwardArgs;
+  using Arguments = Params;
+  static constexpr int kCtaM = cute::size<0>(CtaTile{});
+  static constexpr int kCtaN = cute::size<1>(CtaTile{});
+
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const& shape, Arguments const& a) {
+    auto [M, N, K, L] = cute::append<4>(shape, 1);
+    return a.x && a.h_out && a.dgamma_partials && N % 2 == 0 && a.ldx % 2 == 0 && a.ldh % 2 == 0;
+  }
+
+  CUTLASS_HOST_DEVICE RmsnormBackwardNode() {}
+  CUTLASS_HOST_DEVICE RmsnormBackwardNode(Params const& p, SharedStorage const&) : params(p) {}
+  Params params;
+
+  template <class GTensor, class CTensor, class XTensor, class ColState, class CtaCoords,
+            class ShapeMNL, class LaneLayout>
+  struct ConsumerStoreCallbacks : cf::EmptyConsumerStoreCallbacks {
+    CUTLASS_DEVICE ConsumerStoreCallbacks(GTensor gx, GTensor gh, CTensor c, XTensor rx,
+                                          ColState dg, CtaCoords cta, ShapeMNL shape,
+                                          LaneLayout lanes, bool column_lane, int tile_m,
+                                          int tile_n, int thread_idx, Params const& p)
+        : tC_gX(gx), tC_gH(gh), tC_c(c), tC_rX(rx), rDgamma(dg), tC_cta(cta), shape_mnl(shape),
+          lanes_mn(lanes), column_lane(column_lane),
+          tile_m(tile_m), tile_n(tile_n),
+          full_tile((tile_m + 1) * kCtaM <= int(cute::get<0>(shape)) &&
+                    (tile_n + 1) * kCtaN <= int(cute::get<1>(shape))),
+          thread_idx(thread_idx), params(p) {}
+    GTensor tC_gX, tC_gH;  // (CPY,CPY_M,CPY_N,EPI_M,EPI_N) global x / h of this tile (bf16)
+    CTensor tC_c;          // their absolute (m, n, l) coordinates
+    XTensor tC_rX;         // (pairs, 2) two subtiles of x in registers, a bf16 pair per slot
+    ColState rDgamma;      // one slot per column (stride 0 along M)
+    CtaCoords tC_cta;      // CTA-relative (m, n) of every element
+    ShapeMNL shape_mnl;
+    LaneLayout lanes_mn;  // (lanes along M, lanes along N) -> lane, as for the row partials
+    bool column_lane;     // this lane's M-coordinate is 0: it holds the warp's column sums
+    int tile_m, tile_n;
+    bool full_tile;  // the tile lies wholly inside (M, N): no per-pair bounds checks
+    int thread_idx;
+    Params const& params;
+
+    static constexpr int kEpiM = decltype(cute::size<3>(std::declval<GTensor>()))::value;
+    static constexpr int kEpiN = decltype(cute::size<4>(std::declval<GTensor>()))::value;
+
+    CUTLASS_DEVICE void load_x(int s) {
+      if (s >= kEpiM * kEpiN) return;
+      const int epi_m = s % kEpiM, epi_n = s / kEpiM;
+      auto regs = tC_rX(cute::_, s % 2);
+      auto g = tC_gX(cute::_, cute::_, cute::_, epi_m, epi_n);
+      auto c = tC_c(cute::_, cute::_, cute::_, epi_m, epi_n);
+      CUTLASS_PRAGMA_UNROLL
+      for (int e = 0; e < 2 * int(cute::size(regs)); e += 2) {
+        uint32_t v = 0u;  // rows past M: x = 0
+        if (full_tile || cute::elem_less(c(e), shape_mnl))
+          v = __ldg(reinterpret_cast<const unsigned int*>(&g(e)));
+        regs(e / 2) = v;
+      }
+    }
+
+    // Subtiles are visited epi_m fastest (the collective's loop order, fully unrolled): the x of
+    // subtile s + 1 is loaded while subtile s is computed.
+    CUTLASS_DEVICE void begin_loop(int epi_m, int epi_n) {
+      const int s = epi_n * kEpiM + epi_m;
+      if (s == 0) load_x(0);
+      load_x(s + 1);
+    }
+
+    template <class ElementAccumulator, class ElementC, class ElementR, class ElementG,
+              class ElementZ, int F>
+    CUTLASS_DEVICE cutlass::Array<float, F> visit(
+        cutlass::Array<ElementAccumulator, F> const& acc, int epi_v, int epi_m, int epi_n,
+        cutlass::Array<ElementC, F> const& dres, cutlass::Array<ElementR, F> const& r,
+        cutlass::Array<ElementG, F> const& gamma, cutlass::Array<ElementZ, F> const& zdz) {
+      static_assert(F % 2 == 0, "fragments hold whole column pairs");
+      const int s = epi_n * kEpiM + epi_m;
+      auto x_regs = tC_rX(cute::_, s % 2);
+      auto g_h = tC_gH(cute::_, cute::_, cute::_, epi_m, epi_n);
+      auto c = tC_c(cute::_, cute::_, cute::_, epi_m, epi_n);
+      auto dg_mn = rDgamma(cute::_, cute::_, cute::_, epi_m, epi_n);
+      cutlass::Array<float, F> dx;
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < F; i += 2) {
+        const int e = epi_v * F + i;
+        const float2 x = rmsnorm_backward::unpack_pair(x_regs(e / 2));
+        const float xs[2] = {x.x, x.y};
+        float h[2];
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < 2; ++j) {
+          const float g = float(acc[i + j]), rr = float(r[i + j]), ga = float(gamma[i + j]);
+          dx[i + j] = programs::RmsnormBackwardDx{}(g, float(dres[i + j]), xs[j], rr, ga,
+                                                    float(zdz[i + j]));
+          h[j] = programs::NormalizedScaled{}(xs[j], rr, ga);
+          dg_mn(e + j) += programs::GradTimesNormalized{}(g, xs[j], rr);
+        }
+        if (full_tile || cute::elem_less(c(e), shape_mnl))
+          *reinterpret_cast<uint32_t*>(&g_h(e)) = rmsnorm_backward::pack_pair(h[0], h[1]);
+      }
+      return dx;
+    }
+
+    template <class STensor, class SyncFn, class VTensor>
+    CUTLASS_DEVICE void reduce(STensor&& smem_buffer, SyncFn const& sync_fn, int, int,
+                               bool is_last_iteration, VTensor) {
+      if (!is_last_iteration) return;
+      // 1. The lanes holding the same columns (different rows): a butterfly along the lanes'
+      // M direction leaves each column's warp sum in the lanes with M-coordinate 0.
+      auto f = cute::filter(rDgamma);
+      const auto& lanes = lanes_mn;
+      CUTLASS_PRAGMA_UNROLL
+      for (int offset = cute::size<0>(lanes) / 2; offset > 0; offset /= 2) {
+        const int delta = lanes(offset, _0{});
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < cute::size(f); ++i) f(i) += __shfl_down_sync(0xffffffff, f(i), delta);
+      }
+      // 2. The warps (each holds different rows of every column), through the store buffer,
+      // summed in a fixed order.
+      constexpr int kWarps = 4;
+      static_assert(kCtaN * 4 * sizeof(float) <=
+                        decltype(cute::cosize(smem_buffer.layout()))::value *
+                            sizeof(typename cute::remove_cvref_t<STensor>::value_type),
+                    "dγ reduction needs (4 warps x tile N) floats of the store buffer");
+      float* sbuf = reinterpret_cast<float*>(cute::raw_pointer_cast(smem_buffer.data()));
+      const int warp = thread_idx / 32;
+      sync_fn();
+      if (column_lane) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < int(cute::size(rDgamma)); ++i) {
+          // Every (row, column) slot of the thread: slots of one column hold one value.
+          const int col = int(cute::get<1>(tC_cta(i)));
+          sbuf[warp * kCtaN + col] = rDgamma(i);
+        }
+      }
+      sync_fn();
+      const bool cta_in_bounds = tile_m * kCtaM < int(cute::get<0>(shape_mnl)) &&
+                                 tile_n * kCtaN < int(cute::get<1>(shape_mnl));
+      if (cta_in_bounds) {
+        const int64_t cols_padded =
+            (int64_t(cute::get<1>(shape_mnl)) + kCtaN - 1) / kCtaN * kCtaN;
+        for (int col = thread_idx; col < kCtaN; col += kWarps * 32) {
+          float sum = 0.0f;
+          CUTLASS_PRAGMA_UNROLL
+          for (int w = 0; w < kWarps; ++w) sum += sbuf[w * kCtaN + col];
+          params.dgamma_partials[int64_t(tile_n) * kCtaN + col + cols_padded * tile_m] = sum;
+        }
+      }
+      sync_fn();
+    }
+  };
+
+  template <bool ReferenceSrc, class... Args>
+  CUTLASS_DEVICE auto get_consumer_store_callbacks(cf::ConsumerStoreArgs<Args...> const& args) {
+    using namespace cute;
+    static_assert(decltype(size(args.tiled_copy))::value == 128,
+                  "RmsnormBackwardNode: one warpgroup per tile (pingpong)");
+    auto [M, N, K, L] = args.problem_shape_mnkl;
+    auto [m, n, k, l] = args.tile_coord_mnkl;
+    auto shape_mnl = make_shape(M, N, L);
+    auto partition = [&](auto const& t) {
+      return cf::detail::sm90_partition_for_epilogue<ReferenceSrc>(
+          t, args.tile_shape_mnk, args.tile_coord_mnkl, args.epi_tile, args.tiled_copy,
+          args.thread_idx);
+    };
+    using bf16 = cutlass::bfloat16_t;
+    // x is only read: the const is cast away so x and h share one tensor type.
+    Tensor tC_gX = partition(make_tensor(make_gmem_ptr(const_cast<bf16*>(
+                                             reinterpret_cast<const bf16*>(params.x))),
+                                         shape_mnl, make_stride(params.ldx, _1{}, int64_t(0))));
+    Tensor tC_gH = partition(make_tensor(make_gmem_ptr(reinterpret_cast<bf16*>(params.h_out)),
+                                         shape_mnl, make_stride(params.ldh, _1{}, int64_t(0))));
+    Tensor tC_c = partition(make_identity_tensor(shape_mnl));
+    constexpr int kPairs = decltype(size(take<0, 3>(shape(tC_gX))))::value / 2;
+    Tensor tC_rX = make_tensor<uint32_t>(make_shape(Int<kPairs>{}, _2{}));
+    // One slot per column: a (CTA_M, CTA_N) layout with stride 0 along M, partitioned like D.
+    Tensor col_view = make_tensor(make_gmem_ptr(static_cast<float*>(nullptr)),
+                                  make_layout(take<0, 2>(CtaTile{}), make_stride(_0{}, _1{})));
+    Tensor rDgamma = make_tensor_like<float>(cf::detail::sm90_partition_for_epilogue<ReferenceSrc>(
+        col_view, args.epi_tile, args.tiled_copy, args.thread_idx));
+    fill(rDgamma, 0.0f);
+    auto tC_cta = cta_coords<ReferenceSrc>(args);
+    const auto lanes = row_lanes<ReferenceSrc>(args).lane_layout_MN;
+    const auto lane_mn =
+        idx2crd(right_inverse(lanes)(cutlass::canonical_lane_idx()), shape(lanes));
+    return ConsumerStoreCallbacks<decltype(tC_gX), decltype(tC_c), decltype(tC_rX),
+                                  decltype(rDgamma), decltype(tC_cta), decltype(shape_mnl),
+                                  decltype(lanes)>(
+        tC_gX, tC_gH, tC_c, tC_rX, rDgamma, tC_cta, shape_mnl, lanes, get<0>(lane_mn) == 0,
+        int(m), int(n), args.thread_idx, params);
+  }
+};
+
+}  // namespace coda::kernel
