@@ -12,10 +12,17 @@ import glob
 import json
 import math
 import os
+import re
+
+
+def run_key(path):
+    """(date, run number): 'run16' sorts after 'run9', which a plain string sort gets wrong."""
+    m = re.match(r"(\d{4}-\d{2}-\d{2})-run(\d+)", os.path.basename(path))
+    return (m.group(1), int(m.group(2))) if m else (os.path.basename(path), -1)
 
 
 def latest(results, pattern):
-    files = sorted(glob.glob(os.path.join(results, pattern)))
+    files = sorted(glob.glob(os.path.join(results, pattern)), key=run_key)
     return files[-1] if files else None
 
 
@@ -54,7 +61,49 @@ def program_table(path):
     for r in d["rows"]:
         out.append(f"| {r['model']} | {r['op']} | {r['m']} | {r['n']} | {r['k']} | {r['config']} | "
                    f"{r['plain_ms']:.3f} | {r['fused_ms']:.3f} | {r['fused_over_plain']:.3f} |")
+    plot = program_plot(d, path)
+    if plot:
+        out.append(f"\n![fused / plain per op]({plot})")
     return out + [""]
+
+
+def program_plot(d, path):
+    """Fused / plain per op and model at the best configuration measured for the op."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    best = {}
+    for r in d["rows"]:
+        key = (r["op"], r["model"], r["m"])
+        if r["fused_over_plain"] == r["fused_over_plain"] and (
+                key not in best or r["fused_ms"] < best[key]["fused_ms"]):
+            best[key] = r
+    ops = sorted({k[0] for k in best}, key=lambda o: (o.split("+")[1], o))
+    models = sorted({k[1] for k in best}, key=lambda m: float(m.split("-")[1].rstrip("B")))
+    ms = sorted({k[2] for k in best})
+    fig, axes = plt.subplots(1, len(ms), figsize=(6 * len(ms), 3.8), sharey=True, squeeze=False)
+    width = 0.8 / len(models)
+    for ax, m in zip(axes[0], ms):
+        for i, model in enumerate(models):
+            ys = [best[(o, model, m)]["fused_over_plain"] if (o, model, m) in best else 0 for o in ops]
+            ax.bar([j + i * width for j in range(len(ops))], ys, width, label=model)
+        ax.axhline(1.03, color="g", lw=0.8, ls="--", label="1.03 (forward target)")
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(ops))])
+        ax.set_xticklabels(ops, rotation=30, ha="right", fontsize=8)
+        ax.set_title(f"M = {m}")
+        ax.set_ylim(0.8, max(2.0, max(r["fused_over_plain"] for r in best.values()) + 0.1))
+    axes[0][0].set_ylabel("fused time / plain GEMM time")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle("Epilogue cost: each fused program vs our plain GEMM (H200, best config per op)")
+    fig.tight_layout()
+    name = "img/" + os.path.basename(path).replace(".json", ".png")
+    os.makedirs(os.path.join("docs", "img"), exist_ok=True)
+    fig.savefig(os.path.join("docs", name), dpi=110)
+    return name
 
 
 def chain_table(path):
