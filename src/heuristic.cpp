@@ -32,14 +32,14 @@ KernelChoice program_config(Program p, int m, int n, int k) {
       // 2I = 32768, 128x128 at 70B.
       if (n < 32768) return {Config::kPing128x192x64_2x1, deep};
       return {Config::kPing128x128x64_1x2, deep};
-    // F4 and B4 keep swizzle 1 at every K: with swizzle 8 (K > 2048) the LM-head loss came out
-    // NaN on the H200 for H = 4096 / 8192 (run 14, .diag), while the GPU tests (K = 136) only
-    // ever ran swizzle 1. Open: why the scheduler's swizzle breaks these two epilogues.
+    // Swizzle 8 at K > 2048 pads the tile grid with tiles wholly past N; the LSE node used to
+    // write their partials past the end of its buffers (NaN losses at H >= 4096, run 14), fixed
+    // in nodes/row_partials.cuh. The GPU tests run every program under swizzle 8 too.
     case Program::kRmsnormLse:
-      return {Config::kPing128x192x64_2x1, {1, Raster::kAlongM}};
+      return {Config::kPing128x192x64_2x1, deep};
     case Program::kRmsnormCrossEntropyBackward:
       // 128x192 spilled (128 bytes, its fp32 DAG holds ten fragments): 128x128 does not.
-      return {Config::kPing128x128x64_1x2, {1, Raster::kAlongM}};
+      return {Config::kPing128x128x64_1x2, deep};
     case Program::kRmsnormLseLogits:
       return {Config::kCoop128x256x64_2x1, deep};
     case Program::kResidualRmsnormPartial:

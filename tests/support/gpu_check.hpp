@@ -55,11 +55,24 @@ inline reference::TileConfig reference_tiles(Config c) {
   return {t.m, t.n, std::string(config_name(c)).rfind("coop", 0) == 0 ? 128 : 64, 32};
 }
 
+// The scheduler options of every test launch: swizzle 1 (what the heuristic gives these tests'
+// small K) unless CODA_TEST_SWIZZLE (1/2/4/8) and CODA_TEST_RASTER (M/N) say otherwise.
+// scripts/gpu-check runs the GPU tests again with swizzle 8 along M and along N, what the op layer
+// picks at K > 2048: swizzling pads the tile grid with tiles wholly outside the problem, which
+// every epilogue node must leave alone.
+inline SchedulerOptions test_schedule() {
+  SchedulerOptions so;
+  if (const char* s = std::getenv("CODA_TEST_SWIZZLE")) so.swizzle = std::atoi(s);
+  if (const char* r = std::getenv("CODA_TEST_RASTER"))
+    so.raster = r[0] == 'N' ? Raster::kAlongN : r[0] == 'M' ? Raster::kAlongM : Raster::kHeuristic;
+  return so;
+}
+
 inline void run(Program p, Config c, const GemmProblem& prob, const void* args,
                 Operands o = Operands::kXWt) {
   const LaunchFn fn = find_kernel(p, c, o);
   ASSERT_NE(fn, nullptr);
-  CODA_CUDA_CHECK(fn(prob, args, SchedulerOptions{}, nullptr));
+  CODA_CUDA_CHECK(fn(prob, args, test_schedule(), nullptr));
   CODA_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
