@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """LM head + cross-entropy, forward + backward, on the GPU: time and peak extra memory of
 
-  coda_chunked      torch.ops.coda.lm_head_loss, logits never stored (F4 + A2), backward in token
-                    chunks of dℓ bounded by --chunk-bytes (B4 + B1 + dW per chunk)
-  coda_one_chunk    the same with one chunk (dℓ for all tokens held at once)
+  coda_chunked      torch.ops.coda.lm_head_loss, logits never stored (F4 + A2), backward in
+                    vocabulary slices whose scratch is bounded by --chunk-bytes (B4 + B1 + dW
+                    per slice)
+  coda_one_chunk    the same with one slice (dℓ for all tokens and the whole vocabulary at once)
   eager             RMSNorm, bf16 logits = h·Wᵀ, F.cross_entropy on fp32 logits (as HF does)
   compile           torch.compile of the eager function
   liger             RMSNorm (PyTorch) + Liger's fused linear cross-entropy (if importable)
@@ -12,7 +13,8 @@
 at the LLaMA-3 1B / 8B / 70B hidden sizes, V = 128256, M = 8192 and 16384. Every method's loss and
 gradients are checked against the eager one before it is timed; times are medians of interleaved
 rounds (CUDA events); peak extra memory is max_memory_allocated during one forward + backward minus
-the memory held before it (inputs, weights). One JSON per run; a progress line per measurement.
+the memory held before it (inputs, weights), gradients included (outputs_MiB says how much of it
+they are). One JSON per run; a progress line per measurement.
 """
 
 from __future__ import annotations
@@ -121,6 +123,8 @@ def main():
             out = fwd_bwd(fn, x, gamma, w, t)
             torch.cuda.synchronize()
             row["peak_extra_MiB"][name] = (torch.cuda.max_memory_allocated() - base) / 2**20
+            # What every method must hold at the end: the loss and the three gradients.
+            row["outputs_MiB"] = sum(v.numel() * v.element_size() for v in out) / 2**20
             del out
         del ref
         fns = dict(ms, gemm_floor=None)

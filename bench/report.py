@@ -157,15 +157,16 @@ def lm_head_table(path):
            f"backward minus what was held before (gradients included); coda's dℓ chunk budget "
            f"{d['chunk_bytes'] / 2**30:.0f} GiB. Issue 6 asks ≥ 1.12× torch.compile and ≤ 1 GiB.\n",
            "| H | M | " + " | ".join(f"{m} ms" for m in methods) +
-           " | coda chunked vs compile | peak extra MiB: coda chunked / compile / Liger |",
-           "|---|---|" + "---|" * (len(methods) + 2)]
+           " | coda chunked vs compile | peak extra MiB: coda chunked / compile / Liger | of which gradients (MiB) |",
+           "|---|---|" + "---|" * (len(methods) + 3)]
     for r in d["rows"]:
         ms = r["ms"]
         pk = r["peak_extra_MiB"]
         out.append(f"| {r['H']} | {r['M']} | " +
                    " | ".join(f"{ms[m]:.2f}" if m in ms else "—" for m in methods) +
                    f" | {r['coda_chunked_speedup_vs_compile']:.2f} | "
-                   f"{pk['coda_chunked']:.0f} / {pk['compile']:.0f} / {pk.get('liger', float('nan')):.0f} |")
+                   f"{pk['coda_chunked']:.0f} / {pk['compile']:.0f} / {pk.get('liger', float('nan')):.0f} | "
+                   f"{r.get('outputs_MiB', float('nan')):.0f} |")
     if d.get("skipped"):
         out.append(f"\nSkipped: {d['skipped']}")
     if d.get("liger_unavailable"):

@@ -239,41 +239,52 @@ std::tuple<Tensor, Tensor, Tensor> lm_head_loss_backward(
   if (red == LossReduction::kMean) scale = scale / counted.sum().to(at::kFloat);
   scale = at::where(counted, scale, at::zeros({}, scale.options())).contiguous();
 
-  // Tokens are processed in chunks so that dℓ (chunk × V bf16) stays within max_chunk_bytes.
-  int64_t chunk = std::max<int64_t>(8, (max_chunk_bytes / (vocab * 2)) / 8 * 8);
-  chunk = std::min(chunk, m);
-  const bool chunked = chunk < m;
-  // Offsets c0 = k·chunk keep r/lse/scale (4 B), targets (8 B) and h/x rows 16-byte aligned.
-  TORCH_INTERNAL_ASSERT(!chunked || chunk % 8 == 0);
-  Tensor dlogits = at::empty({chunk, vocab}, x.options());
-  Tensor dx = at::zeros_like(x), dgamma32 = at::zeros({hidden}, stat_options(c));
-  Tensor dw32 = chunked ? at::zeros({vocab, hidden}, stat_options(c)) : Tensor(), dw;
-  Tensor dgamma_chunk = chunked ? at::empty({hidden}, stat_options(c)) : dgamma32;
-  for (int64_t c0 = 0; c0 < m; c0 += chunk) {
-    const int64_t cm = std::min(chunk, m - c0);
-    const auto rows = [&](const Tensor& t) { return t.narrow(0, c0, cm); };
-    Tensor dl = dlogits.narrow(0, 0, cm), dx_c = rows(dx);
-    const auto layout =
-        ops::cross_entropy_backward_partials_layout(int(cm), int(vocab), int(hidden));
-    Tensor partials = partial_buffer(layout, x), zdz = at::empty({cm}, stat_options(c));
-    // B4: dℓ recomputed from h in the LM head's epilogue, with ZdZ of the final norm.
+  // The vocabulary is processed in slices so that the backward's scratch stays within
+  // max_chunk_bytes: dℓ for every token and one slice of columns (M × slice, bf16), plus, when
+  // sliced, an fp32 dx accumulator and B1's h_out (M × H × 6 bytes; dx itself is the output).
+  // Per slice:
+  //   B4  dℓ[:, slice] recomputed from h, with the slice's share of ZdZ;
+  //   B1  the final norm's backward of g_s = dℓ[:, slice] · W[slice] — linear in (g, ZdZ), so
+  //       the slices' dx and dγ add up (fp32), each slice rounded once to bf16 by B1;
+  //   dW[slice] = dℓ[:, slice]ᵀ · h_out: exact, one GEMM over all tokens, written in place
+  //       (no fp32 V × H accumulator).
+  const auto st = stat_options(c);
+  const int64_t sliced_scratch = m * hidden * 6;
+  int64_t slice = vocab;
+  if (m * vocab * 2 > max_chunk_bytes) {
+    slice = std::max<int64_t>(0, max_chunk_bytes - sliced_scratch) / (m * 2) / 8 * 8;
+    slice = std::clamp<int64_t>(slice, 8, vocab);
+  }
+  const bool sliced = slice < vocab;
+  Tensor dl_buf = at::empty({m * slice}, x.options());
+  Tensor dw = at::empty_like(w_vocab, at::MemoryFormat::Contiguous);
+  Tensor dx = at::zeros_like(x), dgamma32 = at::zeros({hidden}, st);
+  Tensor dx32 = sliced ? at::zeros(x.sizes(), st) : Tensor();
+  Tensor dgamma_s = sliced ? at::empty({hidden}, st) : dgamma32;
+  for (int64_t v0 = 0; v0 < vocab; v0 += slice) {
+    const int64_t vs = std::min(slice, vocab - v0);
+    Tensor dl = dl_buf.narrow(0, 0, m * vs).view({m, vs});
+    Tensor w_s = w_vocab.narrow(0, v0, vs);
+    // B4 matches targets against the slice's own column indices.
+    Tensor t_s = v0 == 0 ? targets : (targets - v0);
+    const auto layout = ops::cross_entropy_backward_partials_layout(int(m), int(vs), int(hidden));
+    Tensor partials = partial_buffer(layout, x), zdz = at::empty({m}, st);
     ops::gemm_rmsnorm_cross_entropy_backward(
-        bf(rows(h)), bf(w_vocab), f32(rows(r)), f32(rows(lse)), f32(rows(scale)),
-        rows(targets).data_ptr<int64_t>(), float(z_loss), bf_out(dl), f32_out(partials),
-        int(cm), int(vocab), int(hidden), s);
+        bf(h), bf(w_s), f32(r), f32(lse), f32(scale), t_s.data_ptr<int64_t>(), float(z_loss),
+        bf_out(dl), f32_out(partials), int(m), int(vs), int(hidden), s);
     ops::zdz_fold(f32(partials), layout, int(hidden), f32_out(zdz), s);
-    // B1 (final norm) and dW_vocab = dℓᵀ · h_out.
-    const Tensor h_out =
-        rmsnorm_backward(dl, w_vocab, rows(x), rows(r), gamma, zdz, dx_c, dx_c, dgamma_chunk);
-    Tensor dw_c = weight_grad(dl, h_out);
-    if (chunked) {
-      dgamma32.add_(dgamma_chunk);
-      dw32.add_(dw_c);
-    } else {
-      dw = dw_c;
+    if (sliced) dx.zero_();  // dx is the slice's dres and output; the sum lives in dx32
+    const Tensor h_out = rmsnorm_backward(dl, w_s, x, r, gamma, zdz, dx, dx, dgamma_s);
+    ops::gemm_xty(bf(dl), bf(h_out), bf_out(dw) + v0 * hidden, int(vs), int(hidden), int(m), s);
+    if (sliced) {
+      dx32.add_(dx);
+      dgamma32.add_(dgamma_s);
     }
   }
-  if (chunked) dw = dw32.to(w_vocab.scalar_type());
+  if (sliced) {
+    dl_buf = Tensor();
+    dx.copy_(dx32);
+  }
   return {dx, dgamma32.to(gamma.scalar_type()), dw};
 }
 

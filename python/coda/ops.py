@@ -145,8 +145,8 @@ def lm_head_loss(
     0 where ignored). ``z_loss`` adds ``z_loss * lse**2`` per counted token. Returns
     ``(loss, lse)``, both in the stat dtype; differentiable in ``x``, ``gamma``, ``w_vocab``
     through ``loss`` only.
-    ``max_chunk_bytes`` bounds the logits kept alive at once (tokens are processed in chunks);
-    ``None`` keeps the op's default.
+    ``max_chunk_bytes`` bounds the backward's scratch memory (dℓ for one slice of the
+    vocabulary, and the fp32 dx accumulator when sliced); ``None`` keeps the op's default (1 GiB).
     """
     if targets.dtype == torch.int32:
         targets = targets.to(torch.int64)
