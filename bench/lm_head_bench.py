@@ -96,6 +96,8 @@ def main():
     ap.add_argument("--commit", default=os.environ.get("CODA_COMMIT", "unknown"))
     ap.add_argument("--chunk-bytes", type=int, default=1 << 30)
     ap.add_argument("--reps", type=int, default=8)
+    ap.add_argument("--shape", action="append", default=None, metavar="H,M",
+                    help="only these (H, M) pairs (repeatable); default: all of SHAPES")
     ap.add_argument("--time-budget", type=float, default=330.0,
                     help="seconds; shapes not started by then are listed as skipped")
     args = ap.parse_args()
@@ -106,7 +108,8 @@ def main():
     ms = methods(args.chunk_bytes)
     if "liger_unavailable" in ms:
         result["liger_unavailable"] = ms.pop("liger_unavailable")
-    for H, M in SHAPES:
+    shapes = [tuple(int(v) for v in hm.split(",")) for hm in args.shape] if args.shape else SHAPES
+    for H, M in shapes:
         if time.time() - t_start > args.time_budget:
             result["skipped"].append({"H": H, "M": M, "why": "time budget"})
             continue
