@@ -20,9 +20,7 @@ namespace coda::kernel {
 // z and dz move between global memory and registers directly (no shared-memory staging): each
 // thread holds adjacent column pairs, so a quad of lanes covers 32 contiguous bytes of a row and
 // every sector is used whole. L2 is asked for the tile's z when its epilogue starts; subtile loads
-// run one subtile ahead where registers allow; dz is stored from visit. z and dz are streamed
-// (evict-first loads and stores): each is touched once here, and the GEMM's operand tiles are
-// what L2 should keep. ZdZ stays in one register per row over the tile and is merged across
+// run one subtile ahead where registers allow; dz is stored from visit. ZdZ stays in one register per row over the tile and is merged across
 // the lanes sharing the row once, at the end (per_row partials, like OnlineLseReduction).
 // Requires N % 4 == 0 and 16-byte aligned rows; the op layer checks N % 8 == 0 for TMA already.
 // ---------------------------------------------------------------------------------------------
@@ -95,7 +93,7 @@ struct SwigluBackwardNode : ConsumerOnlyNode<SwigluBackwardArgs> {
       for (int e = 0; e < int(cute::size(regs)); e += 2) {
         uint2 v = make_uint2(0u, 0u);  // rows past M: z = 0 adds exactly 0 to ZdZ
         if (full_tile || cute::elem_less(c(e), shape_mnl))
-          v = __ldcs(reinterpret_cast<const uint2*>(&g(e)));  // read once: evict first
+          v = __ldg(reinterpret_cast<const uint2*>(&g(e)));
         regs(e) = v.x;
         regs(e + 1) = v.y;
       }
@@ -159,7 +157,7 @@ struct SwigluBackwardNode : ConsumerOnlyNode<SwigluBackwardArgs> {
       for (int i = 0; i < F; i += 2) {
         const int e = epi_v * F + i;
         if (full_tile || cute::elem_less(c(e), shape_mnl))
-          __stcs(reinterpret_cast<uint2*>(&g_dz(e)), make_uint2(dz[i], dz[i + 1]));
+          *reinterpret_cast<uint2*>(&g_dz(e)) = make_uint2(dz[i], dz[i + 1]);
       }
       return a;
     }
