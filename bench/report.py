@@ -234,6 +234,63 @@ def fsdp_table(path):
             f"({v.get('per_gpu_throughput_ratio', float('nan')):.2f}×).", ""]
 
 
+def summary(results):
+    """Where we beat each baseline and where we do not, from the latest file of each benchmark."""
+    out = ["## Summary: where coda is faster than each baseline, and where it is not\n",
+           "Speed ratio = baseline time / our time (> 1: we are faster), same run, same machine. "
+           "**Bold**: we are faster.\n"]
+
+    def cell(base, ours):
+        if not base or not ours or base != base or ours != ours:
+            return "—"
+        r = base / ours
+        return f"**{r:.2f}**" if r > 1.0 else f"{r:.2f}"
+
+    rows = ["| benchmark (source) | model / shape | vs eager | vs torch.compile | vs Liger | vs GEMM-only floor |",
+            "|---|---|---|---|---|---|"]
+    for pattern, label in (("*-chain-fwd.json", "forward layer chain"),
+                           ("*-chain-fwd-bwd*.json", "layer chain fwd + bwd")):
+        path = latest(results, pattern)
+        if not path:
+            continue
+        for r in json.load(open(path))["rows"]:
+            ours = r.get("ms_coda")
+            rows.append(f"| {label} ({os.path.basename(path)}) | {r['model']} M={r['m']} | "
+                        f"{cell(r.get('ms_eager'), ours)} | {cell(r.get('ms_compile'), ours)} | "
+                        f"{cell(r.get('ms_liger'), ours)} | {cell(r.get('ms_gemm_only'), ours)} |")
+    path = latest(results, "*-lm-head.json")
+    if path:
+        for r in json.load(open(path))["rows"]:
+            ms = r["ms"]
+            ours = ms.get("coda_chunked")
+            rows.append(f"| LM head + CE fwd + bwd, sliced ({os.path.basename(path)}) | H={r['H']} M={r['M']} | "
+                        f"{cell(ms.get('eager'), ours)} | {cell(ms.get('compile'), ours)} | "
+                        f"{cell(ms.get('liger'), ours)} | {cell(ms.get('gemm_floor'), ours)} |")
+    out += rows + [""]
+    path = latest(results, "*-gemm.json")
+    if path:
+        g = [r for r in json.load(open(path))["rows"] if r.get("kind") == "best"]
+        faster = [r for r in g if r["ratio_vs_cublas"] >= 1.0]
+        worst = min(g, key=lambda r: r["ratio_vs_cublas"])
+        out.append(f"- Plain GEMM vs cuBLAS ({os.path.basename(path)}): as fast or faster on "
+                   f"{len(faster)} of {len(g)} shapes; slowest {worst['ratio_vs_cublas']:.3f} "
+                   f"({worst['model']} {worst['op']}, M={worst['m']}).")
+    path = latest(results, "*-programs.json")
+    if path:
+        best = {}
+        for r in json.load(open(path))["rows"]:
+            key = (r["model"], r["op"], r["m"])
+            if r["fused_over_plain"] == r["fused_over_plain"] and (
+                    key not in best or r["fused_ms"] < best[key]["fused_ms"]):
+                best[key] = r
+        over = sorted((r for r in best.values() if r["fused_over_plain"] > 1.03),
+                      key=lambda r: -r["fused_over_plain"])
+        out.append(f"- Fused programs vs our plain GEMM ({os.path.basename(path)}, best config per op): "
+                   f"{len(best) - len(over)} of {len(best)} within 1.03×; above it: " +
+                   ", ".join(f"{r['model']} {r['op']} M={r['m']} {r['fused_over_plain']:.2f}×" for r in over) + ".")
+    return out + [""]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--results", default="bench/results")
@@ -243,6 +300,7 @@ def main():
              "All numbers: one NVIDIA H200 (the lent machine), bf16 in, fp32 accumulate. Absolute times "
              "drift between runs by up to ~20% (clock and power state); compare ratios measured in the "
              "same run.\n"]
+    lines += summary(a.results)
     for pattern, fn in (("*-gemm.json", gemm_table), ("*-programs.json", program_table),
                         ("*-chain-fwd.json", chain_table), ("*-chain-fwd-bwd*.json", train_table),
                         ("*-lm-head.json", lm_head_table), ("*-train-compare.json", train_compare_table),
