@@ -108,7 +108,7 @@ int main(int argc, char** argv) {
   std::printf("%-11s %-13s %6s %6s %6s | %-22s %8s %8s %7s | check\n", "model", "op", "M", "N", "K",
               "config", "plain", "fused", "ratio");
   uint64_t seed = 1;
-  // --only MODEL:OP, --op OP, --m M, --config NAME select cases (e.g. to profile one under ncu).
+  // --only MODEL:OP, --op OP, --m M, --config NAME select cases; --swizzle, --raster override (e.g. to profile one under ncu).
   const std::string only = args.count("only") ? args["only"] : "";
   const std::string only_op = args.count("op") ? args["op"] : "";  // --op NAME: every model
   const int only_m = args.count("m") ? std::stoi(args["m"]) : 0;
@@ -222,8 +222,12 @@ int main(int argc, char** argv) {
       if (!fused_fn || !plain_fn) continue;
       if (!only_config.empty() && only_config != kernel::config_name(cfg)) continue;
       // The scheduler options the op layer would use for this program and shape.
-      const kernel::SchedulerOptions so =
+      kernel::SchedulerOptions so =
           kernel::choose_config(c.program, c.operands, c.m, c.n, c.k).scheduler;
+      // --swizzle N / --raster M|N override them (both timed kernels), to explore.
+      if (args.count("swizzle")) so.swizzle = std::stoi(args["swizzle"]);
+      if (args.count("raster"))
+        so.raster = args["raster"] == "N" ? kernel::Raster::kAlongN : kernel::Raster::kAlongM;
       // Spot check of the fused result.
       CODA_CUDA_CHECK(cudaMemset(d, 0xff, nd * 2));
       if (tl) CODA_CUDA_CHECK(cudaMemset(tl, 0xff, c.m * 4));
@@ -315,6 +319,10 @@ int main(int argc, char** argv) {
                          .set("n", c.n)
                          .set("k", c.k)
                          .set("config", kernel::config_name(cfg))
+                         .set("swizzle", so.swizzle)
+                         .set("raster", so.raster == kernel::Raster::kAlongN   ? "N"
+                                        : so.raster == kernel::Raster::kAlongM ? "M"
+                                                                               : "heuristic")
                          .set("check", ok ? "ok" : "FAIL")
                          .set("plain_ms", t_plain)
                          .set("fused_ms", t_fused)
