@@ -42,6 +42,11 @@ KernelChoice program_config(Program p, int m, int n, int k) {
       return {Config::kPing128x128x64_1x2, deep};
     case Program::kRmsnormLseLogits:
       return {Config::kCoop128x256x64_2x1, deep};
+    case Program::kSwigluBackward:
+      // Swizzle 8 along M was the fastest B2 at every LLaMA shape of a sweep of swizzle 1/2/4/8 x
+      // raster M/N (run 24: 1B 7% faster than swizzle 1; its epilogue streams z and dz, and a
+      // swizzled order keeps the operand tiles in L2).
+      return {Config::kPing128x128x64_1x2, {8, Raster::kAlongM}};
     case Program::kResidualRmsnormPartial:
     case Program::kRmsnormRope:
       // The plain GEMM's choice (F1: out/down-proj, F3: QKV have N <= 10240): pingpong 128x128
