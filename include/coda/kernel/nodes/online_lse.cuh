@@ -92,7 +92,7 @@ struct OnlineLseReduction : ConsumerOnlyNode<OnlineLseArguments> {
       // Merge across the lanes that hold the same rows (a row's columns within a warp).
       auto fMax = cute::filter(rMax);
       auto fSum = cute::filter(rSum);
-      lanes.for_each_merge_step([&](int lane_delta) {
+      lanes.for_each_row_merge_step([&](int lane_delta) {
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < cute::size(fMax); ++i) {
           const float om = __shfl_down_sync(0xffffffff, fMax(i), lane_delta);
@@ -102,7 +102,7 @@ struct OnlineLseReduction : ConsumerOnlyNode<OnlineLseArguments> {
           fSum(i) = merged.sum;
         }
       });
-      if (!lanes.reduced_lane) return;
+      if (!lanes.row_lane) return;
       const auto target = row_partials_target<CtaTile>(M, N, residue, tile_n);
       for_each_row_slot(tCcD, target, [&](int64_t idx, int i, int epi_m) {
         params.max_partials[idx] = rMax(cute::_, cute::_, cute::_, epi_m, _0{})(i);
@@ -115,7 +115,7 @@ struct OnlineLseReduction : ConsumerOnlyNode<OnlineLseArguments> {
   CUTLASS_DEVICE auto get_consumer_store_callbacks(cf::ConsumerStoreArgs<Args...> const& args) {
     auto [M, N, K, L] = args.problem_shape_mnkl;
     auto [m, n, k, l] = args.tile_coord_mnkl;
-    auto lanes = row_lanes<ReferenceSrc>(args);
+    auto lanes = warp_lanes<ReferenceSrc>(args);
     auto rMax = make_row_state<ReferenceSrc, CtaTile>(args, -INFINITY);
     auto rSum = make_row_state<ReferenceSrc, CtaTile>(args, 0.0f);
     return ConsumerStoreCallbacks<decltype(rMax), decltype(args.tCcD), decltype(args.residue_tCcD),

@@ -2,10 +2,9 @@
 // NOTE: sm90_visitor_tma_warpspecialized.hpp uses NumericArrayConverter without including it.
 #include <cutlass/numeric_conversion.h>
 
-#include <cuda_bf16.h>
-
 #include "coda/kernel/args.hpp"
 #include "coda/kernel/nodes/common.cuh"
+#include "coda/kernel/nodes/global_access.cuh"
 #include "coda/kernel/nodes/row_partials.cuh"
 #include "coda/programs/formulas.hpp"
 
@@ -25,22 +24,6 @@ namespace coda::kernel {
 // Replaces a topological visitor whose fp32 fragments lived in a 1040-byte stack frame and whose
 // stock column reduction had 205-way shared-memory bank conflicts (docs/performance-notes.md).
 // ---------------------------------------------------------------------------------------------
-namespace rmsnorm_backward {
-
-CUTLASS_DEVICE float2 unpack_pair(uint32_t bits) {
-  __nv_bfloat162 v;
-  memcpy(&v, &bits, 4);
-  return __bfloat1622float2(v);
-}
-CUTLASS_DEVICE uint32_t pack_pair(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  uint32_t bits;
-  memcpy(&bits, &v, 4);
-  return bits;
-}
-
-}  // namespace rmsnorm_backward
-
 template <class CtaTile>
 struct RmsnormBackwardNode : ConsumerOnlyNode<RmsnormBackwardArgs> {
   using Params = RmsnormBackwardArgs;
@@ -59,17 +42,16 @@ struct RmsnormBackwardNode : ConsumerOnlyNode<RmsnormBackwardArgs> {
   Params params;
 
   template <class GTensor, class CTensor, class XTensor, class ColState, class CtaCoords,
-            class ShapeMNL, class LaneLayout>
+            class ShapeMNL, class Lanes>
   struct ConsumerStoreCallbacks : cf::EmptyConsumerStoreCallbacks {
     CUTLASS_DEVICE ConsumerStoreCallbacks(GTensor gx, GTensor gh, CTensor c, XTensor rx,
                                           ColState dg, CtaCoords cta, ShapeMNL shape,
-                                          LaneLayout lanes, bool column_lane, int tile_m,
-                                          int tile_n, int thread_idx, Params const& p)
+                                          Lanes lanes, int tile_m, int tile_n, int thread_idx,
+                                          Params const& p)
         : tC_gX(gx), tC_gH(gh), tC_c(c), tC_rX(rx), rDgamma(dg), tC_cta(cta), shape_mnl(shape),
-          lanes_mn(lanes), column_lane(column_lane),
-          tile_m(tile_m), tile_n(tile_n),
-          full_tile((tile_m + 1) * kCtaM <= int(cute::get<0>(shape)) &&
-                    (tile_n + 1) * kCtaN <= int(cute::get<1>(shape))),
+          lanes(lanes), tile_m(tile_m), tile_n(tile_n),
+          full_tile(tile_inside<CtaTile>(tile_m, tile_n, int(cute::get<0>(shape)),
+                                         int(cute::get<1>(shape)))),
           thread_idx(thread_idx), params(p) {}
     GTensor tC_gX, tC_gH;  // (CPY,CPY_M,CPY_N,EPI_M,EPI_N) global x / h of this tile (bf16)
     CTensor tC_c;          // their absolute (m, n, l) coordinates
@@ -77,8 +59,7 @@ struct RmsnormBackwardNode : ConsumerOnlyNode<RmsnormBackwardArgs> {
     ColState rDgamma;      // one slot per column (stride 0 along M)
     CtaCoords tC_cta;      // CTA-relative (m, n) of every element
     ShapeMNL shape_mnl;
-    LaneLayout lanes_mn;  // (lanes along M, lanes along N) -> lane, as for the row partials
-    bool column_lane;     // this lane's M-coordinate is 0: it holds the warp's column sums
+    Lanes lanes;
     int tile_m, tile_n;
     bool full_tile;  // the tile lies wholly inside (M, N): no per-pair bounds checks
     int thread_idx;
@@ -126,7 +107,7 @@ struct RmsnormBackwardNode : ConsumerOnlyNode<RmsnormBackwardArgs> {
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < F; i += 2) {
         const int e = epi_v * F + i;
-        const float2 x = rmsnorm_backward::unpack_pair(x_regs(e / 2));
+        const float2 x = unpack_bf16_pair(x_regs(e / 2));
         const float xs[2] = {x.x, x.y};
         float h[2];
         CUTLASS_PRAGMA_UNROLL
@@ -138,7 +119,7 @@ struct RmsnormBackwardNode : ConsumerOnlyNode<RmsnormBackwardArgs> {
           dg_mn(e + j) += programs::GradTimesNormalized{}(g, xs[j], rr);
         }
         if (full_tile || cute::elem_less(c(e), shape_mnl))
-          *reinterpret_cast<uint32_t*>(&g_h(e)) = rmsnorm_backward::pack_pair(h[0], h[1]);
+          *reinterpret_cast<uint32_t*>(&g_h(e)) = pack_bf16_pair(h[0], h[1]);
       }
       return dx;
     }
@@ -147,16 +128,13 @@ struct RmsnormBackwardNode : ConsumerOnlyNode<RmsnormBackwardArgs> {
     CUTLASS_DEVICE void reduce(STensor&& smem_buffer, SyncFn const& sync_fn, int, int,
                                bool is_last_iteration, VTensor) {
       if (!is_last_iteration) return;
-      // 1. The lanes holding the same columns (different rows): a butterfly along the lanes'
-      // M direction leaves each column's warp sum in the lanes with M-coordinate 0.
+      // 1. The lanes holding the same columns (different rows) merge into the column lane.
       auto f = cute::filter(rDgamma);
-      const auto& lanes = lanes_mn;
-      CUTLASS_PRAGMA_UNROLL
-      for (int offset = cute::size<0>(lanes) / 2; offset > 0; offset /= 2) {
-        const int delta = lanes(offset, _0{});
+      lanes.for_each_column_merge_step([&](int lane_delta) {
         CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < cute::size(f); ++i) f(i) += __shfl_down_sync(0xffffffff, f(i), delta);
-      }
+        for (int i = 0; i < cute::size(f); ++i)
+          f(i) += __shfl_down_sync(0xffffffff, f(i), lane_delta);
+      });
       // 2. The warps (each holds different rows of every column), through the store buffer,
       // summed in a fixed order.
       constexpr int kWarps = 4;
@@ -167,12 +145,16 @@ struct RmsnormBackwardNode : ConsumerOnlyNode<RmsnormBackwardArgs> {
       float* sbuf = reinterpret_cast<float*>(cute::raw_pointer_cast(smem_buffer.data()));
       const int warp = thread_idx / 32;
       sync_fn();
-      if (column_lane) {
+      if (lanes.column_lane) {
+        // The state has stride 0 along M: the subtiles of one epi_n (and the slots of one
+        // column within a subtile) hold one value; epi_m = 0 covers every column.
         CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < int(cute::size(rDgamma)); ++i) {
-          // Every (row, column) slot of the thread: slots of one column hold one value.
-          const int col = int(cute::get<1>(tC_cta(i)));
-          sbuf[warp * kCtaN + col] = rDgamma(i);
+        for (int epi_n = 0; epi_n < kEpiN; ++epi_n) {
+          auto dg_n = rDgamma(cute::_, cute::_, cute::_, _0{}, epi_n);
+          auto cta_n = tC_cta(cute::_, cute::_, cute::_, _0{}, epi_n);
+          CUTLASS_PRAGMA_UNROLL
+          for (int i = 0; i < int(cute::size(dg_n)); ++i)
+            sbuf[warp * kCtaN + int(cute::get<1>(cta_n(i)))] = dg_n(i);
         }
       }
       sync_fn();
@@ -200,36 +182,23 @@ struct RmsnormBackwardNode : ConsumerOnlyNode<RmsnormBackwardArgs> {
     auto [M, N, K, L] = args.problem_shape_mnkl;
     auto [m, n, k, l] = args.tile_coord_mnkl;
     auto shape_mnl = make_shape(M, N, L);
-    auto partition = [&](auto const& t) {
-      return cf::detail::sm90_partition_for_epilogue<ReferenceSrc>(
-          t, args.tile_shape_mnk, args.tile_coord_mnkl, args.epi_tile, args.tiled_copy,
-          args.thread_idx);
-    };
     using bf16 = cutlass::bfloat16_t;
     // x is only read: the const is cast away so x and h share one tensor type.
-    Tensor tC_gX = partition(make_tensor(make_gmem_ptr(const_cast<bf16*>(
-                                             reinterpret_cast<const bf16*>(params.x))),
-                                         shape_mnl, make_stride(params.ldx, _1{}, int64_t(0))));
-    Tensor tC_gH = partition(make_tensor(make_gmem_ptr(reinterpret_cast<bf16*>(params.h_out)),
-                                         shape_mnl, make_stride(params.ldh, _1{}, int64_t(0))));
-    Tensor tC_c = partition(make_identity_tensor(shape_mnl));
+    Tensor tC_gX = partition_tile<ReferenceSrc>(
+        args, shape_mnl, const_cast<bf16*>(reinterpret_cast<const bf16*>(params.x)), params.ldx);
+    Tensor tC_gH = partition_tile<ReferenceSrc>(args, shape_mnl,
+                                                reinterpret_cast<bf16*>(params.h_out), params.ldh);
+    Tensor tC_c = partition_coords<ReferenceSrc>(args, shape_mnl);
     constexpr int kPairs = decltype(size(take<0, 3>(shape(tC_gX))))::value / 2;
     Tensor tC_rX = make_tensor<uint32_t>(make_shape(Int<kPairs>{}, _2{}));
-    // One slot per column: a (CTA_M, CTA_N) layout with stride 0 along M, partitioned like D.
-    Tensor col_view = make_tensor(make_gmem_ptr(static_cast<float*>(nullptr)),
-                                  make_layout(take<0, 2>(CtaTile{}), make_stride(_0{}, _1{})));
-    Tensor rDgamma = make_tensor_like<float>(cf::detail::sm90_partition_for_epilogue<ReferenceSrc>(
-        col_view, args.epi_tile, args.tiled_copy, args.thread_idx));
-    fill(rDgamma, 0.0f);
+    auto rDgamma = make_column_state<ReferenceSrc, CtaTile>(args, 0.0f);
     auto tC_cta = cta_coords<ReferenceSrc>(args);
-    const auto lanes = row_lanes<ReferenceSrc>(args).lane_layout_MN;
-    const auto lane_mn =
-        idx2crd(right_inverse(lanes)(cutlass::canonical_lane_idx()), shape(lanes));
+    auto lanes = warp_lanes<ReferenceSrc>(args);
     return ConsumerStoreCallbacks<decltype(tC_gX), decltype(tC_c), decltype(tC_rX),
                                   decltype(rDgamma), decltype(tC_cta), decltype(shape_mnl),
-                                  decltype(lanes)>(
-        tC_gX, tC_gH, tC_c, tC_rX, rDgamma, tC_cta, shape_mnl, lanes, get<0>(lane_mn) == 0,
-        int(m), int(n), args.thread_idx, params);
+                                  decltype(lanes)>(tC_gX, tC_gH, tC_c, tC_rX, rDgamma, tC_cta,
+                                                   shape_mnl, lanes, int(m), int(n),
+                                                   args.thread_idx, params);
   }
 };
 

@@ -1,8 +1,9 @@
 #pragma once
-// Per-row state kept in registers over a whole CTA tile by the nodes that reduce along N
-// (OnlineLseReduction, SwigluBackwardNode), and the pieces around it: which lanes of a warp share
-// a row, the merge across them, and the one store per (row, N-tile) into a PartialLayout::per_row
-// buffer (row fastest, rows padded to the tile, one column of partials per N-tile).
+// Per-row (or per-column) state kept in registers over a whole CTA tile by the nodes that reduce
+// along N (OnlineLseReduction, SwigluBackwardNode) or along M (RmsnormBackwardNode's dγ), and the
+// pieces around it: which lanes of a warp share a row or a column, the merges across them, and
+// the one store per (row, N-tile) into a PartialLayout::per_row buffer (row fastest, rows padded to
+// the tile, one column of partials per N-tile).
 
 #include <cute/tensor.hpp>
 #include <cutlass/epilogue/fusion/sm90_visitor_tma_warpspecialized.hpp>
@@ -11,25 +12,36 @@
 
 namespace coda::kernel {
 
-// Lanes of a warp that hold the same rows of the epilogue tile, as CUTLASS's column reduction
-// derives them from the tiled copy; `reduced_lane` is the lane that writes a row's merged value.
+// How a warp's lanes lay over the epilogue tile, as CUTLASS's column reduction derives it from the
+// tiled copy: lanes along N share rows, lanes along M share columns. `row_lane` is the lane left
+// holding a row's value after the merge along N, `column_lane` the one holding a column's value
+// after the merge along M.
 template <class LaneLayout>
-struct RowLanes {
+struct WarpLanes {
   LaneLayout lane_layout_MN;  // (lanes along M, lanes along N) -> lane index
-  bool reduced_lane;
+  bool row_lane, column_lane;
 
-  // Calls merge(lane_delta) for each butterfly step that folds the lanes along N into lane 0.
+  // Calls merge(lane_delta) for each shfl_down step that folds the lanes along N (the lanes
+  // sharing a row) into the row lane.
   template <class Merge>
-  CUTLASS_DEVICE void for_each_merge_step(Merge&& merge) const {
+  CUTLASS_DEVICE void for_each_row_merge_step(Merge&& merge) const {
     CUTLASS_PRAGMA_UNROLL
     for (int offset = cute::size<1>(lane_layout_MN) / 2; offset > 0; offset /= 2) {
       merge(lane_layout_MN(_0{}, offset));
     }
   }
+  // The same along M (the lanes sharing a column), into the column lane.
+  template <class Merge>
+  CUTLASS_DEVICE void for_each_column_merge_step(Merge&& merge) const {
+    CUTLASS_PRAGMA_UNROLL
+    for (int offset = cute::size<0>(lane_layout_MN) / 2; offset > 0; offset /= 2) {
+      merge(lane_layout_MN(offset, _0{}));
+    }
+  }
 };
 
 template <bool ReferenceSrc, class StoreArgs>
-CUTLASS_DEVICE auto row_lanes(StoreArgs const& args) {
+CUTLASS_DEVICE auto warp_lanes(StoreArgs const& args) {
   using namespace cute;
   Layout ref_layout_MN = [&]() {
     auto mn_shape = shape(typename decltype(args.tiled_copy)::Tiler_MN{});
@@ -50,21 +62,30 @@ CUTLASS_DEVICE auto row_lanes(StoreArgs const& args) {
   Layout warp_layout_MN = make_layout(filter(get<0>(ref2warp)), filter(get<1>(ref2warp)));
   static_assert(decltype(size<1>(warp_layout_MN))::value == 1,
                 "per-row reductions assume one warp across N per row (true for sm90 wgmma)");
-  return RowLanes<decltype(lane_layout_MN)>{lane_layout_MN, get<1>(lane_mn) == 0};
+  return WarpLanes<decltype(lane_layout_MN)>{lane_layout_MN, get<1>(lane_mn) == 0,
+                                             get<0>(lane_mn) == 0};
 }
 
-// A register tensor with one slot per row the thread visits: a (CTA_M, CTA_N) layout with stride 0
-// along N, partitioned exactly as the epilogue partitions coordinates. (CPY,CPY_M,CPY_N,EPI_M,EPI_N)
-template <bool ReferenceSrc, class CtaTile, class StoreArgs>
-CUTLASS_DEVICE auto make_row_state(StoreArgs const& args, float init) {
+// A register tensor with one slot per row (stride (1, 0)) or per column (stride (0, 1)) the thread
+// visits: a (CTA_M, CTA_N) layout with that stride, partitioned exactly as the epilogue partitions
+// coordinates. (CPY,CPY_M,CPY_N,EPI_M,EPI_N)
+template <bool ReferenceSrc, class CtaTile, class StoreArgs, class StrideMN>
+CUTLASS_DEVICE auto make_tile_state(StoreArgs const& args, StrideMN stride, float init) {
   using namespace cute;
-  Tensor row_view = make_tensor(make_gmem_ptr(static_cast<float*>(nullptr)),
-                                make_layout(take<0, 2>(CtaTile{}), make_stride(_1{}, _0{})));
-  Tensor tCrow = cf::detail::sm90_partition_for_epilogue<ReferenceSrc>(
-      row_view, args.epi_tile, args.tiled_copy, args.thread_idx);
-  Tensor state = make_tensor_like<float>(tCrow);
+  Tensor view = make_tensor(make_gmem_ptr(static_cast<float*>(nullptr)),
+                            make_layout(take<0, 2>(CtaTile{}), stride));
+  Tensor state = make_tensor_like<float>(cf::detail::sm90_partition_for_epilogue<ReferenceSrc>(
+      view, args.epi_tile, args.tiled_copy, args.thread_idx));
   fill(state, init);
   return state;
+}
+template <bool ReferenceSrc, class CtaTile, class StoreArgs>
+CUTLASS_DEVICE auto make_row_state(StoreArgs const& args, float init) {
+  return make_tile_state<ReferenceSrc, CtaTile>(args, cute::make_stride(_1{}, _0{}), init);
+}
+template <bool ReferenceSrc, class CtaTile, class StoreArgs>
+CUTLASS_DEVICE auto make_column_state(StoreArgs const& args, float init) {
+  return make_tile_state<ReferenceSrc, CtaTile>(args, cute::make_stride(_0{}, _1{}), init);
 }
 
 // Where a tile's per-row partials go: per_row layout, rows padded to the tile.

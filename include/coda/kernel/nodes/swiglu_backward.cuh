@@ -2,11 +2,10 @@
 // NOTE: sm90_visitor_tma_warpspecialized.hpp uses NumericArrayConverter without including it.
 #include <cutlass/numeric_conversion.h>
 
-#include <cuda_bf16.h>
-
 #include "coda/epilogue/elementwise.hpp"
 #include "coda/kernel/args.hpp"
 #include "coda/kernel/nodes/common.cuh"
+#include "coda/kernel/nodes/global_access.cuh"
 #include "coda/kernel/nodes/row_partials.cuh"
 
 namespace coda::kernel {
@@ -20,26 +19,11 @@ namespace coda::kernel {
 // z and dz move between global memory and registers directly (no shared-memory staging): each
 // thread holds adjacent column pairs, so a quad of lanes covers 32 contiguous bytes of a row and
 // every sector is used whole. L2 is asked for the tile's z when its epilogue starts; subtile loads
-// run one subtile ahead where registers allow; dz is stored from visit. ZdZ stays in one register per row over the tile and is merged across
-// the lanes sharing the row once, at the end (per_row partials, like OnlineLseReduction).
+// run one subtile ahead where registers allow; dz is stored from visit. ZdZ stays in one register
+// per row over the tile and is merged across the lanes sharing the row once, at the end (per_row
+// partials, like OnlineLseReduction).
 // Requires N % 4 == 0 and 16-byte aligned rows; the op layer checks N % 8 == 0 for TMA already.
 // ---------------------------------------------------------------------------------------------
-namespace swiglu_backward {
-
-CUTLASS_DEVICE float2 unpack_pair(uint32_t bits) {
-  __nv_bfloat162 v;
-  memcpy(&v, &bits, 4);
-  return __bfloat1622float2(v);
-}
-CUTLASS_DEVICE uint32_t pack_pair(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  uint32_t bits;
-  memcpy(&bits, &v, 4);
-  return bits;
-}
-
-}  // namespace swiglu_backward
-
 template <class CtaTile>
 struct SwigluBackwardNode : ConsumerOnlyNode<SwigluBackwardArgs> {
   static constexpr int kZBuffers = cute::size<1>(CtaTile{}) > 128 ? 1 : 2;
@@ -65,8 +49,8 @@ struct SwigluBackwardNode : ConsumerOnlyNode<SwigluBackwardArgs> {
                                           int thread_idx, int num_threads, Params const& p)
         : tC_gZ(gz), tC_gDz(gdz), tC_cZ(cz), tC_rZ(rz), rZdZ(zdz), tCcD(c),
           residue(r), lanes(lanes), shape_mnl(shape), tile_m(tile_m), tile_n(tile_n),
-          full_tile((tile_m + 1) * int(cute::size<0>(CtaTile{})) <= int(cute::get<0>(shape)) &&
-                    (tile_n + 1) * int(cute::size<1>(CtaTile{})) <= int(cute::get<1>(shape))),
+          full_tile(tile_inside<CtaTile>(tile_m, tile_n, int(cute::get<0>(shape)),
+                                         int(cute::get<1>(shape)))),
           thread_idx(thread_idx), num_threads(num_threads), params(p) {}
     GTensor tC_gZ, tC_gDz;  // (CPY,CPY_M,CPY_N,EPI_M,EPI_N) global z / dz of this tile
     CTensor tC_cZ;          // their absolute (m, n, l) coordinates
@@ -81,10 +65,9 @@ struct SwigluBackwardNode : ConsumerOnlyNode<SwigluBackwardArgs> {
     int thread_idx, num_threads;  // within the threads that run this epilogue
     Params const& params;
 
-    // One subtile between global memory and registers, a 64-bit access per pair of adjacent
-    // columns: fragment elements (2j, 2j+1) are adjacent columns of one row (the pairing the
-    // PairLayoutProbe test checks per schedule), j even is an even column, and N % 4 == 0, so a
-    // pair is either wholly inside the problem or wholly outside; only its row can be past M.
+    // One subtile from global memory into registers, a 64-bit access per pair of adjacent
+    // columns (nodes/global_access.cuh): a pair starts at an even column and N % 4 == 0, so it is
+    // wholly inside the problem or wholly outside; only its row can be past M.
     template <class Regs>
     CUTLASS_DEVICE void load_pairs(Regs&& regs, int epi_m, int epi_n) {
       auto g = tC_gZ(cute::_, cute::_, cute::_, epi_m, epi_n);
@@ -146,10 +129,10 @@ struct SwigluBackwardNode : ConsumerOnlyNode<SwigluBackwardArgs> {
       cutlass::Array<float, F> a;
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < F; ++i) {
-        const float2 gu = swiglu_backward::unpack_pair(z[i]);
+        const float2 gu = unpack_bf16_pair(z[i]);
         float dg, du;
         epilogue::SwiGluBackward{}(gu.x, gu.y, static_cast<float>(da[i]), dg, du, a[i]);
-        dz[i] = swiglu_backward::pack_pair(dg, du);
+        dz[i] = pack_bf16_pair(dg, du);
         zdz_mn(epi_v * F + i) += gu.x * dg + gu.y * du;
       }
       // dz straight to global memory, one 64-bit store per column pair (see load_pairs).
@@ -167,14 +150,14 @@ struct SwigluBackwardNode : ConsumerOnlyNode<SwigluBackwardArgs> {
                                VTensor) {
       if (!is_last_iteration) return;
       auto f = cute::filter(rZdZ);
-      lanes.for_each_merge_step([&](int lane_delta) {
+      lanes.for_each_row_merge_step([&](int lane_delta) {
         CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < cute::size(f); ++i) f(i) += __shfl_down_sync(0xffffffff, f(i), lane_delta);
+        for (int i = 0; i < cute::size(f); ++i)
+          f(i) += __shfl_down_sync(0xffffffff, f(i), lane_delta);
       });
-      if (!lanes.reduced_lane) return;
-      const auto target =
-          row_partials_target<CtaTile>(int(cute::get<0>(shape_mnl)),
-                                                    int(cute::get<1>(shape_mnl)), residue, tile_n);
+      if (!lanes.row_lane) return;
+      const auto target = row_partials_target<CtaTile>(
+          int(cute::get<0>(shape_mnl)), int(cute::get<1>(shape_mnl)), residue, tile_n);
       for_each_row_slot(tCcD, target, [&](int64_t idx, int i, int epi_m) {
         params.zdz_partials[idx] = rZdZ(cute::_, cute::_, cute::_, epi_m, _0{})(i);
       });
@@ -187,20 +170,14 @@ struct SwigluBackwardNode : ConsumerOnlyNode<SwigluBackwardArgs> {
     auto [M, N, K, L] = args.problem_shape_mnkl;
     auto [m, n, k, l] = args.tile_coord_mnkl;
     auto shape_mnl = make_shape(M, N, L);
-    auto partition = [&](auto const& t) {
-      return cf::detail::sm90_partition_for_epilogue<ReferenceSrc>(
-          t, args.tile_shape_mnk, args.tile_coord_mnkl, args.epi_tile, args.tiled_copy,
-          args.thread_idx);
-    };
     // z is only read: the const is cast away so z and dz share one tensor type.
-    Tensor tC_gZ = partition(make_tensor(make_gmem_ptr(const_cast<uint32_t*>(params.z)), shape_mnl,
-                                         make_stride(params.ldz, _1{}, int64_t(0))));
-    Tensor tC_gDz = partition(
-        make_tensor(make_gmem_ptr(params.dz), shape_mnl, make_stride(params.lddz, _1{}, int64_t(0))));
-    Tensor tC_cZ = partition(make_identity_tensor(shape_mnl));
+    Tensor tC_gZ = partition_tile<ReferenceSrc>(args, shape_mnl, const_cast<uint32_t*>(params.z),
+                                                params.ldz);
+    Tensor tC_gDz = partition_tile<ReferenceSrc>(args, shape_mnl, params.dz, params.lddz);
+    Tensor tC_cZ = partition_coords<ReferenceSrc>(args, shape_mnl);
     Tensor tC_rZ = make_tensor<uint32_t>(append(take<0, 3>(shape(tC_gZ)), Int<kZBuffers>{}));
     auto rZdZ = make_row_state<ReferenceSrc, CtaTile>(args, 0.0f);
-    auto lanes = row_lanes<ReferenceSrc>(args);
+    auto lanes = warp_lanes<ReferenceSrc>(args);
     return ConsumerStoreCallbacks<decltype(tC_gZ), decltype(tC_cZ), decltype(tC_rZ),
                                   decltype(rZdZ), decltype(args.tCcD), decltype(args.residue_tCcD),
                                   decltype(lanes), decltype(shape_mnl)>(
