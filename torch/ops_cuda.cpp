@@ -273,7 +273,7 @@ std::tuple<Tensor, Tensor, Tensor> lm_head_loss_backward(
         bf(h), bf(w_s), f32(r), f32(lse), f32(scale), t_s.data_ptr<int64_t>(), float(z_loss),
         bf_out(dl), f32_out(partials), int(m), int(vs), int(hidden), s);
     ops::zdz_fold(f32(partials), layout, int(hidden), f32_out(zdz), s);
-    if (sliced) dx.zero_();  // dx is the slice's dres and output; the sum lives in dx32
+    if (sliced && v0 > 0) dx.zero_();  // dx: the slice's dres and output; the sum is dx32
     const Tensor h_out = rmsnorm_backward(dl, w_s, x, r, gamma, zdz, dx, dx, dgamma_s);
     ops::gemm_xty(bf(dl), bf(h_out), bf_out(dw) + v0 * hidden, int(vs), int(hidden), int(m), s);
     if (sliced) {
