@@ -7,6 +7,8 @@ QKV + RoPE, one layer, attention excluded. Variants:
   eager         cuBLAS + eager PyTorch (HF-style RMSNorm, SiLU*mul, rotate_half RoPE)
   compile       torch.compile of the eager chain (Inductor fuses between cuBLAS calls)
   liger         cuBLAS + Liger Kernel (fused add+RMSNorm, SwiGLU, RoPE) if importable
+  flashinfer    cuBLAS + FlashInfer's kernels (fused_add_rmsnorm, silu_and_mul, RoPE with position
+                ids; bench/flashinfer_kernels.py) if loadable
 Every variant's outputs (x2, qkv) are checked against an fp32 evaluation of the chain before any
 time is printed; the accuracy columns give max |out - fp32 ref| of ours and of eager bf16.
 
@@ -28,6 +30,13 @@ MODELS = {  # name: hidden, q heads, kv heads, head dim, ffn
     "llama3-8B": (4096, 32, 8, 128, 14336),
     "llama3-70B": (8192, 64, 8, 128, 28672),
 }
+# The CODA paper's block shapes (BENCHMARKS.md): multi-head attention with d = 128, its FFN widths.
+PAPER_MODELS = {
+    "paper-H2048": (2048, 16, 16, 128, 5632),
+    "paper-H4096": (4096, 32, 32, 128, 11008),
+    "paper-H8192": (8192, 64, 64, 128, 22016),
+}
+ALL_MODELS = {**MODELS, **PAPER_MODELS}
 EPS = 1e-5
 THETA = 500000.0
 
@@ -83,16 +92,23 @@ def make_chain(hq, hkv, d, inter, keep=None):
         if keep is not None:  # per-op accuracy: the intermediate tensors of this evaluation
             keep.update(x1=x1, n1=h1, gate_up=gu, a=a, x2=x2, n2=h2)
         qkv = F.linear(h2, wqkv)
-        m = qkv.shape[0]
-        q = qkv[:, : hq * d].view(m, hq, d)
-        k = qkv[:, hq * d : (hq + hkv) * d].view(m, hkv, d)
-        v = qkv[:, (hq + hkv) * d :]
-        c, s = cos[:, None, :], sin[:, None, :]
-        q = q * c + rotate_half(q) * s
-        k = k * c + rotate_half(k) * s
-        return x2, torch.cat([q.reshape(m, -1), k.reshape(m, -1), v], dim=-1)
+        if keep is not None:
+            keep["qkv_pre"] = qkv
+        return x2, rope_hf(qkv, cos, sin, hq, hkv, d)
 
     return chain
+
+
+def rope_hf(qkv, cos, sin, hq, hkv, d):
+    """HF (rotate_half) RoPE on the Q and K heads of a [M, (hq + 2 hkv) d] projection; V as is."""
+    m = qkv.shape[0]
+    q = qkv[:, : hq * d].view(m, hq, d)
+    k = qkv[:, hq * d : (hq + hkv) * d].view(m, hkv, d)
+    v = qkv[:, (hq + hkv) * d :]
+    c, s = cos[:, None, :], sin[:, None, :]
+    q = q * c + rotate_half(q) * s
+    k = k * c + rotate_half(k) * s
+    return torch.cat([q.reshape(m, -1), k.reshape(m, -1), v], dim=-1)
 
 
 def bench_ms(fn):
@@ -105,7 +121,7 @@ def chain_inputs(model, m, seed):
     """Random bf16 inputs of one layer chain, its weights in the HF layout and in the fused layouts
     (gate/up interleaved, Q/K rows permuted to adjacent RoPE pairs), and the RoPE tables. `rnd`
     draws further tensors from the same generator."""
-    hidden, hq, hkv, d, inter = MODELS[model]
+    hidden, hq, hkv, d, inter = ALL_MODELS[model]
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(seed)
 
@@ -137,7 +153,7 @@ def chain_inputs(model, m, seed):
 
 
 def run_shape(coda, model, m, results, progress):
-    t = chain_inputs(model, m, m + MODELS[model][0])
+    t = chain_inputs(model, m, m + ALL_MODELS[model][0])
     hidden, hq, hkv, d, inter, qkv_w, dev = t.hidden, t.hq, t.hkv, t.d, t.inter, t.qkv_w, t.dev
     y, x0, wo, wd, wqkv_hf, g_ffn, g_attn = t.y, t.x0, t.wo, t.wd, t.wqkv_hf, t.g_ffn, t.g_attn
     pos, inv_freq, cos, sin = t.pos, t.inv_freq, t.cos, t.sin
@@ -243,6 +259,34 @@ def run_shape(coda, model, m, results, progress):
         variants["liger"] = liger_chain
     except Exception as e:  # noqa: BLE001 - report why the baseline is absent
         results.setdefault("absent", {})["liger"] = repr(e)[:300]
+    try:
+        import flashinfer_kernels as fi  # FlashInfer's kernels, built ahead of time
+
+        res = x0.clone()  # FlashInfer's add+RMSNorm works in place on the residual stream
+
+        def flashinfer_chain(check=False):
+            if check:
+                res.copy_(x0)  # timed runs keep adding into it (values drift, the work does not)
+            n1 = F.linear(y, wo)
+            fi.fused_add_rmsnorm(n1, res, g_ffn, EPS)  # res = x1, n1 = RMSNorm(x1)
+            a = fi.silu_and_mul(F.linear(n1, wgu_split))
+            n2 = F.linear(a, wd)
+            fi.fused_add_rmsnorm(n2, res, g_attn, EPS)  # res = x2
+            qkv_fi = F.linear(n2, wqkv_hf)
+            q = qkv_fi[:, : hq * d].view(m, hq, d)
+            k = qkv_fi[:, hq * d : (hq + hkv) * d].view(m, hkv, d)
+            q, k = fi.apply_rope_pos_ids(q, k, pos, rope_theta=THETA)
+            return res, q, k, qkv_fi[:, (hq + hkv) * d :]
+
+        fx2, fq, fk, fv = flashinfer_chain(check=True)
+        acc["x2_flashinfer"] = err(fx2, ref_x2)
+        acc["qkv_flashinfer"] = err(torch.cat([fq.reshape(m, -1), fk.reshape(m, -1), fv], -1), ref_qkv)
+        if acc["x2_flashinfer"] <= 2 * acc["x2_eager"] + 1e-6 and acc["qkv_flashinfer"] <= 2 * acc["qkv_eager"] + 1e-6:
+            variants["flashinfer"] = flashinfer_chain
+        else:
+            results.setdefault("absent", {})["flashinfer"] = f"check failed at {model} M={m}: {acc}"
+    except Exception as e:  # noqa: BLE001 - report why the baseline is absent
+        results.setdefault("absent", {})["flashinfer"] = str(e)[:300]
 
     times = {}
     if ok:
@@ -251,7 +295,7 @@ def run_shape(coda, model, m, results, progress):
             fn()
             torch.cuda.synchronize()
             times[name] = bench_ms(fn)
-    best_baseline = min(times[k] for k in ("eager", "compile", "liger") if k in times) if ok else float("nan")
+    best_baseline = min(times[k] for k in ("eager", "compile", "liger", "flashinfer") if k in times) if ok else float("nan")
     row = {"model": model, "m": m, "pass": "fwd", "check": "PASS" if ok else "FAIL", **{f"ms_{k}": v for k, v in times.items()},
            **{f"err_{k}": v for k, v in acc.items()},
            "speedup_vs_best_baseline": best_baseline / times["coda"] if ok else float("nan")}

@@ -20,9 +20,12 @@ import time
 import torch
 import torch.nn.functional as F
 
-from chain_bench import EPS, MODELS, Coda, bench_ms, chain_inputs, make_chain
+from types import SimpleNamespace
+
+from chain_bench import ALL_MODELS, EPS, MODELS, Coda, bench_ms, chain_inputs, make_chain
 
 PROFILE = False
+BACKWARD_ONLY = False  # also time the backward pass alone (bench/suite.py sets it)
 
 
 def layout(coda, fn, *args):
@@ -32,28 +35,13 @@ def layout(coda, fn, *args):
     return ctypes.c_longlong(ext[0]), ctypes.c_longlong(ext[1])
 
 
-def run_shape(coda, model, m, results, progress):
-    t = chain_inputs(model, m, 7 * m + MODELS[model][0])
+def ours_chain(coda, t, m, dx2_up, dqkv_up):
+    """Our fused chain on the inputs `t` of chain_inputs: every buffer, forward(), backward(), and
+    `ops`: per op (name, ours, plain GEMM of ours, cuBLAS GEMM, fold or None) as closures."""
     hidden, hq, hkv, d, inter, qkv_w, dev = t.hidden, t.hq, t.hkv, t.d, t.inter, t.qkv_w, t.dev
-    y, x0, wo, wd, wqkv_hf, g_ffn, g_attn = t.y, t.x0, t.wo, t.wd, t.wqkv_hf, t.g_ffn, t.g_attn
-    pos, inv_freq, cos, sin, perm, inv = t.pos, t.inv_freq, t.cos, t.sin, t.perm, t.inv
-    wgu_split, wgu_inter, wqkv_f = t.wgu_split, t.wgu_inter, t.wqkv_f
-    dx2_up, dqkv_up = t.rnd(m, hidden, scale=0.1), t.rnd(m, qkv_w, scale=0.1)
-
-    # ---- autograd baselines and the fp32 reference ----
-    chain = make_chain(hq, hkv, d, inter)
-    names = ["y", "x0", "wo", "g_ffn", "wgu", "wd", "g_attn", "wqkv"]
-    leaves = [y, x0, wo, g_ffn, wgu_split, wd, g_attn, wqkv_hf]
-
-    def autograd_step(fn, dtype):
-        ins = [t.detach().to(dtype).requires_grad_() for t in leaves]
-        x2, qkv = fn(*ins, cos.to(dtype), sin.to(dtype))
-        return torch.autograd.grad([x2, qkv], ins, [dx2_up.to(dtype), dqkv_up.to(dtype)])
-
-    ref = dict(zip(names, autograd_step(chain, torch.float32)))
-    eager = dict(zip(names, autograd_step(chain, torch.bfloat16)))
-
-    # ---- ours ----
+    y, x0, wo, wd, g_ffn, g_attn = t.y, t.x0, t.wo, t.wd, t.g_ffn, t.g_attn
+    pos, inv_freq, perm = t.pos, t.inv_freq, t.perm
+    wgu_inter, wqkv_f = t.wgu_inter, t.wqkv_f
     stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
     e = lambda *s, dt=torch.bfloat16: torch.empty(*s, device=dev, dtype=dt)  # noqa: E731
     f1a, f1b = layout(coda, "coda_residual_rmsnorm_partials_layout", m, hidden, hq * d), \
@@ -79,30 +67,97 @@ def run_shape(coda, model, m, results, progress):
     dz, a_re, dy = e(m, 2 * inter), e(m, inter), e(m, hq * d)
     dg_attn, dg_ffn = e(hidden, dt=torch.float32), e(hidden, dt=torch.float32)
     dwqkv, dwd, dwgu, dwo = e(qkv_w, hidden), e(hidden, inter), e(2 * inter, hidden), e(hidden, hq * d)
+    c = lambda name, *args: (lambda: coda(name, *args, stream))  # noqa: E731 - one launch, closed over
+
+    f1_out = c("coda_gemm_residual_rmsnorm_partial", y, wo, x0, g_ffn, x1, h1, s1, m, hidden, hq * d)
+    fold1 = c("coda_rmsnorm_fold", s1, m, f1a[0], f1a[1], hidden, EPS, r1)
+    f2 = c("coda_gemm_rmsnorm_swiglu", h1, wgu_inter, r1, z, act, m, 2 * inter, hidden)
+    f1_down = c("coda_gemm_residual_rmsnorm_partial", act, wd, x1, g_attn, x2, h2, s2, m, hidden, inter)
+    fold2 = c("coda_rmsnorm_fold", s2, m, f1b[0], f1b[1], hidden, EPS, r2)
+    f3 = c("coda_gemm_rmsnorm_rope", h2, wqkv_f, r2, pos, fhi, flo, qkv, m, qkv_w, hidden)
+    b3 = c("coda_rope_backward", qkv, dqkv_f, pos, fhi, flo, m, qkv_w, hidden, dqkv_pre, zq)
+    b1_qkv = c("coda_gemm_rmsnorm_backward", dqkv_pre, wqkv_f, x2, r2, g_attn, zq, dx2_up, dx2, hout2,
+               pq, m, hidden, qkv_w)
+    dgfold_attn = c("coda_dgamma_fold", pq, hidden, b1q[0], b1q[1], dg_attn)
+    dw_qkv = c("coda_gemm_xty", dqkv_pre, hout2, dwqkv, qkv_w, hidden, m)
+    b2_op = c("coda_gemm_swiglu_backward", dx2, wd, z, dz, a_re, p2, m, inter, hidden)
+    zfold = c("coda_zdz_fold", p2, m, b2[0], b2[1], hidden, z1)
+    dw_down = c("coda_gemm_xty", dx2, a_re, dwd, hidden, inter, m)
+    b1_gu = c("coda_gemm_rmsnorm_backward", dz, wgu_inter, x1, r1, g_ffn, z1, dx2, dx1, hout1, pg, m,
+              hidden, 2 * inter)
+    dgfold_ffn = c("coda_dgamma_fold", pg, hidden, b1g[0], b1g[1], dg_ffn)
+    dw_gu = c("coda_gemm_xty", dz, hout1, dwgu, 2 * inter, hidden, m)
+    dw_o = c("coda_gemm_xty", dx1, y, dwo, hidden, hq * d, m)
+    d_y = c("coda_gemm_xw", dx1, wo, dy, m, hq * d, hidden)
+    fwd_calls = [f1_out, fold1, f2, f1_down, fold2, f3]
+    bwd_calls = [b3, b1_qkv, dgfold_attn, dw_qkv, b2_op, zfold, dw_down, b1_gu, dgfold_ffn, dw_gu, dw_o, d_y]
 
     def forward():
-        coda("coda_gemm_residual_rmsnorm_partial", y, wo, x0, g_ffn, x1, h1, s1, m, hidden, hq * d, stream)
-        coda("coda_rmsnorm_fold", s1, m, f1a[0], f1a[1], hidden, EPS, r1, stream)
-        coda("coda_gemm_rmsnorm_swiglu", h1, wgu_inter, r1, z, act, m, 2 * inter, hidden, stream)
-        coda("coda_gemm_residual_rmsnorm_partial", act, wd, x1, g_attn, x2, h2, s2, m, hidden, inter, stream)
-        coda("coda_rmsnorm_fold", s2, m, f1b[0], f1b[1], hidden, EPS, r2, stream)
-        coda("coda_gemm_rmsnorm_rope", h2, wqkv_f, r2, pos, fhi, flo, qkv, m, qkv_w, hidden, stream)
+        for f in fwd_calls:
+            f()
 
     def backward():
-        coda("coda_rope_backward", qkv, dqkv_f, pos, fhi, flo, m, qkv_w, hidden, dqkv_pre, zq, stream)
-        coda("coda_gemm_rmsnorm_backward", dqkv_pre, wqkv_f, x2, r2, g_attn, zq, dx2_up, dx2, hout2,
-             pq, m, hidden, qkv_w, stream)
-        coda("coda_dgamma_fold", pq, hidden, b1q[0], b1q[1], dg_attn, stream)
-        coda("coda_gemm_xty", dqkv_pre, hout2, dwqkv, qkv_w, hidden, m, stream)
-        coda("coda_gemm_swiglu_backward", dx2, wd, z, dz, a_re, p2, m, inter, hidden, stream)
-        coda("coda_zdz_fold", p2, m, b2[0], b2[1], hidden, z1, stream)
-        coda("coda_gemm_xty", dx2, a_re, dwd, hidden, inter, m, stream)
-        coda("coda_gemm_rmsnorm_backward", dz, wgu_inter, x1, r1, g_ffn, z1, dx2, dx1, hout1, pg, m,
-             hidden, 2 * inter, stream)
-        coda("coda_dgamma_fold", pg, hidden, b1g[0], b1g[1], dg_ffn, stream)
-        coda("coda_gemm_xty", dz, hout1, dwgu, 2 * inter, hidden, m, stream)
-        coda("coda_gemm_xty", dx1, y, dwo, hidden, hq * d, m, stream)
-        coda("coda_gemm_xw", dx1, wo, dy, m, hq * d, hidden, stream)
+        for f in bwd_calls:
+            f()
+
+    plain_out = {}
+
+    def plain(name, x, w, n, k, xw=False):
+        """Our plain GEMM (empty epilogue) of the op's shape: X·Wᵀ, or X·W for data gradients."""
+        def run():
+            if name not in plain_out:
+                plain_out[name] = e(m, n)
+            coda("coda_gemm_xw" if xw else "coda_gemm", x, w, plain_out[name], m, n, k, stream)
+        return run
+
+    # (name, ours, our fold or None, our plain GEMM, cuBLAS GEMM, GEMM (M, N, K))
+    ops = [
+        ("F1 out-proj", f1_out, fold1, plain("F1o", y, wo, hidden, hq * d), lambda: F.linear(y, wo), (m, hidden, hq * d)),
+        ("F2 gate/up", f2, None, plain("F2", h1, wgu_inter, 2 * inter, hidden), lambda: F.linear(h1, wgu_inter), (m, 2 * inter, hidden)),
+        ("F1 down-proj", f1_down, fold2, plain("F1d", act, wd, hidden, inter), lambda: F.linear(act, wd), (m, hidden, inter)),
+        ("F3 qkv+RoPE", f3, None, plain("F3", h2, wqkv_f, qkv_w, hidden), lambda: F.linear(h2, wqkv_f), (m, qkv_w, hidden)),
+        ("B3 RoPE bwd", b3, None, None, None, None),
+        ("B1 qkv", b1_qkv, dgfold_attn, plain("B1q", dqkv_pre, wqkv_f, hidden, qkv_w, xw=True),
+         lambda: torch.matmul(dqkv_pre, wqkv_f), (m, hidden, qkv_w)),
+        ("B2 SwiGLU bwd", b2_op, zfold, plain("B2", dx2, wd, inter, hidden, xw=True),
+         lambda: torch.matmul(dx2, wd), (m, inter, hidden)),
+        ("B1 gate/up", b1_gu, dgfold_ffn, plain("B1g", dz, wgu_inter, hidden, 2 * inter, xw=True),
+         lambda: torch.matmul(dz, wgu_inter), (m, hidden, 2 * inter)),
+        ("dW qkv", dw_qkv, None, None, lambda: torch.matmul(dqkv_pre.t(), hout2), (qkv_w, hidden, m)),
+        ("dW down", dw_down, None, None, lambda: torch.matmul(dx2.t(), a_re), (hidden, inter, m)),
+        ("dW gate/up", dw_gu, None, None, lambda: torch.matmul(dz.t(), hout1), (2 * inter, hidden, m)),
+        ("dW o", dw_o, None, None, lambda: torch.matmul(dx1.t(), y), (hidden, hq * d, m)),
+        ("d(y)", d_y, None, None, lambda: torch.matmul(dx1, wo), (m, hq * d, hidden)),
+    ]
+    return SimpleNamespace(**{k: v for k, v in locals().items() if isinstance(v, torch.Tensor)},
+                           forward=forward, backward=backward, ops=ops, stream=stream)
+
+
+def run_shape(coda, model, m, results, progress):
+    t = chain_inputs(model, m, 7 * m + ALL_MODELS[model][0])
+    hidden, hq, hkv, d, inter, qkv_w = t.hidden, t.hq, t.hkv, t.d, t.inter, t.qkv_w
+    y, x0, wo, wd, wqkv_hf, g_ffn, g_attn = t.y, t.x0, t.wo, t.wd, t.wqkv_hf, t.g_ffn, t.g_attn
+    cos, sin, inv = t.cos, t.sin, t.inv
+    wgu_split = t.wgu_split
+    dx2_up, dqkv_up = t.rnd(m, hidden, scale=0.1), t.rnd(m, qkv_w, scale=0.1)
+
+    # ---- autograd baselines and the fp32 reference ----
+    chain = make_chain(hq, hkv, d, inter)
+    names = ["y", "x0", "wo", "g_ffn", "wgu", "wd", "g_attn", "wqkv"]
+    leaves = [y, x0, wo, g_ffn, wgu_split, wd, g_attn, wqkv_hf]
+
+    def autograd_step(fn, dtype):
+        ins = [t.detach().to(dtype).requires_grad_() for t in leaves]
+        x2, qkv = fn(*ins, cos.to(dtype), sin.to(dtype))
+        return torch.autograd.grad([x2, qkv], ins, [dx2_up.to(dtype), dqkv_up.to(dtype)])
+
+    ref = dict(zip(names, autograd_step(chain, torch.float32)))
+    eager = dict(zip(names, autograd_step(chain, torch.bfloat16)))
+
+    # ---- ours ----
+    o = ours_chain(coda, t, m, dx2_up, dqkv_up)
+    forward, backward = o.forward, o.backward
+    h1, z, act, h2, x1, x2, qkv = o.h1, o.z, o.act, o.h2, o.x1, o.x2, o.qkv
 
     def coda_step():
         forward()
@@ -112,33 +167,19 @@ def run_shape(coda, model, m, results, progress):
     torch.cuda.synchronize()
     if PROFILE:
         # Per-op time of our chain next to the cuBLAS GEMM of the same shape (events, median of 10).
-        def t(fn):
+        def t_(fn):
             evs = []
             for _ in range(12):
                 a_, b_ = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a_.record(); fn(); b_.record(); evs.append((a_, b_))
             torch.cuda.synchronize()
             return sorted(a_.elapsed_time(b_) for a_, b_ in evs[2:])[5]
-        ops = [
-            ("F1 out", lambda: coda("coda_gemm_residual_rmsnorm_partial", y, wo, x0, g_ffn, x1, h1, s1, m, hidden, hq * d, stream), lambda: F.linear(y, wo)),
-            ("F2 gate/up", lambda: coda("coda_gemm_rmsnorm_swiglu", h1, wgu_inter, r1, z, act, m, 2 * inter, hidden, stream), lambda: F.linear(h1, wgu_split)),
-            ("F1 down", lambda: coda("coda_gemm_residual_rmsnorm_partial", act, wd, x1, g_attn, x2, h2, s2, m, hidden, inter, stream), lambda: F.linear(act, wd)),
-            ("F3 qkv", lambda: coda("coda_gemm_rmsnorm_rope", h2, wqkv_f, r2, pos, fhi, flo, qkv, m, qkv_w, hidden, stream), lambda: F.linear(h2, wqkv_hf)),
-            ("B3 rope bwd", lambda: coda("coda_rope_backward", qkv, dqkv_f, pos, fhi, flo, m, qkv_w, hidden, dqkv_pre, zq, stream), lambda: None),
-            ("B1 qkv", lambda: coda("coda_gemm_rmsnorm_backward", dqkv_pre, wqkv_f, x2, r2, g_attn, zq, dx2_up, dx2, hout2, pq, m, hidden, qkv_w, stream), lambda: torch.matmul(dqkv_pre, wqkv_f)),
-            ("dW qkv", lambda: coda("coda_gemm_xty", dqkv_pre, hout2, dwqkv, qkv_w, hidden, m, stream), lambda: torch.matmul(dqkv_pre.t(), hout2)),
-            ("B2 swiglu", lambda: coda("coda_gemm_swiglu_backward", dx2, wd, z, dz, a_re, p2, m, inter, hidden, stream), lambda: torch.matmul(dx2, wd)),
-            ("dW down", lambda: coda("coda_gemm_xty", dx2, a_re, dwd, hidden, inter, m, stream), lambda: torch.matmul(dx2.t(), a_re)),
-            ("B1 gate/up", lambda: coda("coda_gemm_rmsnorm_backward", dz, wgu_inter, x1, r1, g_ffn, z1, dx2, dx1, hout1, pg, m, hidden, 2 * inter, stream), lambda: torch.matmul(dz, wgu_inter)),
-            ("dW gate/up", lambda: coda("coda_gemm_xty", dz, hout1, dwgu, 2 * inter, hidden, m, stream), lambda: torch.matmul(dz.t(), hout1)),
-            ("dW o", lambda: coda("coda_gemm_xty", dx1, y, dwo, hidden, hq * d, m, stream), lambda: torch.matmul(dx1.t(), y)),
-            ("dy", lambda: coda("coda_gemm_xw", dx1, wo, dy, m, hq * d, hidden, stream), lambda: torch.matmul(dx1, wo)),
-        ]
-        prof = {name: {"ours_ms": t(fn), "cublas_gemm_ms": t(ref_fn) if name != "B3 rope bwd" else 0.0}
-                for name, fn, ref_fn in ops}
+        prof = {name: {"ours_ms": t_(fn), "cublas_gemm_ms": t_(ref_fn) if ref_fn else 0.0}
+                for name, fn, _, _, ref_fn, _ in o.ops}
         results.setdefault("profile", []).append({"model": model, "m": m, "ops": prof})
         for name, v in prof.items():
             print(f"  {model} M={m} {name:12s} ours {v['ours_ms']:.3f} ms   cuBLAS GEMM {v['cublas_gemm_ms']:.3f} ms", flush=True)
+    dy, dx1, dwo, dg_ffn, dg_attn, dwd, dwgu, dwqkv = o.dy, o.dx1, o.dwo, o.dg_ffn, o.dg_attn, o.dwd, o.dwgu, o.dwqkv
     ours = {"y": dy, "x0": dx1, "wo": dwo, "g_ffn": dg_ffn, "g_attn": dg_attn, "wd": dwd,
             "wgu": torch.cat([dwgu[0::2], dwgu[1::2]], 0), "wqkv": dwqkv[inv]}
 
@@ -169,7 +210,8 @@ def run_shape(coda, model, m, results, progress):
 
     variants["gemm_only"] = gemm_only
     variants["eager"] = autograd_variant(chain)
-    variants["compile"] = autograd_variant(torch.compile(chain, dynamic=False))
+    compiled = torch.compile(chain, dynamic=False)
+    variants["compile"] = autograd_variant(compiled)
     try:
         from liger_kernel.transformers.functional import (
             liger_fused_add_rms_norm, liger_rope, liger_swiglu)
@@ -207,6 +249,34 @@ def run_shape(coda, model, m, results, progress):
     msg = " ".join(f"{k}={v:.3f}" for k, v in times.items()) + f" | speedup {speedup:.3f}x" if ok else \
         "FAIL " + json.dumps(acc)
     print(f"{model:11s} M={m:5d} {msg}", flush=True)
+    if ok and BACKWARD_ONLY:
+        # Backward alone: ours re-runs backward() on the saved forward tensors; each autograd
+        # baseline runs its forward once and then times autograd.grad(retain_graph=True) on it.
+        bwd = {"coda": bench_ms(backward)}
+        progress(f"{model} M={m} backward only")
+
+        def gemm_only_bwd():
+            for a_in, w, out in gemms:
+                torch.matmul(out, w)
+                torch.matmul(out.t(), a_in)
+
+        bwd["gemm_only"] = bench_ms(gemm_only_bwd)
+        for name in ("eager", "compile", "liger"):
+            fn = {"eager": chain, "compile": compiled, "liger": variants.get("liger") and liger_chain}[name]
+            if not fn:
+                continue
+            try:
+                outs = fn(*fwd_in, cos, sin)
+                bwd[name] = bench_ms(lambda: torch.autograd.grad(outs, fwd_in, [dx2_up, dqkv_up],
+                                                                 retain_graph=True))
+                del outs
+            except Exception as ex:  # noqa: BLE001 - reported, the row keeps the others
+                results.setdefault("absent", {})[f"{name} backward only"] = repr(ex)[:300]
+        base = [bwd[k] for k in ("eager", "compile", "liger") if k in bwd]
+        results["rows"].append({"model": model, "m": m, "pass": "bwd", "check": "PASS",
+                                **{f"ms_{k}": v for k, v in bwd.items()},
+                                "speedup_vs_best_baseline": min(base) / bwd["coda"] if base else float("nan")})
+        print(f"{model:11s} M={m:5d} backward only: " + " ".join(f"{k}={v:.3f}" for k, v in bwd.items()), flush=True)
     torch.cuda.empty_cache()
 
 

@@ -38,12 +38,12 @@ EPS = 1e-5
 SHAPES = [(2048, 16384), (4096, 16384), (8192, 16384), (2048, 8192), (4096, 8192), (8192, 8192)]
 
 
-def make_inputs(H, M, seed=0):
+def make_inputs(H, M, seed=0, vocab=V):
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(M, H, device="cuda", generator=g).to(torch.bfloat16)
     gamma = (1 + 0.1 * torch.randn(H, device="cuda", generator=g)).to(torch.bfloat16)
-    w = (torch.randn(V, H, device="cuda", generator=g) * H ** -0.5).to(torch.bfloat16)
-    t = torch.randint(0, V, (M,), device="cuda", generator=g)
+    w = (torch.randn(vocab, H, device="cuda", generator=g) * H ** -0.5).to(torch.bfloat16)
+    t = torch.randint(0, vocab, (M,), device="cuda", generator=g)
     t[::17] = -100
     return x, gamma, w, t
 
@@ -90,6 +90,49 @@ def rel_err(a, b):
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
 
 
+def run_shape(ms, H, M, reps=8, vocab=V, progress=None):
+    """One (H, M, V): every method's loss and gradients checked against eager, then peak extra
+    memory and interleaved medians. Returns the row."""
+    x, gamma, w, t = make_inputs(H, M, vocab=vocab)
+    row = {"H": H, "M": M, "V": vocab, "ms": {}, "peak_extra_MiB": {}, "err_vs_eager": {}}
+    ref = fwd_bwd(ms["eager"], x, gamma, w, t)
+    for name, fn in ms.items():
+        if progress:
+            progress(f"LM head H={H} M={M} V={vocab} {name}: check and peak memory")
+        got = fwd_bwd(fn, x, gamma, w, t)  # also the warm-up (and compile)
+        row["err_vs_eager"][name] = [rel_err(a, b) for a, b in zip(got, ref)]
+        del got
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = fwd_bwd(fn, x, gamma, w, t)
+        torch.cuda.synchronize()
+        row["peak_extra_MiB"][name] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        # What every method must hold at the end: the loss and the three gradients.
+        row["outputs_MiB"] = sum(v.numel() * v.element_size() for v in out) / 2**20
+        del out
+    del ref
+    fns = dict(ms, gemm_floor=None)
+    times = {k: [] for k in fns}
+    for rep in range(reps):
+        for name in (list(fns) if rep % 2 == 0 else list(fns)[::-1]):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            out = (gemm_floor(x, gamma, w, t) if name == "gemm_floor"
+                   else fwd_bwd(fns[name], x, gamma, w, t))
+            e.record()
+            del out
+            times[name].append((s, e))
+    torch.cuda.synchronize()
+    row["ms"] = {k: statistics.median(s.elapsed_time(e) for s, e in v) for k, v in times.items()}
+    best = min(v for k, v in row["ms"].items() if k in ("eager", "compile", "liger"))
+    row["coda_chunked_speedup_vs_compile"] = row["ms"]["compile"] / row["ms"]["coda_chunked"]
+    row["coda_chunked_speedup_vs_best_baseline"] = best / row["ms"]["coda_chunked"]
+    del x, gamma, w, t
+    torch.cuda.empty_cache()
+    return row
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", required=True)
@@ -113,46 +156,12 @@ def main():
         if time.time() - t_start > args.time_budget:
             result["skipped"].append({"H": H, "M": M, "why": "time budget"})
             continue
-        x, gamma, w, t = make_inputs(H, M)
-        row = {"H": H, "M": M, "ms": {}, "peak_extra_MiB": {}, "err_vs_eager": {}}
-        ref = fwd_bwd(ms["eager"], x, gamma, w, t)
-        for name, fn in ms.items():
-            got = fwd_bwd(fn, x, gamma, w, t)  # also the warm-up (and compile)
-            row["err_vs_eager"][name] = [rel_err(a, b) for a, b in zip(got, ref)]
-            del got
-            torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            out = fwd_bwd(fn, x, gamma, w, t)
-            torch.cuda.synchronize()
-            row["peak_extra_MiB"][name] = (torch.cuda.max_memory_allocated() - base) / 2**20
-            # What every method must hold at the end: the loss and the three gradients.
-            row["outputs_MiB"] = sum(v.numel() * v.element_size() for v in out) / 2**20
-            del out
-        del ref
-        fns = dict(ms, gemm_floor=None)
-        times = {k: [] for k in fns}
-        for rep in range(args.reps):
-            for name in (list(fns) if rep % 2 == 0 else list(fns)[::-1]):
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                out = (gemm_floor(x, gamma, w, t) if name == "gemm_floor"
-                       else fwd_bwd(fns[name], x, gamma, w, t))
-                e.record()
-                del out
-                times[name].append((s, e))
-        torch.cuda.synchronize()
-        row["ms"] = {k: statistics.median(s.elapsed_time(e) for s, e in v) for k, v in times.items()}
-        best = min(v for k, v in row["ms"].items() if k in ("eager", "compile", "liger"))
-        row["coda_chunked_speedup_vs_compile"] = row["ms"]["compile"] / row["ms"]["coda_chunked"]
-        row["coda_chunked_speedup_vs_best_baseline"] = best / row["ms"]["coda_chunked"]
+        row = run_shape(ms, H, M, args.reps)
         result["rows"].append(row)
         print(f"[lm_head_bench] H={H} M={M}: " +
               " ".join(f"{k} {v:.2f} ms" for k, v in row["ms"].items()) + " | peak MiB " +
               " ".join(f"{k} {v:.0f}" for k, v in row["peak_extra_MiB"].items()) +
               f" ({time.time() - t_start:.0f} s)", flush=True)
-        del x, gamma, w, t
-        torch.cuda.empty_cache()
         with open(args.json, "w") as f:  # after every shape: a timeout keeps what was measured
             json.dump(result, f, indent=1)
     with open(args.json, "w") as f:
