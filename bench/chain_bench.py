@@ -112,9 +112,19 @@ def rope_hf(qkv, cos, sin, hq, hkv, d):
 
 
 def bench_ms(fn):
+    """Median ms of `fn` (triton's do_bench: L2 cleared before each run). do_bench sizes its runs
+    from a time budget; at the largest shapes one call takes 50-150 ms, so the budget grows to
+    give at least ~15 timed runs (a median of two is not a median)."""
     import triton.testing
 
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()
+    s.record()
+    fn()
+    e.record()
+    torch.cuda.synchronize()
+    est = s.elapsed_time(e)
+    return triton.testing.do_bench(fn, warmup=max(25, 3 * est), rep=max(100, 15 * est), return_mode="median")
 
 
 def chain_inputs(model, m, seed):

@@ -22,6 +22,16 @@ KernelChoice plain_gemm_config(int m, int n, int k) {
 
 namespace {
 
+// The data-gradient GEMM D = X·W (W not transposed: the backward's dz·W), from the run-27 sweep
+// (bench/results/2026-11-29-run27-xw-sweep.txt: pingpong 128x128 c1x2 vs cooperative 256x128
+// c1x2, swizzle 1/8 x raster M/N, every LLaMA-3 backward shape). Cooperative 256x128 was 4-14%
+// faster wherever both N and K reach 4096 or K is 16384+ (8B and 70B everywhere, 1B gate/up),
+// pingpong as fast or faster on 1B's narrow, short-K shapes; swizzle 8 won for both.
+KernelChoice plain_xw_config(int n, int k) {
+  if ((n >= 4096 && k >= 4096) || k >= 16384) return {Config::kCoop256x128x64_1x2, {8, Raster::kAlongN}};
+  return {Config::kPing128x128x64_1x2, {8, Raster::kAlongM}};
+}
+
 // Fused programs are compiled for fewer configurations (src/kernels/kernels.cmake). Choices from
 // the fused times per configuration in bench/results/2026-11-29-run{4,5}-programs.json.
 KernelChoice program_config(Program p, int m, int n, int k) {
@@ -42,10 +52,19 @@ KernelChoice program_config(Program p, int m, int n, int k) {
       return {Config::kPing128x128x64_1x2, deep};
     case Program::kRmsnormLseLogits:
       return {Config::kCoop128x256x64_2x1, deep};
+    case Program::kRmsnormBackward:
+      // B1 (g = dz·W, N = hidden, K = the projection's width). Run-27 sweep: cooperative 256x128
+      // (its node merges dγ over 8 warps) was 4-10% faster for gate/up (K >= 16384) at 8192
+      // tokens and at 70B, pingpong 2-5% faster at 1B/8B with 16384 tokens and 8-20% faster for
+      // QKV (K <= 10240), where the pingpong overlap of the epilogue matters more.
+      if (k >= 16384 && (m <= 8192 || n >= 8192))
+        return {Config::kCoop256x128x64_1x2, {8, Raster::kAlongN}};
+      return {Config::kPing128x128x64_1x2, deep};
     case Program::kSwigluBackward:
       // Swizzle 8 along M was the fastest B2 at every LLaMA shape of a sweep of swizzle 1/2/4/8 x
       // raster M/N (run 24: 1B 7% faster than swizzle 1; its epilogue streams z and dz, and a
-      // swizzled order keeps the operand tiles in L2).
+      // swizzled order keeps the operand tiles in L2). Cooperative 256x128 was slower at every
+      // shape (run 27: 3-15%; its epilogue does not overlap the other warpgroup's MMA).
       return {Config::kPing128x128x64_1x2, {8, Raster::kAlongM}};
     case Program::kResidualRmsnormPartial:
     case Program::kRmsnormRope:
@@ -60,8 +79,10 @@ KernelChoice program_config(Program p, int m, int n, int k) {
 }  // namespace
 
 KernelChoice choose_config(Program p, Operands o, int m, int n, int k) {
-  const KernelChoice c = p == Program::kPlain && o == Operands::kXWt ? plain_gemm_config(m, n, k)
-                                                                     : program_config(p, m, n, k);
+  const KernelChoice c = p != Program::kPlain  ? program_config(p, m, n, k)
+                         : o == Operands::kXWt ? plain_gemm_config(m, n, k)
+                         : o == Operands::kXW  ? plain_xw_config(n, k)
+                                               : program_config(p, m, n, k);
   if (find_kernel(p, c.config, o)) return c;
   for (int i = 0; i < static_cast<int>(Config::kCount); ++i)
     if (find_kernel(p, static_cast<Config>(i), o)) return {static_cast<Config>(i), c.scheduler};

@@ -25,9 +25,11 @@ set(CODA_ALL_KERNELS
   "RmsnormLseLogits:Coop128x256x64_2x1:XWt"
   # backward programs and the transposed operand layouts the backward pass needs
   "RmsnormBackward:Ping128x128x64_1x2:XW"
+  "RmsnormBackward:Coop256x128x64_1x2:XW"  # B1 gate/up (K >= 16384), run 27
   "RmsnormCrossEntropyBackward:Ping128x128x64_1x2:XWt"
   "SwigluBackward:Ping128x128x64_1x2:XW"
   "Plain:Ping128x128x64_1x2:XW"
+  "Plain:Coop256x128x64_1x2:XW"  # data-gradient GEMMs at N, K >= 4096, run 27
   "Plain:Coop128x256x64_2x1:XtY"
   # tests: the fragment pairing every pairwise epilogue relies on, per schedule
   "PairLayoutProbe:Ping128x128x64_1x2:XWt"

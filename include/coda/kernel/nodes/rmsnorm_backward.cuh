@@ -41,8 +41,8 @@ struct RmsnormBackwardNode : ConsumerOnlyNode<RmsnormBackwardArgs> {
   CUTLASS_HOST_DEVICE RmsnormBackwardNode(Params const& p, SharedStorage const&) : params(p) {}
   Params params;
 
-  template <class GTensor, class CTensor, class XTensor, class ColState, class CtaCoords,
-            class ShapeMNL, class Lanes>
+  template <int kThreads, class GTensor, class CTensor, class XTensor, class ColState,
+            class CtaCoords, class ShapeMNL, class Lanes>
   struct ConsumerStoreCallbacks : cf::EmptyConsumerStoreCallbacks {
     CUTLASS_DEVICE ConsumerStoreCallbacks(GTensor gx, GTensor gh, CTensor c, XTensor rx,
                                           ColState dg, CtaCoords cta, ShapeMNL shape,
@@ -135,13 +135,13 @@ struct RmsnormBackwardNode : ConsumerOnlyNode<RmsnormBackwardArgs> {
         for (int i = 0; i < cute::size(f); ++i)
           f(i) += __shfl_down_sync(0xffffffff, f(i), lane_delta);
       });
-      // 2. The warps (each holds different rows of every column), through the store buffer,
-      // summed in a fixed order.
-      constexpr int kWarps = 4;
-      static_assert(kCtaN * 4 * sizeof(float) <=
+      // 2. The warps (each holds different rows of every column: 4 per warpgroup, 8 when two
+      // cooperative warpgroups share the tile), through the store buffer, in a fixed order.
+      constexpr int kWarps = kThreads / 32;
+      static_assert(kCtaN * kWarps * sizeof(float) <=
                         decltype(cute::cosize(smem_buffer.layout()))::value *
                             sizeof(typename cute::remove_cvref_t<STensor>::value_type),
-                    "dγ reduction needs (4 warps x tile N) floats of the store buffer");
+                    "dγ reduction needs (warps x tile N) floats of the store buffer");
       float* sbuf = reinterpret_cast<float*>(cute::raw_pointer_cast(smem_buffer.data()));
       const int warp = thread_idx / 32;
       sync_fn();
@@ -177,8 +177,9 @@ struct RmsnormBackwardNode : ConsumerOnlyNode<RmsnormBackwardArgs> {
   template <bool ReferenceSrc, class... Args>
   CUTLASS_DEVICE auto get_consumer_store_callbacks(cf::ConsumerStoreArgs<Args...> const& args) {
     using namespace cute;
-    static_assert(decltype(size(args.tiled_copy))::value == 128,
-                  "RmsnormBackwardNode: one warpgroup per tile (pingpong)");
+    constexpr int kThreads = decltype(size(args.tiled_copy))::value;
+    static_assert(kThreads == 128 || kThreads == 256,
+                  "RmsnormBackwardNode: one warpgroup (pingpong) or two (cooperative) per tile");
     auto [M, N, K, L] = args.problem_shape_mnkl;
     auto [m, n, k, l] = args.tile_coord_mnkl;
     auto shape_mnl = make_shape(M, N, L);
@@ -194,7 +195,7 @@ struct RmsnormBackwardNode : ConsumerOnlyNode<RmsnormBackwardArgs> {
     auto rDgamma = make_column_state<ReferenceSrc, CtaTile>(args, 0.0f);
     auto tC_cta = cta_coords<ReferenceSrc>(args);
     auto lanes = warp_lanes<ReferenceSrc>(args);
-    return ConsumerStoreCallbacks<decltype(tC_gX), decltype(tC_c), decltype(tC_rX),
+    return ConsumerStoreCallbacks<kThreads, decltype(tC_gX), decltype(tC_c), decltype(tC_rX),
                                   decltype(rDgamma), decltype(tC_cta), decltype(shape_mnl),
                                   decltype(lanes)>(tC_gX, tC_gH, tC_c, tC_rX, rDgamma, tC_cta,
                                                    shape_mnl, lanes, int(m), int(n),
