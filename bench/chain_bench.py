@@ -18,6 +18,7 @@ time is printed; the accuracy columns give max |out - fp32 ref| of ours and of e
 import argparse
 import ctypes
 import json
+import statistics
 import sys
 import time
 from types import SimpleNamespace
@@ -111,20 +112,60 @@ def rope_hf(qkv, cos, sin, hq, hkv, d):
     return torch.cat([q.reshape(m, -1), k.reshape(m, -1), v], dim=-1)
 
 
-def bench_ms(fn):
-    """Median ms of `fn` (triton's do_bench: L2 cleared before each run). do_bench sizes its runs
-    from a time budget; at the largest shapes one call takes 50-150 ms, so the budget grows to
-    give at least ~15 timed runs (a median of two is not a median)."""
-    import triton.testing
+_l2_flush = []
 
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    fn()
-    s.record()
-    fn()
-    e.record()
+
+def flush_l2():
+    """Overwrites a 256 MiB buffer (the H200's L2 is 60 MB), as do_bench does between runs."""
+    if not _l2_flush:
+        _l2_flush.append(torch.empty(256 << 20, dtype=torch.int8, device="cuda"))
+    _l2_flush[0].zero_()
+
+
+def invoke(variant):
+    """A variant is a callable, or (prepare, run): run(prepare()), prepare untimed."""
+    if isinstance(variant, tuple):
+        return variant[1](variant[0]())
+    return variant()
+
+
+def bench_interleaved(variants, progress=None, label="", min_runs=12, target_ms=1200.0):
+    """Median ms of each variant, timed in interleaved rounds: every round runs each variant once
+    (the order alternating), L2 cleared before each run, so a clock or thermal drift during the
+    measurement moves every variant alike instead of biasing their ratio. A variant is a callable
+    or (prepare, run): prepare() runs untimed before each timed run(state), e.g. the forward
+    before a backward (no retain_graph)."""
+    def once(v, timed):
+        prep, run = v if isinstance(v, tuple) else (None, v)
+        state = prep() if prep else None
+        flush_l2()
+        if timed:
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+        run(state) if prep else run()
+        if timed:
+            e.record()
+            return s, e
+        return None
+
+    for v in variants.values():  # warm-up
+        once(v, False)
     torch.cuda.synchronize()
-    est = s.elapsed_time(e)
-    return triton.testing.do_bench(fn, warmup=max(25, 3 * est), rep=max(100, 15 * est), return_mode="median")
+    t0 = time.perf_counter()
+    for v in variants.values():
+        once(v, False)
+    torch.cuda.synchronize()
+    round_ms = (time.perf_counter() - t0) * 1e3
+    runs = max(min_runs, min(200, int(target_ms / max(round_ms, 1e-3))))
+    if progress:
+        progress(f"{label}: {', '.join(variants)} interleaved, {runs} rounds")
+    events = {k: [] for k in variants}
+    names = list(variants)
+    for r in range(runs):
+        for k in (names if r % 2 == 0 else names[::-1]):
+            events[k].append(once(variants[k], True))
+    torch.cuda.synchronize()
+    return {k: statistics.median(s.elapsed_time(e) for s, e in v) for k, v in events.items()}
 
 
 def chain_inputs(model, m, seed):
@@ -298,13 +339,7 @@ def run_shape(coda, model, m, results, progress):
     except Exception as e:  # noqa: BLE001 - report why the baseline is absent
         results.setdefault("absent", {})["flashinfer"] = str(e)[:300]
 
-    times = {}
-    if ok:
-        for name, fn in variants.items():
-            progress(f"{model} M={m} {name}")
-            fn()
-            torch.cuda.synchronize()
-            times[name] = bench_ms(fn)
+    times = bench_interleaved(variants, progress, f"chain fwd {model} M={m}") if ok else {}
     best_baseline = min(times[k] for k in ("eager", "compile", "liger", "flashinfer") if k in times) if ok else float("nan")
     row = {"model": model, "m": m, "pass": "fwd", "check": "PASS" if ok else "FAIL", **{f"ms_{k}": v for k, v in times.items()},
            **{f"err_{k}": v for k, v in acc.items()},

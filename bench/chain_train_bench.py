@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from types import SimpleNamespace
 
-from chain_bench import ALL_MODELS, EPS, MODELS, Coda, bench_ms, chain_inputs, make_chain
+from chain_bench import ALL_MODELS, EPS, MODELS, Coda, bench_interleaved, chain_inputs, make_chain
 
 PROFILE = False
 BACKWARD_ONLY = False  # also time the backward pass alone (bench/suite.py sets it)
@@ -233,13 +233,7 @@ def run_shape(coda, model, m, results, progress):
     except Exception as ex:  # noqa: BLE001 - report why the baseline is absent
         results.setdefault("absent", {})["liger"] = repr(ex)[:300]
 
-    times = {}
-    if ok:
-        for name, fn in variants.items():
-            progress(f"{model} M={m} {name}")
-            fn()
-            torch.cuda.synchronize()
-            times[name] = bench_ms(fn)
+    times = bench_interleaved(variants, progress, f"chain fwd+bwd {model} M={m}") if ok else {}
     base = [times[k] for k in ("eager", "compile", "liger") if k in times]
     speedup = min(base) / times["coda"] if ok and base else float("nan")
     results["rows"].append({"model": model, "m": m, "pass": "fwd+bwd", "check": "PASS" if ok else "FAIL",
@@ -251,27 +245,20 @@ def run_shape(coda, model, m, results, progress):
     print(f"{model:11s} M={m:5d} {msg}", flush=True)
     if ok and BACKWARD_ONLY:
         # Backward alone: ours re-runs backward() on the saved forward tensors; each autograd
-        # baseline runs its forward once and then times autograd.grad(retain_graph=True) on it.
-        bwd = {"coda": bench_ms(backward)}
-        progress(f"{model} M={m} backward only")
-
+        # baseline runs its forward untimed before every timed autograd.grad (no retain_graph:
+        # torch.compile's donated buffers forbid it).
         def gemm_only_bwd():
             for a_in, w, out in gemms:
                 torch.matmul(out, w)
                 torch.matmul(out.t(), a_in)
 
-        bwd["gemm_only"] = bench_ms(gemm_only_bwd)
-        for name in ("eager", "compile", "liger"):
-            fn = {"eager": chain, "compile": compiled, "liger": variants.get("liger") and liger_chain}[name]
-            if not fn:
-                continue
-            try:
-                outs = fn(*fwd_in, cos, sin)
-                bwd[name] = bench_ms(lambda: torch.autograd.grad(outs, fwd_in, [dx2_up, dqkv_up],
-                                                                 retain_graph=True))
-                del outs
-            except Exception as ex:  # noqa: BLE001 - reported, the row keeps the others
-                results.setdefault("absent", {})[f"{name} backward only"] = repr(ex)[:300]
+        bwd_variants = {"coda": backward, "gemm_only": gemm_only_bwd}
+        for name, fn in (("eager", chain), ("compile", compiled),
+                         ("liger", liger_chain if "liger" in variants else None)):
+            if fn is not None:
+                bwd_variants[name] = (lambda fn=fn: fn(*fwd_in, cos, sin),
+                                      lambda outs: torch.autograd.grad(outs, fwd_in, [dx2_up, dqkv_up]))
+        bwd = bench_interleaved(bwd_variants, progress, f"chain bwd {model} M={m}")
         base = [bwd[k] for k in ("eager", "compile", "liger") if k in bwd]
         results["rows"].append({"model": model, "m": m, "pass": "bwd", "check": "PASS",
                                 **{f"ms_{k}": v for k, v in bwd.items()},

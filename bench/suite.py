@@ -11,8 +11,9 @@ check prints FAIL and no time):
   ops        every fused op of the layer at each shape: ours (the fused kernel alone, and with its
              fold), our plain GEMM (empty epilogue), the cuBLAS GEMM, and the same op as cuBLAS +
              eager PyTorch, torch.compile, Liger Kernel and FlashInfer (forward ops). Backward ops
-             are timed as the backward of the op's forward sub-graph (autograd.grad with
-             retain_graph on one forward), so a baseline does exactly the work autograd would.
+             are timed as the backward of the op's forward sub-graph (its forward untimed before
+             each timed autograd.grad), so a baseline does exactly the work autograd would.
+Every section times its variants in interleaved rounds (chain_bench.bench_interleaved).
   chain-fwd  the forward layer chain (bench/chain_bench.py)
   chain      the layer chain forward + backward and backward alone (bench/chain_train_bench.py)
   lm-head    LM head + cross-entropy, forward + backward: time and peak memory (bench/lm_head_bench.py)
@@ -39,7 +40,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import chain_bench as cb  # noqa: E402
 import chain_train_bench as ctb  # noqa: E402
-from chain_bench import ALL_MODELS, EPS, MODELS, PAPER_MODELS, bench_ms, rms_norm, rope_hf  # noqa: E402
+from chain_bench import (ALL_MODELS, EPS, MODELS, PAPER_MODELS, bench_interleaved, invoke,  # noqa: E402
+                         rms_norm, rope_hf)
 
 PAPER_V = 32768
 
@@ -81,15 +83,16 @@ def split_gu(z):
     return torch.cat([z[:, 0::2], z[:, 1::2]], dim=-1)
 
 
-def backward_timer(forward, inputs, grad_out, extra=None):
-    """One forward through autograd, then a closure running only its backward (retain_graph)."""
+def backward_variant(forward, inputs, grad_out, extra=None):
+    """(prepare, run) for bench_interleaved: the forward through autograd untimed, then its
+    backward alone (`extra`: the residual gradient added to the first input's, as autograd's
+    accumulation would)."""
     ins = [v.detach().requires_grad_() for v in inputs]
-    out = forward(*ins)
 
-    def run():
-        g = torch.autograd.grad(out, ins, grad_out, retain_graph=True)
+    def run(out):
+        g = torch.autograd.grad(out, ins, grad_out)
         return [g[0] + extra, *g[1:]] if extra is not None else list(g)
-    return run
+    return (lambda: forward(*ins)), run
 
 
 def ops_section(coda, model, m, res, progress, liger, fi):
@@ -205,8 +208,8 @@ def ops_section(coda, model, m, res, progress, liger, fi):
                        [ref["dx1"], ref["dg_ffn"]], lambda: [o.dx1, o.dg_ffn]),
     }
     for name, (ins, gout, extra, fwd, refs, ours_out) in bwd_ops.items():
-        base = {"eager": (backward_timer(fwd, ins, gout, extra), list),
-                "compile": (backward_timer(torch.compile(fwd, dynamic=False), ins, gout, extra), list)}
+        base = {"eager": (backward_variant(fwd, ins, gout, extra), list),
+                "compile": (backward_variant(torch.compile(fwd, dynamic=False), ins, gout, extra), list)}
         if liger:
             lfwd = {
                 "B3 RoPE bwd": lambda qkv: (lambda q, k, v: cat_qkv(*[x.transpose(1, 2) for x in liger.liger_rope(
@@ -216,7 +219,7 @@ def ops_section(coda, model, m, res, progress, liger, fi):
                 "B2 SwiGLU bwd": lambda gu: F.linear(liger.liger_swiglu(*gu.chunk(2, -1)), t.wd),
                 "B1 gate/up": lambda x, g: F.linear(liger.liger_rms_norm(x, g, EPS), t.wgu_split),
             }[name]
-            base["liger"] = (backward_timer(lfwd, ins, gout, extra), list)
+            base["liger"] = (backward_variant(lfwd, ins, gout, extra), list)
         ops[name] = dict(ref=refs, ours=ours_out, base=base)
 
     for name, spec in ops.items():
@@ -224,7 +227,7 @@ def ops_section(coda, model, m, res, progress, liger, fi):
         row = {"model": model, "m": m, "op": name, "gemm_mnk": list(gemm) if gemm else None,
                "ms": {}, "err": {}, "check": {}}
         ref_out = spec["ref"]
-        e_eager = [err(a, b) for a, b in zip(spec["base"]["eager"][1](spec["base"]["eager"][0]()), ref_out)]
+        e_eager = [err(a, b) for a, b in zip(spec["base"]["eager"][1](invoke(spec["base"]["eager"][0])), ref_out)]
         row["err"]["eager"] = max(e_eager)
 
         def passes(outs):
@@ -246,7 +249,7 @@ def ops_section(coda, model, m, res, progress, liger, fi):
                 timed["cublas_gemm"] = cublas
         for bname, (call, extract, *check_call) in spec["base"].items():
             try:
-                out = extract((check_call[0] if check_call else call)())
+                out = extract(invoke(check_call[0] if check_call else call))
                 row["err"][bname], bok = passes(out)
                 del out
             except Exception as ex:  # noqa: BLE001 - a baseline that cannot run this op is reported
@@ -255,11 +258,8 @@ def ops_section(coda, model, m, res, progress, liger, fi):
             row["check"][bname] = "PASS" if bok else "FAIL"
             if bok:
                 timed[bname] = call
-        for vname, call in timed.items():
-            progress(f"ops {model} M={m} {name}: {vname}")
-            call()
-            torch.cuda.synchronize()
-            row["ms"][vname] = bench_ms(call)
+        if timed:
+            row["ms"] = bench_interleaved(timed, progress, f"ops {model} M={m} {name}")
         if gemm:
             row["tflops"] = {k: 2 * gemm[0] * gemm[1] * gemm[2] / (v * 1e9) for k, v in row["ms"].items()}
         if "coda_fused" in row["ms"] and "coda_plain_gemm" in row["ms"]:
@@ -274,10 +274,8 @@ def ops_section(coda, model, m, res, progress, liger, fi):
     # the dW GEMMs and d(y): ours (XᵀY / XW on our mainloop) vs cuBLAS, no baseline op around them
     for name in ("dW qkv", "dW down", "dW gate/up", "dW o", "d(y)"):
         fn, _, _, cublas, gemm = ours[name]
-        row = {"model": model, "m": m, "op": name, "gemm_mnk": list(gemm), "ms": {}}
-        for vname, call in (("coda", fn), ("cublas_gemm", cublas)):
-            progress(f"ops {model} M={m} {name}: {vname}")
-            row["ms"][vname] = bench_ms(call)
+        row = {"model": model, "m": m, "op": name, "gemm_mnk": list(gemm),
+               "ms": bench_interleaved({"coda": fn, "cublas_gemm": cublas}, progress, f"ops {model} M={m} {name}")}
         row["tflops"] = {k: 2 * gemm[0] * gemm[1] * gemm[2] / (v * 1e9) for k, v in row["ms"].items()}
         row["speedup"] = {"cublas_gemm": row["ms"]["cublas_gemm"] / row["ms"]["coda"]}
         res["rows"].append(row)

@@ -150,10 +150,10 @@ def chain_tables(path, d):
             continue
         out += [f"## {title}\n",
                 "Out-proj + residual + RMSNorm → gate/up + SwiGLU → down + residual + RMSNorm → QKV + RoPE "
-                "(attention excluded). ms, `triton.testing.do_bench` medians; speed ratio vs the best of "
+                "(attention excluded). ms, medians of interleaved rounds (L2 cleared before each run); speed ratio vs the best of "
                 "eager / compile / Liger / FlashInfer (FlashInfer: forward only)." + (" Backward alone: ours re-runs the backward kernels on the "
-                                              "saved tensors; baselines time autograd.grad(retain_graph=True) "
-                                              "after one forward." if p == "bwd" else "") + "\n",
+                                              "saved tensors; each baseline's forward runs untimed before "
+                                              "each timed autograd.grad." if p == "bwd" else "") + "\n",
                 "| model | M | ours | GEMM-only | eager | torch.compile | Liger | FlashInfer | vs best baseline | check |",
                 "|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
