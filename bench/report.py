@@ -326,7 +326,11 @@ def main():
         d = json.load(open(suite_path))
         lines += sr.summary(suite_path, d) + sr.ops_table(suite_path, d, os.path.join("docs", "img"))
         lines += sr.chain_tables(suite_path, d) + sr.lm_head_table(suite_path, d)
-        lines += ["# Earlier focused runs (one benchmark per results file)\n"]
+        lines += ["# Earlier focused runs (one benchmark per results file)\n",
+                  "The layer-chain tables below timed one variant after another, ours first, which paid "
+                  "for the GPU's clock ramp (up to ~10% at the small shapes; docs/performance-notes.md, "
+                  "\"The benchmark suite and its method\"); the GEMM, program and LM-head benchmarks "
+                  "already alternated their variants.\n"]
         write_readme(sr.readme_section(suite_path, d))
     lines += summary(a.results)
     for pattern, fn in (("*-gemm.json", gemm_table), ("*-programs.json", program_table),
