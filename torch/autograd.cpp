@@ -77,6 +77,14 @@ class OutProjResidualNorm : public torch::autograd::Function<OutProjResidualNorm
   }
 };
 
+// coda::mlp_backward, shared by Mlp (residual: dx_out reaches x) and MlpPartial (it does not).
+auto& mlp_backward_op() {
+  static auto b = op<std::tuple<Tensor, Tensor, Tensor, Tensor>(
+      const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+      const Tensor&, bool)>("coda::mlp_backward");
+  return b;
+}
+
 class Mlp : public torch::autograd::Function<Mlp> {
  public:
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& gamma,
@@ -96,11 +104,35 @@ class Mlp : public torch::autograd::Function<Mlp> {
   static variable_list backward(AutogradContext* ctx, variable_list g) {
     const auto s = ctx->get_saved_variables();
     if (!g[0].defined()) return variable_list(8);
-    static auto b = op<std::tuple<Tensor, Tensor, Tensor, Tensor>(
-        const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-        const Tensor&)>("coda::mlp_backward");
-    auto [dx, dgamma, dw_gu, dw_down] = b.call(g[0].contiguous(), s[0], s[1], s[2], s[3], s[4], s[5]);
+    auto [dx, dgamma, dw_gu, dw_down] = mlp_backward_op().call(g[0].contiguous(), s[0], s[1],
+                                                               s[2], s[3], s[4], s[5], true);
     return {dx, dgamma, dw_gu, dw_down, Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+};
+
+// The MLP branch without residual (y = a · W_downᵀ): its backward is mlp_backward without the
+// residual's dx_out, so under tensor parallelism each rank's dx is its share of the sum.
+class MlpPartial : public torch::autograd::Function<MlpPartial> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& gamma,
+                               const Tensor& w_gu, const Tensor& w_down, const Tensor& h,
+                               const Tensor& r) {
+    ctx->set_materialize_grads(false);
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto f = op<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
+                                                  const Tensor&, const Tensor&, const Tensor&)>(
+        "coda::mlp_partial");
+    auto [y, z] = f.call(x, gamma, w_gu, w_down, h, r);
+    ctx->mark_non_differentiable({z});
+    ctx->save_for_backward({x, gamma, w_gu, w_down, r, z});
+    return {y, z};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    const auto s = ctx->get_saved_variables();
+    if (!g[0].defined()) return variable_list(6);
+    auto [dx, dgamma, dw_gu, dw_down] = mlp_backward_op().call(
+        g[0].contiguous(), s[0], s[1], s[2], s[3], s[4], s[5], false);
+    return {dx, dgamma, dw_gu, dw_down, Tensor(), Tensor()};
   }
 };
 
@@ -177,6 +209,11 @@ TORCH_LIBRARY_IMPL(coda, Autograd, m) {
                    const Tensor& h, const Tensor& r, const Tensor& gamma_next, double eps) {
     auto o = Mlp::apply(x, gamma, w_gu, w_down, h, r, gamma_next, eps);
     return std::make_tuple(o[0], o[1], o[2], o[3]);
+  });
+  m.impl("mlp_partial", [](const Tensor& x, const Tensor& gamma, const Tensor& w_gu,
+                           const Tensor& w_down, const Tensor& h, const Tensor& r) {
+    auto o = MlpPartial::apply(x, gamma, w_gu, w_down, h, r);
+    return std::make_tuple(o[0], o[1]);
   });
   m.impl("lm_head_loss", [](const Tensor& x, const Tensor& gamma, const Tensor& w_vocab,
                             const Tensor& h, const Tensor& r, const Tensor& targets,

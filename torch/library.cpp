@@ -98,6 +98,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mlp_meta(
           at::empty_symint(x.sym_sizes(), x.options()), stat_vector(x),
           at::empty_symint({x.sym_size(0), w_gu.sym_size(0)}, x.options())};
 }
+std::tuple<at::Tensor, at::Tensor> mlp_partial_meta(const at::Tensor& x, const at::Tensor&,
+                                                    const at::Tensor& w_gu, const at::Tensor& w_down,
+                                                    const at::Tensor&, const at::Tensor&) {
+  expect_2d("coda::mlp_partial", "x", x);
+  expect_2d("coda::mlp_partial", "w_gu", w_gu);
+  expect_2d("coda::mlp_partial", "w_down", w_down);
+  return {at::empty_symint({x.sym_size(0), w_down.sym_size(0)}, x.options()),
+          at::empty_symint({x.sym_size(0), w_gu.sym_size(0)}, x.options())};
+}
 std::tuple<at::Tensor, at::Tensor> lm_head_loss_meta(const at::Tensor& x, const at::Tensor&,
                                                      const at::Tensor&, const at::Tensor&,
                                                      const at::Tensor&, const at::Tensor&,
@@ -121,7 +130,7 @@ std::tuple<at::Tensor, at::Tensor> linear_backward_meta(const at::Tensor&, const
 }
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mlp_backward_meta(
     const at::Tensor&, const at::Tensor& x, const at::Tensor& gamma, const at::Tensor& w_gu,
-    const at::Tensor& w_down, const at::Tensor&, const at::Tensor&) {
+    const at::Tensor& w_down, const at::Tensor&, const at::Tensor&, bool) {
   return {at::empty_like(x), at::empty_like(gamma), at::empty_like(w_gu), at::empty_like(w_down)};
 }
 std::tuple<at::Tensor, at::Tensor, at::Tensor> lm_head_loss_backward_meta(
@@ -151,6 +160,9 @@ TORCH_LIBRARY(coda, m) {
       "mlp(Tensor x, Tensor gamma, Tensor w_gu, Tensor w_down, Tensor h, Tensor r, "
       "Tensor gamma_next, float eps) -> (Tensor x_out, Tensor h_out, Tensor r_out, Tensor z)");
   m.def(
+      "mlp_partial(Tensor x, Tensor gamma, Tensor w_gu, Tensor w_down, Tensor h, Tensor r) "
+      "-> (Tensor y, Tensor z)");
+  m.def(
       "lm_head_loss(Tensor x, Tensor gamma, Tensor w_vocab, Tensor h, Tensor r, Tensor targets, "
       "int ignore_index=-100, str reduction='mean', float z_loss=0.0, "
       "int max_chunk_bytes=1073741824) -> (Tensor loss, Tensor lse)");
@@ -162,7 +174,7 @@ TORCH_LIBRARY(coda, m) {
       "Tensor dweight)");
   m.def(
       "mlp_backward(Tensor dx_out, Tensor x, Tensor gamma, Tensor w_gu, Tensor w_down, Tensor r, "
-      "Tensor z) -> (Tensor dx, Tensor dgamma, Tensor dw_gu, Tensor dw_down)");
+      "Tensor z, bool residual=True) -> (Tensor dx, Tensor dgamma, Tensor dw_gu, Tensor dw_down)");
   m.def(
       "lm_head_loss_backward(Tensor dloss, Tensor x, Tensor gamma, Tensor w_vocab, Tensor h, "
       "Tensor r, Tensor targets, Tensor lse, int ignore_index, str reduction, float z_loss, "
@@ -179,6 +191,7 @@ TORCH_LIBRARY_IMPL(coda, Meta, m) {
   m.impl("norm_qkv", &norm_qkv_meta);
   m.impl("out_proj_residual_norm", &out_proj_residual_norm_meta);
   m.impl("mlp", &mlp_meta);
+  m.impl("mlp_partial", &mlp_partial_meta);
   m.impl("lm_head_loss", &lm_head_loss_meta);
   m.impl("norm_qkv_backward", &norm_qkv_backward_meta);
   m.impl("linear_backward", &linear_backward_meta);

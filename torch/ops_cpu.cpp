@@ -191,6 +191,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mlp(
   return {x_out, h_out, r_out, z};
 }
 
+// The MLP branch without its residual and without the next norm: y = SwiGLU(F2) · W_downᵀ.
+// Under tensor parallelism (docs/tensor-parallel.md) each rank's y is its share of the sum.
+std::tuple<at::Tensor, at::Tensor> mlp_partial(const at::Tensor& x, const at::Tensor& gamma,
+                                               const at::Tensor& w_gu, const at::Tensor& w_down,
+                                               const at::Tensor& h, const at::Tensor& r) {
+  const auto c = OpContext::from(op_names::mlp_partial, "x", x);
+  const auto s = validate_mlp_partial(c, x, gamma, w_gu, w_down, h, r);
+  at::Tensor z = at::empty({s.m, 2 * s.intermediate}, x.options()),
+             a = at::empty({s.m, s.intermediate}, x.options()), y;
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "coda::mlp_partial", [&] {
+    using R = scalar_t;
+    programs::RmsnormSwiglu<R> f2;
+    f2.r = vec<R>(r);
+    f2.z = tile_out<R>(z);
+    f2.a = tile_out<R>(a);
+    reference::execute<R>(rows<R>(h), rows<R>(w_gu), f2, kTiles);
+    y = matrix_tensor(reference::gemm<R>(rows<R>(a), rows<R>(w_down)), s.m, s.hidden, x);
+  });
+  return {y, z};
+}
+
 std::tuple<at::Tensor, at::Tensor> lm_head_loss(const at::Tensor& x, const at::Tensor& gamma,
                                                 const at::Tensor& w_vocab, const at::Tensor& h,
                                                 const at::Tensor& r, const at::Tensor& targets,
@@ -273,10 +294,11 @@ std::tuple<at::Tensor, at::Tensor> linear_backward(const at::Tensor& dout, const
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mlp_backward(
     const at::Tensor& dx_out, const at::Tensor& x, const at::Tensor& gamma, const at::Tensor& w_gu,
-    const at::Tensor& w_down, const at::Tensor& r, const at::Tensor& z) {
+    const at::Tensor& w_down, const at::Tensor& r, const at::Tensor& z, bool residual) {
   const auto c = OpContext::from(op_names::mlp_backward, "x", x);
   const auto s = validate_mlp_backward(c, dx_out, x, gamma, w_gu, w_down, r, z);
-  at::Tensor dx = dx_out.clone(), dgamma = at::empty_like(gamma), dw_gu, dw_down;
+  // residual: dx_out also reaches x through the residual add (mlp); not for mlp_partial.
+  at::Tensor dx = residual ? dx_out.clone() : at::zeros_like(x), dgamma = at::empty_like(gamma), dw_gu, dw_down;
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "coda::mlp_backward", [&] {
     using R = scalar_t;
     // B2: da = dx_out · W_down → dz (interleaved), a recomputed, ZdZ partials.

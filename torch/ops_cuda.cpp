@@ -133,6 +133,22 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> mlp(const Tensor& x, const Tensor& ga
   return {x_out, h_out, r_out, z};
 }
 
+// The MLP branch without its residual and the next norm (see ops_cpu.cpp): F2, then X·Wᵀ.
+std::tuple<Tensor, Tensor> mlp_partial(const Tensor& x, const Tensor& gamma, const Tensor& w_gu,
+                                       const Tensor& w_down, const Tensor& h, const Tensor& r) {
+  const auto c = OpContext::from(op_names::mlp_partial, "x", x);
+  const auto sz = validate_mlp_partial(c, x, gamma, w_gu, w_down, h, r);
+  const int m = as_int(c.op, "M", sz.m), inter = int(sz.intermediate), hidden = int(sz.hidden);
+  const c10::cuda::CUDAGuard guard(x.device());
+  Tensor z = at::empty({sz.m, 2 * sz.intermediate}, x.options()),
+         a = at::empty({sz.m, sz.intermediate}, x.options()),
+         y = at::empty({sz.m, sz.hidden}, x.options());
+  ops::gemm_rmsnorm_swiglu(bf(h), bf(w_gu), f32(r), bf_out(z), bf_out(a), m, 2 * inter, hidden,
+                           stream_of(x));
+  ops::gemm(bf(a), bf(w_down), bf_out(y), m, hidden, inter, stream_of(x));
+  return {y, z};
+}
+
 std::tuple<Tensor, Tensor> lm_head_loss(const Tensor& x, const Tensor& gamma,
                                         const Tensor& w_vocab, const Tensor& h, const Tensor& r,
                                         const Tensor& targets, int64_t ignore_index,
@@ -200,7 +216,7 @@ std::tuple<Tensor, Tensor> linear_backward(const Tensor& dout, const Tensor& inp
 std::tuple<Tensor, Tensor, Tensor, Tensor> mlp_backward(const Tensor& dx_out, const Tensor& x,
                                                         const Tensor& gamma, const Tensor& w_gu,
                                                         const Tensor& w_down, const Tensor& r,
-                                                        const Tensor& z) {
+                                                        const Tensor& z, bool residual) {
   const auto c = OpContext::from(op_names::mlp_backward, "x", x);
   const auto sz = validate_mlp_backward(c, dx_out, x, gamma, w_gu, w_down, r, z);
   const int m = as_int(c.op, "M", sz.m), inter = int(sz.intermediate), hidden = int(sz.hidden);
@@ -214,9 +230,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> mlp_backward(const Tensor& dx_out, co
                             f32_out(partials), m, inter, hidden, s);
   ops::zdz_fold(f32(partials), layout, hidden, f32_out(zdz), s);
   Tensor dw_down = weight_grad(dx_out, a);
-  // B1 with W_gu: dx = dx_out + norm backward; dW_gu = dzᵀ · h_out.
-  Tensor dx = at::empty_like(x), dgamma32 = at::empty({sz.hidden}, stat_options(c));
-  const Tensor h_out = rmsnorm_backward(dz, w_gu, x, r, gamma, zdz, dx_out, dx, dgamma32);
+  // B1 with W_gu: dx = dx_out (the residual, unless mlp_partial) + norm backward; dW_gu = dzᵀ · h_out.
+  Tensor dgamma32 = at::empty({sz.hidden}, stat_options(c));
+  Tensor dx = residual ? at::empty_like(x) : at::zeros_like(x);
+  const Tensor h_out =
+      rmsnorm_backward(dz, w_gu, x, r, gamma, zdz, residual ? dx_out : dx, dx, dgamma32);
   return {dx, dgamma32.to(gamma.scalar_type()), weight_grad(dz, h_out), dw_down};
 }
 

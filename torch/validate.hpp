@@ -155,6 +155,13 @@ inline MlpSizes validate_mlp(const OpContext& c, const at::Tensor& x, const at::
   return s;
 }
 
+inline MlpSizes validate_mlp_partial(const OpContext& c, const at::Tensor& x,
+                                     const at::Tensor& gamma, const at::Tensor& w_gu,
+                                     const at::Tensor& w_down, const at::Tensor& h,
+                                     const at::Tensor& r) {
+  return validate_mlp(c, x, gamma, w_gu, w_down, &h, r);
+}
+
 inline MlpSizes validate_mlp_backward(const OpContext& c, const at::Tensor& dx_out,
                                       const at::Tensor& x, const at::Tensor& gamma,
                                       const at::Tensor& w_gu, const at::Tensor& w_down,

@@ -125,6 +125,20 @@ def mlp(
     return torch.ops.coda.mlp(x, gamma, w_gu, w_down, h, r, gamma_next, eps)
 
 
+def mlp_partial(
+    x: Tensor, gamma: Tensor, w_gu: Tensor, w_down: Tensor, h: Tensor, r: Tensor
+) -> tuple[Tensor, Tensor]:
+    """F2 + GEMM: the SwiGLU MLP branch alone, ``y = swiglu(rmsnorm(x) @ w_gu.T) @ w_down.T``,
+    without the residual add and the next norm (what :func:`mlp` adds).
+
+    For tensor parallelism (docs/tensor-parallel.md): with ``w_gu`` / ``w_down`` holding one rank's
+    share of the intermediate dimension, ``y`` and the gradient reaching ``x`` are that rank's
+    shares of the sums over ranks. Shapes as in :func:`mlp`; returns ``(y (M, H), z (M, 2I))``.
+    Differentiable in ``x``, ``gamma``, ``w_gu``, ``w_down`` through ``y``.
+    """
+    return torch.ops.coda.mlp_partial(x, gamma, w_gu, w_down, h, r)
+
+
 def lm_head_loss(
     x: Tensor,
     gamma: Tensor,

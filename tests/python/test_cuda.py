@@ -15,6 +15,7 @@ from helpers import assert_ops_rule
 from test_ops_cpu import (
     ref_lm_head,
     ref_mlp_fn,
+    ref_mlp_partial_fn,
     ref_norm,
     ref_norm_qkv_fn,
     ref_out_proj_fn,
@@ -140,6 +141,18 @@ def test_mlp_matches_fp64_reference(s):
     check_op("mlp", ours, ref, inp, ["x", "gamma", "w_gu", "w_down"], 1)
 
 
+@OP_SHAPES
+def test_mlp_partial_matches_fp64_reference(s):
+    gen = torch.Generator().manual_seed(4)
+    x = rand(s["M"], s["H"], gen=gen)
+    gamma = rand(s["H"], scale=0.3, shift=1.0, gen=gen)
+    h, r = caches(x, gamma)
+    inp = dict(x=x, gamma=gamma, w_gu=rand(2 * s["I"], s["H"], scale=s["H"] ** -0.5, gen=gen),
+               w_down=rand(s["H"], s["I"], scale=s["I"] ** -0.5, gen=gen), h=h, r=r)
+    check_op("mlp_partial", lambda **a: CODA.mlp_partial(**a), ref_mlp_partial_fn, inp,
+             ["x", "gamma", "w_gu", "w_down"], 1)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("z_loss", [0.0, 1e-3])
 # 1 GiB: one slice; 32000 B: below the backward's fixed scratch, so 8-column vocabulary slices
@@ -258,6 +271,7 @@ def test_opcheck_every_op_on_cuda():
     w_gu = rand(2 * S["I"], S["H"], scale=0.06, gen=gen).requires_grad_()
     w_down = rand(S["H"], S["I"], scale=0.05, gen=gen).requires_grad_()
     torch.library.opcheck(CODA.mlp, (x.requires_grad_(), gamma, w_gu, w_down, h, r, gamma, EPS))
+    torch.library.opcheck(CODA.mlp_partial, (x, gamma, w_gu, w_down, h, r))
     torch.library.opcheck(CODA.rmsnorm_stats, (x.detach(), gamma, EPS))
     w_v = rand(S["V"], S["H"], scale=0.06, gen=gen).requires_grad_()
     t = torch.randint(0, S["V"], (S["M"],), generator=gen).cuda()
@@ -273,6 +287,8 @@ def test_opcheck_every_op_on_cuda():
     z = CODA.mlp(x.detach(), gamma, w_gu.detach(), w_down.detach(), h, r, gamma, EPS)[3]
     torch.library.opcheck(CODA.mlp_backward, (rand(S["M"], S["H"], gen=gen), x.detach(), gamma,
                                               w_gu.detach(), w_down.detach(), r, z))
+    torch.library.opcheck(CODA.mlp_backward, (rand(S["M"], S["H"], gen=gen), x.detach(), gamma,
+                                              w_gu.detach(), w_down.detach(), r, z, False))
     _, lse = CODA.lm_head_loss(x.detach(), gamma, w_v.detach(), h, r, t)
     torch.library.opcheck(CODA.lm_head_loss_backward,
                           (torch.ones((), device="cuda"), x.detach(), gamma, w_v.detach(), h, r,

@@ -89,6 +89,11 @@ def ref_mlp_fn(x, gamma, w_gu, w_down, h, r, gamma_next):
     return x_out, x_out * gamma_next, ref_r(x_out), z
 
 
+def ref_mlp_partial_fn(x, gamma, w_gu, w_down, h, r):
+    z = ref_norm(x, gamma) @ w_gu.t()
+    return ref_swiglu(z) @ w_down.t(), z
+
+
 # ---------------------------------------------------------------------------------------------
 # Inputs
 
@@ -304,6 +309,33 @@ def test_mlp(shape, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
+def test_mlp_partial(shape, dtype):
+    """The MLP branch without residual and next norm: values and gradients vs fp64; and the
+    gradient reaching x has no residual part (it is the norm path only)."""
+    s = SHAPES[shape]
+    inputs = {k: v for k, v in mlp_inputs(s, dtype).items() if k != "gamma_next"}
+    g = Rand(14)(s["M"], s["H"], dtype=torch.float64)
+    check_against_reference(ops.mlp_partial, ref_mlp_partial_fn, inputs,
+                            ["x", "gamma", "w_gu", "w_down"], {0: g}, dtype, ["y", "z"])
+
+
+def test_mlp_partial_plus_residual_is_mlp():
+    """mlp(x) = x + mlp_partial(x), forward and every gradient, in fp64."""
+    s = SHAPES["M19_d8"]
+    inputs = mlp_inputs(s, torch.float64)
+    g = Rand(15)(s["M"], s["H"], dtype=torch.float64)
+    diff = ["x", "gamma", "w_gu", "w_down"]
+    full_out, full_grad = run(lambda **kw: ops.mlp(**kw, eps=EPS), inputs, diff, {0: g})
+    part_in = {k: v for k, v in inputs.items() if k != "gamma_next"}
+    part_out, part_grad = run(lambda **kw: (kw["x"] + ops.mlp_partial(**kw)[0],), part_in, diff,
+                              {0: g})
+    assert_rel(part_out[0], full_out[0], 1e-12, "x_out")
+    for k in diff:
+        assert_rel(part_grad[k], full_grad[k], 1e-12, f"grad {k}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("reduction,z_loss,ignore_index",
                          [("mean", 0.0, -100), ("sum", 0.1, -100), ("none", 0.0, 7)])
 def test_lm_head_loss(shape, dtype, reduction, z_loss, ignore_index):
@@ -510,6 +542,9 @@ def forward_op_cases(s, dtype):
         "mlp": (CODA.mlp.default,
                 (rg(m["x"]), rg(m["gamma"]), rg(m["w_gu"]), rg(m["w_down"]), m["h"], m["r"],
                  m["gamma_next"], EPS), {}),
+        "mlp_partial": (CODA.mlp_partial.default,
+                        (rg(m["x"]), rg(m["gamma"]), rg(m["w_gu"]), rg(m["w_down"]), m["h"],
+                         m["r"]), {}),
         "lm_head_loss": (CODA.lm_head_loss.default,
                          (rg(lm["x"]), rg(lm["gamma"]), rg(lm["w_vocab"]), lm["h"], lm["r"],
                           lm["targets"]), {"ignore_index": -100, "reduction": "mean",
@@ -518,7 +553,7 @@ def forward_op_cases(s, dtype):
 
 
 FORWARD_OPS = ["rope_table", "rmsnorm_stats", "norm_qkv", "out_proj_residual_norm", "mlp",
-               "lm_head_loss"]
+               "mlp_partial", "lm_head_loss"]
 BACKWARD_OPS = {"norm_qkv_backward", "linear_backward", "mlp_backward", "lm_head_loss_backward"}
 
 

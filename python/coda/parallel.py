@@ -1,0 +1,167 @@
+"""Tensor parallelism with a sequence-parallel residual stream for coda models
+(docs/tensor-parallel.md).
+
+Each rank of the tensor-parallel group holds whole Q heads with their K/V group and a slice of the
+MLP's intermediate dimension (column-parallel QKV and gate/up, row-parallel out-proj and down), and
+``M / world`` rows of the residual stream. Before a column-parallel op the rows (and their norm
+caches) are all-gathered; after a row-parallel GEMM the partial sums are reduce-scattered back to
+rows. The fused ops need nothing else: their RMSNorm backward is a sum over output columns, so
+each rank's dx and dγ are its shares of the sums (the reduce-scatter and one all-reduce finish
+them). The LM head here is sequence-parallel (each rank's rows, the whole vocabulary).
+
+    tp = TensorParallelLlama(model)                 # shards a CodaLlamaForCausalLM's weights
+    loss = tp(input_ids, labels)                    # this rank's share: the sum over ranks is the loss
+    loss.backward()
+    tp.all_reduce_replicated_grads()                # norms, embedding, LM head: sum the shares
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from . import ops
+from .nn import CodaLlamaForCausalLM, sdpa_causal
+
+
+def _rows(t: Tensor, group) -> tuple[int, int]:
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if t.shape[0] % world:
+        raise ValueError(f"coda.parallel: {t.shape[0]} rows do not split over {world} ranks")
+    n = t.shape[0] // world
+    return rank * n, (rank + 1) * n
+
+
+def _all_gather_rows(t: Tensor, group) -> Tensor:
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts)
+
+
+def _reduce_scatter_rows(t: Tensor, group) -> Tensor:
+    t = t.contiguous()
+    if dist.get_backend(group) == "gloo":  # gloo has no reduce-scatter: all-reduce, keep our rows
+        dist.all_reduce(t, group=group)
+        lo, hi = _rows(t, group)
+        return t[lo:hi].clone()
+    out = torch.empty((t.shape[0] // dist.get_world_size(group),) + t.shape[1:], dtype=t.dtype,
+                      device=t.device)
+    dist.reduce_scatter_tensor(out, t, group=group)
+    return out
+
+
+class _GatherRows(torch.autograd.Function):
+    """Forward: all-gather the rows; backward: sum the ranks' gradients, keep this rank's rows."""
+
+    @staticmethod
+    def forward(ctx, t, group):
+        ctx.group = group
+        return _all_gather_rows(t, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _reduce_scatter_rows(g, ctx.group), None
+
+
+class _ReduceScatterRows(torch.autograd.Function):
+    """Forward: sum the ranks' partial results, keep this rank's rows; backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx, t, group):
+        ctx.group = group
+        return _reduce_scatter_rows(t, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_gather_rows(g, ctx.group), None
+
+
+def _share(p: Tensor, dim: int, lo: int, hi: int) -> nn.Parameter:
+    return nn.Parameter(p.detach().narrow(dim, lo, hi - lo).clone())
+
+
+class TensorParallelLlama(nn.Module):
+    """This rank's shard of a :class:`coda.nn.CodaLlamaForCausalLM` (see the module docstring).
+
+    Requires the head counts and the intermediate size to split evenly over the group (K/V
+    groups stay whole on one rank) and ``batch * seq`` rows to split evenly. Replicated
+    parameters (norm weights, embedding, LM head) hold this rank's share of their gradient after
+    ``backward``; :meth:`all_reduce_replicated_grads` sums them.
+    """
+
+    def __init__(self, model: CodaLlamaForCausalLM, group=None) -> None:
+        super().__init__()
+        c = model.config
+        self.config, self.group = c, group
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        if c.num_kv_heads % world or c.num_heads % world or c.intermediate_size % world:
+            raise ValueError(f"coda.parallel: heads {c.num_heads}/{c.num_kv_heads} and "
+                             f"intermediate size {c.intermediate_size} must split over {world} ranks")
+        hq, hkv, d, i = (c.num_heads // world, c.num_kv_heads // world, c.head_dim,
+                         c.intermediate_size // world)
+        self.heads, self.kv_heads = hq, hkv
+        q0, k0, v0 = rank * hq * d, (c.num_heads + rank * hkv) * d, (c.num_heads + c.num_kv_heads + rank * hkv) * d
+        rows = torch.cat([torch.arange(q0, q0 + hq * d), torch.arange(k0, k0 + hkv * d),
+                          torch.arange(v0, v0 + hkv * d)])
+        self.layers = nn.ModuleList()
+        for layer in model.layers:
+            shard = nn.Module()
+            shard.w_qkv = nn.Parameter(layer.w_qkv.detach()[rows.to(layer.w_qkv.device)].clone())
+            shard.w_o = _share(layer.w_o, 1, rank * hq * d, (rank + 1) * hq * d)
+            shard.gamma_ffn = nn.Parameter(layer.gamma_ffn.detach().clone())
+            shard.w_gu = _share(layer.w_gu, 0, 2 * rank * i, 2 * (rank + 1) * i)  # (g, u) pairs
+            shard.w_down = _share(layer.w_down, 1, rank * i, (rank + 1) * i)
+            self.layers.append(shard)
+        self.embed = nn.Parameter(model.embed_tokens.weight.detach().clone())
+        self.gamma_attn = nn.ParameterList(nn.Parameter(g.detach().clone()) for g in model.gamma_attn)
+        self.gamma_final = nn.Parameter(model.gamma_final.detach().clone())
+        self.w_vocab = (self.embed if c.tie_word_embeddings
+                        else nn.Parameter(model.w_vocab.detach().clone()))
+        inv_freq = ops.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+        self.register_buffer("rope_table", ops.rope_table(inv_freq, hq, hkv, d).to(self.embed.device),
+                             persistent=False)
+
+    def replicated_parameters(self) -> list[nn.Parameter]:
+        ps = [self.embed, self.gamma_final, *self.gamma_attn, *(l.gamma_ffn for l in self.layers)]
+        return ps if self.config.tie_word_embeddings else ps + [self.w_vocab]
+
+    def all_reduce_replicated_grads(self) -> None:
+        for p in self.replicated_parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=self.group)
+
+    def forward(self, input_ids: Tensor, labels: Tensor, ignore_index: int = -100) -> Tensor:
+        """This rank's share of the mean loss over the batch's counted targets (labels shifted as
+        in :meth:`CodaLlamaForCausalLM.forward`); the shares sum to the loss."""
+        c, g = self.config, self.group
+        batch, seq = input_ids.shape
+        M = batch * seq
+        lo, hi = _rows(input_ids.reshape(M), g)
+        pos = torch.arange(seq, dtype=torch.int32, device=input_ids.device).repeat(batch)
+        x = F.embedding(input_ids.reshape(M)[lo:hi], self.embed)
+        h, r = ops.rmsnorm_stats(x, self.gamma_attn[0], c.rms_norm_eps)
+        for n, layer in enumerate(self.layers):
+            gamma_next = self.gamma_attn[n + 1] if n + 1 < len(self.layers) else self.gamma_final
+            # attention: gathered rows, this rank's heads; out-proj partial -> reduce-scatter
+            qkv = ops.norm_qkv(_GatherRows.apply(x, g), self.gamma_attn[n], layer.w_qkv,
+                               _all_gather_rows(h, g), _all_gather_rows(r, g), pos, self.rope_table)
+            qkv = qkv.view(batch, seq, self.heads + 2 * self.kv_heads, c.head_dim)
+            q = qkv[:, :, : self.heads].transpose(1, 2)
+            k = qkv[:, :, self.heads: self.heads + self.kv_heads].transpose(1, 2)
+            v = qkv[:, :, self.heads + self.kv_heads:].transpose(1, 2)
+            y = sdpa_causal(q, k, v).transpose(1, 2).reshape(M, self.heads * c.head_dim)
+            x = x + _ReduceScatterRows.apply(F.linear(y, layer.w_o), g)
+            h, r = ops.rmsnorm_stats(x.detach(), layer.gamma_ffn, c.rms_norm_eps)
+            # MLP: gathered rows, this rank's intermediate slice; partial -> reduce-scatter
+            mlp_out, _ = ops.mlp_partial(_GatherRows.apply(x, g), layer.gamma_ffn, layer.w_gu,
+                                         layer.w_down, _all_gather_rows(h, g),
+                                         _all_gather_rows(r, g))
+            x = x + _ReduceScatterRows.apply(mlp_out, g)
+            h, r = ops.rmsnorm_stats(x.detach(), gamma_next, c.rms_norm_eps)
+        targets = F.pad(labels[:, 1:].to(torch.int64), (0, 1), value=ignore_index).reshape(M)
+        count = targets.ne(ignore_index).sum()  # over the whole batch: every rank has the labels
+        loss, _ = ops.lm_head_loss(x, self.gamma_final, self.w_vocab, h, r, targets[lo:hi],
+                                   ignore_index, "sum", 0.0)
+        return loss / count
