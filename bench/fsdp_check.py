@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
-"""coda.nn under FSDP2 on several GPUs vs one GPU: the same model (same initialization), the same
-global batches, AdamW; per-layer fully_shard units. Reports both loss curves, their max relative
+"""coda.nn under FSDP2 or tensor parallelism on several GPUs vs one GPU: the same model (same
+initialization), the same global batches, AdamW. FSDP2: per-layer fully_shard units, each rank a
+share of the batch. TP: coda.parallel.TensorParallelLlama (heads / intermediate split, sequence-
+parallel rows), every rank the whole batch. Reports both loss curves, their max relative
 difference, and tokens/s per GPU (median step time after warm-up).
 
     python3 bench/fsdp_check.py --mode single --out R            # one GPU, writes R-single.json
     torchrun --nproc-per-node 2 bench/fsdp_check.py --mode fsdp --out R   # writes R-fsdp.json,
                                                                   # compared with R-single.json
+    torchrun --nproc-per-node 2 bench/fsdp_check.py --mode tp --out R     # writes R-tp.json
 
 NCCL runs through PyTorch's process group with NVLink multicast off (NCCL_NVLS_ENABLE=0,
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1), as the GPU machines require.
@@ -36,14 +39,14 @@ from train_compare import token_stream  # noqa: E402
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mode", choices=["single", "fsdp"], required=True)
+    ap.add_argument("--mode", choices=["single", "fsdp", "tp"], required=True)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    fsdp = args.mode == "fsdp"
-    if fsdp:
+    fsdp, tp = args.mode == "fsdp", args.mode == "tp"
+    if fsdp or tp:
         dist.init_process_group("nccl")
         rank, world = dist.get_rank(), dist.get_world_size()
     else:
@@ -61,9 +64,13 @@ def main():
         for layer in model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
+    if tp:
+        from coda.parallel import TensorParallelLlama
+
+        model = TensorParallelLlama(model)
     opt = torch.optim.AdamW(model.parameters(), lr=5e-4, betas=(0.9, 0.95), weight_decay=0.1)
     data = token_stream(cfg.vocab_size, args.batch, args.seq, args.steps).cuda()
-    per = args.batch // world
+    per = args.batch // world if fsdp else args.batch
     losses, times = [], []
     for step in range(args.steps):
         ids = data[step, rank * per:(rank + 1) * per]
@@ -71,6 +78,8 @@ def main():
         s.record()
         loss = model(ids, ids)
         loss.backward()
+        if tp:  # norms, embedding, LM head: each rank holds its share of their gradient
+            model.all_reduce_replicated_grads()
         opt.step()
         opt.zero_grad(set_to_none=True)
         e.record()
@@ -78,19 +87,21 @@ def main():
         if fsdp:  # equal token counts per rank: the mean of the means is the global mean
             dist.all_reduce(total)
             total /= world
+        if tp:  # each rank's loss is its rows' share of the global mean
+            dist.all_reduce(total)
         losses.append(total)
         times.append((s, e))
     torch.cuda.synchronize()
     curve = [float(x) for x in torch.stack(losses).float().cpu()]
     warm = max(1, args.steps // 5)
     step_ms = statistics.median(s.elapsed_time(e) for s, e in times[warm:])
-    tokens_per_gpu = per * args.seq
+    tokens_per_gpu = per * args.seq / (world if tp else 1)
     res = {"mode": args.mode, "world": world, "device": torch.cuda.get_device_name(),
            "torch": torch.__version__, "commit": os.environ.get("CODA_COMMIT", "unknown"),
            "command": " ".join(sys.argv), "loss": curve, "median_step_ms": step_ms,
            "tokens_per_s_per_gpu": tokens_per_gpu / (step_ms / 1e3)}
     if rank == 0:
-        if fsdp and os.path.exists(args.out + "-single.json"):
+        if (fsdp or tp) and os.path.exists(args.out + "-single.json"):
             with open(args.out + "-single.json") as f:
                 single = json.load(f)
             rel = [abs(a - b) / abs(b) for a, b in zip(curve, single["loss"])]
@@ -103,7 +114,7 @@ def main():
             json.dump(res, f, indent=1)
         print(json.dumps({k: v for k, v in res.items() if k != "loss"}, indent=1), flush=True)
         print("[fsdp_check] loss first/last:", curve[0], curve[-1], flush=True)
-    if fsdp:
+    if fsdp or tp:
         dist.destroy_process_group()
 
 

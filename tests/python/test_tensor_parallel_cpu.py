@@ -171,7 +171,7 @@ def model_worker(rank: int, world: int, port: int, tie: bool, out: dict) -> None
         total = loss.detach().clone()
         dist.all_reduce(total)
 
-        c, hq, hkv, d, i = model.config, CFG["num_heads"] // world, CFG["num_kv_heads"] // world, \
+        hq, hkv, d, i = CFG["num_heads"] // world, CFG["num_kv_heads"] // world, \
             CFG["head_dim"], CFG["intermediate_size"] // world
         W = CFG["num_heads"] * d
         rows = torch.cat([torch.arange(rank * hq * d, (rank + 1) * hq * d),
