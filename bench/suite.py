@@ -40,8 +40,16 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import chain_bench as cb  # noqa: E402
 import chain_train_bench as ctb  # noqa: E402
-from chain_bench import (ALL_MODELS, EPS, MODELS, PAPER_MODELS, bench_interleaved, invoke,  # noqa: E402
-                         rms_norm, rope_hf)
+from chain_bench import (
+    ALL_MODELS,
+    EPS,
+    MODELS,
+    PAPER_MODELS,
+    bench_interleaved,
+    invoke,  # noqa: E402
+    rms_norm,
+    rope_hf,
+)
 
 PAPER_V = 32768
 
@@ -68,13 +76,19 @@ def err(a, b):
 def evaluate(t, m, dtype, dx2_up, dqkv_up):
     """The chain in `dtype` through autograd: every intermediate and the gradient reaching it."""
     keep = {}
-    leaves = [v.detach().to(dtype).requires_grad_()
-              for v in (t.y, t.x0, t.wo, t.g_ffn, t.wgu_split, t.wd, t.g_attn, t.wqkv_hf)]
-    x2, qkv = cb.make_chain(t.hq, t.hkv, t.d, t.inter, keep)(*leaves, t.cos.to(dtype), t.sin.to(dtype))
+    leaves = [
+        v.detach().to(dtype).requires_grad_()
+        for v in (t.y, t.x0, t.wo, t.g_ffn, t.wgu_split, t.wd, t.g_attn, t.wqkv_hf)
+    ]
+    x2, qkv = cb.make_chain(t.hq, t.hkv, t.d, t.inter, keep)(
+        *leaves, t.cos.to(dtype), t.sin.to(dtype)
+    )
     wrt = [keep["x1"], keep["gate_up"], keep["x2"], keep["qkv_pre"], leaves[3], leaves[6]]
     g = torch.autograd.grad([x2, qkv], wrt, [dx2_up.to(dtype), dqkv_up.to(dtype)])
     vals = {k: v.detach() for k, v in keep.items()}
-    vals.update(qkv=qkv.detach(), dx1=g[0], dgu=g[1], dx2=g[2], dqkv_pre=g[3], dg_ffn=g[4], dg_attn=g[5])
+    vals.update(
+        qkv=qkv.detach(), dx1=g[0], dgu=g[1], dx2=g[2], dqkv_pre=g[3], dg_ffn=g[4], dg_attn=g[5]
+    )
     return vals
 
 
@@ -92,6 +106,7 @@ def backward_variant(forward, inputs, grad_out, extra=None):
     def run(out):
         g = torch.autograd.grad(out, ins, grad_out)
         return [g[0] + extra, *g[1:]] if extra is not None else list(g)
+
     return (lambda: forward(*ins)), run
 
 
@@ -122,8 +137,8 @@ def ops_section(coda, model, m, res, progress, liger, fi):
 
     def heads(qkv):
         q = qkv[:, : hq * d].view(m, hq, d)
-        k = qkv[:, hq * d: (hq + hkv) * d].view(m, hkv, d)
-        return q, k, qkv[:, (hq + hkv) * d:]
+        k = qkv[:, hq * d : (hq + hkv) * d].view(m, hkv, d)
+        return q, k, qkv[:, (hq + hkv) * d :]
 
     def cat_qkv(q, k, v):
         return torch.cat([q.reshape(m, -1), k.reshape(m, -1), v], dim=-1)
@@ -141,13 +156,19 @@ def ops_section(coda, model, m, res, progress, liger, fi):
     ours = {name: (fn, fold, plain, cublas, gemm) for name, fn, fold, plain, cublas, gemm in o.ops}
 
     def fwd_res(name, a, w, r, g, ref_x, ref_n, ours_out):
-        base = {"eager": (lambda: f_res_norm(a, w, r, g), list),
-                "compile": (lambda: comp(name, f_res_norm)(a, w, r, g), list)}
+        base = {
+            "eager": (lambda: f_res_norm(a, w, r, g), list),
+            "compile": (lambda: comp(name, f_res_norm)(a, w, r, g), list),
+        }
         if liger:
-            base["liger"] = (lambda: liger.liger_fused_add_rms_norm(F.linear(a, w), r, g, EPS, in_place=False),
-                             lambda out: [out[1], out[0]])
+            base["liger"] = (
+                lambda: liger.liger_fused_add_rms_norm(F.linear(a, w), r, g, EPS, in_place=False),
+                lambda out: [out[1], out[0]],
+            )
         if fi:
-            scratch = r.clone()  # FlashInfer adds in place: residual += out, out = RMSNorm(residual)
+            scratch = (
+                r.clone()
+            )  # FlashInfer adds in place: residual += out, out = RMSNorm(residual)
 
             def fi_op(check=False):
                 if check:
@@ -155,66 +176,145 @@ def ops_section(coda, model, m, res, progress, liger, fi):
                 y_ = F.linear(a, w)
                 fi.fused_add_rmsnorm(y_, scratch, g, EPS)
                 return scratch, y_
+
             base["flashinfer"] = (fi_op, lambda out: [out[0].clone(), out[1]], lambda: fi_op(True))
         ops[name] = dict(ref=[ref_x, ref_n], ours=ours_out, base=base)
 
-    fwd_res("F1 out-proj", t.y, t.wo, t.x0, t.g_ffn, ref["x1"], ref["n1"],
-            lambda: [o.x1, o.h1.float() * o.r1[:, None]])
-    base = {"eager": (lambda: f_swiglu(eg["n1"], t.wgu_split), list),
-            "compile": (lambda: comp("F2", f_swiglu)(eg["n1"], t.wgu_split), list)}
+    fwd_res(
+        "F1 out-proj",
+        t.y,
+        t.wo,
+        t.x0,
+        t.g_ffn,
+        ref["x1"],
+        ref["n1"],
+        lambda: [o.x1, o.h1.float() * o.r1[:, None]],
+    )
+    base = {
+        "eager": (lambda: f_swiglu(eg["n1"], t.wgu_split), list),
+        "compile": (lambda: comp("F2", f_swiglu)(eg["n1"], t.wgu_split), list),
+    }
     if liger:
+
         def liger_f2():
             gu = F.linear(eg["n1"], t.wgu_split)
             gate, up = gu.chunk(2, dim=-1)
             return gu, liger.liger_swiglu(gate, up)
+
         base["liger"] = (liger_f2, list)
     if fi:
+
         def fi_f2():
             gu = F.linear(eg["n1"], t.wgu_split)
             return gu, fi.silu_and_mul(gu)
+
         base["flashinfer"] = (fi_f2, list)
-    ops["F2 gate/up"] = dict(ref=[ref["gate_up"], ref["a"]], ours=lambda: [split_gu(o.z), o.act], base=base)
-    fwd_res("F1 down-proj", eg["a"], t.wd, eg["x1"], t.g_attn, ref["x2"], ref["n2"],
-            lambda: [o.x2, o.h2.float() * o.r2[:, None]])
-    base = {"eager": (lambda: f_qkv_rope(eg["n2"], t.wqkv_hf), lambda out: [out]),
-            "compile": (lambda: comp("F3", f_qkv_rope)(eg["n2"], t.wqkv_hf), lambda out: [out])}
+    ops["F2 gate/up"] = dict(
+        ref=[ref["gate_up"], ref["a"]], ours=lambda: [split_gu(o.z), o.act], base=base
+    )
+    fwd_res(
+        "F1 down-proj",
+        eg["a"],
+        t.wd,
+        eg["x1"],
+        t.g_attn,
+        ref["x2"],
+        ref["n2"],
+        lambda: [o.x2, o.h2.float() * o.r2[:, None]],
+    )
+    base = {
+        "eager": (lambda: f_qkv_rope(eg["n2"], t.wqkv_hf), lambda out: [out]),
+        "compile": (lambda: comp("F3", f_qkv_rope)(eg["n2"], t.wqkv_hf), lambda out: [out]),
+    }
     if liger:
+
         def liger_f3():
             qkv = F.linear(eg["n2"], t.wqkv_hf)
             q, k, v = heads(qkv)
-            q, k = liger.liger_rope(q.view(1, m, hq, d).transpose(1, 2), k.view(1, m, hkv, d).transpose(1, 2),
-                                    cos[None], sin[None])
+            q, k = liger.liger_rope(
+                q.view(1, m, hq, d).transpose(1, 2),
+                k.view(1, m, hkv, d).transpose(1, 2),
+                cos[None],
+                sin[None],
+            )
             return q, k, v
-        base["liger"] = (liger_f3, lambda out: [cat_qkv(out[0].transpose(1, 2), out[1].transpose(1, 2), out[2])])
+
+        base["liger"] = (
+            liger_f3,
+            lambda out: [cat_qkv(out[0].transpose(1, 2), out[1].transpose(1, 2), out[2])],
+        )
     if fi:
+
         def fi_f3():
             q, k, v = heads(F.linear(eg["n2"], t.wqkv_hf))
             q, k = fi.apply_rope_pos_ids(q, k, t.pos, rope_theta=cb.THETA)
             return q, k, v
+
         base["flashinfer"] = (fi_f3, lambda out: [cat_qkv(*out)])
     ops["F3 qkv+RoPE"] = dict(ref=[ref["qkv"]], ours=lambda: [o.qkv[:, t.inv]], base=base)
 
     # Backward ops: the backward of the op's forward sub-graph (its data gradients and dγ).
     rope_fwd = lambda qkv: rope_hf(qkv, cos, sin, hq, hkv, d)  # noqa: E731
-    norm_lin = lambda w: (lambda x, g: F.linear(rms_norm(x, g), w))  # noqa: E731
+    norm_lin = lambda w: lambda x, g: F.linear(rms_norm(x, g), w)  # noqa: E731
     swiglu_lin = lambda gu: F.linear(F.silu(gu.chunk(2, -1)[0]) * gu.chunk(2, -1)[1], t.wd)  # noqa: E731
     bwd_ops = {
-        "B3 RoPE bwd": ([eg["qkv_pre"]], dqkv_up, None, rope_fwd, [ref["dqkv_pre"]],
-                        lambda: [o.dqkv_pre[:, t.inv]]),
-        "B1 qkv": ([eg["x2"], t.g_attn], eg["dqkv_pre"], dx2_up, norm_lin(t.wqkv_hf),
-                   [ref["dx2"], ref["dg_attn"]], lambda: [o.dx2, o.dg_attn]),
-        "B2 SwiGLU bwd": ([eg["gate_up"]], eg["dx2"], None, swiglu_lin, [ref["dgu"]], lambda: [split_gu(o.dz)]),
-        "B1 gate/up": ([eg["x1"], t.g_ffn], eg["dgu"], eg["dx2"], norm_lin(t.wgu_split),
-                       [ref["dx1"], ref["dg_ffn"]], lambda: [o.dx1, o.dg_ffn]),
+        "B3 RoPE bwd": (
+            [eg["qkv_pre"]],
+            dqkv_up,
+            None,
+            rope_fwd,
+            [ref["dqkv_pre"]],
+            lambda: [o.dqkv_pre[:, t.inv]],
+        ),
+        "B1 qkv": (
+            [eg["x2"], t.g_attn],
+            eg["dqkv_pre"],
+            dx2_up,
+            norm_lin(t.wqkv_hf),
+            [ref["dx2"], ref["dg_attn"]],
+            lambda: [o.dx2, o.dg_attn],
+        ),
+        "B2 SwiGLU bwd": (
+            [eg["gate_up"]],
+            eg["dx2"],
+            None,
+            swiglu_lin,
+            [ref["dgu"]],
+            lambda: [split_gu(o.dz)],
+        ),
+        "B1 gate/up": (
+            [eg["x1"], t.g_ffn],
+            eg["dgu"],
+            eg["dx2"],
+            norm_lin(t.wgu_split),
+            [ref["dx1"], ref["dg_ffn"]],
+            lambda: [o.dx1, o.dg_ffn],
+        ),
     }
     for name, (ins, gout, extra, fwd, refs, ours_out) in bwd_ops.items():
-        base = {"eager": (backward_variant(fwd, ins, gout, extra), list),
-                "compile": (backward_variant(torch.compile(fwd, dynamic=False), ins, gout, extra), list)}
+        base = {
+            "eager": (backward_variant(fwd, ins, gout, extra), list),
+            "compile": (
+                backward_variant(torch.compile(fwd, dynamic=False), ins, gout, extra),
+                list,
+            ),
+        }
         if liger:
             lfwd = {
-                "B3 RoPE bwd": lambda qkv: (lambda q, k, v: cat_qkv(*[x.transpose(1, 2) for x in liger.liger_rope(
-                    q.view(1, m, hq, d).transpose(1, 2), k.view(1, m, hkv, d).transpose(1, 2),
-                    cos[None], sin[None])], v))(*heads(qkv)),
+                "B3 RoPE bwd": lambda qkv: (
+                    lambda q, k, v: cat_qkv(
+                        *[
+                            x.transpose(1, 2)
+                            for x in liger.liger_rope(
+                                q.view(1, m, hq, d).transpose(1, 2),
+                                k.view(1, m, hkv, d).transpose(1, 2),
+                                cos[None],
+                                sin[None],
+                            )
+                        ],
+                        v,
+                    )
+                )(*heads(qkv)),
                 "B1 qkv": lambda x, g: F.linear(liger.liger_rms_norm(x, g, EPS), t.wqkv_hf),
                 "B2 SwiGLU bwd": lambda gu: F.linear(liger.liger_swiglu(*gu.chunk(2, -1)), t.wd),
                 "B1 gate/up": lambda x, g: F.linear(liger.liger_rms_norm(x, g, EPS), t.wgu_split),
@@ -224,10 +324,20 @@ def ops_section(coda, model, m, res, progress, liger, fi):
 
     for name, spec in ops.items():
         fn, fold, plain, cublas, gemm = ours[name]
-        row = {"model": model, "m": m, "op": name, "gemm_mnk": list(gemm) if gemm else None,
-               "ms": {}, "err": {}, "check": {}}
+        row = {
+            "model": model,
+            "m": m,
+            "op": name,
+            "gemm_mnk": list(gemm) if gemm else None,
+            "ms": {},
+            "err": {},
+            "check": {},
+        }
         ref_out = spec["ref"]
-        e_eager = [err(a, b) for a, b in zip(spec["base"]["eager"][1](invoke(spec["base"]["eager"][0])), ref_out)]
+        e_eager = [
+            err(a, b)
+            for a, b in zip(spec["base"]["eager"][1](invoke(spec["base"]["eager"][0])), ref_out)
+        ]
         row["err"]["eager"] = max(e_eager)
 
         def passes(outs):
@@ -261,22 +371,39 @@ def ops_section(coda, model, m, res, progress, liger, fi):
         if timed:
             row["ms"] = bench_interleaved(timed, progress, f"ops {model} M={m} {name}")
         if gemm:
-            row["tflops"] = {k: 2 * gemm[0] * gemm[1] * gemm[2] / (v * 1e9) for k, v in row["ms"].items()}
+            row["tflops"] = {
+                k: 2 * gemm[0] * gemm[1] * gemm[2] / (v * 1e9) for k, v in row["ms"].items()
+            }
         if "coda_fused" in row["ms"] and "coda_plain_gemm" in row["ms"]:
             row["fused_over_plain"] = row["ms"]["coda_fused"] / row["ms"]["coda_plain_gemm"]
         if "coda" in row["ms"]:
-            row["speedup"] = {k: v / row["ms"]["coda"] for k, v in row["ms"].items()
-                              if k in ("eager", "compile", "liger", "flashinfer", "cublas_gemm")}
+            row["speedup"] = {
+                k: v / row["ms"]["coda"]
+                for k, v in row["ms"].items()
+                if k in ("eager", "compile", "liger", "flashinfer", "cublas_gemm")
+            }
         res["rows"].append(row)
-        print(f"ops {model:11s} M={m:5d} {name:14s} " +
-              " ".join(f"{k}={v:.3f}" for k, v in row["ms"].items()) +
-              ("" if ok else " FAIL " + json.dumps(row["err"])), flush=True)
+        print(
+            f"ops {model:11s} M={m:5d} {name:14s} "
+            + " ".join(f"{k}={v:.3f}" for k, v in row["ms"].items())
+            + ("" if ok else " FAIL " + json.dumps(row["err"])),
+            flush=True,
+        )
     # the dW GEMMs and d(y): ours (XᵀY / XW on our mainloop) vs cuBLAS, no baseline op around them
     for name in ("dW qkv", "dW down", "dW gate/up", "dW o", "d(y)"):
         fn, _, _, cublas, gemm = ours[name]
-        row = {"model": model, "m": m, "op": name, "gemm_mnk": list(gemm),
-               "ms": bench_interleaved({"coda": fn, "cublas_gemm": cublas}, progress, f"ops {model} M={m} {name}")}
-        row["tflops"] = {k: 2 * gemm[0] * gemm[1] * gemm[2] / (v * 1e9) for k, v in row["ms"].items()}
+        row = {
+            "model": model,
+            "m": m,
+            "op": name,
+            "gemm_mnk": list(gemm),
+            "ms": bench_interleaved(
+                {"coda": fn, "cublas_gemm": cublas}, progress, f"ops {model} M={m} {name}"
+            ),
+        }
+        row["tflops"] = {
+            k: 2 * gemm[0] * gemm[1] * gemm[2] / (v * 1e9) for k, v in row["ms"].items()
+        }
         row["speedup"] = {"cublas_gemm": row["ms"]["cublas_gemm"] / row["ms"]["coda"]}
         res["rows"].append(row)
 
@@ -286,32 +413,49 @@ def main():
     ap.add_argument("--lib", required=True, help="libcoda_capi.so")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sections", default="ops,chain-fwd,chain,lm-head")
-    ap.add_argument("--models", default=None, help="comma list (default: LLaMA-3 and, unless --quick, paper)")
+    ap.add_argument(
+        "--models", default=None, help="comma list (default: LLaMA-3 and, unless --quick, paper)"
+    )
     ap.add_argument("--json", default=None, help="default bench/results/<date>.json")
     ap.add_argument("--commit", default=os.environ.get("CODA_COMMIT", "unknown"))
     ap.add_argument("--lm-head-chunk-bytes", type=int, default=1 << 30)
     a = ap.parse_args()
-    path = a.json or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                  f"{datetime.date.today().isoformat()}.json")
+    path = a.json or os.path.join(
+        os.path.dirname(os.path.abspath(__file__)),
+        "results",
+        f"{datetime.date.today().isoformat()}.json",
+    )
     sections = a.sections.split(",")
-    models = a.models.split(",") if a.models else list(MODELS) + ([] if a.quick else list(PAPER_MODELS))
+    models = (
+        a.models.split(",") if a.models else list(MODELS) + ([] if a.quick else list(PAPER_MODELS))
+    )
     t0 = time.time()
 
     def progress(s):
         print(f"  [{time.time() - t0:7.1f}s] {s}", file=sys.stderr, flush=True)
 
-    out = {"benchmark": "suite", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "cuda": torch.version.cuda, "commit": a.commit, "command": " ".join(sys.argv),
-           "quick": a.quick, "started": datetime.datetime.now().isoformat(timespec="seconds"),
-           "absent": {}, "sections": {}}
+    out = {
+        "benchmark": "suite",
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "commit": a.commit,
+        "command": " ".join(sys.argv),
+        "quick": a.quick,
+        "started": datetime.datetime.now().isoformat(timespec="seconds"),
+        "absent": {},
+        "sections": {},
+    }
     try:
         import triton
+
         out["triton"] = triton.__version__
     except ImportError:
         pass
     liger, fi = optional_baselines(out["absent"])
     if liger:
         import importlib.metadata as md
+
         out["liger_version"] = md.version("liger_kernel")
     if fi:
         out["flashinfer_version"] = fi.FLASHINFER_VERSION
@@ -335,6 +479,7 @@ def main():
     def fresh():
         torch._dynamo.reset()
         torch.cuda.empty_cache()
+
     if "ops" in sections:
         sec = out["sections"].setdefault("ops", {"rows": []})
         for model in models:
@@ -359,9 +504,12 @@ def main():
                 ctb.run_shape(coda, model, m, sec, progress)
                 save()
     if "lm-head" in sections:
-        sec = out["sections"].setdefault("lm_head", {"rows": [], "chunk_bytes": a.lm_head_chunk_bytes})
+        sec = out["sections"].setdefault(
+            "lm_head", {"rows": [], "chunk_bytes": a.lm_head_chunk_bytes}
+        )
         try:
             import lm_head_bench as lhb
+
             ms = lhb.methods(a.lm_head_chunk_bytes)
             if "liger_unavailable" in ms:
                 out["absent"]["liger (LM head)"] = ms.pop("liger_unavailable")
@@ -378,13 +526,20 @@ def main():
                 row = lhb.run_shape(ms, hidden, m, reps=6, vocab=vocab, progress=progress)
                 row["model"] = model
                 sec["rows"].append(row)
-                print(f"lm-head {model:11s} M={m:5d} " + " ".join(f"{k}={v:.2f}" for k, v in row["ms"].items()) +
-                      " | peak MiB " + " ".join(f"{k}={v:.0f}" for k, v in row["peak_extra_MiB"].items()), flush=True)
+                print(
+                    f"lm-head {model:11s} M={m:5d} "
+                    + " ".join(f"{k}={v:.2f}" for k, v in row["ms"].items())
+                    + " | peak MiB "
+                    + " ".join(f"{k}={v:.0f}" for k, v in row["peak_extra_MiB"].items()),
+                    flush=True,
+                )
                 save()
         except Exception as ex:  # noqa: BLE001 - e.g. the torch ops library not built
             out["absent"]["lm-head section"] = repr(ex)[:400]
     save()
-    for where, ab in [("", out["absent"])] + [(f"{n}: ", sec.get("absent", {})) for n, sec in out["sections"].items()]:
+    for where, ab in [("", out["absent"])] + [
+        (f"{n}: ", sec.get("absent", {})) for n, sec in out["sections"].items()
+    ]:
         for k, v in ab.items():
             print(f"absent: {where}{k}: {v}", flush=True)
     progress(f"done: {path}")

@@ -9,10 +9,10 @@ rows. The fused ops need nothing else: their RMSNorm backward is a sum over outp
 each rank's dx and dγ are its shares of the sums (the reduce-scatter and one all-reduce finish
 them). The LM head here is sequence-parallel (each rank's rows, the whole vocabulary).
 
-    tp = TensorParallelLlama(model)                 # shards a CodaLlamaForCausalLM's weights
-    loss = tp(input_ids, labels)                    # this rank's share: the sum over ranks is the loss
+    tp = TensorParallelLlama(model)     # shards a CodaLlamaForCausalLM's weights
+    loss = tp(input_ids, labels)        # this rank's share: the sum over ranks is the loss
     loss.backward()
-    tp.all_reduce_replicated_grads()                # norms, embedding, LM head: sum the shares
+    tp.all_reduce_replicated_grads()    # norms, embedding, LM head: sum the shares
 """
 
 from __future__ import annotations
@@ -46,8 +46,9 @@ def _reduce_scatter_rows(t: Tensor, group) -> Tensor:
         dist.all_reduce(t, group=group)
         lo, hi = _rows(t, group)
         return t[lo:hi].clone()
-    out = torch.empty((t.shape[0] // dist.get_world_size(group),) + t.shape[1:], dtype=t.dtype,
-                      device=t.device)
+    out = torch.empty(
+        (t.shape[0] // dist.get_world_size(group),) + t.shape[1:], dtype=t.dtype, device=t.device
+    )
     dist.reduce_scatter_tensor(out, t, group=group)
     return out
 
@@ -97,14 +98,29 @@ class TensorParallelLlama(nn.Module):
         self.config, self.group = c, group
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         if c.num_kv_heads % world or c.num_heads % world or c.intermediate_size % world:
-            raise ValueError(f"coda.parallel: heads {c.num_heads}/{c.num_kv_heads} and "
-                             f"intermediate size {c.intermediate_size} must split over {world} ranks")
-        hq, hkv, d, i = (c.num_heads // world, c.num_kv_heads // world, c.head_dim,
-                         c.intermediate_size // world)
+            raise ValueError(
+                f"coda.parallel: heads {c.num_heads}/{c.num_kv_heads} and "
+                f"intermediate size {c.intermediate_size} must split over {world} ranks"
+            )
+        hq, hkv, d, i = (
+            c.num_heads // world,
+            c.num_kv_heads // world,
+            c.head_dim,
+            c.intermediate_size // world,
+        )
         self.heads, self.kv_heads = hq, hkv
-        q0, k0, v0 = rank * hq * d, (c.num_heads + rank * hkv) * d, (c.num_heads + c.num_kv_heads + rank * hkv) * d
-        rows = torch.cat([torch.arange(q0, q0 + hq * d), torch.arange(k0, k0 + hkv * d),
-                          torch.arange(v0, v0 + hkv * d)])
+        q0, k0, v0 = (
+            rank * hq * d,
+            (c.num_heads + rank * hkv) * d,
+            (c.num_heads + c.num_kv_heads + rank * hkv) * d,
+        )
+        rows = torch.cat(
+            [
+                torch.arange(q0, q0 + hq * d),
+                torch.arange(k0, k0 + hkv * d),
+                torch.arange(v0, v0 + hkv * d),
+            ]
+        )
         self.layers = nn.ModuleList()
         for layer in model.layers:
             shard = nn.Module()
@@ -115,16 +131,23 @@ class TensorParallelLlama(nn.Module):
             shard.w_down = _share(layer.w_down, 1, rank * i, (rank + 1) * i)
             self.layers.append(shard)
         self.embed = nn.Parameter(model.embed_tokens.weight.detach().clone())
-        self.gamma_attn = nn.ParameterList(nn.Parameter(g.detach().clone()) for g in model.gamma_attn)
+        self.gamma_attn = nn.ParameterList(
+            nn.Parameter(g.detach().clone()) for g in model.gamma_attn
+        )
         self.gamma_final = nn.Parameter(model.gamma_final.detach().clone())
-        self.w_vocab = (self.embed if c.tie_word_embeddings
-                        else nn.Parameter(model.w_vocab.detach().clone()))
+        self.w_vocab = (
+            self.embed if c.tie_word_embeddings else nn.Parameter(model.w_vocab.detach().clone())
+        )
         inv_freq = ops.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
-        self.register_buffer("rope_table", ops.rope_table(inv_freq, hq, hkv, d).to(self.embed.device),
-                             persistent=False)
+        self.register_buffer(
+            "rope_table",
+            ops.rope_table(inv_freq, hq, hkv, d).to(self.embed.device),
+            persistent=False,
+        )
 
     def replicated_parameters(self) -> list[nn.Parameter]:
-        ps = [self.embed, self.gamma_final, *self.gamma_attn, *(l.gamma_ffn for l in self.layers)]
+        ps = [self.embed, self.gamma_final, *self.gamma_attn]
+        ps += [layer.gamma_ffn for layer in self.layers]
         return ps if self.config.tie_word_embeddings else ps + [self.w_vocab]
 
     def all_reduce_replicated_grads(self) -> None:
@@ -145,23 +168,36 @@ class TensorParallelLlama(nn.Module):
         for n, layer in enumerate(self.layers):
             gamma_next = self.gamma_attn[n + 1] if n + 1 < len(self.layers) else self.gamma_final
             # attention: gathered rows, this rank's heads; out-proj partial -> reduce-scatter
-            qkv = ops.norm_qkv(_GatherRows.apply(x, g), self.gamma_attn[n], layer.w_qkv,
-                               _all_gather_rows(h, g), _all_gather_rows(r, g), pos, self.rope_table)
+            qkv = ops.norm_qkv(
+                _GatherRows.apply(x, g),
+                self.gamma_attn[n],
+                layer.w_qkv,
+                _all_gather_rows(h, g),
+                _all_gather_rows(r, g),
+                pos,
+                self.rope_table,
+            )
             qkv = qkv.view(batch, seq, self.heads + 2 * self.kv_heads, c.head_dim)
             q = qkv[:, :, : self.heads].transpose(1, 2)
-            k = qkv[:, :, self.heads: self.heads + self.kv_heads].transpose(1, 2)
-            v = qkv[:, :, self.heads + self.kv_heads:].transpose(1, 2)
+            k = qkv[:, :, self.heads : self.heads + self.kv_heads].transpose(1, 2)
+            v = qkv[:, :, self.heads + self.kv_heads :].transpose(1, 2)
             y = sdpa_causal(q, k, v).transpose(1, 2).reshape(M, self.heads * c.head_dim)
             x = x + _ReduceScatterRows.apply(F.linear(y, layer.w_o), g)
             h, r = ops.rmsnorm_stats(x.detach(), layer.gamma_ffn, c.rms_norm_eps)
             # MLP: gathered rows, this rank's intermediate slice; partial -> reduce-scatter
-            mlp_out, _ = ops.mlp_partial(_GatherRows.apply(x, g), layer.gamma_ffn, layer.w_gu,
-                                         layer.w_down, _all_gather_rows(h, g),
-                                         _all_gather_rows(r, g))
+            mlp_out, _ = ops.mlp_partial(
+                _GatherRows.apply(x, g),
+                layer.gamma_ffn,
+                layer.w_gu,
+                layer.w_down,
+                _all_gather_rows(h, g),
+                _all_gather_rows(r, g),
+            )
             x = x + _ReduceScatterRows.apply(mlp_out, g)
             h, r = ops.rmsnorm_stats(x.detach(), gamma_next, c.rms_norm_eps)
         targets = F.pad(labels[:, 1:].to(torch.int64), (0, 1), value=ignore_index).reshape(M)
         count = targets.ne(ignore_index).sum()  # over the whole batch: every rank has the labels
-        loss, _ = ops.lm_head_loss(x, self.gamma_final, self.w_vocab, h, r, targets[lo:hi],
-                                   ignore_index, "sum", 0.0)
+        loss, _ = ops.lm_head_loss(
+            x, self.gamma_final, self.w_vocab, h, r, targets[lo:hi], ignore_index, "sum", 0.0
+        )
         return loss / count

@@ -15,26 +15,71 @@ import suite_report as sr  # noqa: E402
 
 def suite_file(tmp_path):
     ops = [
-        {"model": "llama3-1B", "m": 8192, "op": "F1 out-proj", "gemm_mnk": [8192, 2048, 2048],
-         "ms": {"coda": 0.20, "coda_fused": 0.19, "coda_plain_gemm": 0.18, "cublas_gemm": 0.17,
-                "eager": 0.50, "compile": 0.25, "liger": 0.16, "flashinfer": 0.40},
-         "err": {"coda": 0.01, "eager": 0.02}, "check": {"coda": "PASS", "eager": "PASS"},
-         "fused_over_plain": 0.19 / 0.18, "tflops": {"coda": 344.0}},
-        {"model": "llama3-1B", "m": 8192, "op": "B2 SwiGLU bwd", "gemm_mnk": [8192, 8192, 2048],
-         "ms": {"coda": 0.60, "coda_fused": 0.58, "coda_plain_gemm": 0.40, "cublas_gemm": 0.41,
-                "eager": 1.40, "compile": 0.70},
-         "err": {"coda": 0.01, "eager": 0.02}, "check": {"coda": "PASS", "liger": "FAIL"},
-         "fused_over_plain": 0.58 / 0.40, "tflops": {"coda": 458.0}},
+        {
+            "model": "llama3-1B",
+            "m": 8192,
+            "op": "F1 out-proj",
+            "gemm_mnk": [8192, 2048, 2048],
+            "ms": {
+                "coda": 0.20,
+                "coda_fused": 0.19,
+                "coda_plain_gemm": 0.18,
+                "cublas_gemm": 0.17,
+                "eager": 0.50,
+                "compile": 0.25,
+                "liger": 0.16,
+                "flashinfer": 0.40,
+            },
+            "err": {"coda": 0.01, "eager": 0.02},
+            "check": {"coda": "PASS", "eager": "PASS"},
+            "fused_over_plain": 0.19 / 0.18,
+            "tflops": {"coda": 344.0},
+        },
+        {
+            "model": "llama3-1B",
+            "m": 8192,
+            "op": "B2 SwiGLU bwd",
+            "gemm_mnk": [8192, 8192, 2048],
+            "ms": {
+                "coda": 0.60,
+                "coda_fused": 0.58,
+                "coda_plain_gemm": 0.40,
+                "cublas_gemm": 0.41,
+                "eager": 1.40,
+                "compile": 0.70,
+            },
+            "err": {"coda": 0.01, "eager": 0.02},
+            "check": {"coda": "PASS", "liger": "FAIL"},
+            "fused_over_plain": 0.58 / 0.40,
+            "tflops": {"coda": 458.0},
+        },
     ]
-    d = {"commit": "abc", "device": "test", "command": "synthetic", "elapsed_s": 1.0,
-         "absent": {"flashinfer": "kernels not built"},
-         "sections": {
-             "ops": {"rows": ops},
-             "chain": {"rows": [{"model": "llama3-8B", "m": 8192, "pass": "fwd+bwd", "check": "PASS",
-                                 "ms_coda": 2.0, "ms_eager": 3.0, "ms_compile": 2.5, "ms_gemm_only": 1.8,
-                                 "speedup_vs_best_baseline": 1.25}],
-                       "absent": {"liger": "not installed"}},
-         }}
+    d = {
+        "commit": "abc",
+        "device": "test",
+        "command": "synthetic",
+        "elapsed_s": 1.0,
+        "absent": {"flashinfer": "kernels not built"},
+        "sections": {
+            "ops": {"rows": ops},
+            "chain": {
+                "rows": [
+                    {
+                        "model": "llama3-8B",
+                        "m": 8192,
+                        "pass": "fwd+bwd",
+                        "check": "PASS",
+                        "ms_coda": 2.0,
+                        "ms_eager": 3.0,
+                        "ms_compile": 2.5,
+                        "ms_gemm_only": 1.8,
+                        "speedup_vs_best_baseline": 1.25,
+                    }
+                ],
+                "absent": {"liger": "not installed"},
+            },
+        },
+    }
     path = tmp_path / "2026-01-01.json"
     path.write_text(json.dumps(d))
     return str(path), d
@@ -59,7 +104,9 @@ def test_summary_lists_misses_and_absences(tmp_path):
     assert "B2 SwiGLU bwd llama3-1B M=8192 1.45×" in text  # above the 1.05 backward target
     assert "flashinfer absent: kernels not built" in text
     assert "chain: liger absent: not installed" in text
-    chain = next(line for line in text.splitlines() if line.startswith("| layer chain forward + backward"))
+    chain = next(
+        line for line in text.splitlines() if line.startswith("| layer chain forward + backward")
+    )
     # one shape: vs eager 3.0 / 2.0, vs compile 2.5 / 2.0, vs the GEMM-only floor 1.8 / 2.0
     assert "**1.50**" in chain and "**1.25**" in chain and "0.90 (worst" in chain
 
@@ -71,4 +118,7 @@ def test_readme_block_replaced_between_markers(tmp_path):
     report.write_readme(sr.readme_section(path, d), str(readme))
     text = readme.read_text()
     assert "old line" not in text and "## After" in text
-    assert "Layer chain forward + backward vs the best of eager / torch.compile / Liger: 8B M=8192 1.25×" in text
+    assert (
+        "Layer chain forward + backward vs the best of eager / torch.compile / Liger: "
+        "8B M=8192 1.25×" in text
+    )

@@ -61,7 +61,7 @@ class GatherTokens(torch.autograd.Function):
         grad = grad.contiguous()
         dist.all_reduce(grad)
         rows = grad.shape[0] // dist.get_world_size()
-        return grad[dist.get_rank() * rows:(dist.get_rank() + 1) * rows]
+        return grad[dist.get_rank() * rows : (dist.get_rank() + 1) * rows]
 
 
 def gather_rows(local):
@@ -88,13 +88,23 @@ def worker(rank: int, world: int, port: int, out: dict) -> None:
         # The norm caches of this rank's tokens, gathered like x (they are not autograd edges).
         h_local, r_local = ops.rmsnorm_stats(x_local.detach(), gamma_r.detach(), EPS)
         x_all = GatherTokens.apply(x_local)
-        qkv_local = ops.norm_qkv(x_all, gamma_r, w_local, gather_rows(h_local), gather_rows(r_local),
-                                 gather_rows(pos[mine]), table)
+        qkv_local = ops.norm_qkv(
+            x_all,
+            gamma_r,
+            w_local,
+            gather_rows(h_local),
+            gather_rows(r_local),
+            gather_rows(pos[mine]),
+            table,
+        )
         qkv_local.backward(dqkv[:, cols])
         dist.all_reduce(gamma_r.grad)  # dγ: each rank has its columns' share
-        got = {"qkv": gather_rows(qkv_local.detach().t().contiguous()),  # (world * W_r, M)
-               "dx": gather_rows(x_local.grad), "dgamma": gamma_r.grad,
-               "dw": gather_rows(w_local.grad)}
+        got = {
+            "qkv": gather_rows(qkv_local.detach().t().contiguous()),  # (world * W_r, M)
+            "dx": gather_rows(x_local.grad),
+            "dgamma": gamma_r.grad,
+            "dw": gather_rows(w_local.grad),
+        }
         if rank == 0:
             out.update({k: v.clone() for k, v in got.items()})
     finally:
@@ -122,8 +132,9 @@ def test_column_parallel_norm_qkv_with_sequence_parallel_inputs_matches_unsharde
 
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.start_processes(worker, args=(world, free_port(), out), nprocs=world, join=True,
-                           start_method="spawn")
+        mp.start_processes(
+            worker, args=(world, free_port(), out), nprocs=world, join=True, start_method="spawn"
+        )
         got = dict(out)
     order = torch.cat([head_rows(rk, world) for rk in range(world)])  # sharded column order
 
@@ -139,8 +150,16 @@ def test_column_parallel_norm_qkv_with_sequence_parallel_inputs_matches_unsharde
 
 # ---- the whole model: coda.parallel.TensorParallelLlama vs CodaLlamaForCausalLM ----------------
 
-CFG = dict(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=4,
-           num_kv_heads=2, head_dim=4, rope_theta=10000.0)
+CFG = dict(
+    vocab_size=40,
+    hidden_size=16,
+    intermediate_size=24,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=4,
+    rope_theta=10000.0,
+)
 
 
 def model_worker(rank: int, world: int, port: int, tie: bool, out: dict) -> None:
@@ -151,8 +170,9 @@ def model_worker(rank: int, world: int, port: int, tie: bool, out: dict) -> None
         from coda.parallel import TensorParallelLlama
 
         torch.manual_seed(0)
-        model = CodaLlamaForCausalLM(LlamaConfig(**CFG, tie_word_embeddings=tie),
-                                     dtype=torch.float64)
+        model = CodaLlamaForCausalLM(
+            LlamaConfig(**CFG, tie_word_embeddings=tie), dtype=torch.float64
+        )
         with torch.no_grad():  # non-trivial norm weights so that every γ gradient matters
             for n, p in model.named_parameters():
                 if "gamma" in n:
@@ -171,23 +191,33 @@ def model_worker(rank: int, world: int, port: int, tie: bool, out: dict) -> None
         total = loss.detach().clone()
         dist.all_reduce(total)
 
-        hq, hkv, d, i = CFG["num_heads"] // world, CFG["num_kv_heads"] // world, \
-            CFG["head_dim"], CFG["intermediate_size"] // world
+        hq, hkv, d, i = (
+            CFG["num_heads"] // world,
+            CFG["num_kv_heads"] // world,
+            CFG["head_dim"],
+            CFG["intermediate_size"] // world,
+        )
         W = CFG["num_heads"] * d
-        rows = torch.cat([torch.arange(rank * hq * d, (rank + 1) * hq * d),
-                          W + torch.arange(rank * hkv * d, (rank + 1) * hkv * d),
-                          W + CFG["num_kv_heads"] * d + torch.arange(rank * hkv * d, (rank + 1) * hkv * d)])
-        pairs = {"embed": (tp.embed.grad, model.embed_tokens.weight.grad),
-                 "gamma_final": (tp.gamma_final.grad, model.gamma_final.grad)}
+        rows = torch.cat(
+            [
+                torch.arange(rank * hq * d, (rank + 1) * hq * d),
+                W + torch.arange(rank * hkv * d, (rank + 1) * hkv * d),
+                W + CFG["num_kv_heads"] * d + torch.arange(rank * hkv * d, (rank + 1) * hkv * d),
+            ]
+        )
+        pairs = {
+            "embed": (tp.embed.grad, model.embed_tokens.weight.grad),
+            "gamma_final": (tp.gamma_final.grad, model.gamma_final.grad),
+        }
         if not tie:
             pairs["w_vocab"] = (tp.w_vocab.grad, model.w_vocab.grad)
         for n, (sl, full) in enumerate(zip(tp.layers, model.layers)):
             pairs[f"gamma_attn.{n}"] = (tp.gamma_attn[n].grad, model.gamma_attn[n].grad)
             pairs[f"{n}.gamma_ffn"] = (sl.gamma_ffn.grad, full.gamma_ffn.grad)
             pairs[f"{n}.w_qkv"] = (sl.w_qkv.grad, full.w_qkv.grad[rows])
-            pairs[f"{n}.w_o"] = (sl.w_o.grad, full.w_o.grad[:, rank * hq * d:(rank + 1) * hq * d])
-            pairs[f"{n}.w_gu"] = (sl.w_gu.grad, full.w_gu.grad[2 * rank * i:2 * (rank + 1) * i])
-            pairs[f"{n}.w_down"] = (sl.w_down.grad, full.w_down.grad[:, rank * i:(rank + 1) * i])
+            pairs[f"{n}.w_o"] = (sl.w_o.grad, full.w_o.grad[:, rank * hq * d : (rank + 1) * hq * d])
+            pairs[f"{n}.w_gu"] = (sl.w_gu.grad, full.w_gu.grad[2 * rank * i : 2 * (rank + 1) * i])
+            pairs[f"{n}.w_down"] = (sl.w_down.grad, full.w_down.grad[:, rank * i : (rank + 1) * i])
         errs = {k: ((a - b).abs().max() / b.abs().max()).item() for k, (a, b) in pairs.items()}
         errs["loss"] = abs(total.item() - ref_loss.item()) / abs(ref_loss.item())
         out[rank] = errs
@@ -204,8 +234,13 @@ def test_tensor_parallel_model_matches_unsharded_fp64(tie):
     world = 2
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.start_processes(model_worker, args=(world, free_port(), tie, out), nprocs=world,
-                           join=True, start_method="spawn")
+        mp.start_processes(
+            model_worker,
+            args=(world, free_port(), tie, out),
+            nprocs=world,
+            join=True,
+            start_method="spawn",
+        )
         got = dict(out)
     assert sorted(got) == list(range(world))
     for rank, errs in got.items():
