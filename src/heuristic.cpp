@@ -28,7 +28,8 @@ namespace {
 // faster wherever both N and K reach 4096 or K is 16384+ (8B and 70B everywhere, 1B gate/up),
 // pingpong as fast or faster on 1B's narrow, short-K shapes; swizzle 8 won for both.
 KernelChoice plain_xw_config(int n, int k) {
-  if ((n >= 4096 && k >= 4096) || k >= 16384) return {Config::kCoop256x128x64_1x2, {8, Raster::kAlongN}};
+  if ((n >= 4096 && k >= 4096) || k >= 16384)
+    return {Config::kCoop256x128x64_1x2, {8, Raster::kAlongN}};
   return {Config::kPing128x128x64_1x2, {8, Raster::kAlongM}};
 }
 
