@@ -9,6 +9,7 @@ difference, and tokens/s per GPU (median step time after warm-up).
     torchrun --nproc-per-node 2 bench/fsdp_check.py --mode fsdp --out R   # writes R-fsdp.json,
                                                                   # compared with R-single.json
     torchrun --nproc-per-node 2 bench/fsdp_check.py --mode tp --out R     # writes R-tp.json
+    ... --mode tp-unfused   the same sharding with plain PyTorch ops (the unfused TP baseline)
 
 NCCL runs through PyTorch's process group with NVLink multicast off (NCCL_NVLS_ENABLE=0,
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1), as the GPU machines require.
@@ -39,13 +40,13 @@ from train_compare import token_stream  # noqa: E402
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mode", choices=["single", "fsdp", "tp"], required=True)
+    ap.add_argument("--mode", choices=["single", "fsdp", "tp", "tp-unfused"], required=True)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    fsdp, tp = args.mode == "fsdp", args.mode == "tp"
+    fsdp, tp = args.mode == "fsdp", args.mode in ("tp", "tp-unfused")
     if fsdp or tp:
         dist.init_process_group("nccl")
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -67,7 +68,7 @@ def main():
     if tp:
         from coda.parallel import TensorParallelLlama
 
-        model = TensorParallelLlama(model)
+        model = TensorParallelLlama(model, fused=args.mode == "tp")
     opt = torch.optim.AdamW(model.parameters(), lr=5e-4, betas=(0.9, 0.95), weight_decay=0.1)
     data = token_stream(cfg.vocab_size, args.batch, args.seq, args.steps).cuda()
     per = args.batch // world if fsdp else args.batch

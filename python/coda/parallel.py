@@ -8,6 +8,8 @@ caches) are all-gathered; after a row-parallel GEMM the partial sums are reduce-
 rows. The fused ops need nothing else: their RMSNorm backward is a sum over output columns, so
 each rank's dx and dγ are its shares of the sums (the reduce-scatter and one all-reduce finish
 them). The LM head here is sequence-parallel (each rank's rows, the whole vocabulary).
+``fused=False`` runs the same sharding and collectives with plain PyTorch ops: the unfused
+tensor-parallel baseline.
 
     tp = TensorParallelLlama(model)     # shards a CodaLlamaForCausalLM's weights
     loss = tp(input_ids, labels)        # this rank's share: the sum over ranks is the loss
@@ -92,10 +94,10 @@ class TensorParallelLlama(nn.Module):
     ``backward``; :meth:`all_reduce_replicated_grads` sums them.
     """
 
-    def __init__(self, model: CodaLlamaForCausalLM, group=None) -> None:
+    def __init__(self, model: CodaLlamaForCausalLM, group=None, fused: bool = True) -> None:
         super().__init__()
         c = model.config
-        self.config, self.group = c, group
+        self.config, self.group, self.fused = c, group, fused
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         if c.num_kv_heads % world or c.num_heads % world or c.intermediate_size % world:
             raise ValueError(
@@ -139,6 +141,7 @@ class TensorParallelLlama(nn.Module):
             self.embed if c.tie_word_embeddings else nn.Parameter(model.w_vocab.detach().clone())
         )
         inv_freq = ops.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+        self.register_buffer("inv_freq", inv_freq.to(self.embed.device), persistent=False)
         self.register_buffer(
             "rope_table",
             ops.rope_table(inv_freq, hq, hkv, d).to(self.embed.device),
@@ -164,6 +167,8 @@ class TensorParallelLlama(nn.Module):
         lo, hi = _rows(input_ids.reshape(M), g)
         pos = torch.arange(seq, dtype=torch.int32, device=input_ids.device).repeat(batch)
         x = F.embedding(input_ids.reshape(M)[lo:hi], self.embed)
+        if not self.fused:
+            return self._forward_unfused(x, pos, batch, seq, labels, ignore_index, lo, hi)
         h, r = ops.rmsnorm_stats(x, self.gamma_attn[0], c.rms_norm_eps)
         for n, layer in enumerate(self.layers):
             gamma_next = self.gamma_attn[n + 1] if n + 1 < len(self.layers) else self.gamma_final
@@ -200,4 +205,36 @@ class TensorParallelLlama(nn.Module):
         loss, _ = ops.lm_head_loss(
             x, self.gamma_final, self.w_vocab, h, r, targets[lo:hi], ignore_index, "sum", 0.0
         )
+        return loss / count
+
+    def _forward_unfused(self, x, pos, batch, seq, labels, ignore_index, lo, hi) -> Tensor:
+        """The same sharding and collectives with plain PyTorch ops (RMSNorm, linear, RoPE,
+        SiLU * up, cross-entropy on materialized logits): the unfused tensor-parallel baseline."""
+        c, g = self.config, self.group
+        M, H, d = batch * seq, c.hidden_size, c.head_dim
+        ang = pos.to(self.inv_freq.dtype)[:, None] * self.inv_freq[None, :]
+        cos, sin = ang.cos().to(x.dtype)[:, None, :], ang.sin().to(x.dtype)[:, None, :]
+
+        def rope(t):  # RoPE pairs adjacent (the coda weight layout): (a, b) -> rotated
+            a, b = t[..., 0::2], t[..., 1::2]
+            return torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
+
+        for n, layer in enumerate(self.layers):
+            xa = _GatherRows.apply(x, g)
+            qkv = F.linear(F.rms_norm(xa, (H,), self.gamma_attn[n], c.rms_norm_eps), layer.w_qkv)
+            qkv = qkv.view(M, self.heads + 2 * self.kv_heads, d)
+            q, k = rope(qkv[:, : self.heads]), rope(qkv[:, self.heads : self.heads + self.kv_heads])
+            v = qkv[:, self.heads + self.kv_heads :]
+            q, k, v = (t.view(batch, seq, -1, d).transpose(1, 2) for t in (q, k, v))
+            y = sdpa_causal(q, k, v).transpose(1, 2).reshape(M, self.heads * d)
+            x = x + _ReduceScatterRows.apply(F.linear(y, layer.w_o), g)
+            xa = _GatherRows.apply(x, g)
+            gu = F.linear(F.rms_norm(xa, (H,), layer.gamma_ffn, c.rms_norm_eps), layer.w_gu)
+            a = F.silu(gu[:, 0::2]) * gu[:, 1::2]  # interleaved (gate, up) rows
+            x = x + _ReduceScatterRows.apply(F.linear(a, layer.w_down), g)
+        targets = F.pad(labels[:, 1:].to(torch.int64), (0, 1), value=ignore_index).reshape(M)
+        count = targets.ne(ignore_index).sum()
+        logits = F.linear(F.rms_norm(x, (H,), self.gamma_final, c.rms_norm_eps), self.w_vocab)
+        loss = F.cross_entropy(logits.float() if logits.dtype == torch.bfloat16 else logits,
+                               targets[lo:hi], ignore_index=ignore_index, reduction="sum")
         return loss / count

@@ -162,7 +162,7 @@ CFG = dict(
 )
 
 
-def model_worker(rank: int, world: int, port: int, tie: bool, out: dict) -> None:
+def model_worker(rank: int, world: int, port: int, tie: bool, fused: bool, out: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -181,7 +181,7 @@ def model_worker(rank: int, world: int, port: int, tie: bool, out: dict) -> None
         ids = torch.randint(0, CFG["vocab_size"], (2, 8), generator=g)
         labels = ids.clone()
         labels[0, 3] = -100
-        tp = TensorParallelLlama(model)  # shards copied before the reference backward
+        tp = TensorParallelLlama(model, fused=fused)  # shards copied before the reference backward
         ref_loss = model(ids, labels)
         ref_loss.backward()
 
@@ -225,10 +225,12 @@ def model_worker(rank: int, world: int, port: int, tie: bool, out: dict) -> None
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused-baseline"])
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
-def test_tensor_parallel_model_matches_unsharded_fp64(tie):
+def test_tensor_parallel_model_matches_unsharded_fp64(tie, fused):
     """Two ranks (gloo) of TensorParallelLlama give the unsharded model's loss and every
-    gradient (each rank's shard of the sharded weights, the summed replicated ones) in fp64."""
+    gradient (each rank's shard of the sharded weights, the summed replicated ones) in fp64;
+    with fused=False (plain PyTorch ops: the unfused TP baseline) as well."""
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
     world = 2
@@ -236,7 +238,7 @@ def test_tensor_parallel_model_matches_unsharded_fp64(tie):
         out = manager.dict()
         mp.start_processes(
             model_worker,
-            args=(world, free_port(), tie, out),
+            args=(world, free_port(), tie, fused, out),
             nprocs=world,
             join=True,
             start_method="spawn",
