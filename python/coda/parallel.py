@@ -85,6 +85,22 @@ def _share(p: Tensor, dim: int, lo: int, hi: int) -> nn.Parameter:
     return nn.Parameter(p.detach().narrow(dim, lo, hi - lo).clone())
 
 
+def qkv_rows(config, rank: int, world: int) -> Tensor:
+    """Rows of the packed ``[Q | K | V]`` weight that ``rank`` of ``world`` owns: its Q heads and
+    the K/V heads their groups use (GQA groups stay whole on one rank)."""
+    hq, hkv, d = config.num_heads // world, config.num_kv_heads // world, config.head_dim
+    q0 = rank * hq * d
+    k0 = (config.num_heads + rank * hkv) * d
+    v0 = (config.num_heads + config.num_kv_heads + rank * hkv) * d
+    return torch.cat(
+        [
+            torch.arange(q0, q0 + hq * d),
+            torch.arange(k0, k0 + hkv * d),
+            torch.arange(v0, v0 + hkv * d),
+        ]
+    )
+
+
 class TensorParallelLlama(nn.Module):
     """This rank's shard of a :class:`coda.nn.CodaLlamaForCausalLM` (see the module docstring).
 
@@ -111,18 +127,7 @@ class TensorParallelLlama(nn.Module):
             c.intermediate_size // world,
         )
         self.heads, self.kv_heads = hq, hkv
-        q0, k0, v0 = (
-            rank * hq * d,
-            (c.num_heads + rank * hkv) * d,
-            (c.num_heads + c.num_kv_heads + rank * hkv) * d,
-        )
-        rows = torch.cat(
-            [
-                torch.arange(q0, q0 + hq * d),
-                torch.arange(k0, k0 + hkv * d),
-                torch.arange(v0, v0 + hkv * d),
-            ]
-        )
+        rows = qkv_rows(c, rank, world)
         self.layers = nn.ModuleList()
         for layer in model.layers:
             shard = nn.Module()
@@ -163,78 +168,68 @@ class TensorParallelLlama(nn.Module):
         in :meth:`CodaLlamaForCausalLM.forward`); the shares sum to the loss."""
         c, g = self.config, self.group
         batch, seq = input_ids.shape
-        M = batch * seq
+        M, d = batch * seq, c.head_dim
         lo, hi = _rows(input_ids.reshape(M), g)
         pos = torch.arange(seq, dtype=torch.int32, device=input_ids.device).repeat(batch)
         x = F.embedding(input_ids.reshape(M)[lo:hi], self.embed)
-        if not self.fused:
-            return self._forward_unfused(x, pos, batch, seq, labels, ignore_index, lo, hi)
-        h, r = ops.rmsnorm_stats(x, self.gamma_attn[0], c.rms_norm_eps)
+        rope = None if self.fused else self._rope(pos, x.dtype)
         for n, layer in enumerate(self.layers):
-            gamma_next = self.gamma_attn[n + 1] if n + 1 < len(self.layers) else self.gamma_final
             # attention: gathered rows, this rank's heads; out-proj partial -> reduce-scatter
-            qkv = ops.norm_qkv(
-                _GatherRows.apply(x, g),
-                self.gamma_attn[n],
-                layer.w_qkv,
-                _all_gather_rows(h, g),
-                _all_gather_rows(r, g),
-                pos,
-                self.rope_table,
-            )
-            qkv = qkv.view(batch, seq, self.heads + 2 * self.kv_heads, c.head_dim)
+            qkv = self._qkv(_GatherRows.apply(x, g), self.gamma_attn[n], layer.w_qkv, pos, rope)
+            qkv = qkv.view(batch, seq, self.heads + 2 * self.kv_heads, d)
             q = qkv[:, :, : self.heads].transpose(1, 2)
             k = qkv[:, :, self.heads : self.heads + self.kv_heads].transpose(1, 2)
             v = qkv[:, :, self.heads + self.kv_heads :].transpose(1, 2)
-            y = sdpa_causal(q, k, v).transpose(1, 2).reshape(M, self.heads * c.head_dim)
-            x = x + _ReduceScatterRows.apply(F.linear(y, layer.w_o), g)
-            h, r = ops.rmsnorm_stats(x.detach(), layer.gamma_ffn, c.rms_norm_eps)
-            # MLP: gathered rows, this rank's intermediate slice; partial -> reduce-scatter
-            mlp_out, _ = ops.mlp_partial(
-                _GatherRows.apply(x, g),
-                layer.gamma_ffn,
-                layer.w_gu,
-                layer.w_down,
-                _all_gather_rows(h, g),
-                _all_gather_rows(r, g),
-            )
-            x = x + _ReduceScatterRows.apply(mlp_out, g)
-            h, r = ops.rmsnorm_stats(x.detach(), gamma_next, c.rms_norm_eps)
-        targets = F.pad(labels[:, 1:].to(torch.int64), (0, 1), value=ignore_index).reshape(M)
-        count = targets.ne(ignore_index).sum()  # over the whole batch: every rank has the labels
-        loss, _ = ops.lm_head_loss(
-            x, self.gamma_final, self.w_vocab, h, r, targets[lo:hi], ignore_index, "sum", 0.0
-        )
-        return loss / count
-
-    def _forward_unfused(self, x, pos, batch, seq, labels, ignore_index, lo, hi) -> Tensor:
-        """The same sharding and collectives with plain PyTorch ops (RMSNorm, linear, RoPE,
-        SiLU * up, cross-entropy on materialized logits): the unfused tensor-parallel baseline."""
-        c, g = self.config, self.group
-        M, H, d = batch * seq, c.hidden_size, c.head_dim
-        ang = pos.to(self.inv_freq.dtype)[:, None] * self.inv_freq[None, :]
-        cos, sin = ang.cos().to(x.dtype)[:, None, :], ang.sin().to(x.dtype)[:, None, :]
-
-        def rope(t):  # RoPE pairs adjacent (the coda weight layout): (a, b) -> rotated
-            a, b = t[..., 0::2], t[..., 1::2]
-            return torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
-
-        for n, layer in enumerate(self.layers):
-            xa = _GatherRows.apply(x, g)
-            qkv = F.linear(F.rms_norm(xa, (H,), self.gamma_attn[n], c.rms_norm_eps), layer.w_qkv)
-            qkv = qkv.view(M, self.heads + 2 * self.kv_heads, d)
-            q, k = rope(qkv[:, : self.heads]), rope(qkv[:, self.heads : self.heads + self.kv_heads])
-            v = qkv[:, self.heads + self.kv_heads :]
-            q, k, v = (t.view(batch, seq, -1, d).transpose(1, 2) for t in (q, k, v))
             y = sdpa_causal(q, k, v).transpose(1, 2).reshape(M, self.heads * d)
             x = x + _ReduceScatterRows.apply(F.linear(y, layer.w_o), g)
-            xa = _GatherRows.apply(x, g)
-            gu = F.linear(F.rms_norm(xa, (H,), layer.gamma_ffn, c.rms_norm_eps), layer.w_gu)
-            a = F.silu(gu[:, 0::2]) * gu[:, 1::2]  # interleaved (gate, up) rows
-            x = x + _ReduceScatterRows.apply(F.linear(a, layer.w_down), g)
+            # MLP: gathered rows, this rank's intermediate slice; partial -> reduce-scatter
+            x = x + _ReduceScatterRows.apply(self._mlp(_GatherRows.apply(x, g), layer), g)
         targets = F.pad(labels[:, 1:].to(torch.int64), (0, 1), value=ignore_index).reshape(M)
-        count = targets.ne(ignore_index).sum()
-        logits = F.linear(F.rms_norm(x, (H,), self.gamma_final, c.rms_norm_eps), self.w_vocab)
-        loss = F.cross_entropy(logits.float() if logits.dtype == torch.bfloat16 else logits,
-                               targets[lo:hi], ignore_index=ignore_index, reduction="sum")
-        return loss / count
+        count = targets.ne(ignore_index).sum()  # over the whole batch: every rank has the labels
+        return self._loss_sum(x, targets[lo:hi], ignore_index) / count
+
+    # The three pieces, fused (coda ops) or unfused (plain PyTorch: the baseline). The fused ones
+    # take the norm caches of the rows they get; gathering x and recomputing them is cheaper
+    # than gathering the caches too.
+
+    def _qkv(self, x: Tensor, gamma: Tensor, w_qkv: Tensor, pos: Tensor, rope) -> Tensor:
+        eps = self.config.rms_norm_eps
+        if self.fused:
+            h, r = ops.rmsnorm_stats(x.detach(), gamma, eps)
+            return ops.norm_qkv(x, gamma, w_qkv, h, r, pos, self.rope_table)
+        qkv = F.linear(F.rms_norm(x, (x.shape[1],), gamma, eps), w_qkv)
+        qk = (self.heads + self.kv_heads) * self.config.head_dim
+        return torch.cat([rope(qkv[:, :qk]), qkv[:, qk:]], dim=1)
+
+    def _mlp(self, x: Tensor, layer: nn.Module) -> Tensor:
+        eps = self.config.rms_norm_eps
+        if self.fused:
+            h, r = ops.rmsnorm_stats(x.detach(), layer.gamma_ffn, eps)
+            return ops.mlp_partial(x, layer.gamma_ffn, layer.w_gu, layer.w_down, h, r)[0]
+        gu = F.linear(F.rms_norm(x, (x.shape[1],), layer.gamma_ffn, eps), layer.w_gu)
+        return F.linear(F.silu(gu[:, 0::2]) * gu[:, 1::2], layer.w_down)  # interleaved (g, u)
+
+    def _loss_sum(self, x: Tensor, targets: Tensor, ignore_index: int) -> Tensor:
+        eps = self.config.rms_norm_eps
+        if self.fused:
+            h, r = ops.rmsnorm_stats(x.detach(), self.gamma_final, eps)
+            loss, _ = ops.lm_head_loss(
+                x, self.gamma_final, self.w_vocab, h, r, targets, ignore_index, "sum", 0.0
+            )
+            return loss
+        logits = F.linear(F.rms_norm(x, (x.shape[1],), self.gamma_final, eps), self.w_vocab)
+        logits = logits.float() if logits.dtype == torch.bfloat16 else logits
+        return F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
+
+    def _rope(self, pos: Tensor, dtype: torch.dtype):
+        """Unfused RoPE on (M, heads·d) columns whose pairs are adjacent (the coda layout)."""
+        ang = pos.to(self.inv_freq.dtype)[:, None] * self.inv_freq[None, :]
+        cos, sin = ang.cos().to(dtype)[:, None, :], ang.sin().to(dtype)[:, None, :]
+        d = self.config.head_dim
+
+        def rope(t: Tensor) -> Tensor:
+            t = t.view(t.shape[0], -1, d)
+            a, b = t[..., 0::2], t[..., 1::2]
+            return torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(1)
+
+        return rope

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import socket
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import Tensor
 
 
@@ -25,3 +30,30 @@ def assert_ops_rule(actual: Tensor, ref64: Tensor, plain: Tensor, what: str = ""
     err = max_abs(actual.double() - ref64)
     bound = 2 * max_abs(plain.double() - ref64) + 1e-6
     assert err <= bound, f"{what}: max err {err:.3e} > bound {bound:.3e}"
+
+
+def _gloo_main(rank, world, port, fn, args, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_gloo(fn, world: int, *args) -> dict:
+    """Runs ``fn(rank, world, *args, out)`` in ``world`` spawned processes of one gloo group
+    (``fn`` at module level, so that it pickles) and returns what the ranks put in ``out``."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.start_processes(
+            _gloo_main,
+            args=(world, port, fn, args, out),
+            nprocs=world,
+            join=True,
+            start_method="spawn",
+        )
+        return dict(out)

@@ -4,15 +4,12 @@ with half of the batch, must reproduce the single-process model's loss and every
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from coda.nn import CodaLlamaForCausalLM, LlamaConfig
+from helpers import run_gloo
 
 CFG = dict(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=4,
            num_kv_heads=2, head_dim=4, rope_theta=10000.0)
@@ -34,41 +31,31 @@ def batch():
     return ids, ids.clone()
 
 
-def worker(rank: int, world: int, port: int, tie: bool, per_layer: bool, out: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        import coda  # noqa: F401  (loads the ops in this process)
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+def worker(rank: int, world: int, tie: bool, per_layer: bool, out: dict) -> None:
+    """One rank, inside the gloo group helpers.run_gloo made."""
+    import coda  # noqa: F401  (loads the ops in this process)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
 
-        model = build(tie)
-        mesh = init_device_mesh("cpu", (world,))
-        if per_layer:
-            for layer in model.layers:
-                fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        ids, labels = batch()
-        per = ids.shape[0] // world
-        mine = slice(rank * per, (rank + 1) * per)
-        loss = model(ids[mine], labels[mine])
-        loss.backward()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        missing = [n for n, p in model.named_parameters() if p.grad is None]
-        assert not missing, f"rank {rank}: no gradient for {missing}"
-        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-        if rank == 0:
-            out["loss"] = (total / world).item()
-            out["grads"] = {n: g.clone() for n, g in grads.items()}
-    finally:
-        dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    model = build(tie)
+    mesh = init_device_mesh("cpu", (world,))
+    if per_layer:
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    ids, labels = batch()
+    per = ids.shape[0] // world
+    mine = slice(rank * per, (rank + 1) * per)
+    loss = model(ids[mine], labels[mine])
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    missing = [n for n, p in model.named_parameters() if p.grad is None]
+    assert not missing, f"rank {rank}: no gradient for {missing}"
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    if rank == 0:
+        out["loss"] = (total / world).item()
+        out["grads"] = {n: g.clone() for n, g in grads.items()}
 
 
 @pytest.mark.parametrize("per_layer", [False, True], ids=["root-unit", "unit-per-layer"])
@@ -80,11 +67,7 @@ def test_fsdp2_two_ranks_match_one_process_in_fp64(tie, per_layer):
     ids, labels = batch()
     ref_loss = ref(ids, labels)
     ref_loss.backward()
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.start_processes(worker, args=(2, free_port(), tie, per_layer, out), nprocs=2, join=True,
-                           start_method="spawn")
-        got = dict(out)
+    got = run_gloo(worker, 2, tie, per_layer)
     # Every rank sees (S - 1) counted targets per row and the same number of rows, so the mean of
     # the per-rank means is the full-batch mean, and FSDP2's gradient average is the full gradient.
     assert abs(got["loss"] - ref_loss.item()) <= 1e-12 * abs(ref_loss.item())
