@@ -24,8 +24,6 @@ from types import SimpleNamespace
 
 from chain_bench import ALL_MODELS, EPS, MODELS, Coda, bench_interleaved, chain_inputs, make_chain
 
-PROFILE = False
-BACKWARD_ONLY = False  # also time the backward pass alone (bench/suite.py sets it)
 
 
 def layout(coda, fn, *args):
@@ -133,7 +131,9 @@ def ours_chain(coda, t, m, dx2_up, dqkv_up):
                            forward=forward, backward=backward, ops=ops, stream=stream)
 
 
-def run_shape(coda, model, m, results, progress):
+def run_shape(coda, model, m, results, progress, profile=False, backward_only=False):
+    """One shape: checks every gradient, times fwd+bwd of every variant; `profile`: also every
+    op of ours alone; `backward_only`: also the backward pass alone."""
     t = chain_inputs(model, m, 7 * m + ALL_MODELS[model][0])
     hidden, hq, hkv, d, inter, qkv_w = t.hidden, t.hq, t.hkv, t.d, t.inter, t.qkv_w
     y, x0, wo, wd, wqkv_hf, g_ffn, g_attn = t.y, t.x0, t.wo, t.wd, t.wqkv_hf, t.g_ffn, t.g_attn
@@ -165,7 +165,7 @@ def run_shape(coda, model, m, results, progress):
 
     coda_step()
     torch.cuda.synchronize()
-    if PROFILE:
+    if profile:
         # Per-op time of our chain next to the cuBLAS GEMM of the same shape (events, median of 10).
         def t_(fn):
             evs = []
@@ -243,7 +243,7 @@ def run_shape(coda, model, m, results, progress):
     msg = " ".join(f"{k}={v:.3f}" for k, v in times.items()) + f" | speedup {speedup:.3f}x" if ok else \
         "FAIL " + json.dumps(acc)
     print(f"{model:11s} M={m:5d} {msg}", flush=True)
-    if ok and BACKWARD_ONLY:
+    if ok and backward_only:
         # Backward alone: ours re-runs backward() on the saved forward tensors; each autograd
         # baseline runs its forward untimed before every timed autograd.grad (no retain_graph:
         # torch.compile's donated buffers forbid it).
@@ -275,8 +275,6 @@ def main():
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--profile", action="store_true", help="also time every op of our chain alone")
     a = ap.parse_args()
-    global PROFILE
-    PROFILE = a.profile
     coda = Coda(a.lib)
     results = {"benchmark": "chain_fwd_bwd", "device": torch.cuda.get_device_name(),
                "torch": torch.__version__, "cuda": torch.version.cuda, "commit": a.commit,
@@ -285,7 +283,7 @@ def main():
     progress = lambda s: print(f"  [{time.time() - t0:6.1f}s] {s}", file=sys.stderr, flush=True)  # noqa: E731
     for model in MODELS:
         for m in ((8192,) if a.quick else (8192, 16384)):
-            run_shape(coda, model, m, results, progress)
+            run_shape(coda, model, m, results, progress, profile=a.profile)
             if a.json:
                 with open(a.json, "w") as f:
                     json.dump(results, f, indent=1)

@@ -3,8 +3,9 @@
 every baseline (BENCHMARKS.md), one results file, then `bench/report.py` turns it into tables and
 plots.
 
-  python3 bench/suite.py --lib .gpubin/libcoda_capi.so [--quick] [--sections ops,chain-fwd,chain,lm-head]
-                         [--models llama3-1B,paper-H2048,...] [--json bench/results/<date>.json]
+  python3 bench/suite.py --lib .gpubin/libcoda_capi.so [--quick]
+        [--sections ops,chain-fwd,chain,lm-head] [--models llama3-1B,paper-H2048,...]
+        [--json bench/results/<date>.json]
 
 Sections (each row is checked against an fp32 evaluation before anything of it is timed; a failed
 check prints FAIL and no time):
@@ -16,7 +17,8 @@ check prints FAIL and no time):
 Every section times its variants in interleaved rounds (chain_bench.bench_interleaved).
   chain-fwd  the forward layer chain (bench/chain_bench.py)
   chain      the layer chain forward + backward and backward alone (bench/chain_train_bench.py)
-  lm-head    LM head + cross-entropy, forward + backward: time and peak memory (bench/lm_head_bench.py)
+  lm-head    LM head + cross-entropy, forward + backward: time and peak memory
+             (bench/lm_head_bench.py)
 
 Shapes: LLaMA-3 1B / 8B / 70B at M = 8192 and 16384, and the CODA paper's block shapes at
 M = 16384 (V = 32768 for its LM head). --quick: M = 8192, LLaMA-3 shapes, fewer LM-head shapes.
@@ -347,12 +349,10 @@ def ops_section(coda, model, m, res, progress, liger, fi):
         row["err"]["coda"], ok = passes(spec["ours"]())
         row["check"]["coda"] = "PASS" if ok else "FAIL"
         timed = {}
-        if ok:
-            timed["coda_fused"] = fn
+        if ok:  # ours with its fold; the fused kernel alone too where there is a fold
+            timed["coda"] = (lambda fn=fn, fold=fold: (fn(), fold())) if fold else fn
             if fold:
-                timed["coda"] = lambda fn=fn, fold=fold: (fn(), fold())
-            else:
-                timed["coda"] = fn
+                timed["coda_fused"] = fn
             if plain:
                 timed["coda_plain_gemm"] = plain
             if cublas:
@@ -374,8 +374,9 @@ def ops_section(coda, model, m, res, progress, liger, fi):
             row["tflops"] = {
                 k: 2 * gemm[0] * gemm[1] * gemm[2] / (v * 1e9) for k, v in row["ms"].items()
             }
-        if "coda_fused" in row["ms"] and "coda_plain_gemm" in row["ms"]:
-            row["fused_over_plain"] = row["ms"]["coda_fused"] / row["ms"]["coda_plain_gemm"]
+        if "coda" in row["ms"] and "coda_plain_gemm" in row["ms"]:
+            fused = row["ms"].get("coda_fused", row["ms"]["coda"])
+            row["fused_over_plain"] = fused / row["ms"]["coda_plain_gemm"]
         if "coda" in row["ms"]:
             row["speedup"] = {
                 k: v / row["ms"]["coda"]
@@ -480,62 +481,51 @@ def main():
         torch._dynamo.reset()
         torch.cuda.empty_cache()
 
-    if "ops" in sections:
-        sec = out["sections"].setdefault("ops", {"rows": []})
+    def per_shape(section, key, run, **extra):
+        """Runs `run(model, m, section_dict)` at every shape, from a fresh Dynamo, saving after
+        each."""
+        if section not in sections:
+            return
+        sec = out["sections"].setdefault(key, {"rows": [], **extra})
         for model in models:
             for m in shapes(model):
                 fresh()
-                ops_section(coda, model, m, sec, progress, liger, fi)
-                torch.cuda.empty_cache()
+                run(model, m, sec)
                 save()
-    if "chain-fwd" in sections:
-        sec = out["sections"].setdefault("chain_fwd", {"rows": []})
-        for model in models:
-            for m in shapes(model):
-                fresh()
-                cb.run_shape(coda, model, m, sec, progress)
-                save()
-    if "chain" in sections:
-        ctb.BACKWARD_ONLY = True
-        sec = out["sections"].setdefault("chain", {"rows": []})
-        for model in models:
-            for m in shapes(model):
-                fresh()
-                ctb.run_shape(coda, model, m, sec, progress)
-                save()
-    if "lm-head" in sections:
-        sec = out["sections"].setdefault(
-            "lm_head", {"rows": [], "chunk_bytes": a.lm_head_chunk_bytes}
-        )
-        try:
-            import lm_head_bench as lhb
 
-            ms = lhb.methods(a.lm_head_chunk_bytes)
-            if "liger_unavailable" in ms:
-                out["absent"]["liger (LM head)"] = ms.pop("liger_unavailable")
-            todo = []
-            for model in models:
-                hidden = ALL_MODELS[model][0]
-                vocab = PAPER_V if model in PAPER_MODELS else lhb.V
-                for m in shapes(model):
-                    todo.append((model, hidden, m, vocab))
-            for model, hidden, m, vocab in todo:
-                fresh()
-                ms = lhb.methods(a.lm_head_chunk_bytes)  # a new torch.compile wrapper per shape
-                ms.pop("liger_unavailable", None)
-                row = lhb.run_shape(ms, hidden, m, reps=6, vocab=vocab, progress=progress)
-                row["model"] = model
-                sec["rows"].append(row)
-                print(
-                    f"lm-head {model:11s} M={m:5d} "
-                    + " ".join(f"{k}={v:.2f}" for k, v in row["ms"].items())
-                    + " | peak MiB "
-                    + " ".join(f"{k}={v:.0f}" for k, v in row["peak_extra_MiB"].items()),
-                    flush=True,
-                )
-                save()
-        except Exception as ex:  # noqa: BLE001 - e.g. the torch ops library not built
-            out["absent"]["lm-head section"] = repr(ex)[:400]
+    def lm_head_shape(model, m, sec):
+        import lm_head_bench as lhb
+
+        ms = lhb.methods(a.lm_head_chunk_bytes)  # a new torch.compile wrapper per shape
+        if "liger_unavailable" in ms:
+            out["absent"]["liger (LM head)"] = ms.pop("liger_unavailable")
+        vocab = PAPER_V if model in PAPER_MODELS else lhb.V
+        row = lhb.run_shape(ms, ALL_MODELS[model][0], m, reps=6, vocab=vocab, progress=progress)
+        row["model"] = model
+        sec["rows"].append(row)
+        print(
+            f"lm-head {model:11s} M={m:5d} "
+            + " ".join(f"{k}={v:.2f}" for k, v in row["ms"].items())
+            + " | peak MiB "
+            + " ".join(f"{k}={v:.0f}" for k, v in row["peak_extra_MiB"].items()),
+            flush=True,
+        )
+
+    per_shape(
+        "ops", "ops", lambda model, m, sec: ops_section(coda, model, m, sec, progress, liger, fi)
+    )
+    per_shape(
+        "chain-fwd", "chain_fwd", lambda model, m, sec: cb.run_shape(coda, model, m, sec, progress)
+    )
+    per_shape(
+        "chain",
+        "chain",
+        lambda model, m, sec: ctb.run_shape(coda, model, m, sec, progress, backward_only=True),
+    )
+    try:
+        per_shape("lm-head", "lm_head", lm_head_shape, chunk_bytes=a.lm_head_chunk_bytes)
+    except Exception as ex:  # noqa: BLE001 - e.g. the torch ops library not built
+        out["absent"]["lm-head section"] = repr(ex)[:400]
     save()
     for where, ab in [("", out["absent"])] + [
         (f"{n}: ", sec.get("absent", {})) for n, sec in out["sections"].items()

@@ -24,9 +24,10 @@ namespace {
 
 // The data-gradient GEMM D = X·W (W not transposed: the backward's dz·W), from the run-27 sweep
 // (bench/results/2026-11-29-run27-xw-sweep.txt: pingpong 128x128 c1x2 vs cooperative 256x128
-// c1x2, swizzle 1/8 x raster M/N, every LLaMA-3 backward shape). Cooperative 256x128 was 4-14%
-// faster wherever both N and K reach 4096 or K is 16384+ (8B and 70B everywhere, 1B gate/up),
-// pingpong as fast or faster on 1B's narrow, short-K shapes; swizzle 8 won for both.
+// c1x2, swizzle 1/8 x raster M/N, every LLaMA-3 backward shape). Where both N and K reach 4096
+// or K is 16384+ (8B and 70B everywhere, 1B gate/up) cooperative 256x128 was up to 13% faster
+// (2-7% at 70B) and at worst level (gate/up with 16384 tokens at 1B / 8B); pingpong was as fast
+// or faster on 1B's narrow, short-K shapes. Swizzle 8 won for both.
 KernelChoice plain_xw_config(int n, int k) {
   if ((n >= 4096 && k >= 4096) || k >= 16384)
     return {Config::kCoop256x128x64_1x2, {8, Raster::kAlongN}};
@@ -56,8 +57,9 @@ KernelChoice program_config(Program p, int m, int n, int k) {
     case Program::kRmsnormBackward:
       // B1 (g = dz·W, N = hidden, K = the projection's width). Run-27 sweep: cooperative 256x128
       // (its node merges dγ over 8 warps) was 4-10% faster for gate/up (K >= 16384) at 8192
-      // tokens and at 70B, pingpong 2-5% faster at 1B/8B with 16384 tokens and 8-20% faster for
-      // QKV (K <= 10240), where the pingpong overlap of the epilogue matters more.
+      // tokens and at 70B; pingpong was 3-5% faster for gate/up at 1B/8B with 16384 tokens and
+      // for QKV (K <= 10240) 2-21% faster (most at 1B) except 70B / 16384 (level), where the
+      // pingpong overlap of the epilogue matters more.
       if (k >= 16384 && (m <= 8192 || n >= 8192))
         return {Config::kCoop256x128x64_1x2, {8, Raster::kAlongN}};
       return {Config::kPing128x128x64_1x2, deep};
@@ -65,7 +67,7 @@ KernelChoice program_config(Program p, int m, int n, int k) {
       // Swizzle 8 along M was the fastest B2 at every LLaMA shape of a sweep of swizzle 1/2/4/8 x
       // raster M/N (run 24: 1B 7% faster than swizzle 1; its epilogue streams z and dz, and a
       // swizzled order keeps the operand tiles in L2). Cooperative 256x128 was slower at every
-      // shape (run 27: 3-15%; its epilogue does not overlap the other warpgroup's MMA).
+      // shape (run 27: 3-10%; its epilogue does not overlap the other warpgroup's MMA).
       return {Config::kPing128x128x64_1x2, {8, Raster::kAlongM}};
     case Program::kResidualRmsnormPartial:
     case Program::kRmsnormRope:

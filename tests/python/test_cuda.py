@@ -121,15 +121,20 @@ def test_out_proj_residual_norm_matches_fp64_reference(s):
     check_op("out_proj_residual_norm", ours, ref, inp, ["y", "w_o", "residual"], 1)
 
 
-@OP_SHAPES
-def test_mlp_matches_fp64_reference(s):
-    gen = torch.Generator().manual_seed(3)
+def mlp_inputs(s, seed):
+    """x, gamma, w_gu, w_down and the caches h, r of one MLP op (mlp adds gamma_next)."""
+    gen = torch.Generator().manual_seed(seed)
     x = rand(s["M"], s["H"], gen=gen)
     gamma = rand(s["H"], scale=0.3, shift=1.0, gen=gen)
     h, r = caches(x, gamma)
-    inp = dict(x=x, gamma=gamma, w_gu=rand(2 * s["I"], s["H"], scale=s["H"] ** -0.5, gen=gen),
-               w_down=rand(s["H"], s["I"], scale=s["I"] ** -0.5, gen=gen), h=h, r=r,
-               gamma_next=rand(s["H"], scale=0.3, shift=1.0, gen=gen))
+    return dict(x=x, gamma=gamma, w_gu=rand(2 * s["I"], s["H"], scale=s["H"] ** -0.5, gen=gen),
+                w_down=rand(s["H"], s["I"], scale=s["I"] ** -0.5, gen=gen), h=h, r=r), gen
+
+
+@OP_SHAPES
+def test_mlp_matches_fp64_reference(s):
+    inp, gen = mlp_inputs(s, 3)
+    inp["gamma_next"] = rand(s["H"], scale=0.3, shift=1.0, gen=gen)
 
     def ours(**a):
         return CODA.mlp(**a, eps=EPS)
@@ -143,12 +148,7 @@ def test_mlp_matches_fp64_reference(s):
 
 @OP_SHAPES
 def test_mlp_partial_matches_fp64_reference(s):
-    gen = torch.Generator().manual_seed(4)
-    x = rand(s["M"], s["H"], gen=gen)
-    gamma = rand(s["H"], scale=0.3, shift=1.0, gen=gen)
-    h, r = caches(x, gamma)
-    inp = dict(x=x, gamma=gamma, w_gu=rand(2 * s["I"], s["H"], scale=s["H"] ** -0.5, gen=gen),
-               w_down=rand(s["H"], s["I"], scale=s["I"] ** -0.5, gen=gen), h=h, r=r)
+    inp, _ = mlp_inputs(s, 4)
     check_op("mlp_partial", lambda **a: CODA.mlp_partial(**a), ref_mlp_partial_fn, inp,
              ["x", "gamma", "w_gu", "w_down"], 1)
 
