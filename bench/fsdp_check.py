@@ -2,7 +2,9 @@
 """coda.nn under FSDP2 or tensor parallelism on several GPUs vs one GPU: the same model (same
 initialization), the same global batches, AdamW. FSDP2: per-layer fully_shard units, each rank a
 share of the batch. TP: coda.parallel.TensorParallelLlama (heads / intermediate split, sequence-
-parallel rows), every rank the whole batch. Reports both loss curves, their max relative
+parallel rows, vocabulary-parallel LM head unless --lm-head sequence), every rank the whole
+batch. Two sizes: --model small (H 1024, 4 layers, V 32000: mostly communication) and
+--model llama3-1B (the LLaMA-3.2 1B shape, tied embeddings). Reports both loss curves, their max relative
 difference, and tokens/s per GPU (median step time after warm-up).
 
     python3 bench/fsdp_check.py --mode single --out R            # one GPU, writes R-single.json
@@ -38,12 +40,24 @@ from coda.nn import CodaLlamaForCausalLM, LlamaConfig  # noqa: E402
 from train_compare import token_stream  # noqa: E402
 
 
+MODELS = {
+    "small": dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_layers=4,
+                  num_heads=16, num_kv_heads=4, rope_theta=500000.0),
+    "llama3-1B": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
+                      num_heads=32, num_kv_heads=8, rope_theta=500000.0,
+                      tie_word_embeddings=True),
+}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mode", choices=["single", "fsdp", "tp", "tp-unfused"], required=True)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
     ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--model", choices=sorted(MODELS), default="small")
+    ap.add_argument("--lm-head", choices=["vocab", "sequence"], default="vocab",
+                    help="TP only: vocabulary- or sequence-parallel LM head")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     fsdp, tp = args.mode == "fsdp", args.mode in ("tp", "tp-unfused")
@@ -53,8 +67,7 @@ def main():
     else:
         rank, world = 0, 1
     torch.cuda.set_device(rank)
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_layers=4,
-                      num_heads=16, num_kv_heads=4, rope_theta=500000.0)
+    cfg = LlamaConfig(**MODELS[args.model])
     torch.manual_seed(0)  # the same initialization on every rank and in the single run
     model = CodaLlamaForCausalLM(cfg, device="cuda", dtype=torch.bfloat16)
     if fsdp:
@@ -68,7 +81,7 @@ def main():
     if tp:
         from coda.parallel import TensorParallelLlama
 
-        model = TensorParallelLlama(model, fused=args.mode == "tp")
+        model = TensorParallelLlama(model, fused=args.mode == "tp", lm_head=args.lm_head)
     opt = torch.optim.AdamW(model.parameters(), lr=5e-4, betas=(0.9, 0.95), weight_decay=0.1)
     data = token_stream(cfg.vocab_size, args.batch, args.seq, args.steps).cuda()
     per = args.batch // world if fsdp else args.batch
@@ -97,10 +110,12 @@ def main():
     warm = max(1, args.steps // 5)
     step_ms = statistics.median(s.elapsed_time(e) for s, e in times[warm:])
     tokens_per_gpu = per * args.seq / (world if tp else 1)
-    res = {"mode": args.mode, "world": world, "device": torch.cuda.get_device_name(),
+    res = {"mode": args.mode, "model": args.model, "lm_head": args.lm_head if tp else None,
+           "batch": args.batch, "seq": args.seq, "world": world, "device": torch.cuda.get_device_name(),
            "torch": torch.__version__, "commit": os.environ.get("CODA_COMMIT", "unknown"),
            "command": " ".join(sys.argv), "loss": curve, "median_step_ms": step_ms,
-           "tokens_per_s_per_gpu": tokens_per_gpu / (step_ms / 1e3)}
+           "tokens_per_s_per_gpu": tokens_per_gpu / (step_ms / 1e3),
+           "peak_mib_per_gpu": torch.cuda.max_memory_allocated() / 2**20}
     if rank == 0:
         if (fsdp or tp) and os.path.exists(args.out + "-single.json"):
             with open(args.out + "-single.json") as f:
@@ -111,7 +126,8 @@ def main():
                 single["tokens_per_s_per_gpu"],
                 "per_gpu_throughput_ratio": res["tokens_per_s_per_gpu"] /
                 single["tokens_per_s_per_gpu"]}
-        with open(f"{args.out}-{args.mode}.json", "w") as f:
+        tag = args.mode + ("-seq" if tp and args.lm_head == "sequence" else "")
+        with open(f"{args.out}-{tag}.json", "w") as f:
             json.dump(res, f, indent=1)
         print(json.dumps({k: v for k, v in res.items() if k != "loss"}, indent=1), flush=True)
         print("[fsdp_check] loss first/last:", curve[0], curve[-1], flush=True)

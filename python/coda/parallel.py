@@ -7,7 +7,11 @@ MLP's intermediate dimension (column-parallel QKV and gate/up, row-parallel out-
 caches) are all-gathered; after a row-parallel GEMM the partial sums are reduce-scattered back to
 rows. The fused ops need nothing else: their RMSNorm backward is a sum over output columns, so
 each rank's dx and dγ are its shares of the sums (the reduce-scatter and one all-reduce finish
-them). The LM head here is sequence-parallel (each rank's rows, the whole vocabulary).
+them). The LM head is vocabulary-parallel by default (``lm_head="vocab"``): each rank holds a
+slice of the vocabulary, runs the LM-head op on all gathered rows against its slice, and the
+ranks' log-sum-exps and target logits are combined with two collectives of M floats; each rank's
+backward (B4 -> B1 with the global LSE) is its slice's share of dx and dγ. ``lm_head="sequence"``
+keeps the whole vocabulary on every rank and runs the op on the rank's own rows.
 ``fused=False`` runs the same sharding and collectives with plain PyTorch ops: the unfused
 tensor-parallel baseline.
 
@@ -81,6 +85,86 @@ class _ReduceScatterRows(torch.autograd.Function):
         return _all_gather_rows(g, ctx.group), None
 
 
+class _AllReduceSum(torch.autograd.Function):
+    """Forward: the sum over ranks (every rank gets it); backward: the same sum of the gradients
+    (the adjoint of an all-reduce)."""
+
+    @staticmethod
+    def forward(ctx, t, group):
+        ctx.group = group
+        t = t.clone()
+        dist.all_reduce(t, group=group)
+        return t
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+def vocab_range(vocab: int, rank: int, world: int) -> tuple[int, int]:
+    """The rows ``[v0, v1)`` of the vocabulary that ``rank`` of ``world`` owns. Slices start at
+    multiples of 8 (aligned rows for the kernels' bulk copies; the op needs an even slice), so
+    they can differ in size; the last takes the rest."""
+    def start(k: int) -> int:
+        return vocab if k == world else vocab * k // world // 8 * 8
+
+    return start(rank), start(rank + 1)
+
+
+def _vocab_targets(targets: Tensor, v0: int, v1: int, ignore_index: int) -> tuple[Tensor, Tensor]:
+    """Targets in the slice's own column indices. Forward: the owned targets, every other row
+    ``ignore_index`` (the op then picks no target logit there). Backward: counted rows whose
+    target another rank owns get a column past the slice (matches nothing: softmax, no one-hot)."""
+    counted = targets.ne(ignore_index)
+    owned = counted & (targets >= v0) & (targets < v1)
+    local = targets - v0
+    outside = v1 - v0 if ignore_index != v1 - v0 else v1 - v0 + 1
+    fwd = torch.where(owned, local, ignore_index)
+    bwd = torch.where(owned, local, torch.where(counted, outside, ignore_index))
+    return fwd, bwd
+
+
+class _VocabParallelLossSum(torch.autograd.Function):
+    """The summed cross-entropy of every (gathered) row, with the vocabulary split over the
+    group: this rank's fused LM-head op over its slice gives the slice's LSE and (for the targets
+    it owns) the target logit; an all-gather of the LSEs and an all-reduce of the target logits
+    (M floats each) give every rank the loss. Backward: the op's backward with the global LSE is
+    this slice's share of dx and dγ (linear in the slices) and the whole dW of the slice."""
+
+    @staticmethod
+    def forward(ctx, x, gamma, w, h, r, targets, v0, vocab, ignore_index, group):
+        v1 = v0 + w.shape[0]
+        t_fwd, t_bwd = _vocab_targets(targets, v0, v1, ignore_index)
+        tok, lse_local = torch.ops.coda.lm_head_loss(
+            x, gamma, w, h, r, t_fwd, ignore_index, "none", 0.0
+        )
+        # token loss of an owned row is lse_local - target logit; 0 elsewhere
+        picked = torch.where(t_fwd.ne(ignore_index), lse_local - tok, torch.zeros_like(tok))
+        lses = [torch.empty_like(lse_local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(lses, lse_local.contiguous(), group=group)
+        dist.all_reduce(picked, group=group)
+        lse = torch.logsumexp(torch.stack(lses), dim=0)
+        counted = targets.ne(ignore_index)
+        valid = (targets >= 0) & (targets < vocab)
+        loss = torch.where(counted, lse - picked, torch.zeros_like(lse))
+        loss = torch.where(counted & ~valid, torch.full_like(loss, float("nan")), loss)
+        ctx.save_for_backward(x, gamma, w, h, r, t_bwd, lse)
+        ctx.ignore_index, ctx.group = ignore_index, group
+        return loss.sum()
+
+    @staticmethod
+    def backward(ctx, g):
+        x, gamma, w, h, r, t_bwd, lse = ctx.saved_tensors
+        s = g.detach().to(lse.dtype).clone()
+        dist.all_reduce(s, group=ctx.group)  # the adjoint of the forward's collectives
+        dx, dgamma, dw = torch.ops.coda.lm_head_loss_backward(
+            s, x, gamma, w, h, r, t_bwd, lse, ctx.ignore_index, "sum", 0.0, 1 << 30
+        )
+        return dx, dgamma, dw, None, None, None, None, None, None, None
+
+
 def _share(p: Tensor, dim: int, lo: int, hi: int) -> nn.Parameter:
     return nn.Parameter(p.detach().narrow(dim, lo, hi - lo).clone())
 
@@ -110,10 +194,18 @@ class TensorParallelLlama(nn.Module):
     ``backward``; :meth:`all_reduce_replicated_grads` sums them.
     """
 
-    def __init__(self, model: CodaLlamaForCausalLM, group=None, fused: bool = True) -> None:
+    def __init__(
+        self,
+        model: CodaLlamaForCausalLM,
+        group=None,
+        fused: bool = True,
+        lm_head: str = "vocab",
+    ) -> None:
         super().__init__()
         c = model.config
-        self.config, self.group, self.fused = c, group, fused
+        if lm_head not in ("vocab", "sequence"):
+            raise ValueError(f"coda.parallel: lm_head must be 'vocab' or 'sequence', got {lm_head!r}")
+        self.config, self.group, self.fused, self.lm_head = c, group, fused, lm_head
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         if c.num_kv_heads % world or c.num_heads % world or c.intermediate_size % world:
             raise ValueError(
@@ -142,9 +234,11 @@ class TensorParallelLlama(nn.Module):
             nn.Parameter(g.detach().clone()) for g in model.gamma_attn
         )
         self.gamma_final = nn.Parameter(model.gamma_final.detach().clone())
-        self.w_vocab = (
-            self.embed if c.tie_word_embeddings else nn.Parameter(model.w_vocab.detach().clone())
+        self.vocab_lo, self.vocab_hi = (
+            vocab_range(c.vocab_size, rank, world) if lm_head == "vocab" else (0, c.vocab_size)
         )
+        if not c.tie_word_embeddings:  # tied: the LM head uses rows of the (replicated) embedding
+            self.w_vocab = _share(model.w_vocab, 0, self.vocab_lo, self.vocab_hi)
         inv_freq = ops.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
         self.register_buffer("inv_freq", inv_freq.to(self.embed.device), persistent=False)
         self.register_buffer(
@@ -156,7 +250,13 @@ class TensorParallelLlama(nn.Module):
     def replicated_parameters(self) -> list[nn.Parameter]:
         ps = [self.embed, self.gamma_final, *self.gamma_attn]
         ps += [layer.gamma_ffn for layer in self.layers]
-        return ps if self.config.tie_word_embeddings else ps + [self.w_vocab]
+        sharded = self.lm_head == "vocab" or self.config.tie_word_embeddings
+        return ps if sharded else ps + [self.w_vocab]
+
+    def _vocab_weight(self) -> Tensor:
+        if self.config.tie_word_embeddings:
+            return self.embed[self.vocab_lo : self.vocab_hi]
+        return self.w_vocab
 
     def all_reduce_replicated_grads(self) -> None:
         for p in self.replicated_parameters():
@@ -186,7 +286,11 @@ class TensorParallelLlama(nn.Module):
             x = x + _ReduceScatterRows.apply(self._mlp(_GatherRows.apply(x, g), layer), g)
         targets = F.pad(labels[:, 1:].to(torch.int64), (0, 1), value=ignore_index).reshape(M)
         count = targets.ne(ignore_index).sum()  # over the whole batch: every rank has the labels
-        return self._loss_sum(x, targets[lo:hi], ignore_index) / count
+        if self.lm_head == "sequence":
+            return self._loss_sum(x, targets[lo:hi], ignore_index) / count
+        # every rank computes the whole loss from its vocabulary slice: its share is 1/world
+        world = dist.get_world_size(g)
+        return self._vocab_loss_sum(_GatherRows.apply(x, g), targets, ignore_index) / (world * count)
 
     # The three pieces, fused (coda ops) or unfused (plain PyTorch: the baseline). The fused ones
     # take the norm caches of the rows they get; gathering x and recomputing them is cheaper
@@ -214,12 +318,35 @@ class TensorParallelLlama(nn.Module):
         if self.fused:
             h, r = ops.rmsnorm_stats(x.detach(), self.gamma_final, eps)
             loss, _ = ops.lm_head_loss(
-                x, self.gamma_final, self.w_vocab, h, r, targets, ignore_index, "sum", 0.0
+                x, self.gamma_final, self._vocab_weight(), h, r, targets, ignore_index, "sum", 0.0
             )
             return loss
-        logits = F.linear(F.rms_norm(x, (x.shape[1],), self.gamma_final, eps), self.w_vocab)
+        logits = F.linear(
+            F.rms_norm(x, (x.shape[1],), self.gamma_final, eps), self._vocab_weight()
+        )
         logits = logits.float() if logits.dtype == torch.bfloat16 else logits
         return F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
+
+    def _vocab_loss_sum(self, x: Tensor, targets: Tensor, ignore_index: int) -> Tensor:
+        eps, w, g = self.config.rms_norm_eps, self._vocab_weight(), self.group
+        v0, vocab = self.vocab_lo, self.config.vocab_size
+        if self.fused:
+            h, r = ops.rmsnorm_stats(x.detach(), self.gamma_final, eps)
+            return _VocabParallelLossSum.apply(
+                x, self.gamma_final, w, h, r, targets, v0, vocab, ignore_index, g
+            )
+        logits = F.linear(F.rms_norm(x, (x.shape[1],), self.gamma_final, eps), w)
+        logits = logits.float() if logits.dtype == torch.bfloat16 else logits
+        t_fwd, _ = _vocab_targets(targets, v0, self.vocab_hi, ignore_index)
+        owned = t_fwd.ne(ignore_index)
+        top = logits.detach().amax(dim=1)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=g)
+        sumexp = _AllReduceSum.apply((logits - top[:, None]).exp().sum(dim=1), g)
+        picked = logits.gather(1, torch.where(owned, t_fwd, 0)[:, None]).squeeze(1)
+        picked = _AllReduceSum.apply(torch.where(owned, picked, torch.zeros_like(picked)), g)
+        counted = targets.ne(ignore_index)
+        loss = sumexp.log() + top - picked
+        return torch.where(counted, loss, torch.zeros_like(loss)).sum()
 
     def _rope(self, pos: Tensor, dtype: torch.dtype):
         """Unfused RoPE on (M, heads·d) columns whose pairs are adjacent (the coda layout)."""

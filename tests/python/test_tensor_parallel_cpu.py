@@ -105,15 +105,29 @@ def test_column_parallel_norm_qkv_with_sequence_parallel_inputs_matches_unsharde
 # ---- the whole model: coda.parallel.TensorParallelLlama vs CodaLlamaForCausalLM ----------------
 
 
-def model_worker(rank: int, world: int, tie: bool, fused: bool, out: dict) -> None:
-    from coda.parallel import TensorParallelLlama, qkv_rows
+def model_worker(
+    rank: int, world: int, tie: bool, fused: bool, lm_head: str, vocab: int, out: dict
+) -> None:
+    from coda.nn import CodaLlamaForCausalLM, LlamaConfig
+    from coda.parallel import TensorParallelLlama, qkv_rows, vocab_range
 
-    model = build(tie)
+    if vocab == CFG["vocab_size"]:
+        model = build(tie)
+    else:  # a vocabulary that does not split evenly over the ranks
+        torch.manual_seed(0)
+        cfg = LlamaConfig(**{**CFG, "vocab_size": vocab}, tie_word_embeddings=tie)
+        model = CodaLlamaForCausalLM(cfg, dtype=torch.float64)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "gamma" in n:
+                    p.add_(0.2 * torch.randn_like(p))
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, CFG["vocab_size"], (2, 8), generator=g)
+    ids = torch.randint(0, vocab, (2, 8), generator=g)
+    ids[0, 5], ids[1, 2] = 0, vocab - 1  # targets at both ends: owned by the first and last rank
     labels = ids.clone()
     labels[0, 3] = -100
-    tp = TensorParallelLlama(model, fused=fused)  # shards copied before the reference backward
+    # shards copied before the reference backward
+    tp = TensorParallelLlama(model, fused=fused, lm_head=lm_head)
     ref_loss = model(ids, labels)
     ref_loss.backward()
     loss = tp(ids, labels)
@@ -134,7 +148,8 @@ def model_worker(rank: int, world: int, tie: bool, fused: bool, out: dict) -> No
         "gamma_final": (tp.gamma_final.grad, model.gamma_final.grad),
     }
     if not tie:
-        pairs["w_vocab"] = (tp.w_vocab.grad, model.w_vocab.grad)
+        v0, v1 = vocab_range(vocab, rank, world) if lm_head == "vocab" else (0, vocab)
+        pairs["w_vocab"] = (tp.w_vocab.grad, model.w_vocab.grad[v0:v1])
     for n, (sl, full) in enumerate(zip(tp.layers, model.layers)):
         pairs[f"gamma_attn.{n}"] = (tp.gamma_attn[n].grad, model.gamma_attn[n].grad)
         pairs[f"{n}.gamma_ffn"] = (sl.gamma_ffn.grad, full.gamma_ffn.grad)
@@ -147,13 +162,19 @@ def model_worker(rank: int, world: int, tie: bool, fused: bool, out: dict) -> No
     out[rank] = errs
 
 
+@pytest.mark.parametrize(
+    "lm_head,vocab",
+    [("vocab", 44), ("sequence", CFG["vocab_size"])],
+    ids=["vocab-parallel-uneven", "sequence-parallel"],
+)
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused-baseline"])
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
-def test_tensor_parallel_model_matches_unsharded_fp64(tie, fused):
+def test_tensor_parallel_model_matches_unsharded_fp64(tie, fused, lm_head, vocab):
     """Two ranks of TensorParallelLlama give the unsharded model's loss and every gradient (each
     rank's shard of the sharded weights, the summed replicated ones) in fp64; with fused=False
-    (plain PyTorch ops: the unfused TP baseline) as well."""
-    got = run_gloo(model_worker, WORLD, tie, fused)
+    (plain PyTorch ops: the unfused TP baseline) as well. The vocabulary-parallel LM head is
+    checked with a vocabulary that splits unevenly (16 + 28 rows) and targets on both ranks."""
+    got = run_gloo(model_worker, WORLD, tie, fused, lm_head, vocab)
     assert sorted(got) == list(range(WORLD))
     for rank, errs in got.items():
         assert len(errs) == 6 * CFG["num_layers"] + 3 + (0 if tie else 1)
