@@ -87,7 +87,8 @@ def main():
     per = args.batch // world if fsdp else args.batch
     losses, times = [], []
     for step in range(args.steps):
-        ids = data[step, rank * per:(rank + 1) * per]
+        first = rank * per if fsdp else 0  # TP: every rank takes the whole batch
+        ids = data[step, first:first + per]
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
         loss = model(ids, ids)
