@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """LM head + cross-entropy, forward + backward, on the GPU: time and peak extra memory of
 
-  coda_chunked      torch.ops.coda.lm_head_loss, logits never stored (F4 + A2), backward in
-                    vocabulary slices whose scratch is bounded by --chunk-bytes (B4 + B1 + dW
-                    per slice)
-  coda_one_chunk    the same with one slice (dℓ for all tokens and the whole vocabulary at once)
+  coda_chunked      torch.ops.coda.lm_head_loss (mean): the three-GEMM path, in chunks of tokens
+                    whose bf16 logits (and B1's h_out) fit --chunk-bytes: F4 storing the chunk's
+                    logits + A2, dℓ formed in place, B1, dW += dℓᵀ·h; all in the forward (the
+                    loss is the last op), the backward scales by d loss
+  coda_one_chunk    the same with one chunk (the logits of every token at once)
   eager             RMSNorm, bf16 logits = h·Wᵀ, F.cross_entropy on fp32 logits (as HF does)
   compile           torch.compile of the eager function
   liger             RMSNorm (PyTorch) + Liger's fused linear cross-entropy (if importable)

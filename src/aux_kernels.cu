@@ -148,7 +148,50 @@ __global__ void fold_lse_loss_kernel(const float* max_partials, const float* sum
   }
 }
 
+// One block per row (the rows are long: a vocabulary); pairs of columns as one 32-bit access.
+__global__ void cross_entropy_grad_from_logits_kernel(bf16* logits, int64_t ld, int64_t vocab,
+                                                      const float* lse, const float* scale,
+                                                      const int64_t* targets, float z_loss,
+                                                      float inv_hidden, float* zdz) {
+  const int64_t row = blockIdx.x;
+  const float l = lse[row], sc = scale[row];
+  const float p_scale = (1.f + 2.f * z_loss * l) * sc;
+  const int64_t target = targets[row];
+  __nv_bfloat162* v2 = reinterpret_cast<__nv_bfloat162*>(logits + row * ld);
+  float s = 0.f;
+  for (int64_t j = threadIdx.x; j < vocab / 2; j += blockDim.x) {
+    const float2 v = __bfloat1622float2(v2[j]);
+    const float d0 = __expf(v.x - l) * p_scale - (2 * j == target ? sc : 0.f);
+    const float d1 = __expf(v.y - l) * p_scale - (2 * j + 1 == target ? sc : 0.f);
+    s += v.x * d0 + v.y * d1;
+    v2[j] = __floats2bfloat162_rn(d0, d1);
+  }
+  for (int o = 16; o > 0; o /= 2) s += __shfl_xor_sync(0xffffffff, s, o);
+  __shared__ float warp_sums[32];
+  if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = s;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float t = 0.f;
+    for (unsigned w = 0; w < blockDim.x / 32; ++w) t += warp_sums[w];
+    zdz[row] = t * inv_hidden;
+  }
+}
+
 }  // namespace
+
+void cross_entropy_grad_from_logits(bf16* logits, int64_t ld, int64_t m, int64_t vocab,
+                                    const float* lse, const float* scale, const int64_t* targets,
+                                    float z_loss, int64_t hidden, float* zdz, cudaStream_t stream) {
+  CODA_CHECK(logits && lse && scale && targets && zdz,
+             "cross_entropy_grad_from_logits: null pointer");
+  CODA_CHECK(m > 0 && m < (int64_t(1) << 31) && vocab > 0 && vocab % 2 == 0 && ld >= vocab &&
+                 ld % 2 == 0 && hidden > 0,
+             "cross_entropy_grad_from_logits: bad sizes (m ", m, ", vocab ", vocab, ", ld ", ld,
+             ", hidden ", hidden, ")");
+  cross_entropy_grad_from_logits_kernel<<<unsigned(m), 256, 0, stream>>>(
+      logits, ld, vocab, lse, scale, targets, z_loss, 1.0f / float(hidden), zdz);
+  CODA_CUDA_CHECK(cudaGetLastError());
+}
 
 void fold_row_sums(const float* partials, int64_t m, int64_t rows_padded, int64_t tiles,
                    float scale, float* out, cudaStream_t stream) {

@@ -296,6 +296,51 @@ void gemm_rmsnorm_lse(const bf16* h, const bf16* w_vocab, const float* r, const 
          stream);
 }
 
+epilogue::PartialLayout lm_head_logits_partials_layout(int m, int vocab, int hidden) {
+  check_gemm_sizes("coda::ops::lm_head_logits_partials_layout", m, vocab, hidden);
+  return partial_layout(Program::kRmsnormLseLogits, m, vocab, hidden);
+}
+
+void gemm_rmsnorm_lse_logits(const bf16* h, const bf16* w_vocab, const float* r,
+                             const int64_t* targets, float* max_partials, float* sum_partials,
+                             float* target_logit, bf16* logits, int ld_logits, int m, int vocab,
+                             int hidden, cudaStream_t stream) {
+  const char* op = "coda::ops::gemm_rmsnorm_lse_logits";
+  check_gemm_sizes(op, m, vocab, hidden);
+  check_device_pointers(op, {{"h", h},
+                             {"w_vocab", w_vocab},
+                             {"r", r},
+                             {"targets", targets},
+                             {"max_partials", max_partials},
+                             {"sum_partials", sum_partials},
+                             {"target_logit", target_logit},
+                             {"logits", logits}});
+  CODA_CHECK(ld_logits >= vocab, op, ": ld_logits (", ld_logits, ") must be >= vocab (", vocab,
+             ")");
+  kernel::RmsnormLseArgs args{r, targets, max_partials, sum_partials, target_logit};
+  launch(op, Program::kRmsnormLseLogits, m, vocab, hidden,
+         {m, vocab, hidden, h, hidden, w_vocab, hidden, nullptr, 0, logits, ld_logits}, &args,
+         stream);
+}
+
+void cross_entropy_backward_from_logits(bf16* logits, int ld_logits, const float* lse,
+                                        const float* scale, const int64_t* targets, float z_loss,
+                                        float* zdz, int m, int vocab, int hidden,
+                                        cudaStream_t stream) {
+  const char* op = "coda::ops::cross_entropy_backward_from_logits";
+  check_gemm_sizes(op, m, vocab, hidden);
+  check_device_pointers(op, {{"logits", logits},
+                             {"lse", lse},
+                             {"scale", scale},
+                             {"targets", targets},
+                             {"zdz", zdz}});
+  CODA_CHECK(vocab % 2 == 0 && ld_logits >= vocab && ld_logits % 2 == 0, op,
+             ": vocab and ld_logits must be even with ld_logits >= vocab, got vocab ", vocab,
+             ", ld_logits ", ld_logits);
+  kernel::cross_entropy_grad_from_logits(logits, ld_logits, m, vocab, lse, scale, targets, z_loss,
+                                         hidden, zdz, stream);
+}
+
 void lse_loss_fold(const float* max_partials, const float* sum_partials,
                    const epilogue::PartialLayout& layout, const float* target_logit,
                    const int64_t* targets, int vocab, int64_t ignore_index, float z_loss,

@@ -145,11 +145,30 @@ class LmHeadLoss : public torch::autograd::Function<LmHeadLoss> {
                                int64_t max_chunk_bytes) {
     ctx->set_materialize_grads(false);  // unused outputs' gradients stay undefined, no zero-fill
     at::AutoDispatchBelowADInplaceOrView guard;
-    static auto f = op<std::tuple<Tensor, Tensor>(
-        const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-        int64_t, c10::string_view, double, int64_t)>("coda::lm_head_loss");
-    auto [loss, lse] =
-        f.call(x, gamma, w_vocab, h, r, targets, ignore_index, reduction, z_loss, max_chunk_bytes);
+    // The loss is the model's last op: when a gradient will be needed (mean or sum), form it now
+    // for d loss = 1 on the three-GEMM path (lm_head_loss_grad: no logits recomputed) and only
+    // scale it in backward.
+    const bool grad_now = reduction != "none" &&
+                          (x.requires_grad() || gamma.requires_grad() || w_vocab.requires_grad());
+    Tensor loss, lse;
+    if (grad_now) {
+      static auto fg = op<std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>(
+          const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+          int64_t, c10::string_view, double, int64_t)>("coda::lm_head_loss_grad");
+      auto [l, e, dx, dgamma, dw] = fg.call(x, gamma, w_vocab, h, r, targets, ignore_index,
+                                            reduction, z_loss, max_chunk_bytes);
+      loss = l;
+      lse = e;
+      ctx->saved_data["dx"] = dx;
+      ctx->saved_data["dgamma"] = dgamma;
+      ctx->saved_data["dw"] = dw;
+    } else {
+      static auto f = op<std::tuple<Tensor, Tensor>(
+          const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+          int64_t, c10::string_view, double, int64_t)>("coda::lm_head_loss");
+      std::tie(loss, lse) =
+          f.call(x, gamma, w_vocab, h, r, targets, ignore_index, reduction, z_loss, max_chunk_bytes);
+    }
     ctx->mark_non_differentiable({lse});
     ctx->save_for_backward({x, gamma, w_vocab, h, r, targets, lse});
     ctx->saved_data["ignore_index"] = ignore_index;
@@ -159,8 +178,18 @@ class LmHeadLoss : public torch::autograd::Function<LmHeadLoss> {
     return {loss, lse};
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
-    const auto s = ctx->get_saved_variables();
     if (!g[0].defined()) return variable_list(10);
+    if (ctx->saved_data.count("dw")) {
+      // Formed in forward for d loss = 1: scaled in place by the incoming (scalar) gradient and
+      // handed over once; a second backward through the graph (retain_graph) recomputes below.
+      variable_list out(10);
+      out[0] = ctx->saved_data["dx"].toTensor().mul_(g[0]);
+      out[1] = ctx->saved_data["dgamma"].toTensor().mul_(g[0]);
+      out[2] = ctx->saved_data["dw"].toTensor().mul_(g[0]);
+      for (const char* k : {"dx", "dgamma", "dw"}) ctx->saved_data.erase(k);
+      return out;
+    }
+    const auto s = ctx->get_saved_variables();
     static auto b = op<std::tuple<Tensor, Tensor, Tensor>(
         const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
         const Tensor&, const Tensor&, int64_t, c10::string_view, double, int64_t)>(
@@ -193,7 +222,7 @@ TORCH_LIBRARY_IMPL(coda, Autograd, m) {
   // The backward ops are not differentiable themselves: double backward raises instead of
   // returning no gradient.
   for (const char* name : {"norm_qkv_backward", "linear_backward", "mlp_backward",
-                           "lm_head_loss_backward"})
+                           "lm_head_loss_backward", "lm_head_loss_grad"})
     m.impl(name, torch::autograd::autogradNotImplementedFallback());
   m.impl("rmsnorm_stats", &rmsnorm_stats_autograd);
   m.impl("norm_qkv", [](const Tensor& x, const Tensor& gamma, const Tensor& w_qkv,

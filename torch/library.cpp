@@ -119,6 +119,15 @@ std::tuple<at::Tensor, at::Tensor> lm_head_loss_meta(const at::Tensor& x, const 
                         : at::empty({}, x.options().dtype(stat_dtype(x)));
   return {loss, stat_vector(x)};
 }
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lm_head_loss_grad_meta(
+    const at::Tensor& x, const at::Tensor& gamma, const at::Tensor& w_vocab, const at::Tensor&,
+    const at::Tensor&, const at::Tensor&, int64_t, c10::string_view reduction, double, int64_t) {
+  expect_2d("coda::lm_head_loss_grad", "x", x);
+  TORCH_CHECK(parse_reduction("coda::lm_head_loss_grad", reduction) != LossReduction::kNone,
+              "coda::lm_head_loss_grad: reduction must be 'mean' or 'sum', got 'none'");
+  return {at::empty({}, x.options().dtype(stat_dtype(x))), stat_vector(x), at::empty_like(x),
+          at::empty_like(gamma), at::empty_like(w_vocab)};
+}
 std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_qkv_backward_meta(
     const at::Tensor&, const at::Tensor&, const at::Tensor& x, const at::Tensor& gamma,
     const at::Tensor& w_qkv, const at::Tensor&, const at::Tensor&, const at::Tensor&) {
@@ -166,6 +175,13 @@ TORCH_LIBRARY(coda, m) {
       "lm_head_loss(Tensor x, Tensor gamma, Tensor w_vocab, Tensor h, Tensor r, Tensor targets, "
       "int ignore_index=-100, str reduction='mean', float z_loss=0.0, "
       "int max_chunk_bytes=1073741824) -> (Tensor loss, Tensor lse)");
+  // The loss and, computed with it, its gradients for d loss = 1 (mean or sum only): the LM
+  // head's three-GEMM path; lm_head_loss's autograd uses it when a gradient is needed.
+  m.def(
+      "lm_head_loss_grad(Tensor x, Tensor gamma, Tensor w_vocab, Tensor h, Tensor r, "
+      "Tensor targets, int ignore_index=-100, str reduction='mean', float z_loss=0.0, "
+      "int max_chunk_bytes=1073741824) -> (Tensor loss, Tensor lse, Tensor dx, Tensor dgamma, "
+      "Tensor dw_vocab)");
   m.def(
       "norm_qkv_backward(Tensor dqkv, Tensor qkv, Tensor x, Tensor gamma, Tensor w_qkv, "
       "Tensor r, Tensor pos, Tensor rope_table) -> (Tensor dx, Tensor dgamma, Tensor dw_qkv)");
@@ -193,6 +209,7 @@ TORCH_LIBRARY_IMPL(coda, Meta, m) {
   m.impl("mlp", &mlp_meta);
   m.impl("mlp_partial", &mlp_partial_meta);
   m.impl("lm_head_loss", &lm_head_loss_meta);
+  m.impl("lm_head_loss_grad", &lm_head_loss_grad_meta);
   m.impl("norm_qkv_backward", &norm_qkv_backward_meta);
   m.impl("linear_backward", &linear_backward_meta);
   m.impl("mlp_backward", &mlp_backward_meta);

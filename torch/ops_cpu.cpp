@@ -253,6 +253,27 @@ std::tuple<at::Tensor, at::Tensor> lm_head_loss(const at::Tensor& x, const at::T
 
 // ---- backward ops -------------------------------------------------------------------------------
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> lm_head_loss_backward(
+    const at::Tensor& dloss, const at::Tensor& x, const at::Tensor& gamma,
+    const at::Tensor& w_vocab, const at::Tensor& h, const at::Tensor& r, const at::Tensor& targets,
+    const at::Tensor& lse, int64_t ignore_index, c10::string_view reduction, double z_loss,
+    int64_t max_chunk_bytes);
+
+// The reference of the fused path: the loss, then its backward for d loss = 1.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lm_head_loss_grad(
+    const at::Tensor& x, const at::Tensor& gamma, const at::Tensor& w_vocab, const at::Tensor& h,
+    const at::Tensor& r, const at::Tensor& targets, int64_t ignore_index,
+    c10::string_view reduction, double z_loss, int64_t max_chunk_bytes) {
+  const auto c = OpContext::from(op_names::lm_head_loss_grad, "x", x);
+  validate_lm_head_loss_grad(c, x, gamma, w_vocab, h, r, targets, reduction, max_chunk_bytes);
+  auto [loss, lse] = lm_head_loss(x, gamma, w_vocab, h, r, targets, ignore_index, reduction,
+                                  z_loss, max_chunk_bytes);
+  auto [dx, dgamma, dw] = lm_head_loss_backward(at::ones_like(loss), x, gamma, w_vocab, h, r,
+                                                targets, lse, ignore_index, reduction, z_loss,
+                                                max_chunk_bytes);
+  return {loss, lse, dx, dgamma, dw};
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_qkv_backward(
     const at::Tensor& dqkv, const at::Tensor& qkv, const at::Tensor& x, const at::Tensor& gamma,
     const at::Tensor& w_qkv, const at::Tensor& r, const at::Tensor& pos,

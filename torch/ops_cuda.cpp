@@ -178,6 +178,89 @@ std::tuple<Tensor, Tensor> lm_head_loss(const Tensor& x, const Tensor& gamma,
   return {total / targets.ne(ignore_index).sum().to(at::kFloat), lse};
 }
 
+std::tuple<Tensor, Tensor, Tensor> lm_head_loss_backward(
+    const Tensor& dloss, const Tensor& x, const Tensor& gamma, const Tensor& w_vocab,
+    const Tensor& h, const Tensor& r, const Tensor& targets, const Tensor& lse,
+    int64_t ignore_index, c10::string_view reduction, double z_loss, int64_t max_chunk_bytes);
+
+// The LM head's three-GEMM path: the loss and its gradients for d loss = 1, with no logits
+// recomputed. Per chunk of tokens (the chunk's bf16 logits are the scratch max_chunk_bytes
+// bounds):
+//   F4  the chunk's logits stored, with the (max, Σexp) partials and target logits;
+//   A2  lse and the token losses;
+//   B4  dℓ formed in place from the stored logits (one pass), ZdZ per token;
+//   B1  dx of the chunk's rows (the final norm's backward) and the chunk's dγ;
+//   dW += dℓᵀ · h_out (the first chunk on our mainloop, then cuBLAS with β = 1: bf16 dW, fp32
+//        accumulation within a chunk, one rounding per chunk; no fp32 V × H accumulator).
+// Vocabularies that are not a multiple of 8 (bulk copies need 16-byte rows) take the recompute
+// path: lm_head_loss, then lm_head_loss_backward.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> lm_head_loss_grad(
+    const Tensor& x, const Tensor& gamma, const Tensor& w_vocab, const Tensor& h, const Tensor& r,
+    const Tensor& targets, int64_t ignore_index, c10::string_view reduction, double z_loss,
+    int64_t max_chunk_bytes) {
+  const auto c = OpContext::from(op_names::lm_head_loss_grad, "x", x);
+  const auto sz =
+      validate_lm_head_loss_grad(c, x, gamma, w_vocab, h, r, targets, reduction, max_chunk_bytes);
+  const int64_t m = sz.m, vocab = sz.vocab, hidden = sz.hidden;
+  as_int(c.op, "M", m);
+  const c10::cuda::CUDAGuard guard(x.device());
+  if (vocab % 8 != 0) {
+    auto [loss, lse] = lm_head_loss(x, gamma, w_vocab, h, r, targets, ignore_index, reduction,
+                                    z_loss, max_chunk_bytes);
+    auto [dx, dgamma, dw] = lm_head_loss_backward(at::ones_like(loss), x, gamma, w_vocab, h, r,
+                                                  targets, lse, ignore_index, reduction, z_loss,
+                                                  max_chunk_bytes);
+    return {loss, lse, dx, dgamma, dw};
+  }
+  const auto s = stream_of(x);
+  const auto st = stat_options(c);
+  const int64_t* t = targets.data_ptr<int64_t>();
+  // d loss / d token loss for d loss = 1, on the device: 1 (sum) or 1 / counted (mean), 0 where
+  // ignored (all ignored: every scale is 0, no 0 / 0).
+  const Tensor counted = targets.ne(ignore_index);
+  Tensor one = at::ones({}, st);
+  if (sz.reduction == LossReduction::kMean) one = one / counted.sum().to(at::kFloat);
+  const Tensor scale = at::where(counted, one, at::zeros({}, st)).contiguous();
+  // Rows per chunk: the chunk's logits and B1's h_out within max_chunk_bytes, a multiple of the
+  // 128-row tile when that fits, at least one row.
+  int64_t chunk = max_chunk_bytes / ((vocab + hidden) * 2);
+  chunk = std::clamp<int64_t>(chunk >= 128 ? chunk / 128 * 128 : chunk, 1, m);
+  Tensor logits = at::empty({chunk, vocab}, x.options());
+  Tensor lse = at::empty({m}, st), token_loss = at::empty({m}, st);
+  Tensor target_logit = at::zeros({m}, st), zdz = at::empty({chunk}, st);
+  Tensor dx = at::zeros_like(x), dgamma32 = at::zeros({hidden}, st);
+  Tensor dgamma_c = at::empty({hidden}, st);
+  Tensor dw = at::empty_like(w_vocab, at::MemoryFormat::Contiguous);
+  for (int64_t m0 = 0; m0 < m; m0 += chunk) {
+    const int mc = int(std::min(chunk, m - m0));
+    const auto layout = ops::lm_head_logits_partials_layout(mc, int(vocab), int(hidden));
+    Tensor pmax = partial_buffer(layout, x), psum = partial_buffer(layout, x);
+    ops::gemm_rmsnorm_lse_logits(bf(h) + m0 * hidden, bf(w_vocab), f32(r) + m0, t + m0,
+                                 f32_out(pmax), f32_out(psum), f32_out(target_logit) + m0,
+                                 bf_out(logits), int(vocab), mc, int(vocab), int(hidden), s);
+    ops::lse_loss_fold(f32(pmax), f32(psum), layout, f32(target_logit) + m0, t + m0, int(vocab),
+                       ignore_index, float(z_loss), f32_out(lse) + m0, f32_out(token_loss) + m0,
+                       s);
+    ops::cross_entropy_backward_from_logits(bf_out(logits), int(vocab), f32(lse) + m0,
+                                            f32(scale) + m0, t + m0, float(z_loss),
+                                            f32_out(zdz), mc, int(vocab), int(hidden), s);
+    const Tensor dl = logits.narrow(0, 0, mc);
+    Tensor dx_c = dx.narrow(0, m0, mc);  // zeros: B1's dres and its output
+    const Tensor h_out = rmsnorm_backward(dl, w_vocab, x.narrow(0, m0, mc), r.narrow(0, m0, mc),
+                                          gamma, zdz.narrow(0, 0, mc), dx_c, dx_c,
+                                          m0 == 0 ? dgamma32 : dgamma_c);
+    if (m0 == 0) {
+      ops::gemm_xty(bf(dl), bf(h_out), bf_out(dw), int(vocab), int(hidden), mc, s);
+    } else {
+      dgamma32.add_(dgamma_c);
+      dw.addmm_(dl.t(), h_out);
+    }
+  }
+  Tensor loss = token_loss.sum();
+  if (sz.reduction == LossReduction::kMean) loss = loss / counted.sum().to(at::kFloat);
+  return {loss, lse, dx, dgamma32.to(gamma.scalar_type()), dw};
+}
+
 // ---- backward ops ------------------------------------------------------------------------------
 
 std::tuple<Tensor, Tensor, Tensor> norm_qkv_backward(const Tensor& dqkv, const Tensor& qkv,

@@ -188,6 +188,20 @@ inline LmHeadSizes validate_lm_head_loss(const OpContext& c, const at::Tensor& x
   return {s.m, s.hidden, s.n, red};
 }
 
+inline LmHeadSizes validate_lm_head_loss_grad(const OpContext& c, const at::Tensor& x,
+                                              const at::Tensor& gamma, const at::Tensor& w_vocab,
+                                              const at::Tensor& h, const at::Tensor& r,
+                                              const at::Tensor& targets,
+                                              c10::string_view reduction,
+                                              int64_t max_chunk_bytes) {
+  const auto s =
+      validate_lm_head_loss(c, x, gamma, w_vocab, h, r, targets, reduction, max_chunk_bytes);
+  TORCH_CHECK(s.reduction != LossReduction::kNone, c.op,
+              ": reduction must be 'mean' or 'sum' (with 'none' the gradient depends on the "
+              "incoming per-token gradient: use lm_head_loss and its backward), got 'none'");
+  return s;
+}
+
 inline LmHeadSizes validate_lm_head_loss_backward(
     const OpContext& c, const at::Tensor& dloss, const at::Tensor& x, const at::Tensor& gamma,
     const at::Tensor& w_vocab, const at::Tensor& h, const at::Tensor& r, const at::Tensor& targets,

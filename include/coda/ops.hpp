@@ -97,6 +97,21 @@ void gemm_rmsnorm_lse(const bf16* h, const bf16* w_vocab, const float* r, const 
                       float* max_partials, float* sum_partials, float* target_logit, int m,
                       int vocab, int hidden, cudaStream_t stream);
 
+// F4 that also stores the logits, bf16 (M, V) at row stride ld_logits (the LM head's three-GEMM
+// path: dℓ is then formed in place from them instead of recomputing the GEMM). Its partials use
+// their own layout (another tile than gemm_rmsnorm_lse's).
+epilogue::PartialLayout lm_head_logits_partials_layout(int m, int vocab, int hidden);
+void gemm_rmsnorm_lse_logits(const bf16* h, const bf16* w_vocab, const float* r,
+                             const int64_t* targets, float* max_partials, float* sum_partials,
+                             float* target_logit, bf16* logits, int ld_logits, int m, int vocab,
+                             int hidden, cudaStream_t stream);
+// B4 from those logits, in place: dℓ = (p − onehot(target) + 2·z_loss·lse·p) · scale[m] with
+// p = exp(ℓ − lse[m]); zdz[m] = Σ ℓ·dℓ / hidden (already folded: B1's input).
+void cross_entropy_backward_from_logits(bf16* logits, int ld_logits, const float* lse,
+                                        const float* scale, const int64_t* targets, float z_loss,
+                                        float* zdz, int m, int vocab, int hidden,
+                                        cudaStream_t stream);
+
 // A2: lse (M) and per-token loss (M): lse − ℓ_target + z_loss·lse², 0 for ignore_index, NaN for a
 // target outside [0, V) that is not ignore_index (checked on the device; the host never syncs).
 void lse_loss_fold(const float* max_partials, const float* sum_partials,

@@ -153,18 +153,14 @@ def test_mlp_partial_matches_fp64_reference(s):
              ["x", "gamma", "w_gu", "w_down"], 1)
 
 
-@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-@pytest.mark.parametrize("z_loss", [0.0, 1e-3])
-# 1 GiB: one slice; 32000 B: below the backward's fixed scratch, so 8-column vocabulary slices
-@pytest.mark.parametrize("chunk_bytes", [1 << 30, 16 * 1000 * 2])
-def test_lm_head_loss_matches_fp64_reference(reduction, z_loss, chunk_bytes):
-    gen = torch.Generator().manual_seed(4)
-    x = rand(S["M"], S["H"], gen=gen)
-    gamma = rand(S["H"], scale=0.3, shift=1.0, gen=gen)
+def check_lm_head(s, reduction, z_loss, chunk_bytes, seed=4):
+    gen = torch.Generator().manual_seed(seed)
+    x = rand(s["M"], s["H"], gen=gen)
+    gamma = rand(s["H"], scale=0.3, shift=1.0, gen=gen)
     h, r = caches(x, gamma)
-    targets = torch.randint(0, S["V"], (S["M"],), generator=gen)
+    targets = torch.randint(0, s["V"], (s["M"],), generator=gen)
     targets[::5] = -100
-    inp = dict(x=x, gamma=gamma, w_vocab=rand(S["V"], S["H"], scale=S["H"] ** -0.5, gen=gen),
+    inp = dict(x=x, gamma=gamma, w_vocab=rand(s["V"], s["H"], scale=s["H"] ** -0.5, gen=gen),
                h=h, r=r, targets=targets.cuda())
 
     def ours(x, gamma, w_vocab, h, r, targets):
@@ -184,6 +180,23 @@ def test_lm_head_loss_matches_fp64_reference(reduction, z_loss, chunk_bytes):
         return loss, lse
 
     check_op("lm_head_loss", ours, ref, inp, ["x", "gamma", "w_vocab"], 1)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("z_loss", [0.0, 1e-3])
+# 1 GiB: one chunk. 32000 B: mean / sum (the three-GEMM path) run 12-token chunks, so dW
+# accumulates over 7 of them; 'none' (the recompute path) runs 8-column vocabulary slices.
+@pytest.mark.parametrize("chunk_bytes", [1 << 30, 16 * 1000 * 2])
+def test_lm_head_loss_matches_fp64_reference(reduction, z_loss, chunk_bytes):
+    check_lm_head(S, reduction, z_loss, chunk_bytes)
+
+
+@pytest.mark.parametrize("vocab", [4000, 4002], ids=["three-gemm-path", "vocab-not-multiple-of-8"])
+def test_lm_head_loss_paths_at_hidden_2048(vocab):
+    """Both paths of the mean / sum gradient at H = 2048 with ragged token chunks: V % 8 == 0
+    stores the logits (three GEMMs: 340 tokens in chunks of 37, the last 7), V = 4002
+    recomputes them."""
+    check_lm_head(dict(M=340, H=2048, V=vocab), "mean", 1e-3, 37 * (vocab + 2048) * 2, seed=12)
 
 
 @pytest.mark.parametrize("hidden", [2048, 4096, 8192])

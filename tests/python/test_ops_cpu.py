@@ -549,12 +549,21 @@ def forward_op_cases(s, dtype):
                          (rg(lm["x"]), rg(lm["gamma"]), rg(lm["w_vocab"]), lm["h"], lm["r"],
                           lm["targets"]), {"ignore_index": -100, "reduction": "mean",
                                            "z_loss": 0.01}),
+        # per-token losses: the gradient depends on the incoming one, so the backward op runs
+        # after the forward (mean / sum form it in the forward, through lm_head_loss_grad)
+        "lm_head_loss_none": (CODA.lm_head_loss.default,
+                              (rg(lm["x"]), rg(lm["gamma"]), rg(lm["w_vocab"]), lm["h"], lm["r"],
+                               lm["targets"]), {"ignore_index": -100, "reduction": "none",
+                                                "z_loss": 0.01}),
     }
 
 
 FORWARD_OPS = ["rope_table", "rmsnorm_stats", "norm_qkv", "out_proj_residual_norm", "mlp",
-               "mlp_partial", "lm_head_loss"]
-BACKWARD_OPS = {"norm_qkv_backward", "linear_backward", "mlp_backward", "lm_head_loss_backward"}
+               "mlp_partial", "lm_head_loss", "lm_head_loss_none"]
+# The ops that compute gradients (lm_head_loss_grad: the loss with its gradient for d loss = 1,
+# which lm_head_loss's autograd calls in the forward when the reduction is mean or sum).
+BACKWARD_OPS = {"norm_qkv_backward", "linear_backward", "mlp_backward", "lm_head_loss_backward",
+                "lm_head_loss_grad"}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -575,7 +584,7 @@ class CaptureBackwardOps(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func._schema.name
-        if name.startswith("coda::") and name.endswith("_backward"):
+        if name.startswith("coda::") and name.endswith(("_backward", "_grad")):
             clone = lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t  # noqa: E731
             self.calls.append((name.split("::")[1], func, tree_map(clone, args),
                                tree_map(clone, kwargs)))
@@ -599,11 +608,12 @@ def captured_backward_calls(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_backward_ops_are_dispatched(dtype):
-    """Each differentiable op's backward goes through a public coda::*_backward op (so that it
-    can be traced), and together they cover the documented backward ops."""
+    """Each differentiable op's gradient comes from a public coda::*_backward op (for the LM
+    head's mean / sum, coda::lm_head_loss_grad) so that it can be traced, and together they
+    cover the documented gradient ops."""
     calls = captured_backward_calls(dtype)
     for name, c in calls.items():
-        assert c, f"{name}: backward called no coda::*_backward op through the dispatcher"
+        assert c, f"{name}: its gradient came from no coda::*_backward / *_grad op"
     seen = {n for c in calls.values() for n, *_ in c}
     assert seen == BACKWARD_OPS, f"backward ops seen {sorted(seen)}"
 
@@ -615,6 +625,32 @@ def test_opcheck_backward(name, dtype):
     assert calls, f"{name} was never called"
     _, op, args, kwargs = calls[0]
     torch.library.opcheck(op, args, kwargs)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_lm_head_gradient_formed_in_forward_is_scaled_and_survives_retain_graph(reduction):
+    """For mean / sum, lm_head_loss's autograd forms the gradient in the forward (d loss = 1) and
+    scales it by the incoming gradient in backward; a second backward through a retained graph
+    recomputes it (lm_head_loss_backward). Both must equal the backward op called directly."""
+    op, args, kwargs = forward_op_cases(SHAPES["M19_d8"], torch.float64)["lm_head_loss"]
+    kwargs = dict(kwargs, reduction=reduction)
+    x, gamma, w = args[:3]
+    loss, lse = op(*args, **kwargs)
+    want = CODA.lm_head_loss_backward(
+        torch.tensor(2.5, dtype=torch.float64), *(t.detach() for t in args), lse,
+        kwargs["ignore_index"], reduction, kwargs["z_loss"], 1 << 30)
+    for retain in (True, False):
+        (2.5 * loss).backward(retain_graph=retain)
+        for got, ref, what in zip((x.grad, gamma.grad, w.grad), want, ("dx", "dgamma", "dw")):
+            torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12, msg=what)
+        for t in (x, gamma, w):
+            t.grad = None
+
+
+def test_lm_head_loss_grad_rejects_reduction_none():
+    _, args, kwargs = forward_op_cases(SHAPES["M5_d4"], torch.float64)["lm_head_loss"]
+    with pytest.raises(RuntimeError, match="reduction must be 'mean' or 'sum'.*got 'none'"):
+        CODA.lm_head_loss_grad(*(t.detach() for t in args), -100, "none", 0.0)
 
 
 # ---------------------------------------------------------------------------------------------

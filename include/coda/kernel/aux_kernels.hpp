@@ -48,4 +48,12 @@ void fold_lse_loss(const float* max_partials, const float* sum_partials, int64_t
                    const int64_t* targets, int64_t vocab, int64_t ignore_index, float z_loss,
                    float* lse, float* token_loss, cudaStream_t stream);
 
+// B4 from stored logits (the LM head's three-GEMM path): in place on each row m of logits (bf16,
+// M rows of `vocab` columns at stride ld), dℓ = (p·(1 + 2·z_loss·lse) − [n == target])·scale[m]
+// with p = exp(ℓ − lse[m]); zdz[m] = Σ_n ℓ·dℓ / hidden (fp32 values, before rounding). A target
+// outside [0, vocab) (ignored, another rank's, invalid) matches no column.
+void cross_entropy_grad_from_logits(bf16* logits, int64_t ld, int64_t m, int64_t vocab,
+                                    const float* lse, const float* scale, const int64_t* targets,
+                                    float z_loss, int64_t hidden, float* zdz, cudaStream_t stream);
+
 }  // namespace coda::kernel
