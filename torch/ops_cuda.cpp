@@ -178,11 +178,6 @@ std::tuple<Tensor, Tensor> lm_head_loss(const Tensor& x, const Tensor& gamma,
   return {total / targets.ne(ignore_index).sum().to(at::kFloat), lse};
 }
 
-std::tuple<Tensor, Tensor, Tensor> lm_head_loss_backward(
-    const Tensor& dloss, const Tensor& x, const Tensor& gamma, const Tensor& w_vocab,
-    const Tensor& h, const Tensor& r, const Tensor& targets, const Tensor& lse,
-    int64_t ignore_index, c10::string_view reduction, double z_loss, int64_t max_chunk_bytes);
-
 // The LM head's three-GEMM path: the loss and its gradients for d loss = 1, with no logits
 // recomputed. Per chunk of tokens (the chunk's bf16 logits are the scratch max_chunk_bytes
 // bounds):
@@ -192,26 +187,17 @@ std::tuple<Tensor, Tensor, Tensor> lm_head_loss_backward(
 //   B1  dx of the chunk's rows (the final norm's backward) and the chunk's dγ;
 //   dW += dℓᵀ · h_out (the first chunk on our mainloop, then cuBLAS with β = 1: bf16 dW, fp32
 //        accumulation within a chunk, one rounding per chunk; no fp32 V × H accumulator).
-// Vocabularies that are not a multiple of 8 (bulk copies need 16-byte rows) take the recompute
-// path: lm_head_loss, then lm_head_loss_backward.
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> lm_head_loss_grad(
     const Tensor& x, const Tensor& gamma, const Tensor& w_vocab, const Tensor& h, const Tensor& r,
     const Tensor& targets, int64_t ignore_index, c10::string_view reduction, double z_loss,
     int64_t max_chunk_bytes) {
   const auto c = OpContext::from(op_names::lm_head_loss_grad, "x", x);
+  // (validate_lm_head requires V % 8 == 0 on CUDA: the stored logits' rows are 16-byte aligned.)
   const auto sz =
       validate_lm_head_loss_grad(c, x, gamma, w_vocab, h, r, targets, reduction, max_chunk_bytes);
   const int64_t m = sz.m, vocab = sz.vocab, hidden = sz.hidden;
   as_int(c.op, "M", m);
   const c10::cuda::CUDAGuard guard(x.device());
-  if (vocab % 8 != 0) {
-    auto [loss, lse] = lm_head_loss(x, gamma, w_vocab, h, r, targets, ignore_index, reduction,
-                                    z_loss, max_chunk_bytes);
-    auto [dx, dgamma, dw] = lm_head_loss_backward(at::ones_like(loss), x, gamma, w_vocab, h, r,
-                                                  targets, lse, ignore_index, reduction, z_loss,
-                                                  max_chunk_bytes);
-    return {loss, lse, dx, dgamma, dw};
-  }
   const auto s = stream_of(x);
   const auto st = stat_options(c);
   const int64_t* t = targets.data_ptr<int64_t>();
@@ -222,9 +208,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> lm_head_loss_grad(
   if (sz.reduction == LossReduction::kMean) one = one / counted.sum().to(at::kFloat);
   const Tensor scale = at::where(counted, one, at::zeros({}, st)).contiguous();
   // Rows per chunk: the chunk's logits and B1's h_out within max_chunk_bytes, a multiple of the
-  // 128-row tile when that fits, at least one row.
+  // 128-row tile when that fits, else of 8 rows (the per-token vectors the kernels read start
+  // 16-byte aligned at every chunk), at least 8 rows.
   int64_t chunk = max_chunk_bytes / ((vocab + hidden) * 2);
-  chunk = std::clamp<int64_t>(chunk >= 128 ? chunk / 128 * 128 : chunk, 1, m);
+  chunk = std::min(chunk >= 128 ? chunk / 128 * 128 : std::max<int64_t>(8, chunk / 8 * 8), m);
   Tensor logits = at::empty({chunk, vocab}, x.options());
   Tensor lse = at::empty({m}, st), token_loss = at::empty({m}, st);
   Tensor target_logit = at::zeros({m}, st), zdz = at::empty({chunk}, st);
