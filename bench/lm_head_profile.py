@@ -12,6 +12,7 @@ import argparse
 import collections
 import json
 import os
+import re
 import sys
 
 import torch
@@ -32,8 +33,19 @@ def kernel_times(fn, reps):
     per = collections.defaultdict(float)
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
-            per[e.name[:110]] += e.device_time_total / 1e3 / reps  # ms per call
+            per[label(e.name)] += e.device_time_total / 1e3 / reps  # ms per call
     return dict(sorted(per.items(), key=lambda kv: -kv[1]))
+
+
+def label(name: str) -> str:
+    """Our CUTLASS kernels share a long prefix: name them by the coda types in their template
+    arguments (the fusion's nodes) and the tile shape instead."""
+    if "cutlass" not in name:
+        return name[:110]
+    coda = list(dict.fromkeys(re.findall(r"coda::kernel::(?:\w+::)*(\w+)", name)))
+    tile = re.search(r"tuple<cute::C<(\d+)>, cute::C<(\d+)>, cute::C<(\d+)>", name)
+    shape = "x".join(tile.groups()) if tile else "?"
+    return f"coda {shape} {' '.join(coda[:4])}"[:110]
 
 
 def main():

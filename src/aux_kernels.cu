@@ -177,7 +177,37 @@ __global__ void cross_entropy_grad_from_logits_kernel(bf16* logits, int64_t ld, 
   }
 }
 
+// Eight bf16 per 16-byte access where the pointer allows; the rest one by one.
+__global__ void scale_bf16_unless_one_kernel(bf16* p, int64_t n, const float* g) {
+  const float s = *g;
+  if (s == 1.f) return;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const bool vec = reinterpret_cast<uintptr_t>(p) % 16 == 0;
+  const int64_t n8 = vec ? n / 8 : 0;
+  uint4* p8 = reinterpret_cast<uint4*>(p);
+  for (int64_t i = first; i < n8; i += stride) {
+    uint4 v = p8[i];
+    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = __bfloat1622float2(h[j]);
+      h[j] = __floats2bfloat162_rn(f.x * s, f.y * s);
+    }
+    p8[i] = v;
+  }
+  for (int64_t i = n8 * 8 + first; i < n; i += stride)
+    p[i] = __float2bfloat16_rn(__bfloat162float(p[i]) * s);
+}
+
 }  // namespace
+
+void scale_bf16_unless_one(bf16* p, int64_t n, const float* g, cudaStream_t stream) {
+  CODA_CHECK(p && g, "scale_bf16_unless_one: null pointer");
+  if (n <= 0) return;
+  const int64_t blocks = std::min<int64_t>((n / 8 + 255) / 256 + 1, 132 * 16);
+  scale_bf16_unless_one_kernel<<<unsigned(blocks), 256, 0, stream>>>(p, n, g);
+  CODA_CUDA_CHECK(cudaGetLastError());
+}
 
 void cross_entropy_grad_from_logits(bf16* logits, int64_t ld, int64_t m, int64_t vocab,
                                     const float* lse, const float* scale, const int64_t* targets,

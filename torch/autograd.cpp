@@ -182,11 +182,16 @@ class LmHeadLoss : public torch::autograd::Function<LmHeadLoss> {
     if (ctx->saved_data.count("dw")) {
       // Formed in forward for d loss = 1: scaled in place by the incoming (scalar) gradient and
       // handed over once; a second backward through the graph (retain_graph) recomputes below.
+      // (coda::scale_grad_ makes no pass over them when d loss == 1, the usual case.)
+      static auto scale = op<void(const Tensor&, const Tensor&)>("coda::scale_grad_");
+      at::AutoDispatchBelowADInplaceOrView guard;
       variable_list out(10);
-      out[0] = ctx->saved_data["dx"].toTensor().mul_(g[0]);
-      out[1] = ctx->saved_data["dgamma"].toTensor().mul_(g[0]);
-      out[2] = ctx->saved_data["dw"].toTensor().mul_(g[0]);
-      for (const char* k : {"dx", "dgamma", "dw"}) ctx->saved_data.erase(k);
+      int i = 0;
+      for (const char* k : {"dx", "dgamma", "dw"}) {
+        out[i] = ctx->saved_data[k].toTensor();
+        scale.call(out[i++], g[0]);
+        ctx->saved_data.erase(k);
+      }
       return out;
     }
     const auto s = ctx->get_saved_variables();

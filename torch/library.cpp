@@ -182,6 +182,9 @@ TORCH_LIBRARY(coda, m) {
       "Tensor targets, int ignore_index=-100, str reduction='mean', float z_loss=0.0, "
       "int max_chunk_bytes=1073741824) -> (Tensor loss, Tensor lse, Tensor dx, Tensor dgamma, "
       "Tensor dw_vocab)");
+  // t *= g (g a one-element fp32 tensor) for gradients formed before their scale was known; on
+  // CUDA no pass over t when g == 1 (checked on the device, no host sync).
+  m.def("scale_grad_(Tensor(a!) t, Tensor g) -> ()");
   m.def(
       "norm_qkv_backward(Tensor dqkv, Tensor qkv, Tensor x, Tensor gamma, Tensor w_qkv, "
       "Tensor r, Tensor pos, Tensor rope_table) -> (Tensor dx, Tensor dgamma, Tensor dw_qkv)");
@@ -203,6 +206,7 @@ TORCH_LIBRARY_IMPL(coda, CPU, m) {
 
 TORCH_LIBRARY_IMPL(coda, Meta, m) {
   m.impl("rope_table", &rope_table_meta);
+  m.impl("scale_grad_", [](const at::Tensor&, const at::Tensor&) {});
   m.impl("rmsnorm_stats", &rmsnorm_stats_meta);
   m.impl("norm_qkv", &norm_qkv_meta);
   m.impl("out_proj_residual_norm", &out_proj_residual_norm_meta);

@@ -389,6 +389,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lm_head_loss_backward(
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(coda, CPU, m) { CODA_REGISTER_KERNELS(m) }
+TORCH_LIBRARY_IMPL(coda, CPU, m) {
+  CODA_REGISTER_KERNELS(m)
+  m.impl("scale_grad_", [](const at::Tensor& t, const at::Tensor& g) {
+    TORCH_CHECK(g.numel() == 1, "coda::scale_grad_: g must have one element, got ", g.numel());
+    const_cast<at::Tensor&>(t).mul_(g.reshape({}));
+  });
+}
 
 }  // namespace coda::torch_ext

@@ -10,6 +10,7 @@
 #include <climits>
 #include <tuple>
 
+#include "coda/kernel/aux_kernels.hpp"
 #include "coda/ops.hpp"
 #include "validate.hpp"
 
@@ -378,6 +379,23 @@ std::tuple<Tensor, Tensor, Tensor> lm_head_loss_backward(
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(coda, CUDA, m) { CODA_REGISTER_KERNELS(m) }
+void scale_grad_(const Tensor& t, const Tensor& g) {
+  TORCH_CHECK(g.numel() == 1, "coda::scale_grad_: g must have one element, got ", g.numel());
+  TORCH_CHECK(g.device() == t.device(), "coda::scale_grad_: g must be on ", t.device(), ", got ",
+              g.device());
+  const c10::cuda::CUDAGuard guard(t.device());
+  if (t.scalar_type() != at::kBFloat16 || !t.is_contiguous()) {
+    const_cast<Tensor&>(t).mul_(g.reshape({}));
+    return;
+  }
+  const Tensor g32 = g.reshape({}).to(at::kFloat).contiguous();
+  kernel::scale_bf16_unless_one(reinterpret_cast<bf16*>(t.data_ptr()), t.numel(), f32(g32),
+                                stream_of(t));
+}
+
+TORCH_LIBRARY_IMPL(coda, CUDA, m) {
+  CODA_REGISTER_KERNELS(m)
+  m.impl("scale_grad_", &scale_grad_);
+}
 
 }  // namespace coda::torch_ext

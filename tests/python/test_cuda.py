@@ -516,3 +516,20 @@ def test_training_step_captures_in_a_cuda_graph_and_replays_identically():
         got = [static_loss] + [p.grad for p in params]
         for i, (a, b) in enumerate(zip(got, expected[0])):
             assert torch.equal(a, b), f"graph replay differs from eager at output {i}"
+
+
+def test_scale_grad_skips_one_and_scales_every_element_otherwise():
+    """coda::scale_grad_ (the LM head's gradient formed for d loss = 1, scaled in backward): no
+    change for g == 1; otherwise bf16(t * g) with g in fp32, on aligned 8-element vectors and on
+    the odd tail of an unaligned view."""
+    gen = torch.Generator().manual_seed(21)
+    base = torch.randn(8 * 1000 + 13, generator=gen).to(torch.bfloat16).cuda()
+    for g in (1.0, 2.5, -0.3):
+        for view in (slice(None), slice(1, None)):
+            t = base.clone()
+            part = t[view]
+            want = (part.float() * torch.tensor(g, dtype=torch.float32)).to(torch.bfloat16)
+            CODA.scale_grad_(part, torch.tensor(g, device="cuda"))
+            assert torch.equal(part, want), f"g={g} view={view}"
+            if view == slice(1, None):
+                assert t[0] == base[0], "wrote before the view"

@@ -56,4 +56,8 @@ void cross_entropy_grad_from_logits(bf16* logits, int64_t ld, int64_t m, int64_t
                                     const float* lse, const float* scale, const int64_t* targets,
                                     float z_loss, int64_t hidden, float* zdz, cudaStream_t stream);
 
+// p[i] = bf16(p[i] · g[0]) for i < n, unless g[0] == 1 (read on the device: then no pass over p).
+// For gradients formed before their scale is known (the LM head's, for d loss = 1).
+void scale_bf16_unless_one(bf16* p, int64_t n, const float* g, cudaStream_t stream);
+
 }  // namespace coda::kernel
