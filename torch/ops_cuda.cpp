@@ -208,13 +208,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> lm_head_loss_grad(
   Tensor one = at::ones({}, st);
   if (sz.reduction == LossReduction::kMean) one = one / counted.sum().to(at::kFloat);
   const Tensor scale = at::where(counted, one, at::zeros({}, st)).contiguous();
-  // Rows per chunk: the chunk's logits and B1's h_out within max_chunk_bytes, a multiple of the
-  // 128-row tile when that fits, else of 8 rows (the per-token vectors the kernels read start
-  // 16-byte aligned at every chunk), at least 8 rows; and the tokens spread evenly over the
-  // fewest chunks (a small last chunk leaves most SMs idle in B1, whose K is the vocabulary:
-  // run 34 measured 3968 + 3968 + 256 rows 13% slower than one chunk at H 4096, M 8192).
+  // Rows per chunk: the chunk's logits and B1's h_out within max_chunk_bytes; the tokens spread
+  // evenly over the fewest chunks, each a multiple of 2048 rows where that fits (8 tiles of 256:
+  // the swizzled tile order pads a partial group of 8 tile rows with idle tiles that still cost
+  // time, run 35: 2816-row chunks were 34% slower at H 4096, M 8192), else of 128 or 8 rows (the
+  // per-token vectors the kernels read start 16-byte aligned at every chunk), at least 8.
   int64_t rows = max_chunk_bytes / ((vocab + hidden) * 2);
-  const int64_t q = rows >= 128 ? 128 : 8;
+  const int64_t q = rows >= 2048 ? 2048 : rows >= 128 ? 128 : 8;
   rows = std::max<int64_t>(8, rows / q * q);
   const int64_t chunks = (m + rows - 1) / rows;
   const int64_t chunk = std::min((((m + chunks - 1) / chunks + q - 1) / q) * q, m);
