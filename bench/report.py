@@ -312,6 +312,22 @@ def summary(results):
     return out + [""]
 
 
+def with_later_lm_head(d, results):
+    """A later run of the suite's lm-head section alone (after the LM head changed) replaces the
+    full run's LM-head rows in d (summary, table, README), named as their source."""
+    lm_path = latest(results, "*-lm-head-suite.json")
+    if not lm_path:
+        return d
+    lm = json.load(open(lm_path))
+    if "lm_head" in lm.get("sections", {}):
+        d["sections"]["lm_head"] = dict(
+            lm["sections"]["lm_head"],
+            source=f"{os.path.relpath(lm_path)} (commit {lm.get('commit', '?')}, "
+            f"{lm.get('device', '?')}, command: `{lm.get('command', '?')}`)",
+        )
+    return d
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--results", default="bench/results")
@@ -324,6 +340,7 @@ def main():
     suite_path = latest(a.results, "????-??-??.json")  # bench/suite.py's full run, if there is one
     if suite_path:
         d = json.load(open(suite_path))
+        with_later_lm_head(d, a.results)
         lines += sr.summary(suite_path, d) + sr.ops_table(suite_path, d, os.path.join("docs", "img"))
         lines += sr.chain_tables(suite_path, d) + sr.lm_head_table(suite_path, d)
         lines += ["# Earlier focused runs (one benchmark per results file)\n",

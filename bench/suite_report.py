@@ -110,7 +110,8 @@ def summary(path, d):
     lm = d["sections"].get("lm_head", {}).get("rows", [])
     if lm:
         line(
-            "LM head + CE fwd + bwd (sliced)",
+            "LM head + CE fwd + bwd (chunked)"
+            + (" ¹" if d["sections"]["lm_head"].get("source") else ""),
             lm,
             "coda_chunked",
             lambda r, k: r["ms"].get({"gemm_only": "gemm_floor"}.get(k, k)),
@@ -152,6 +153,8 @@ def summary(path, d):
             f"- Our weight/data-gradient GEMMs (XᵀY, XW) vs cuBLAS: geometric mean {geo([x for x, _ in dw]):.3f}×, "
             f"slowest {w[0]:.3f} ({w[1]['op']} {w[1]['model']} M={w[1]['m']})."
         )
+    if d["sections"].get("lm_head", {}).get("source"):
+        out.append(f"- ¹ LM head rows from a later run: {d['sections']['lm_head']['source']}.")
     out += absent_lines(d)
     return out + [""]
 
@@ -242,9 +245,10 @@ def lm_head_table(path, d):
     methods = ["coda_chunked", "coda_one_chunk", "eager", "compile", "liger", "gemm_floor"]
     out = [
         "## LM head + cross-entropy, forward + backward\n",
+        (f"Source: {sec['source']}.\n" if sec.get("source") else ""),
         "Medians of interleaved rounds; every method's loss and gradients checked against eager first. "
         "Peak extra memory = max_memory_allocated during one forward + backward minus what was held "
-        f"before (gradients included); coda's backward scratch budget {sec.get('chunk_bytes', 0) / 2**30:.2f} GiB.\n",
+        f"before (gradients included); coda's scratch budget (the chunk's logits) {sec.get('chunk_bytes', 0) / 2**30:.2f} GiB.\n",
         "| model | H | M | V | "
         + " | ".join(f"{m} ms" for m in methods)
         + " | vs compile | peak extra MiB coda / compile / Liger | gradients MiB |",
@@ -440,8 +444,11 @@ def readme_section(path, d):
             )
     lm = d["sections"].get("lm_head", {}).get("rows", [])
     if lm:
+        src = d["sections"]["lm_head"].get("source")
         out.append(
-            "- LM head + cross-entropy (sliced backward) vs torch.compile: "
+            "- LM head + cross-entropy (three-GEMM path in token chunks) vs torch.compile"
+            + (f" (from a later run: `{src.split(' ')[0]}`)" if src else "")
+            + ": "
             + ", ".join(
                 f"H={r['H']} M={r['M']} V={r['V']} {r['ms']['compile'] / r['ms']['coda_chunked']:.2f}× "
                 f"({r['peak_extra_MiB']['coda_chunked']:.0f} vs {r['peak_extra_MiB']['compile']:.0f} MiB peak extra, gradients included)"

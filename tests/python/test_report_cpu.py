@@ -122,3 +122,18 @@ def test_readme_block_replaced_between_markers(tmp_path):
         "Layer chain forward + backward vs the best of eager / torch.compile / Liger: "
         "8B M=8192 1.25×" in text
     )
+
+
+def test_later_lm_head_run_replaces_rows_and_names_its_source(tmp_path):
+    path, d = suite_file(tmp_path)
+    row = {"H": 2048, "M": 8192, "V": 128256, "ms": {"coda_chunked": 2.0, "compile": 1.8},
+           "peak_extra_MiB": {"coda_chunked": 100.0, "compile": 200.0}}
+    later = {"commit": "def", "device": "test", "command": "lm only",
+             "sections": {"lm_head": {"rows": [row], "chunk_bytes": 1 << 30}}}
+    (tmp_path / "2026-01-02-run9-lm-head-suite.json").write_text(json.dumps(later))
+    report.with_later_lm_head(d, str(tmp_path))
+    table = "\n".join(sr.lm_head_table(path, d))
+    assert "2026-01-02-run9-lm-head-suite.json (commit def" in table
+    assert "0.90" in table  # vs compile 1.8 / 2.0, from the later file
+    text = "\n".join(sr.summary(path, d))
+    assert "LM head rows from a later run" in text
