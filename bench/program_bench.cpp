@@ -48,6 +48,9 @@ std::vector<Case> cases(bool quick) {
                      md.q_heads, md.kv_heads, md.head_dim});
       out.push_back(
           {md.name, "lm_head+F4", Program::kRmsnormLse, m, bench::kLlama3Vocab, md.hidden});
+      // The LM head's three-GEMM path: F4 storing the logits, and B1 with K = the vocabulary.
+      out.push_back({md.name, "lm_head+F4logits", Program::kRmsnormLseLogits, m,
+                     bench::kLlama3Vocab, md.hidden});
       // Backward: da = dx_out · W_down (B2, N = I pairs); g = dz · W (B1) for gate/up and QKV.
       const auto xw = kernel::Operands::kXW;
       out.push_back({md.name, "down_bwd+B2", Program::kSwigluBackward, m, md.ffn, md.hidden, 0, 0,
@@ -56,6 +59,8 @@ std::vector<Case> cases(bool quick) {
                      2 * md.ffn, 0, 0, 0, xw});
       out.push_back({md.name, "qkv_bwd+B1", Program::kRmsnormBackward, m, md.hidden,
                      md.qkv_width(), 0, 0, 0, xw});
+      out.push_back({md.name, "lm_head_bwd+B1", Program::kRmsnormBackward, m, md.hidden,
+                     bench::kLlama3Vocab, 0, 0, 0, xw});
     }
     if (quick) break;
   }
@@ -273,6 +278,9 @@ int main(int argc, char** argv) {
           const double ga = bf(download(gamma, ni, 1)[0]), rr = r_host[mi], zz = zdz_host[mi];
           ok = close(bf(download(d, at, 1)[0]), dres + rr * (g * ga - xv * rr * zz)) &&
                close(bf(download(h, at, 1)[0]), xv * rr * ga);
+        } else if (c.program == Program::kRmsnormLseLogits && s >= 1) {  // a stored logit
+          ok = close(bf(download(d, size_t(mi) * c.n + ni, 1)[0]),
+                     r_host[mi] * dot_row(a, w, mi, ni, c.k));
         } else if (s < 1) {  // one whole row of the LM head: lse from the partials, target logit
           std::vector<double> logit(c.n);
           const auto ar = download(a, size_t(mi) * c.k, c.k);

@@ -23,6 +23,9 @@ set(CODA_ALL_KERNELS
   "RmsnormLse:Coop128x256x64_2x1:XWt"
   "RmsnormLse:Ping128x192x64_2x1:XWt"
   "RmsnormLseLogits:Coop128x256x64_2x1:XWt"
+  # candidates for the LM head's three-GEMM path (F4 storing logits), to sweep (not yet measured)
+  "RmsnormLseLogits:Ping128x192x64_2x1:XWt"
+  "RmsnormLseLogits:Coop256x128x64_1x2:XWt"
   # backward programs and the transposed operand layouts the backward pass needs
   "RmsnormBackward:Ping128x128x64_1x2:XW"
   "RmsnormBackward:Coop256x128x64_1x2:XW"  # B1 gate/up (K >= 16384), run 27
