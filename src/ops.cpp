@@ -278,10 +278,12 @@ epilogue::PartialLayout lm_head_partials_layout(int m, int vocab, int hidden) {
   return partial_layout(Program::kRmsnormLse, m, vocab, hidden);
 }
 
-void gemm_rmsnorm_lse(const bf16* h, const bf16* w_vocab, const float* r, const int64_t* targets,
-                      float* max_partials, float* sum_partials, float* target_logit, int m,
-                      int vocab, int hidden, cudaStream_t stream) {
-  const char* op = "coda::ops::gemm_rmsnorm_lse";
+namespace {
+// F4, with (kRmsnormLseLogits) or without (kRmsnormLse) the logits stored.
+void rmsnorm_lse_program(const char* op, Program p, const bf16* h, const bf16* w_vocab,
+                         const float* r, const int64_t* targets, float* max_partials,
+                         float* sum_partials, float* target_logit, bf16* logits, int ld_logits,
+                         int m, int vocab, int hidden, cudaStream_t stream) {
   check_gemm_sizes(op, m, vocab, hidden);
   check_device_pointers(op, {{"h", h},
                              {"w_vocab", w_vocab},
@@ -290,10 +292,24 @@ void gemm_rmsnorm_lse(const bf16* h, const bf16* w_vocab, const float* r, const 
                              {"max_partials", max_partials},
                              {"sum_partials", sum_partials},
                              {"target_logit", target_logit}});
+  if (p == Program::kRmsnormLseLogits) {
+    check_device_pointers(op, {{"logits", logits}});
+    CODA_CHECK(ld_logits >= vocab, op, ": ld_logits (", ld_logits, ") must be >= vocab (", vocab,
+               ")");
+  }
   kernel::RmsnormLseArgs args{r, targets, max_partials, sum_partials, target_logit};
-  launch(op, Program::kRmsnormLse, m, vocab, hidden,
-         {m, vocab, hidden, h, hidden, w_vocab, hidden, nullptr, 0, nullptr, vocab}, &args,
+  launch(op, p, m, vocab, hidden,
+         {m, vocab, hidden, h, hidden, w_vocab, hidden, nullptr, 0, logits, ld_logits}, &args,
          stream);
+}
+}  // namespace
+
+void gemm_rmsnorm_lse(const bf16* h, const bf16* w_vocab, const float* r, const int64_t* targets,
+                      float* max_partials, float* sum_partials, float* target_logit, int m,
+                      int vocab, int hidden, cudaStream_t stream) {
+  rmsnorm_lse_program("coda::ops::gemm_rmsnorm_lse", Program::kRmsnormLse, h, w_vocab, r, targets,
+                      max_partials, sum_partials, target_logit, nullptr, vocab, m, vocab, hidden,
+                      stream);
 }
 
 epilogue::PartialLayout lm_head_logits_partials_layout(int m, int vocab, int hidden) {
@@ -305,22 +321,9 @@ void gemm_rmsnorm_lse_logits(const bf16* h, const bf16* w_vocab, const float* r,
                              const int64_t* targets, float* max_partials, float* sum_partials,
                              float* target_logit, bf16* logits, int ld_logits, int m, int vocab,
                              int hidden, cudaStream_t stream) {
-  const char* op = "coda::ops::gemm_rmsnorm_lse_logits";
-  check_gemm_sizes(op, m, vocab, hidden);
-  check_device_pointers(op, {{"h", h},
-                             {"w_vocab", w_vocab},
-                             {"r", r},
-                             {"targets", targets},
-                             {"max_partials", max_partials},
-                             {"sum_partials", sum_partials},
-                             {"target_logit", target_logit},
-                             {"logits", logits}});
-  CODA_CHECK(ld_logits >= vocab, op, ": ld_logits (", ld_logits, ") must be >= vocab (", vocab,
-             ")");
-  kernel::RmsnormLseArgs args{r, targets, max_partials, sum_partials, target_logit};
-  launch(op, Program::kRmsnormLseLogits, m, vocab, hidden,
-         {m, vocab, hidden, h, hidden, w_vocab, hidden, nullptr, 0, logits, ld_logits}, &args,
-         stream);
+  rmsnorm_lse_program("coda::ops::gemm_rmsnorm_lse_logits", Program::kRmsnormLseLogits, h,
+                      w_vocab, r, targets, max_partials, sum_partials, target_logit, logits,
+                      ld_logits, m, vocab, hidden, stream);
 }
 
 void cross_entropy_backward_from_logits(bf16* logits, int ld_logits, const float* lse,
