@@ -121,6 +121,10 @@ def main():
         if (fsdp or tp) and os.path.exists(args.out + "-single.json"):
             with open(args.out + "-single.json") as f:
                 single = json.load(f)
+            same = {k: (single.get(k), res[k]) for k in ("model", "batch", "seq")}
+            if any(a != b for a, b in same.values()):
+                raise SystemExit(f"fsdp_check: {args.out}-single.json ran another problem "
+                                 f"(single, this run): {same}")
             rel = [abs(a - b) / abs(b) for a, b in zip(curve, single["loss"])]
             res["vs_single"] = {
                 "max_rel_loss_diff": max(rel), "single_tokens_per_s_per_gpu":

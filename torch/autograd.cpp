@@ -142,14 +142,16 @@ class LmHeadLoss : public torch::autograd::Function<LmHeadLoss> {
                                const Tensor& w_vocab, const Tensor& h, const Tensor& r,
                                const Tensor& targets, int64_t ignore_index,
                                c10::string_view reduction, double z_loss,
-                               int64_t max_chunk_bytes) {
+                               int64_t max_chunk_bytes, bool grad_mode) {
     ctx->set_materialize_grads(false);  // unused outputs' gradients stay undefined, no zero-fill
     at::AutoDispatchBelowADInplaceOrView guard;
-    // The loss is the model's last op: when a gradient will be needed (mean or sum), form it now
-    // for d loss = 1 on the three-GEMM path (lm_head_loss_grad: no logits recomputed) and only
-    // scale it in backward.
-    const bool grad_now = reduction != "none" &&
-                          (x.requires_grad() || gamma.requires_grad() || w_vocab.requires_grad());
+    // The loss is the model's last op: when a gradient will be needed (mean or sum, grad mode on
+    // at the call: not under torch.no_grad, where parameters still say requires_grad), form it
+    // now for d loss = 1 on the three-GEMM path (lm_head_loss_grad: no logits recomputed) and
+    // only scale it in backward.
+    const bool grad_now =
+        grad_mode && reduction != "none" &&
+        (x.requires_grad() || gamma.requires_grad() || w_vocab.requires_grad());
     Tensor loss, lse;
     if (grad_now) {
       static auto fg = op<std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>(
@@ -178,14 +180,16 @@ class LmHeadLoss : public torch::autograd::Function<LmHeadLoss> {
     return {loss, lse};
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
-    if (!g[0].defined()) return variable_list(10);
-    if (ctx->saved_data.count("dw")) {
+    if (!g[0].defined()) return variable_list(11);
+    // With create_graph (grad mode on here) the recompute path runs, so that differentiating the
+    // gradient raises (lm_head_loss_backward has no derivative) instead of silently giving none.
+    if (ctx->saved_data.count("dw") && !at::GradMode::is_enabled()) {
       // Formed in forward for d loss = 1: scaled in place by the incoming (scalar) gradient and
       // handed over once; a second backward through the graph (retain_graph) recomputes below.
       // (coda::scale_grad_ makes no pass over them when d loss == 1, the usual case.)
       static auto scale = op<void(const Tensor&, const Tensor&)>("coda::scale_grad_");
       at::AutoDispatchBelowADInplaceOrView guard;
-      variable_list out(10);
+      variable_list out(11);
       int i = 0;
       for (const char* k : {"dx", "dgamma", "dw"}) {
         out[i] = ctx->saved_data[k].toTensor();
@@ -194,6 +198,7 @@ class LmHeadLoss : public torch::autograd::Function<LmHeadLoss> {
       }
       return out;
     }
+    for (const char* k : {"dx", "dgamma", "dw"}) ctx->saved_data.erase(k);  // not used from here
     const auto s = ctx->get_saved_variables();
     static auto b = op<std::tuple<Tensor, Tensor, Tensor>(
         const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
@@ -204,7 +209,7 @@ class LmHeadLoss : public torch::autograd::Function<LmHeadLoss> {
         b.call(g[0].contiguous(), s[0], s[1], s[2], s[3], s[4], s[5], s[6],
                ctx->saved_data["ignore_index"].toInt(), reduction,
                ctx->saved_data["z_loss"].toDouble(), ctx->saved_data["max_chunk_bytes"].toInt());
-    variable_list out(10);
+    variable_list out(11);
     out[0] = dx;
     out[1] = dgamma;
     out[2] = dw;
@@ -254,7 +259,7 @@ TORCH_LIBRARY_IMPL(coda, Autograd, m) {
                             int64_t ignore_index, c10::string_view reduction, double z_loss,
                             int64_t max_chunk_bytes) {
     auto o = LmHeadLoss::apply(x, gamma, w_vocab, h, r, targets, ignore_index, reduction, z_loss,
-                               max_chunk_bytes);
+                               max_chunk_bytes, at::GradMode::is_enabled());
     return std::make_tuple(o[0], o[1]);
   });
 }

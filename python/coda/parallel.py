@@ -113,17 +113,22 @@ def vocab_range(vocab: int, rank: int, world: int) -> tuple[int, int]:
     return start(rank), start(rank + 1)
 
 
-def _vocab_targets(targets: Tensor, v0: int, v1: int, ignore_index: int) -> tuple[Tensor, Tensor]:
-    """Targets in the slice's own column indices. Forward: the owned targets, every other row
-    ``ignore_index`` (the op then picks no target logit there). Backward: counted rows whose
-    target another rank owns get a column past the slice (matches nothing: softmax, no one-hot)."""
+def _vocab_targets(
+    targets: Tensor, v0: int, v1: int, ignore_index: int
+) -> tuple[Tensor, Tensor, Tensor, int]:
+    """Targets in the slice's own column indices, for the op run with ``local_ignore`` as its
+    ignore_index: a value no local target can take (a global ``ignore_index`` >= 0 could equal
+    an owned target's local index ``t - v0``). Forward: the owned targets, every other row
+    ``local_ignore`` (the op then picks no target logit there). Backward: counted rows whose
+    target another rank owns get a column past the slice (matches nothing: softmax, no one-hot).
+    Returns ``(fwd, bwd, owned, local_ignore)``."""
     counted = targets.ne(ignore_index)
     owned = counted & (targets >= v0) & (targets < v1)
+    local_ignore = -1 if ignore_index >= 0 else ignore_index
     local = targets - v0
-    outside = v1 - v0 if ignore_index != v1 - v0 else v1 - v0 + 1
-    fwd = torch.where(owned, local, ignore_index)
-    bwd = torch.where(owned, local, torch.where(counted, outside, ignore_index))
-    return fwd, bwd
+    fwd = torch.where(owned, local, local_ignore)
+    bwd = torch.where(owned, local, torch.where(counted, v1 - v0, local_ignore))
+    return fwd, bwd, owned, local_ignore
 
 
 class _VocabParallelLossSum(torch.autograd.Function):
@@ -136,12 +141,12 @@ class _VocabParallelLossSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, gamma, w, h, r, targets, v0, vocab, ignore_index, group):
         v1 = v0 + w.shape[0]
-        t_fwd, t_bwd = _vocab_targets(targets, v0, v1, ignore_index)
+        t_fwd, t_bwd, owned, local_ignore = _vocab_targets(targets, v0, v1, ignore_index)
         tok, lse_local = torch.ops.coda.lm_head_loss(
-            x, gamma, w, h, r, t_fwd, ignore_index, "none", 0.0
+            x, gamma, w, h, r, t_fwd, local_ignore, "none", 0.0
         )
         # token loss of an owned row is lse_local - target logit; 0 elsewhere
-        picked = torch.where(t_fwd.ne(ignore_index), lse_local - tok, torch.zeros_like(tok))
+        picked = torch.where(owned, lse_local - tok, torch.zeros_like(tok))
         lses = [torch.empty_like(lse_local) for _ in range(dist.get_world_size(group))]
         dist.all_gather(lses, lse_local.contiguous(), group=group)
         dist.all_reduce(picked, group=group)
@@ -151,7 +156,7 @@ class _VocabParallelLossSum(torch.autograd.Function):
         loss = torch.where(counted, lse - picked, torch.zeros_like(lse))
         loss = torch.where(counted & ~valid, torch.full_like(loss, float("nan")), loss)
         ctx.save_for_backward(x, gamma, w, h, r, t_bwd, lse)
-        ctx.ignore_index, ctx.group = ignore_index, group
+        ctx.ignore_index, ctx.group = local_ignore, group
         return loss.sum()
 
     @staticmethod
@@ -337,8 +342,7 @@ class TensorParallelLlama(nn.Module):
             )
         logits = F.linear(F.rms_norm(x, (x.shape[1],), self.gamma_final, eps), w)
         logits = logits.float() if logits.dtype == torch.bfloat16 else logits
-        t_fwd, _ = _vocab_targets(targets, v0, self.vocab_hi, ignore_index)
-        owned = t_fwd.ne(ignore_index)
+        t_fwd, _, owned, _ = _vocab_targets(targets, v0, self.vocab_hi, ignore_index)
         top = logits.detach().amax(dim=1)
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=g)
         sumexp = _AllReduceSum.apply((logits - top[:, None]).exp().sum(dim=1), g)

@@ -647,6 +647,21 @@ def test_lm_head_gradient_formed_in_forward_is_scaled_and_survives_retain_graph(
             t.grad = None
 
 
+def test_lm_head_gradient_not_formed_under_no_grad_and_create_graph_raises_on_second_order():
+    """Parameters still say requires_grad under torch.no_grad: the forward must not form the
+    gradient there (no lm_head_loss_grad call). With create_graph the backward takes the
+    recompute path, whose op has no derivative: differentiating the gradient raises."""
+    op, args, kwargs = forward_op_cases(SHAPES["M5_d4"], torch.float64)["lm_head_loss"]
+    mode = CaptureBackwardOps()
+    with torch.no_grad(), mode:
+        op(*args, **kwargs)
+    assert not mode.calls, [c[0] for c in mode.calls]
+    loss, _ = op(*args, **kwargs)
+    (gx,) = torch.autograd.grad(loss, args[0], create_graph=True)
+    with pytest.raises(RuntimeError):
+        gx.sum().backward()
+
+
 def test_lm_head_loss_grad_rejects_reduction_none():
     _, args, kwargs = forward_op_cases(SHAPES["M5_d4"], torch.float64)["lm_head_loss"]
     with pytest.raises(RuntimeError, match="reduction must be 'mean' or 'sum'.*got 'none'"):

@@ -106,7 +106,7 @@ def test_column_parallel_norm_qkv_with_sequence_parallel_inputs_matches_unsharde
 
 
 def model_worker(
-    rank: int, world: int, tie: bool, fused: bool, lm_head: str, vocab: int, out: dict
+    rank: int, world: int, tie: bool, fused: bool, lm_head: str, vocab: int, ignore: int, out: dict
 ) -> None:
     from coda.nn import CodaLlamaForCausalLM, LlamaConfig
     from coda.parallel import TensorParallelLlama, qkv_rows, vocab_range
@@ -125,12 +125,15 @@ def model_worker(
     ids = torch.randint(0, vocab, (2, 8), generator=g)
     ids[0, 5], ids[1, 2] = 0, vocab - 1  # targets at both ends: owned by the first and last rank
     labels = ids.clone()
-    labels[0, 3] = -100
+    labels[0, 3] = ignore
+    if ignore >= 0:  # a counted target whose index in the second slice equals ignore_index
+        v0 = vocab_range(vocab, 1, world)[0]
+        labels[1, 4] = v0 + ignore
     # shards copied before the reference backward
     tp = TensorParallelLlama(model, fused=fused, lm_head=lm_head)
-    ref_loss = model(ids, labels)
+    ref_loss = model(ids, labels, ignore_index=ignore)
     ref_loss.backward()
-    loss = tp(ids, labels)
+    loss = tp(ids, labels, ignore_index=ignore)
     loss.backward()
     tp.all_reduce_replicated_grads()
     total = loss.detach().clone()
@@ -174,7 +177,19 @@ def test_tensor_parallel_model_matches_unsharded_fp64(tie, fused, lm_head, vocab
     rank's shard of the sharded weights, the summed replicated ones) in fp64; with fused=False
     (plain PyTorch ops: the unfused TP baseline) as well. The vocabulary-parallel LM head is
     checked with a vocabulary that splits unevenly (16 + 28 rows) and targets on both ranks."""
-    got = run_gloo(model_worker, WORLD, tie, fused, lm_head, vocab)
+    got = run_gloo(model_worker, WORLD, tie, fused, lm_head, vocab, -100)
+    check_model_errors(got, tie)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused-baseline"])
+def test_vocab_parallel_head_with_a_nonnegative_ignore_index(fused):
+    """ignore_index = 5: the second rank's slice starts at 16, so the counted target 21 has the
+    local index 5 there and must still count (the op runs with a local ignore value)."""
+    got = run_gloo(model_worker, WORLD, False, fused, "vocab", 44, 5)
+    check_model_errors(got, False)
+
+
+def check_model_errors(got: dict, tie: bool) -> None:
     assert sorted(got) == list(range(WORLD))
     for rank, errs in got.items():
         assert len(errs) == 6 * CFG["num_layers"] + 3 + (0 if tie else 1)
