@@ -38,14 +38,24 @@ def kernel_times(fn, reps):
 
 
 def label(name: str) -> str:
-    """Our CUTLASS kernels share a long prefix: name them by the coda types in their template
-    arguments (the fusion's nodes) and the tile shape instead."""
+    """Our CUTLASS kernels share a long (mangled) prefix: name them by the coda types in their
+    template arguments (the fusion's epilogue nodes), the schedule and the MMA atom instead."""
     if "cutlass" not in name:
         return name[:110]
-    coda = list(dict.fromkeys(re.findall(r"coda::kernel::(?:\w+::)*(\w+)", name)))
-    tile = re.search(r"tuple<cute::C<(\d+)>, cute::C<(\d+)>, cute::C<(\d+)>", name)
-    shape = "x".join(tile.groups()) if tile else "?"
-    return f"coda {shape} {' '.join(coda[:4])}"[:110]
+    nodes = []
+    for m in re.finditer(r"4coda6kernel", name):  # length-prefixed identifiers follow
+        i = m.end()
+        while i < len(name) and name[i].isdigit():
+            j = i
+            while name[j].isdigit():
+                j += 1
+            n = int(name[i:j])
+            nodes.append(name[j:j + n])
+            i = j + n
+    nodes = [n for n in dict.fromkeys(nodes) if n not in ("epilogue", "fusions")] or ["plain"]
+    sched = "coop" if "Cooperative" in name else "ping" if "Pingpong" in name else "?"
+    mma = re.search(r"MMA_(\d+x\d+)x\d+", name)
+    return f"coda {sched} {mma.group(1) if mma else '?'} {' '.join(nodes[:4])}"[:110]
 
 
 def main():
