@@ -47,60 +47,56 @@ def _all_gather_rows(t: Tensor, group) -> Tensor:
 
 
 def _reduce_scatter_rows(t: Tensor, group) -> Tensor:
-    t = t.contiguous()
     if dist.get_backend(group) == "gloo":  # gloo has no reduce-scatter: all-reduce, keep our rows
-        dist.all_reduce(t, group=group)
         lo, hi = _rows(t, group)
-        return t[lo:hi].clone()
+        return _all_reduce(t, group)[lo:hi].clone()
     out = torch.empty(
         (t.shape[0] // dist.get_world_size(group),) + t.shape[1:], dtype=t.dtype, device=t.device
     )
-    dist.reduce_scatter_tensor(out, t, group=group)
+    dist.reduce_scatter_tensor(out, t.contiguous(), group=group)
     return out
 
 
-class _GatherRows(torch.autograd.Function):
-    """Forward: all-gather the rows; backward: sum the ranks' gradients, keep this rank's rows."""
-
-    @staticmethod
-    def forward(ctx, t, group):
-        ctx.group = group
-        return _all_gather_rows(t, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _reduce_scatter_rows(g, ctx.group), None
+def _all_reduce(t: Tensor, group) -> Tensor:
+    """The sum over ranks, in a new tensor (the input is left as it is)."""
+    t = t.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(t, group=group)
+    return t
 
 
-class _ReduceScatterRows(torch.autograd.Function):
-    """Forward: sum the ranks' partial results, keep this rank's rows; backward: all-gather."""
+def _differentiable(forward, adjoint, doc: str):
+    """An autograd function applying the collective ``forward(t, group)``, whose backward is its
+    adjoint ``adjoint(g, group)``."""
 
-    @staticmethod
-    def forward(ctx, t, group):
-        ctx.group = group
-        return _reduce_scatter_rows(t, group)
+    class Collective(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t, group):
+            ctx.group = group
+            return forward(t, group)
 
-    @staticmethod
-    def backward(ctx, g):
-        return _all_gather_rows(g, ctx.group), None
+        @staticmethod
+        def backward(ctx, g):
+            return adjoint(g, ctx.group), None
+
+    Collective.__doc__ = doc
+    return Collective
 
 
-class _AllReduceSum(torch.autograd.Function):
-    """Forward: the sum over ranks (every rank gets it); backward: the same sum of the gradients
-    (the adjoint of an all-reduce)."""
-
-    @staticmethod
-    def forward(ctx, t, group):
-        ctx.group = group
-        t = t.clone()
-        dist.all_reduce(t, group=group)
-        return t
-
-    @staticmethod
-    def backward(ctx, g):
-        g = g.clone()
-        dist.all_reduce(g, group=ctx.group)
-        return g, None
+_GatherRows = _differentiable(
+    _all_gather_rows,
+    _reduce_scatter_rows,
+    "Forward: all-gather the rows; backward: sum the ranks' gradients, keep this rank's rows.",
+)
+_ReduceScatterRows = _differentiable(
+    _reduce_scatter_rows,
+    _all_gather_rows,
+    "Forward: sum the ranks' partial results, keep this rank's rows; backward: all-gather.",
+)
+_AllReduceSum = _differentiable(
+    _all_reduce,
+    _all_reduce,
+    "Forward: the sum over ranks (every rank gets it); backward: the same sum of the gradients.",
+)
 
 
 def vocab_range(vocab: int, rank: int, world: int) -> tuple[int, int]:
@@ -146,11 +142,8 @@ class _VocabParallelLossSum(torch.autograd.Function):
             x, gamma, w, h, r, t_fwd, local_ignore, "none", 0.0
         )
         # token loss of an owned row is lse_local - target logit; 0 elsewhere
-        picked = torch.where(owned, lse_local - tok, torch.zeros_like(tok))
-        lses = [torch.empty_like(lse_local) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(lses, lse_local.contiguous(), group=group)
-        dist.all_reduce(picked, group=group)
-        lse = torch.logsumexp(torch.stack(lses), dim=0)
+        picked = _all_reduce(torch.where(owned, lse_local - tok, torch.zeros_like(tok)), group)
+        lse = torch.logsumexp(_all_gather_rows(lse_local[None], group), dim=0)
         counted = targets.ne(ignore_index)
         valid = (targets >= 0) & (targets < vocab)
         loss = torch.where(counted, lse - picked, torch.zeros_like(lse))
@@ -162,8 +155,7 @@ class _VocabParallelLossSum(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, gamma, w, h, r, t_bwd, lse = ctx.saved_tensors
-        s = g.detach().to(lse.dtype).clone()
-        dist.all_reduce(s, group=ctx.group)  # the adjoint of the forward's collectives
+        s = _all_reduce(g.detach().to(lse.dtype), ctx.group)  # the forward collectives' adjoint
         dx, dgamma, dw = torch.ops.coda.lm_head_loss_backward(
             s, x, gamma, w, h, r, t_bwd, lse, ctx.ignore_index, "sum", 0.0, 1 << 30
         )
@@ -301,47 +293,51 @@ class TensorParallelLlama(nn.Module):
     # take the norm caches of the rows they get; gathering x and recomputing them is cheaper
     # than gathering the caches too.
 
+    def _caches(self, x: Tensor, gamma: Tensor) -> tuple[Tensor, Tensor]:
+        """The fused ops' norm caches (h, r) of the rows they get."""
+        return ops.rmsnorm_stats(x.detach(), gamma, self.config.rms_norm_eps)
+
+    def _norm(self, x: Tensor, gamma: Tensor) -> Tensor:
+        return F.rms_norm(x, (x.shape[1],), gamma, self.config.rms_norm_eps)
+
+    def _logits(self, x: Tensor) -> Tensor:
+        """Unfused: this rank's logits, fp32 for bf16 inputs (as Hugging Face computes the loss)."""
+        logits = F.linear(self._norm(x, self.gamma_final), self._vocab_weight())
+        return logits.float() if logits.dtype == torch.bfloat16 else logits
+
     def _qkv(self, x: Tensor, gamma: Tensor, w_qkv: Tensor, pos: Tensor, rope) -> Tensor:
-        eps = self.config.rms_norm_eps
         if self.fused:
-            h, r = ops.rmsnorm_stats(x.detach(), gamma, eps)
-            return ops.norm_qkv(x, gamma, w_qkv, h, r, pos, self.rope_table)
-        qkv = F.linear(F.rms_norm(x, (x.shape[1],), gamma, eps), w_qkv)
+            return ops.norm_qkv(x, gamma, w_qkv, *self._caches(x, gamma), pos, self.rope_table)
+        qkv = F.linear(self._norm(x, gamma), w_qkv)
         qk = (self.heads + self.kv_heads) * self.config.head_dim
         return torch.cat([rope(qkv[:, :qk]), qkv[:, qk:]], dim=1)
 
     def _mlp(self, x: Tensor, layer: nn.Module) -> Tensor:
-        eps = self.config.rms_norm_eps
+        g = layer.gamma_ffn
         if self.fused:
-            h, r = ops.rmsnorm_stats(x.detach(), layer.gamma_ffn, eps)
-            return ops.mlp_partial(x, layer.gamma_ffn, layer.w_gu, layer.w_down, h, r)[0]
-        gu = F.linear(F.rms_norm(x, (x.shape[1],), layer.gamma_ffn, eps), layer.w_gu)
+            return ops.mlp_partial(x, g, layer.w_gu, layer.w_down, *self._caches(x, g))[0]
+        gu = F.linear(self._norm(x, g), layer.w_gu)
         return F.linear(F.silu(gu[:, 0::2]) * gu[:, 1::2], layer.w_down)  # interleaved (g, u)
 
     def _loss_sum(self, x: Tensor, targets: Tensor, ignore_index: int) -> Tensor:
-        eps = self.config.rms_norm_eps
+        g = self.gamma_final
         if self.fused:
-            h, r = ops.rmsnorm_stats(x.detach(), self.gamma_final, eps)
-            loss, _ = ops.lm_head_loss(
-                x, self.gamma_final, self._vocab_weight(), h, r, targets, ignore_index, "sum", 0.0
-            )
-            return loss
-        logits = F.linear(
-            F.rms_norm(x, (x.shape[1],), self.gamma_final, eps), self._vocab_weight()
+            h, r = self._caches(x, g)
+            w = self._vocab_weight()
+            return ops.lm_head_loss(x, g, w, h, r, targets, ignore_index, "sum", 0.0)[0]
+        return F.cross_entropy(
+            self._logits(x), targets, ignore_index=ignore_index, reduction="sum"
         )
-        logits = logits.float() if logits.dtype == torch.bfloat16 else logits
-        return F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
 
     def _vocab_loss_sum(self, x: Tensor, targets: Tensor, ignore_index: int) -> Tensor:
-        eps, w, g = self.config.rms_norm_eps, self._vocab_weight(), self.group
-        v0, vocab = self.vocab_lo, self.config.vocab_size
+        g, v0, vocab = self.group, self.vocab_lo, self.config.vocab_size
         if self.fused:
-            h, r = ops.rmsnorm_stats(x.detach(), self.gamma_final, eps)
+            h, r = self._caches(x, self.gamma_final)
             return _VocabParallelLossSum.apply(
-                x, self.gamma_final, w, h, r, targets, v0, vocab, ignore_index, g
+                x, self.gamma_final, self._vocab_weight(), h, r, targets, v0, vocab,
+                ignore_index, g,
             )
-        logits = F.linear(F.rms_norm(x, (x.shape[1],), self.gamma_final, eps), w)
-        logits = logits.float() if logits.dtype == torch.bfloat16 else logits
+        logits = self._logits(x)
         t_fwd, _, owned, _ = _vocab_targets(targets, v0, self.vocab_hi, ignore_index)
         top = logits.detach().amax(dim=1)
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=g)

@@ -15,9 +15,11 @@ CFG = dict(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=2, nu
            num_kv_heads=2, head_dim=4, rope_theta=10000.0)
 
 
-def build(tie: bool) -> CodaLlamaForCausalLM:
+def build(tie: bool, **config) -> CodaLlamaForCausalLM:
+    """The test model (CFG, with ``config`` overriding entries) in fp64."""
     torch.manual_seed(0)
-    model = CodaLlamaForCausalLM(LlamaConfig(**CFG, tie_word_embeddings=tie), dtype=torch.float64)
+    cfg = LlamaConfig(**{**CFG, **config}, tie_word_embeddings=tie)
+    model = CodaLlamaForCausalLM(cfg, dtype=torch.float64)
     with torch.no_grad():  # non-trivial norm weights so every γ gradient matters
         for n, p in model.named_parameters():
             if "gamma" in n:
