@@ -150,6 +150,14 @@ std::tuple<Tensor, Tensor> mlp_partial(const Tensor& x, const Tensor& gamma, con
   return {y, z};
 }
 
+// The loss from per-token losses (0 where ignored): as is ('none'), summed, or the mean over
+// counted tokens, on the device: 0 / 0 = NaN when every token is ignored (as PyTorch).
+Tensor reduce_loss(const Tensor& token_loss, const Tensor& counted, LossReduction red) {
+  if (red == LossReduction::kNone) return token_loss;
+  const Tensor total = token_loss.sum();
+  return red == LossReduction::kSum ? total : total / counted.sum().to(at::kFloat);
+}
+
 std::tuple<Tensor, Tensor> lm_head_loss(const Tensor& x, const Tensor& gamma,
                                         const Tensor& w_vocab, const Tensor& h, const Tensor& r,
                                         const Tensor& targets, int64_t ignore_index,
@@ -172,11 +180,15 @@ std::tuple<Tensor, Tensor> lm_head_loss(const Tensor& x, const Tensor& gamma,
   ops::lse_loss_fold(f32(pmax), f32(psum), layout, f32(target_logit),
                      targets.data_ptr<int64_t>(), vocab, ignore_index, float(z_loss),
                      f32_out(lse), f32_out(token_loss), s);
-  if (red == LossReduction::kNone) return {token_loss, lse};
-  Tensor total = token_loss.sum();
-  if (red == LossReduction::kSum) return {total, lse};
-  // Mean over counted tokens, on the device: 0 / 0 = NaN when every token is ignored (as PyTorch).
-  return {total / targets.ne(ignore_index).sum().to(at::kFloat), lse};
+  return {reduce_loss(token_loss, targets.ne(ignore_index), red), lse};
+}
+
+// d loss / d token loss per token (M, fp32), on the device (no host sync): the incoming gradient
+// (per token for 'none'), divided by the counted tokens for 'mean', 0 for ignored tokens.
+Tensor token_scale(const Tensor& dloss, const Tensor& counted, LossReduction red, int64_t m) {
+  Tensor scale = red == LossReduction::kNone ? dloss.contiguous() : dloss.expand({m});
+  if (red == LossReduction::kMean) scale = scale / counted.sum().to(at::kFloat);
+  return at::where(counted, scale, at::zeros({}, scale.options())).contiguous();
 }
 
 // The LM head's three-GEMM path: the loss and its gradients for d loss = 1, with no logits
@@ -202,12 +214,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> lm_head_loss_grad(
   const auto s = stream_of(x);
   const auto st = stat_options(c);
   const int64_t* t = targets.data_ptr<int64_t>();
-  // d loss / d token loss for d loss = 1, on the device: 1 (sum) or 1 / counted (mean), 0 where
-  // ignored (all ignored: every scale is 0, no 0 / 0).
   const Tensor counted = targets.ne(ignore_index);
-  Tensor one = at::ones({}, st);
-  if (sz.reduction == LossReduction::kMean) one = one / counted.sum().to(at::kFloat);
-  const Tensor scale = at::where(counted, one, at::zeros({}, st)).contiguous();
+  const Tensor scale = token_scale(at::ones({}, st), counted, sz.reduction, m);  // d loss = 1
   // Rows per chunk: the chunk's logits and B1's h_out within max_chunk_bytes; the tokens spread
   // evenly over the fewest chunks, each a multiple of 2048 rows where that fits (8 tiles of 256:
   // the swizzled tile order pads a partial group of 8 tile rows with idle tiles that still cost
@@ -221,8 +229,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> lm_head_loss_grad(
   Tensor logits = at::empty({chunk, vocab}, x.options());
   Tensor lse = at::empty({m}, st), token_loss = at::empty({m}, st);
   Tensor target_logit = at::zeros({m}, st), zdz = at::empty({chunk}, st);
-  Tensor dx = at::zeros_like(x), dgamma32 = at::zeros({hidden}, st);
-  Tensor dgamma_c = at::empty({hidden}, st);
+  Tensor dx = at::zeros_like(x);  // B1's dres (none: the LM head has no residual) and output
+  Tensor dgamma32 = at::empty({hidden}, st), dgamma_c = at::empty({hidden}, st);
   Tensor dw = at::empty_like(w_vocab, at::MemoryFormat::Contiguous);
   for (int64_t m0 = 0; m0 < m; m0 += chunk) {
     const int mc = int(std::min(chunk, m - m0));
@@ -238,7 +246,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> lm_head_loss_grad(
                                             f32(scale) + m0, t + m0, float(z_loss),
                                             f32_out(zdz), mc, int(vocab), int(hidden), s);
     const Tensor dl = logits.narrow(0, 0, mc);
-    Tensor dx_c = dx.narrow(0, m0, mc);  // zeros: B1's dres and its output
+    Tensor dx_c = dx.narrow(0, m0, mc);
+    // The first chunk's dγ fold writes dgamma32; later chunks' are added to it.
     const Tensor h_out = rmsnorm_backward(dl, w_vocab, x.narrow(0, m0, mc), r.narrow(0, m0, mc),
                                           gamma, zdz.narrow(0, 0, mc), dx_c, dx_c,
                                           m0 == 0 ? dgamma32 : dgamma_c);
@@ -249,9 +258,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> lm_head_loss_grad(
       dw.addmm_(dl.t(), h_out);
     }
   }
-  Tensor loss = token_loss.sum();
-  if (sz.reduction == LossReduction::kMean) loss = loss / counted.sum().to(at::kFloat);
-  return {loss, lse, dx, dgamma32.to(gamma.scalar_type()), dw};
+  return {reduce_loss(token_loss, counted, sz.reduction), lse, dx,
+          dgamma32.to(gamma.scalar_type()), dw};
 }
 
 // ---- backward ops ------------------------------------------------------------------------------
@@ -327,11 +335,7 @@ std::tuple<Tensor, Tensor, Tensor> lm_head_loss_backward(
   const c10::cuda::CUDAGuard guard(x.device());
   const auto s = stream_of(x);
 
-  // d loss / d token loss per token, on the device (no host sync): 0 for ignored tokens.
-  const Tensor counted = targets.ne(ignore_index);
-  Tensor scale = red == LossReduction::kNone ? dloss.contiguous() : dloss.expand({m});
-  if (red == LossReduction::kMean) scale = scale / counted.sum().to(at::kFloat);
-  scale = at::where(counted, scale, at::zeros({}, scale.options())).contiguous();
+  const Tensor scale = token_scale(dloss, targets.ne(ignore_index), red, m);
 
   // The vocabulary is processed in slices so that the backward's scratch stays within
   // max_chunk_bytes: dℓ for every token and one slice of columns (M × slice, bf16), plus, when
