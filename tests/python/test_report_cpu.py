@@ -13,46 +13,22 @@ import report  # noqa: E402
 import suite_report as sr  # noqa: E402
 
 
+def op_row(op, mnk, ms, check, fused_over_plain, tflops):
+    return {"model": "llama3-1B", "m": 8192, "op": op, "gemm_mnk": mnk, "ms": ms,
+            "err": {"coda": 0.01, "eager": 0.02}, "check": check,
+            "fused_over_plain": fused_over_plain, "tflops": {"coda": tflops}}
+
+
 def suite_file(tmp_path):
     ops = [
-        {
-            "model": "llama3-1B",
-            "m": 8192,
-            "op": "F1 out-proj",
-            "gemm_mnk": [8192, 2048, 2048],
-            "ms": {
-                "coda": 0.20,
-                "coda_fused": 0.19,
-                "coda_plain_gemm": 0.18,
-                "cublas_gemm": 0.17,
-                "eager": 0.50,
-                "compile": 0.25,
-                "liger": 0.16,
-                "flashinfer": 0.40,
-            },
-            "err": {"coda": 0.01, "eager": 0.02},
-            "check": {"coda": "PASS", "eager": "PASS"},
-            "fused_over_plain": 0.19 / 0.18,
-            "tflops": {"coda": 344.0},
-        },
-        {
-            "model": "llama3-1B",
-            "m": 8192,
-            "op": "B2 SwiGLU bwd",
-            "gemm_mnk": [8192, 8192, 2048],
-            "ms": {
-                "coda": 0.60,
-                "coda_fused": 0.58,
-                "coda_plain_gemm": 0.40,
-                "cublas_gemm": 0.41,
-                "eager": 1.40,
-                "compile": 0.70,
-            },
-            "err": {"coda": 0.01, "eager": 0.02},
-            "check": {"coda": "PASS", "liger": "FAIL"},
-            "fused_over_plain": 0.58 / 0.40,
-            "tflops": {"coda": 458.0},
-        },
+        op_row("F1 out-proj", [8192, 2048, 2048],
+               {"coda": 0.20, "coda_fused": 0.19, "coda_plain_gemm": 0.18, "cublas_gemm": 0.17,
+                "eager": 0.50, "compile": 0.25, "liger": 0.16, "flashinfer": 0.40},
+               {"coda": "PASS", "eager": "PASS"}, 0.19 / 0.18, 344.0),
+        op_row("B2 SwiGLU bwd", [8192, 8192, 2048],
+               {"coda": 0.60, "coda_fused": 0.58, "coda_plain_gemm": 0.40, "cublas_gemm": 0.41,
+                "eager": 1.40, "compile": 0.70},
+               {"coda": "PASS", "liger": "FAIL"}, 0.58 / 0.40, 458.0),
     ]
     d = {
         "commit": "abc",
