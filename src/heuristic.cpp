@@ -28,6 +28,24 @@ namespace {
 // or K is 16384+ (8B and 70B everywhere, 1B gate/up) cooperative 256x128 was up to 13% faster
 // (2-7% at 70B) and at worst level (gate/up with 16384 tokens at 1B / 8B); pingpong was as fast
 // or faster on 1B's narrow, short-K shapes. Swizzle 8 won for both.
+// The weight-gradient GEMM D = Xᵀ·Y (M, N = the weight's shape, K = tokens). Cooperative 128x256
+// is at cuBLAS parity (0.99-1.03, run 29) wherever its tile grid fills the last wave; where it
+// does not (1B dW QKV 3072 x 2048: 192 tiles = 1.45 waves of 132 SMs, 0.77-0.79x cuBLAS; the paper's
+// H = 2048 gate/up and H = 4096 down: 0.93 / 0.89) pingpong 128x128 has 4x the tiles and a full
+// last wave. The wave fill is the share of the launched waves' tile slots that hold a tile.
+double wave_fill(int m, int n, int tile_m, int tile_n) {
+  constexpr int64_t kSms = 132;  // H100 / H200 SXM; the choice only needs the rough wave count
+  const int64_t tiles = int64_t((m + tile_m - 1) / tile_m) * ((n + tile_n - 1) / tile_n);
+  return double(tiles) / double((tiles + kSms - 1) / kSms * kSms);
+}
+
+KernelChoice plain_xty_config(int m, int n, int k) {
+  const SchedulerOptions sched = plain_gemm_config(m, n, k).scheduler;
+  const double coop = wave_fill(m, n, 128, 256), ping = wave_fill(m, n, 128, 128);
+  if (coop < 0.93 && ping > coop + 0.03) return {Config::kPing128x128x64_1x2, sched};
+  return {Config::kCoop128x256x64_2x1, sched};
+}
+
 KernelChoice plain_xw_config(int n, int k) {
   if ((n >= 4096 && k >= 4096) || k >= 16384)
     return {Config::kCoop256x128x64_1x2, {8, Raster::kAlongN}};
@@ -85,7 +103,7 @@ KernelChoice choose_config(Program p, Operands o, int m, int n, int k) {
   const KernelChoice c = p != Program::kPlain  ? program_config(p, m, n, k)
                          : o == Operands::kXWt ? plain_gemm_config(m, n, k)
                          : o == Operands::kXW  ? plain_xw_config(n, k)
-                                               : program_config(p, m, n, k);
+                                               : plain_xty_config(m, n, k);
   if (find_kernel(p, c.config, o)) return c;
   for (int i = 0; i < static_cast<int>(Config::kCount); ++i)
     if (find_kernel(p, static_cast<Config>(i), o)) return {static_cast<Config>(i), c.scheduler};

@@ -14,6 +14,9 @@ set(CODA_ALL_KERNELS
   "ResidualRmsnormPartial:Ping128x128x64_1x2:XWt"
   "ResidualRmsnormPartial:Coop128x256x64_2x1:XWt"
   "ResidualRmsnormPartial:Coop256x128x64_1x2:XWt"
+  # candidate for F1 where the plain GEMM takes cooperative 256x128 (70B): pingpong overlaps the
+  # epilogue with the other warpgroup's MMA; to sweep (not yet measured)
+  "ResidualRmsnormPartial:Ping128x192x64_2x1:XWt"
   "RmsnormSwiglu:Ping128x128x64_1x2:XWt"
   "RmsnormSwiglu:Coop128x256x64_2x1:XWt"
   "RmsnormSwiglu:Ping128x192x64_2x1:XWt"
@@ -34,6 +37,9 @@ set(CODA_ALL_KERNELS
   "Plain:Ping128x128x64_1x2:XW"
   "Plain:Coop256x128x64_1x2:XW"  # data-gradient GEMMs at N, K >= 4096, run 27
   "Plain:Coop128x256x64_2x1:XtY"
+  # weight gradients whose 128x256 tile grid leaves most of a last wave idle (1B dW QKV: 192 tiles
+  # on 132 SMs, 0.77x cuBLAS in run 29); heuristic.cpp plain_xty_config
+  "Plain:Ping128x128x64_1x2:XtY"
   # tests: the fragment pairing every pairwise epilogue relies on, per schedule
   "PairLayoutProbe:Ping128x128x64_1x2:XWt"
   "PairLayoutProbe:Coop128x256x64_2x1:XWt"
