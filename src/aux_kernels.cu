@@ -177,6 +177,65 @@ __global__ void cross_entropy_grad_from_logits_kernel(bf16* logits, int64_t ld, 
   }
 }
 
+// One block per row. Pass 1: per-thread online (max, Σexp) of ℓ = r·s, merged across lanes and
+// warps; thread 0 forms lse and the token loss (reading the target's s before pass 2 overwrites
+// it). Pass 2 (the row again, mostly from L2/HBM): dℓ in place and Σ ℓ·dℓ.
+__global__ void cross_entropy_from_unscaled_logits_kernel(
+    bf16* logits, int64_t ld, int64_t vocab, const float* r, const int64_t* targets,
+    int64_t ignore_index, float z_loss, const float* scale, float inv_hidden, float* lse_out,
+    float* token_loss, float* zdz) {
+  using State = epilogue::OnlineMaxSumExp<float>;
+  const int64_t row = blockIdx.x;
+  const float rr = r[row];
+  __nv_bfloat162* v2 = reinterpret_cast<__nv_bfloat162*>(logits + row * ld);
+  State st;
+  for (int64_t j = threadIdx.x; j < vocab / 2; j += blockDim.x) {
+    const float2 v = __bfloat1622float2(v2[j]);
+    st.add(rr * v.x);
+    st.add(rr * v.y);
+  }
+  for (int o = 16; o > 0; o /= 2)
+    st = State::merge(st, State{__shfl_xor_sync(0xffffffff, st.max, o),
+                                __shfl_xor_sync(0xffffffff, st.sum, o)});
+  __shared__ float warp_max[32], warp_sum[32], row_lse;
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = st.max, warp_sum[threadIdx.x / 32] = st.sum;
+  const int64_t target = targets[row];
+  const bool valid = target >= 0 && target < vocab;
+  const float target_logit = threadIdx.x == 0 && valid ? rr * __bfloat162float(logits[row * ld + target]) : 0.f;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    State all;
+    for (unsigned w = 0; w < blockDim.x / 32; ++w) all = State::merge(all, State{warp_max[w], warp_sum[w]});
+    const float l = all.logsumexp();
+    lse_out[row] = l;
+    row_lse = l;
+    token_loss[row] = target == ignore_index ? 0.f
+                      : !valid               ? __int_as_float(0x7fc00000)  // NaN, as fold_lse_loss
+                                             : l - target_logit + z_loss * l * l;
+  }
+  __syncthreads();
+  const float l = row_lse, sc = scale[row];
+  const float p_scale = (1.f + 2.f * z_loss * l) * sc;
+  float s = 0.f;
+  for (int64_t j = threadIdx.x; j < vocab / 2; j += blockDim.x) {
+    const float2 v = __bfloat1622float2(v2[j]);
+    const float l0 = rr * v.x, l1 = rr * v.y;
+    const float d0 = __expf(l0 - l) * p_scale - (2 * j == target ? sc : 0.f);
+    const float d1 = __expf(l1 - l) * p_scale - (2 * j + 1 == target ? sc : 0.f);
+    s += l0 * d0 + l1 * d1;
+    v2[j] = __floats2bfloat162_rn(d0, d1);
+  }
+  for (int o = 16; o > 0; o /= 2) s += __shfl_xor_sync(0xffffffff, s, o);
+  __shared__ float warp_sums[32];
+  if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = s;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float t = 0.f;
+    for (unsigned w = 0; w < blockDim.x / 32; ++w) t += warp_sums[w];
+    zdz[row] = t * inv_hidden;
+  }
+}
+
 // Eight bf16 per 16-byte access where the pointer allows; the rest one by one.
 __global__ void scale_bf16_unless_one_kernel(bf16* p, int64_t n, const float* g) {
   const float s = *g;
@@ -220,6 +279,23 @@ void cross_entropy_grad_from_logits(bf16* logits, int64_t ld, int64_t m, int64_t
              ", hidden ", hidden, ")");
   cross_entropy_grad_from_logits_kernel<<<unsigned(m), 256, 0, stream>>>(
       logits, ld, vocab, lse, scale, targets, z_loss, 1.0f / float(hidden), zdz);
+  CODA_CUDA_CHECK(cudaGetLastError());
+}
+
+void cross_entropy_from_unscaled_logits(bf16* logits, int64_t ld, int64_t m, int64_t vocab,
+                                        const float* r, const int64_t* targets,
+                                        int64_t ignore_index, float z_loss, const float* scale,
+                                        int64_t hidden, float* lse, float* token_loss, float* zdz,
+                                        cudaStream_t stream) {
+  CODA_CHECK(logits && r && targets && scale && lse && token_loss && zdz,
+             "cross_entropy_from_unscaled_logits: null pointer");
+  CODA_CHECK(m > 0 && m < (int64_t(1) << 31) && vocab > 0 && vocab % 2 == 0 && ld >= vocab &&
+                 ld % 2 == 0 && hidden > 0,
+             "cross_entropy_from_unscaled_logits: bad sizes (m ", m, ", vocab ", vocab, ", ld ",
+             ld, ", hidden ", hidden, ")");
+  cross_entropy_from_unscaled_logits_kernel<<<unsigned(m), 256, 0, stream>>>(
+      logits, ld, vocab, r, targets, ignore_index, z_loss, scale, 1.0f / float(hidden), lse,
+      token_loss, zdz);
   CODA_CUDA_CHECK(cudaGetLastError());
 }
 

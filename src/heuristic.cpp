@@ -71,6 +71,11 @@ KernelChoice program_config(Program p, int m, int n, int k) {
       // 128x192 spilled (128 bytes, its fp32 DAG holds ten fragments): 128x128 does not.
       return {Config::kPing128x128x64_1x2, deep};
     case Program::kRmsnormLseLogits:
+      // Per 2048-token chunk of the LM head (run 37, bench/results/2026-11-30-run37-programs-
+      // sweep.json): pingpong 128x192 hides the epilogue at K >= 4096 (1.01 / 1.005x its GEMM at
+      // 8B / 70B, where cooperative 128x256 took 1.27 / 1.14x); at K = 2048 nothing hides it
+      // (1.46-1.58x) and the op layer uses the plain GEMM there (torch/ops_cuda.cpp).
+      if (k > 2048) return {Config::kPing128x192x64_2x1, deep};
       return {Config::kCoop128x256x64_2x1, deep};
     case Program::kRmsnormBackward:
       // B1 (g = dz·W, N = hidden, K = the projection's width). Run-27 sweep: cooperative 256x128
@@ -88,6 +93,13 @@ KernelChoice program_config(Program p, int m, int n, int k) {
       // shape (run 27: 3-10%; its epilogue does not overlap the other warpgroup's MMA).
       return {Config::kPing128x128x64_1x2, {8, Raster::kAlongM}};
     case Program::kResidualRmsnormPartial:
+      // F1 where the plain GEMM takes cooperative 256x128 (N > 6144 at K > 2048: 70B out- and
+      // down-proj): F1 on cooperative 128x256 ran 1.635 / 3.307 ms (out-proj, M = 8192 / 16384)
+      // and 5.447 / 11.639 (down-proj) against 1.676 / 3.493 and 5.950 / 11.493 on 256x128
+      // (run 37); pingpong 128x128 / 128x192 were level at M = 8192 and slower at 16384.
+      if (n > 6144 && k > 2048)
+        return {Config::kCoop128x256x64_2x1, plain_gemm_config(m, n, k).scheduler};
+      return plain_gemm_config(m, n, k);
     case Program::kRmsnormRope:
       // The plain GEMM's choice (F1: out/down-proj, F3: QKV have N <= 10240): pingpong 128x128
       // below 6144 columns, cooperative 256x128 above, both compiled for these programs.

@@ -226,25 +226,38 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> lm_head_loss_grad(
   rows = std::max<int64_t>(8, rows / q * q);
   const int64_t chunks = (m + rows - 1) / rows;
   const int64_t chunk = std::min((((m + chunks - 1) / chunks + q - 1) / q) * q, m);
+  // At hidden <= 2048 the F4 epilogue (LSE partials and logits) cost 1.46x its GEMM on every
+  // compiled tile (run 37: a 2048-deep mainloop cannot hide it), so there the plain GEMM stores
+  // s = h·Wᵀ and one row kernel forms ℓ = r·s, lse, the loss and dℓ (3 passes over the chunk's
+  // logits in HBM, ~0.4 ms per 2048 x 128256 chunk); above, F4 stays 1.00-1.01x its GEMM.
+  const bool unfused_lse = hidden <= 2048;
   Tensor logits = at::empty({chunk, vocab}, x.options());
   Tensor lse = at::empty({m}, st), token_loss = at::empty({m}, st);
-  Tensor target_logit = at::zeros({m}, st), zdz = at::empty({chunk}, st);
+  Tensor target_logit = at::zeros({unfused_lse ? 0 : m}, st), zdz = at::empty({chunk}, st);
   Tensor dx = at::zeros_like(x);  // B1's dres (none: the LM head has no residual) and output
   Tensor dgamma32 = at::empty({hidden}, st), dgamma_c = at::empty({hidden}, st);
   Tensor dw = at::empty_like(w_vocab, at::MemoryFormat::Contiguous);
   for (int64_t m0 = 0; m0 < m; m0 += chunk) {
     const int mc = int(std::min(chunk, m - m0));
-    const auto layout = ops::lm_head_logits_partials_layout(mc, int(vocab), int(hidden));
-    Tensor pmax = partial_buffer(layout, x), psum = partial_buffer(layout, x);
-    ops::gemm_rmsnorm_lse_logits(bf(h) + m0 * hidden, bf(w_vocab), f32(r) + m0, t + m0,
-                                 f32_out(pmax), f32_out(psum), f32_out(target_logit) + m0,
-                                 bf_out(logits), int(vocab), mc, int(vocab), int(hidden), s);
-    ops::lse_loss_fold(f32(pmax), f32(psum), layout, f32(target_logit) + m0, t + m0, int(vocab),
-                       ignore_index, float(z_loss), f32_out(lse) + m0, f32_out(token_loss) + m0,
-                       s);
-    ops::cross_entropy_backward_from_logits(bf_out(logits), int(vocab), f32(lse) + m0,
-                                            f32(scale) + m0, t + m0, float(z_loss),
-                                            f32_out(zdz), mc, int(vocab), int(hidden), s);
+    if (unfused_lse) {
+      ops::gemm(bf(h) + m0 * hidden, bf(w_vocab), bf_out(logits), mc, int(vocab), int(hidden), s);
+      ops::cross_entropy_from_unscaled_logits(
+          bf_out(logits), int(vocab), f32(r) + m0, t + m0, ignore_index, float(z_loss),
+          f32(scale) + m0, f32_out(lse) + m0, f32_out(token_loss) + m0, f32_out(zdz), mc,
+          int(vocab), int(hidden), s);
+    } else {
+      const auto layout = ops::lm_head_logits_partials_layout(mc, int(vocab), int(hidden));
+      Tensor pmax = partial_buffer(layout, x), psum = partial_buffer(layout, x);
+      ops::gemm_rmsnorm_lse_logits(bf(h) + m0 * hidden, bf(w_vocab), f32(r) + m0, t + m0,
+                                   f32_out(pmax), f32_out(psum), f32_out(target_logit) + m0,
+                                   bf_out(logits), int(vocab), mc, int(vocab), int(hidden), s);
+      ops::lse_loss_fold(f32(pmax), f32(psum), layout, f32(target_logit) + m0, t + m0,
+                         int(vocab), ignore_index, float(z_loss), f32_out(lse) + m0,
+                         f32_out(token_loss) + m0, s);
+      ops::cross_entropy_backward_from_logits(bf_out(logits), int(vocab), f32(lse) + m0,
+                                              f32(scale) + m0, t + m0, float(z_loss),
+                                              f32_out(zdz), mc, int(vocab), int(hidden), s);
+    }
     const Tensor dl = logits.narrow(0, 0, mc);
     Tensor dx_c = dx.narrow(0, m0, mc);
     // The first chunk's dγ fold writes dgamma32; later chunks' are added to it.

@@ -112,6 +112,15 @@ void cross_entropy_backward_from_logits(bf16* logits, int ld_logits, const float
                                         float* zdz, int m, int vocab, int hidden,
                                         cudaStream_t stream);
 
+// A2 + B4 on the plain GEMM's logits s = h·W_vocabᵀ (bf16 (M, V) at row stride ld_logits, not yet
+// scaled by r): ℓ = r·s; lse, token_loss as lse_loss_fold; then s is overwritten in place by dℓ as
+// cross_entropy_backward_from_logits, with zdz. The LM head's three-GEMM path at hidden <= 2048.
+void cross_entropy_from_unscaled_logits(bf16* logits, int ld_logits, const float* r,
+                                        const int64_t* targets, int64_t ignore_index,
+                                        float z_loss, const float* scale, float* lse,
+                                        float* token_loss, float* zdz, int m, int vocab,
+                                        int hidden, cudaStream_t stream);
+
 // A2: lse (M) and per-token loss (M): lse − ℓ_target + z_loss·lse², 0 for ignore_index, NaN for a
 // target outside [0, V) that is not ignore_index (checked on the device; the host never syncs).
 void lse_loss_fold(const float* max_partials, const float* sum_partials,

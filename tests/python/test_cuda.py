@@ -188,13 +188,18 @@ def check_lm_head(s, reduction, z_loss, chunk_bytes, seed=4):
 # accumulates over 10 of them (the last 5 tokens); 'none' (the recompute path) runs 8-column
 # vocabulary slices.
 @pytest.mark.parametrize("chunk_bytes", [1 << 30, 16 * 1000 * 2])
-def test_lm_head_loss_matches_fp64_reference(reduction, z_loss, chunk_bytes):
-    check_lm_head(S, reduction, z_loss, chunk_bytes)
+# The three-GEMM path forms lse and dℓ after a plain GEMM at H <= 2048 and in F4's epilogue above.
+@pytest.mark.parametrize("hidden", [256, 2304], ids=["plain-gemm-lse", "f4-lse"])
+def test_lm_head_loss_matches_fp64_reference(reduction, z_loss, chunk_bytes, hidden):
+    if hidden != S["H"] and chunk_bytes < 1 << 30:
+        chunk_bytes = 8 * (S["V"] + hidden) * 2  # 8-token chunks at this hidden size too
+    check_lm_head(dict(S, H=hidden), reduction, z_loss, chunk_bytes)
 
 
 def test_lm_head_loss_three_gemm_path_at_hidden_2048():
-    """The mean gradient formed in the forward at H = 2048 (the K > 2048 scheduler options) with
-    ragged token chunks: 340 tokens in chunks of 40, the last 20."""
+    """The mean gradient formed in the forward at H = 2048 (the largest hidden size whose lse and
+    dℓ come from the plain GEMM's logits; the K > 2048 scheduler options) with ragged token
+    chunks: 340 tokens in chunks of 40, the last 20."""
     check_lm_head(dict(M=340, H=2048, V=4000), "mean", 1e-3, 40 * (4000 + 2048) * 2, seed=12)
 
 
@@ -236,15 +241,17 @@ def test_lm_head_loss_all_ignored_matches_pytorch(reduction, expect):
         assert x.grad.abs().max().item() == 0.0 and w.grad.abs().max().item() == 0.0
 
 
-def test_lm_head_loss_extreme_logits_stay_finite():
+@pytest.mark.parametrize("hidden", [256, 2304], ids=["plain-gemm-lse", "f4-lse"])
+def test_lm_head_loss_extreme_logits_stay_finite(hidden):
     gen = torch.Generator().manual_seed(6)
-    x = rand(S["M"], S["H"], gen=gen).requires_grad_()
-    gamma = torch.ones(S["H"], dtype=BF16, device="cuda")
+    s = dict(S, H=hidden)
+    x = rand(s["M"], s["H"], gen=gen).requires_grad_()
+    gamma = torch.ones(s["H"], dtype=BF16, device="cuda")
     # Rows of ±1e4/√H-ish weights: logits around ±1e4.
-    w = (torch.sign(torch.randn(S["V"], S["H"], generator=gen)) * 1e4 / S["H"] ** 0.5 * 0.3)
+    w = (torch.sign(torch.randn(s["V"], s["H"], generator=gen)) * 1e4 / s["H"] ** 0.5 * 0.3)
     w = w.to(BF16).cuda().requires_grad_()
     h, r = caches(x.detach(), gamma)
-    t = torch.randint(0, S["V"], (S["M"],), generator=gen).cuda()
+    t = torch.randint(0, s["V"], (s["M"],), generator=gen).cuda()
     loss, lse = CODA.lm_head_loss(x, gamma, w, h, r, t)
     loss.backward()
     assert lse.abs().max().item() > 1e3, "the test did not reach extreme logits"

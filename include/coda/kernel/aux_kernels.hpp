@@ -56,6 +56,16 @@ void cross_entropy_grad_from_logits(bf16* logits, int64_t ld, int64_t m, int64_t
                                     const float* lse, const float* scale, const int64_t* targets,
                                     float z_loss, int64_t hidden, float* zdz, cudaStream_t stream);
 
+// A2 and B4 in one pass pair over the plain GEMM's unscaled logits (the LM head's three-GEMM path
+// at short K, where the F4 epilogue costs more than a separate pass): per row m of s (bf16, M rows
+// of `vocab` columns at stride ld), ℓ = r[m]·s; lse[m] and token_loss[m] as fold_lse_loss (the
+// target logit read from s); then in place dℓ and zdz[m] as cross_entropy_grad_from_logits.
+void cross_entropy_from_unscaled_logits(bf16* s, int64_t ld, int64_t m, int64_t vocab,
+                                        const float* r, const int64_t* targets,
+                                        int64_t ignore_index, float z_loss, const float* scale,
+                                        int64_t hidden, float* lse, float* token_loss, float* zdz,
+                                        cudaStream_t stream);
+
 // p[i] = bf16(p[i] · g[0]) for i < n, unless g[0] == 1 (read on the device: then no pass over p).
 // For gradients formed before their scale is known (the LM head's, for d loss = 1).
 void scale_bf16_unless_one(bf16* p, int64_t n, const float* g, cudaStream_t stream);
