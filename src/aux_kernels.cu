@@ -178,12 +178,12 @@ __global__ void cross_entropy_grad_from_logits_kernel(bf16* logits, int64_t ld, 
 }
 
 // One block per row. Pass 1: per-thread online (max, Σexp) of ℓ = r·s, merged across lanes and
-// warps; thread 0 forms lse and the token loss (reading the target's s before pass 2 overwrites
-// it). Pass 2 (the row again, mostly from L2/HBM): dℓ in place and Σ ℓ·dℓ.
+// warps, and the target logit's dot product; thread 0 forms lse and the token loss. Pass 2 (the
+// row again, mostly from HBM): dℓ in place and Σ ℓ·dℓ.
 __global__ void cross_entropy_from_unscaled_logits_kernel(
-    bf16* logits, int64_t ld, int64_t vocab, const float* r, const int64_t* targets,
-    int64_t ignore_index, float z_loss, const float* scale, float inv_hidden, float* lse_out,
-    float* token_loss, float* zdz) {
+    bf16* logits, int64_t ld, int64_t vocab, const bf16* h, const bf16* w, int64_t hidden,
+    const float* r, const int64_t* targets, int64_t ignore_index, float z_loss, const float* scale,
+    float* lse_out, float* token_loss, float* zdz) {
   using State = epilogue::OnlineMaxSumExp<float>;
   const int64_t row = blockIdx.x;
   const float rr = r[row];
@@ -197,15 +197,35 @@ __global__ void cross_entropy_from_unscaled_logits_kernel(
   for (int o = 16; o > 0; o /= 2)
     st = State::merge(st, State{__shfl_xor_sync(0xffffffff, st.max, o),
                                 __shfl_xor_sync(0xffffffff, st.sum, o)});
-  __shared__ float warp_max[32], warp_sum[32], row_lse;
-  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = st.max, warp_sum[threadIdx.x / 32] = st.sum;
+  // The target logit in fp32 from h and W's target row (as F4 takes it from the accumulator), so
+  // the loss carries no bf16 rounding of ℓ_target: H multiply-adds per token.
   const int64_t target = targets[row];
   const bool valid = target >= 0 && target < vocab;
-  const float target_logit = threadIdx.x == 0 && valid ? rr * __bfloat162float(logits[row * ld + target]) : 0.f;
+  float dot = 0.f;
+  if (valid) {
+    const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(h + row * hidden);
+    const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(w + target * hidden);
+    for (int64_t k = threadIdx.x; k < hidden / 2; k += blockDim.x) {
+      const float2 a = __bfloat1622float2(h2[k]), b = __bfloat1622float2(w2[k]);
+      dot += a.x * b.x + a.y * b.y;
+    }
+  }
+  for (int o = 16; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffff, dot, o);
+  __shared__ float warp_max[32], warp_sum[32], warp_dot[32], row_lse;
+  if (threadIdx.x % 32 == 0) {
+    warp_max[threadIdx.x / 32] = st.max;
+    warp_sum[threadIdx.x / 32] = st.sum;
+    warp_dot[threadIdx.x / 32] = dot;
+  }
   __syncthreads();
   if (threadIdx.x == 0) {
     State all;
-    for (unsigned w = 0; w < blockDim.x / 32; ++w) all = State::merge(all, State{warp_max[w], warp_sum[w]});
+    float target_dot = 0.f;
+    for (unsigned w = 0; w < blockDim.x / 32; ++w) {
+      all = State::merge(all, State{warp_max[w], warp_sum[w]});
+      target_dot += warp_dot[w];
+    }
+    const float target_logit = rr * target_dot;
     const float l = all.logsumexp();
     lse_out[row] = l;
     row_lse = l;
@@ -214,7 +234,7 @@ __global__ void cross_entropy_from_unscaled_logits_kernel(
                                              : l - target_logit + z_loss * l * l;
   }
   __syncthreads();
-  const float l = row_lse, sc = scale[row];
+  const float l = row_lse, sc = scale[row], inv_hidden = 1.0f / float(hidden);
   const float p_scale = (1.f + 2.f * z_loss * l) * sc;
   float s = 0.f;
   for (int64_t j = threadIdx.x; j < vocab / 2; j += blockDim.x) {
@@ -283,19 +303,20 @@ void cross_entropy_grad_from_logits(bf16* logits, int64_t ld, int64_t m, int64_t
 }
 
 void cross_entropy_from_unscaled_logits(bf16* logits, int64_t ld, int64_t m, int64_t vocab,
+                                        const bf16* h, const bf16* w, int64_t hidden,
                                         const float* r, const int64_t* targets,
                                         int64_t ignore_index, float z_loss, const float* scale,
-                                        int64_t hidden, float* lse, float* token_loss, float* zdz,
+                                        float* lse, float* token_loss, float* zdz,
                                         cudaStream_t stream) {
-  CODA_CHECK(logits && r && targets && scale && lse && token_loss && zdz,
+  CODA_CHECK(logits && h && w && r && targets && scale && lse && token_loss && zdz,
              "cross_entropy_from_unscaled_logits: null pointer");
   CODA_CHECK(m > 0 && m < (int64_t(1) << 31) && vocab > 0 && vocab % 2 == 0 && ld >= vocab &&
-                 ld % 2 == 0 && hidden > 0,
+                 ld % 2 == 0 && hidden > 0 && hidden % 2 == 0,
              "cross_entropy_from_unscaled_logits: bad sizes (m ", m, ", vocab ", vocab, ", ld ",
              ld, ", hidden ", hidden, ")");
   cross_entropy_from_unscaled_logits_kernel<<<unsigned(m), 256, 0, stream>>>(
-      logits, ld, vocab, r, targets, ignore_index, z_loss, scale, 1.0f / float(hidden), lse,
-      token_loss, zdz);
+      logits, ld, vocab, h, w, hidden, r, targets, ignore_index, z_loss, scale, lse, token_loss,
+      zdz);
   CODA_CUDA_CHECK(cudaGetLastError());
 }
 

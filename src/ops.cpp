@@ -344,7 +344,8 @@ void cross_entropy_backward_from_logits(bf16* logits, int ld_logits, const float
                                          hidden, zdz, stream);
 }
 
-void cross_entropy_from_unscaled_logits(bf16* logits, int ld_logits, const float* r,
+void cross_entropy_from_unscaled_logits(bf16* logits, int ld_logits, const bf16* h,
+                                        const bf16* w_vocab, const float* r,
                                         const int64_t* targets, int64_t ignore_index,
                                         float z_loss, const float* scale, float* lse,
                                         float* token_loss, float* zdz, int m, int vocab,
@@ -352,6 +353,8 @@ void cross_entropy_from_unscaled_logits(bf16* logits, int ld_logits, const float
   const char* op = "coda::ops::cross_entropy_from_unscaled_logits";
   check_gemm_sizes(op, m, vocab, hidden);
   check_device_pointers(op, {{"logits", logits},
+                             {"h", h},
+                             {"w_vocab", w_vocab},
                              {"r", r},
                              {"targets", targets},
                              {"scale", scale},
@@ -360,8 +363,9 @@ void cross_entropy_from_unscaled_logits(bf16* logits, int ld_logits, const float
                              {"zdz", zdz}});
   CODA_CHECK(ld_logits >= vocab && ld_logits % 2 == 0, op,
              ": ld_logits must be even and >= vocab, got vocab ", vocab, ", ld_logits ", ld_logits);
-  kernel::cross_entropy_from_unscaled_logits(logits, ld_logits, m, vocab, r, targets, ignore_index,
-                                             z_loss, scale, hidden, lse, token_loss, zdz, stream);
+  kernel::cross_entropy_from_unscaled_logits(logits, ld_logits, m, vocab, h, w_vocab, hidden, r,
+                                             targets, ignore_index, z_loss, scale, lse, token_loss,
+                                             zdz, stream);
 }
 
 void lse_loss_fold(const float* max_partials, const float* sum_partials,

@@ -242,9 +242,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> lm_head_loss_grad(
     if (unfused_lse) {
       ops::gemm(bf(h) + m0 * hidden, bf(w_vocab), bf_out(logits), mc, int(vocab), int(hidden), s);
       ops::cross_entropy_from_unscaled_logits(
-          bf_out(logits), int(vocab), f32(r) + m0, t + m0, ignore_index, float(z_loss),
-          f32(scale) + m0, f32_out(lse) + m0, f32_out(token_loss) + m0, f32_out(zdz), mc,
-          int(vocab), int(hidden), s);
+          bf_out(logits), int(vocab), bf(h) + m0 * hidden, bf(w_vocab), f32(r) + m0, t + m0,
+          ignore_index, float(z_loss), f32(scale) + m0, f32_out(lse) + m0,
+          f32_out(token_loss) + m0, f32_out(zdz), mc, int(vocab), int(hidden), s);
     } else {
       const auto layout = ops::lm_head_logits_partials_layout(mc, int(vocab), int(hidden));
       Tensor pmax = partial_buffer(layout, x), psum = partial_buffer(layout, x);

@@ -113,9 +113,11 @@ void cross_entropy_backward_from_logits(bf16* logits, int ld_logits, const float
                                         cudaStream_t stream);
 
 // A2 + B4 on the plain GEMM's logits s = h·W_vocabᵀ (bf16 (M, V) at row stride ld_logits, not yet
-// scaled by r): ℓ = r·s; lse, token_loss as lse_loss_fold; then s is overwritten in place by dℓ as
+// scaled by r): ℓ = r·s; lse, token_loss as lse_loss_fold (the target logit r·(h·w_target) in
+// fp32 from h (M, hidden) and w_vocab (V, hidden)); then s is overwritten in place by dℓ as
 // cross_entropy_backward_from_logits, with zdz. The LM head's three-GEMM path at hidden <= 2048.
-void cross_entropy_from_unscaled_logits(bf16* logits, int ld_logits, const float* r,
+void cross_entropy_from_unscaled_logits(bf16* logits, int ld_logits, const bf16* h,
+                                        const bf16* w_vocab, const float* r,
                                         const int64_t* targets, int64_t ignore_index,
                                         float z_loss, const float* scale, float* lse,
                                         float* token_loss, float* zdz, int m, int vocab,

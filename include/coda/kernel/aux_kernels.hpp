@@ -58,12 +58,14 @@ void cross_entropy_grad_from_logits(bf16* logits, int64_t ld, int64_t m, int64_t
 
 // A2 and B4 in one pass pair over the plain GEMM's unscaled logits (the LM head's three-GEMM path
 // at short K, where the F4 epilogue costs more than a separate pass): per row m of s (bf16, M rows
-// of `vocab` columns at stride ld), ℓ = r[m]·s; lse[m] and token_loss[m] as fold_lse_loss (the
-// target logit read from s); then in place dℓ and zdz[m] as cross_entropy_grad_from_logits.
+// of `vocab` columns at stride ld; s = h·wᵀ with h (M, hidden), w (vocab, hidden) contiguous),
+// ℓ = r[m]·s; lse[m] and token_loss[m] as fold_lse_loss, the target logit r[m]·(h[m]·w[target])
+// in fp32; then in place dℓ and zdz[m] as cross_entropy_grad_from_logits.
 void cross_entropy_from_unscaled_logits(bf16* s, int64_t ld, int64_t m, int64_t vocab,
+                                        const bf16* h, const bf16* w, int64_t hidden,
                                         const float* r, const int64_t* targets,
                                         int64_t ignore_index, float z_loss, const float* scale,
-                                        int64_t hidden, float* lse, float* token_loss, float* zdz,
+                                        float* lse, float* token_loss, float* zdz,
                                         cudaStream_t stream);
 
 // p[i] = bf16(p[i] · g[0]) for i < n, unless g[0] == 1 (read on the device: then no pass over p).
