@@ -319,6 +319,8 @@ def with_later_lm_head(d, results):
     if not lm_path:
         return d
     lm = json.load(open(lm_path))
+    if lm.get("started", "") <= d.get("started", ""):  # the full run is the later one
+        return d
     if "lm_head" in lm.get("sections", {}):
         d["sections"]["lm_head"] = dict(
             lm["sections"]["lm_head"],
