@@ -34,6 +34,10 @@ set(CODA_ALL_KERNELS
   "RmsnormBackward:Coop256x128x64_1x2:XW"  # B1 gate/up (K >= 16384), run 27
   "RmsnormCrossEntropyBackward:Ping128x128x64_1x2:XWt"
   "SwigluBackward:Ping128x128x64_1x2:XW"
+  # candidates for B2 / B1 QKV at 1B (K = 2048-3072; 1.5x / 1.2x their GEMM in run 39): cluster 2x1
+  # multicasts the weight tile to two M-tiles; to sweep (not yet measured)
+  "SwigluBackward:Ping128x128x64_2x1:XW"
+  "RmsnormBackward:Ping128x128x64_2x1:XW"
   "Plain:Ping128x128x64_1x2:XW"
   "Plain:Coop256x128x64_1x2:XW"  # data-gradient GEMMs at N, K >= 4096, run 27
   "Plain:Coop128x256x64_2x1:XtY"
