@@ -229,12 +229,21 @@ int main(int argc, char** argv) {
     for (int ci = 0; ci < int(Config::kCount); ++ci) {
       const Config cfg = Config(ci);
       const auto fused_fn = kernel::find_kernel(c.program, cfg, c.operands);
-      const auto plain_fn = kernel::find_kernel(Program::kPlain, cfg, c.operands);
-      if (!fused_fn || !plain_fn) continue;
+      if (!fused_fn) continue;
       if (!only_config.empty() && only_config != kernel::config_name(cfg)) continue;
+      // The plain GEMM on the same configuration; where that is not compiled (a candidate
+      // compiled for one program only), the plain GEMM the op layer would run for this shape.
+      const kernel::KernelChoice plain_choice =
+          kernel::find_kernel(Program::kPlain, cfg, c.operands)
+              ? kernel::KernelChoice{cfg, {}}
+              : kernel::choose_config(Program::kPlain, c.operands, c.m, c.n, c.k);
+      const auto plain_fn = kernel::find_kernel(Program::kPlain, plain_choice.config, c.operands);
+      if (!plain_fn) continue;
       // The scheduler options the op layer would use for this program and shape.
       kernel::SchedulerOptions so =
           kernel::choose_config(c.program, c.operands, c.m, c.n, c.k).scheduler;
+      const kernel::SchedulerOptions plain_so = plain_choice.config == cfg ? so
+                                                                            : plain_choice.scheduler;
       // --swizzle N / --raster M|N override them (both timed kernels), to explore.
       if (args.count("swizzle")) so.swizzle = std::stoi(args["swizzle"]);
       if (args.count("raster"))
@@ -318,12 +327,14 @@ int main(int argc, char** argv) {
       double t_plain = NAN, t_fused = NAN;
       if (ok) {
         std::tie(t_plain, t_fused) = timer.median_ms_interleaved(
-            [&](cudaStream_t st) { CODA_CUDA_CHECK(plain_fn(plain_prob, &plain, so, st)); },
+            [&](cudaStream_t st) { CODA_CUDA_CHECK(plain_fn(plain_prob, &plain, plain_so, st)); },
             [&](cudaStream_t st) { CODA_CUDA_CHECK(fused_fn(prob, fargs, so, st)); });
       }
-      std::printf("%-11s %-13s %6d %6d %6d | %-22s %8.3f %8.3f %7.3f | %s (%d samples)\n",
+      std::printf("%-11s %-13s %6d %6d %6d | %-22s %8.3f %8.3f %7.3f | %s (%d samples)%s%s\n",
                   c.model.c_str(), c.op.c_str(), c.m, c.n, c.k, kernel::config_name(cfg), t_plain,
-                  t_fused, t_fused / t_plain, ok ? "ok" : "FAIL", checked);
+                  t_fused, t_fused / t_plain, ok ? "ok" : "FAIL", checked,
+                  plain_choice.config == cfg ? "" : "; plain on ",
+                  plain_choice.config == cfg ? "" : kernel::config_name(plain_choice.config));
       std::fflush(stdout);
       rows.push_back(bench::JsonRow()
                          .set("model", c.model)
@@ -333,6 +344,7 @@ int main(int argc, char** argv) {
                          .set("n", c.n)
                          .set("k", c.k)
                          .set("config", kernel::config_name(cfg))
+                         .set("plain_config", kernel::config_name(plain_choice.config))
                          .set("swizzle", so.swizzle)
                          .set("raster", so.raster == kernel::Raster::kAlongN   ? "N"
                                         : so.raster == kernel::Raster::kAlongM ? "M"
