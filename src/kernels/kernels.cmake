@@ -10,13 +10,11 @@ set(CODA_ALL_KERNELS
   "Plain:Ping128x128x64_2x1:XWt"
   "Plain:Ping128x192x64_2x1:XWt"
   "Plain:Coop128x128x64_1x1:XWt"
-  # forward programs
+  # forward programs (F1 was also swept on pingpong 128x192, B2 and B1 on pingpong 128x128 with
+  # cluster 2x1 in runs 37 and 42, and dropped: docs/performance-notes.md)
   "ResidualRmsnormPartial:Ping128x128x64_1x2:XWt"
   "ResidualRmsnormPartial:Coop128x256x64_2x1:XWt"
   "ResidualRmsnormPartial:Coop256x128x64_1x2:XWt"
-  # candidate for F1 where the plain GEMM takes cooperative 256x128 (70B): pingpong overlaps the
-  # epilogue with the other warpgroup's MMA; to sweep (not yet measured)
-  "ResidualRmsnormPartial:Ping128x192x64_2x1:XWt"
   "RmsnormSwiglu:Ping128x128x64_1x2:XWt"
   "RmsnormSwiglu:Coop128x256x64_2x1:XWt"
   "RmsnormSwiglu:Ping128x192x64_2x1:XWt"
@@ -26,18 +24,13 @@ set(CODA_ALL_KERNELS
   "RmsnormLse:Coop128x256x64_2x1:XWt"
   "RmsnormLse:Ping128x192x64_2x1:XWt"
   "RmsnormLseLogits:Coop128x256x64_2x1:XWt"
-  # candidates for the LM head's three-GEMM path (F4 storing logits), to sweep (not yet measured)
+  # the LM head's three-GEMM path (F4 storing logits): pingpong 128x192 at K > 2048 (run 37)
   "RmsnormLseLogits:Ping128x192x64_2x1:XWt"
-  "RmsnormLseLogits:Coop256x128x64_1x2:XWt"
   # backward programs and the transposed operand layouts the backward pass needs
   "RmsnormBackward:Ping128x128x64_1x2:XW"
   "RmsnormBackward:Coop256x128x64_1x2:XW"  # B1 gate/up (K >= 16384), run 27
   "RmsnormCrossEntropyBackward:Ping128x128x64_1x2:XWt"
   "SwigluBackward:Ping128x128x64_1x2:XW"
-  # candidates for B2 / B1 QKV at 1B (K = 2048-3072; 1.5x / 1.2x their GEMM in run 39): cluster 2x1
-  # multicasts the weight tile to two M-tiles; to sweep (not yet measured)
-  "SwigluBackward:Ping128x128x64_2x1:XW"
-  "RmsnormBackward:Ping128x128x64_2x1:XW"
   "Plain:Ping128x128x64_1x2:XW"
   "Plain:Coop256x128x64_1x2:XW"  # data-gradient GEMMs at N, K >= 4096, run 27
   "Plain:Coop128x256x64_2x1:XtY"
