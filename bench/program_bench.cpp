@@ -242,12 +242,13 @@ int main(int argc, char** argv) {
       // The scheduler options the op layer would use for this program and shape.
       kernel::SchedulerOptions so =
           kernel::choose_config(c.program, c.operands, c.m, c.n, c.k).scheduler;
-      const kernel::SchedulerOptions plain_so = plain_choice.config == cfg ? so
-                                                                            : plain_choice.scheduler;
+      kernel::SchedulerOptions plain_so = plain_choice.config == cfg ? so : plain_choice.scheduler;
       // --swizzle N / --raster M|N override them (both timed kernels), to explore.
-      if (args.count("swizzle")) so.swizzle = std::stoi(args["swizzle"]);
-      if (args.count("raster"))
-        so.raster = args["raster"] == "N" ? kernel::Raster::kAlongN : kernel::Raster::kAlongM;
+      for (kernel::SchedulerOptions* o : {&so, &plain_so}) {
+        if (args.count("swizzle")) o->swizzle = std::stoi(args["swizzle"]);
+        if (args.count("raster"))
+          o->raster = args["raster"] == "N" ? kernel::Raster::kAlongN : kernel::Raster::kAlongM;
+      }
       // Spot check of the fused result.
       CODA_CUDA_CHECK(cudaMemset(d, 0xff, nd * 2));
       if (tl) CODA_CUDA_CHECK(cudaMemset(tl, 0xff, c.m * 4));

@@ -149,97 +149,20 @@ __global__ void fold_lse_loss_kernel(const float* max_partials, const float* sum
 }
 
 // One block per row (the rows are long: a vocabulary); pairs of columns as one 32-bit access.
-__global__ void cross_entropy_grad_from_logits_kernel(bf16* logits, int64_t ld, int64_t vocab,
-                                                      const float* lse, const float* scale,
-                                                      const int64_t* targets, float z_loss,
-                                                      float inv_hidden, float* zdz) {
-  const int64_t row = blockIdx.x;
-  const float l = lse[row], sc = scale[row];
-  const float p_scale = (1.f + 2.f * z_loss * l) * sc;
-  const int64_t target = targets[row];
-  __nv_bfloat162* v2 = reinterpret_cast<__nv_bfloat162*>(logits + row * ld);
-  float s = 0.f;
-  for (int64_t j = threadIdx.x; j < vocab / 2; j += blockDim.x) {
-    const float2 v = __bfloat1622float2(v2[j]);
-    const float d0 = __expf(v.x - l) * p_scale - (2 * j == target ? sc : 0.f);
-    const float d1 = __expf(v.y - l) * p_scale - (2 * j + 1 == target ? sc : 0.f);
-    s += v.x * d0 + v.y * d1;
-    v2[j] = __floats2bfloat162_rn(d0, d1);
-  }
-  for (int o = 16; o > 0; o /= 2) s += __shfl_xor_sync(0xffffffff, s, o);
-  __shared__ float warp_sums[32];
-  if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = s;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float t = 0.f;
-    for (unsigned w = 0; w < blockDim.x / 32; ++w) t += warp_sums[w];
-    zdz[row] = t * inv_hidden;
-  }
-}
-
-// One block per row. Pass 1: per-thread online (max, Σexp) of ℓ = r·s, merged across lanes and
-// warps, and the target logit's dot product; thread 0 forms lse and the token loss. Pass 2 (the
-// row again, mostly from HBM): dℓ in place and Σ ℓ·dℓ.
-__global__ void cross_entropy_from_unscaled_logits_kernel(
-    bf16* logits, int64_t ld, int64_t vocab, const bf16* h, const bf16* w, int64_t hidden,
-    const float* r, const int64_t* targets, int64_t ignore_index, float z_loss, const float* scale,
-    float* lse_out, float* token_loss, float* zdz) {
-  using State = epilogue::OnlineMaxSumExp<float>;
-  const int64_t row = blockIdx.x;
-  const float rr = r[row];
-  __nv_bfloat162* v2 = reinterpret_cast<__nv_bfloat162*>(logits + row * ld);
-  State st;
-  for (int64_t j = threadIdx.x; j < vocab / 2; j += blockDim.x) {
-    const float2 v = __bfloat1622float2(v2[j]);
-    st.add(rr * v.x);
-    st.add(rr * v.y);
-  }
-  for (int o = 16; o > 0; o /= 2)
-    st = State::merge(st, State{__shfl_xor_sync(0xffffffff, st.max, o),
-                                __shfl_xor_sync(0xffffffff, st.sum, o)});
-  // The target logit in fp32 from h and W's target row (as F4 takes it from the accumulator), so
-  // the loss carries no bf16 rounding of ℓ_target: H multiply-adds per token.
-  const int64_t target = targets[row];
-  const bool valid = target >= 0 && target < vocab;
-  float dot = 0.f;
-  if (valid) {
-    const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(h + row * hidden);
-    const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(w + target * hidden);
-    for (int64_t k = threadIdx.x; k < hidden / 2; k += blockDim.x) {
-      const float2 a = __bfloat1622float2(h2[k]), b = __bfloat1622float2(w2[k]);
-      dot += a.x * b.x + a.y * b.y;
-    }
-  }
-  for (int o = 16; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffff, dot, o);
-  __shared__ float warp_max[32], warp_sum[32], warp_dot[32], row_lse;
-  if (threadIdx.x % 32 == 0) {
-    warp_max[threadIdx.x / 32] = st.max;
-    warp_sum[threadIdx.x / 32] = st.sum;
-    warp_dot[threadIdx.x / 32] = dot;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    State all;
-    float target_dot = 0.f;
-    for (unsigned w = 0; w < blockDim.x / 32; ++w) {
-      all = State::merge(all, State{warp_max[w], warp_sum[w]});
-      target_dot += warp_dot[w];
-    }
-    const float target_logit = rr * target_dot;
-    const float l = all.logsumexp();
-    lse_out[row] = l;
-    row_lse = l;
-    token_loss[row] = target == ignore_index ? 0.f
-                      : !valid               ? __int_as_float(0x7fc00000)  // NaN, as fold_lse_loss
-                                             : l - target_logit + z_loss * l * l;
-  }
-  __syncthreads();
-  const float l = row_lse, sc = scale[row], inv_hidden = 1.0f / float(hidden);
+// One row of B4 in place, by the whole block: ℓ = row_scale·v for the row's bf16 values v (1 when
+// they are the logits themselves), except the target column's ℓ = target_logit (fp32: at
+// |ℓ| ≈ 20-30 the bf16 step moves p_target by up to ~6%, and p_target − 1 far more, relatively);
+// dℓ = (exp(ℓ − lse)·(1 + 2·z_loss·lse) − [n == target])·sc written over v, *zdz = Σ ℓ·dℓ ·
+// inv_hidden.
+__device__ void cross_entropy_grad_row(__nv_bfloat162* v2, int64_t vocab, float row_scale,
+                                       float l, float sc, int64_t target, float target_logit,
+                                       float z_loss, float inv_hidden, float* zdz) {
   const float p_scale = (1.f + 2.f * z_loss * l) * sc;
   float s = 0.f;
   for (int64_t j = threadIdx.x; j < vocab / 2; j += blockDim.x) {
     const float2 v = __bfloat1622float2(v2[j]);
-    const float l0 = rr * v.x, l1 = rr * v.y;
+    const float l0 = 2 * j == target ? target_logit : row_scale * v.x;
+    const float l1 = 2 * j + 1 == target ? target_logit : row_scale * v.y;
     const float d0 = __expf(l0 - l) * p_scale - (2 * j == target ? sc : 0.f);
     const float d1 = __expf(l1 - l) * p_scale - (2 * j + 1 == target ? sc : 0.f);
     s += l0 * d0 + l1 * d1;
@@ -252,8 +175,78 @@ __global__ void cross_entropy_from_unscaled_logits_kernel(
   if (threadIdx.x == 0) {
     float t = 0.f;
     for (unsigned w = 0; w < blockDim.x / 32; ++w) t += warp_sums[w];
-    zdz[row] = t * inv_hidden;
+    *zdz = t * inv_hidden;
   }
+}
+
+__global__ void cross_entropy_grad_from_logits_kernel(bf16* logits, int64_t ld, int64_t vocab,
+                                                      const float* lse, const float* scale,
+                                                      const int64_t* targets,
+                                                      const float* target_logit, float z_loss,
+                                                      float inv_hidden, float* zdz) {
+  const int64_t row = blockIdx.x;
+  cross_entropy_grad_row(reinterpret_cast<__nv_bfloat162*>(logits + row * ld), vocab, 1.f,
+                         lse[row], scale[row], targets[row], target_logit[row], z_loss,
+                         inv_hidden, zdz + row);
+}
+
+// One block per row. First the target logit, r·(h·w_target) in fp32 (as F4 takes it from its
+// accumulator: H multiply-adds per token), known to every thread; then per-thread online (max, Σexp)
+// of ℓ = r·s with that value in the target column (so lse >= ℓ_target, as with exact logits),
+// merged across lanes and warps; thread 0 forms lse and the token loss; then dℓ in place over the
+// row (read again, mostly from HBM) with the same target column.
+__global__ void cross_entropy_from_unscaled_logits_kernel(
+    bf16* logits, int64_t ld, int64_t vocab, const bf16* h, const bf16* w, int64_t hidden,
+    const float* r, const int64_t* targets, int64_t ignore_index, float z_loss, const float* scale,
+    float* lse_out, float* token_loss, float* zdz) {
+  using State = epilogue::OnlineMaxSumExp<float>;
+  const int64_t row = blockIdx.x;
+  const float rr = r[row];
+  const int64_t target = targets[row];
+  const bool valid = target >= 0 && target < vocab;
+  const unsigned warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  __shared__ float warp_max[32], warp_sum[32], warp_dot[32], row_lse;
+  float dot = 0.f;
+  if (valid) {
+    const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(h + row * hidden);
+    const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(w + target * hidden);
+    for (int64_t k = threadIdx.x; k < hidden / 2; k += blockDim.x) {
+      const float2 a = __bfloat1622float2(h2[k]), b = __bfloat1622float2(w2[k]);
+      dot += a.x * b.x + a.y * b.y;
+    }
+  }
+  for (int o = 16; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffff, dot, o);
+  if (threadIdx.x % 32 == 0) warp_dot[warp] = dot;
+  __syncthreads();
+  float target_dot = 0.f;
+  for (unsigned i = 0; i < warps; ++i) target_dot += warp_dot[i];  // same order in every thread
+  const float target_logit = rr * target_dot;
+
+  __nv_bfloat162* v2 = reinterpret_cast<__nv_bfloat162*>(logits + row * ld);
+  State st;
+  for (int64_t j = threadIdx.x; j < vocab / 2; j += blockDim.x) {
+    const float2 v = __bfloat1622float2(v2[j]);
+    st.add(2 * j == target ? target_logit : rr * v.x);
+    st.add(2 * j + 1 == target ? target_logit : rr * v.y);
+  }
+  for (int o = 16; o > 0; o /= 2)
+    st = State::merge(st, State{__shfl_xor_sync(0xffffffff, st.max, o),
+                                __shfl_xor_sync(0xffffffff, st.sum, o)});
+  if (threadIdx.x % 32 == 0) warp_max[warp] = st.max, warp_sum[warp] = st.sum;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    State all;
+    for (unsigned i = 0; i < warps; ++i) all = State::merge(all, State{warp_max[i], warp_sum[i]});
+    const float l = all.logsumexp();
+    lse_out[row] = l;
+    row_lse = l;
+    token_loss[row] = target == ignore_index ? 0.f
+                      : !valid               ? __int_as_float(0x7fc00000)  // NaN, as fold_lse_loss
+                                             : l - target_logit + z_loss * l * l;
+  }
+  __syncthreads();
+  cross_entropy_grad_row(v2, vocab, rr, row_lse, scale[row], target, target_logit, z_loss,
+                         1.0f / float(hidden), zdz + row);
 }
 
 // Eight bf16 per 16-byte access where the pointer allows; the rest one by one.
@@ -290,15 +283,16 @@ void scale_bf16_unless_one(bf16* p, int64_t n, const float* g, cudaStream_t stre
 
 void cross_entropy_grad_from_logits(bf16* logits, int64_t ld, int64_t m, int64_t vocab,
                                     const float* lse, const float* scale, const int64_t* targets,
-                                    float z_loss, int64_t hidden, float* zdz, cudaStream_t stream) {
-  CODA_CHECK(logits && lse && scale && targets && zdz,
+                                    const float* target_logit, float z_loss, int64_t hidden,
+                                    float* zdz, cudaStream_t stream) {
+  CODA_CHECK(logits && lse && scale && targets && target_logit && zdz,
              "cross_entropy_grad_from_logits: null pointer");
   CODA_CHECK(m > 0 && m < (int64_t(1) << 31) && vocab > 0 && vocab % 2 == 0 && ld >= vocab &&
                  ld % 2 == 0 && hidden > 0,
              "cross_entropy_grad_from_logits: bad sizes (m ", m, ", vocab ", vocab, ", ld ", ld,
              ", hidden ", hidden, ")");
   cross_entropy_grad_from_logits_kernel<<<unsigned(m), 256, 0, stream>>>(
-      logits, ld, vocab, lse, scale, targets, z_loss, 1.0f / float(hidden), zdz);
+      logits, ld, vocab, lse, scale, targets, target_logit, z_loss, 1.0f / float(hidden), zdz);
   CODA_CUDA_CHECK(cudaGetLastError());
 }
 

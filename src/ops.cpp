@@ -327,21 +327,22 @@ void gemm_rmsnorm_lse_logits(const bf16* h, const bf16* w_vocab, const float* r,
 }
 
 void cross_entropy_backward_from_logits(bf16* logits, int ld_logits, const float* lse,
-                                        const float* scale, const int64_t* targets, float z_loss,
-                                        float* zdz, int m, int vocab, int hidden,
-                                        cudaStream_t stream) {
+                                        const float* scale, const int64_t* targets,
+                                        const float* target_logit, float z_loss, float* zdz,
+                                        int m, int vocab, int hidden, cudaStream_t stream) {
   const char* op = "coda::ops::cross_entropy_backward_from_logits";
   check_gemm_sizes(op, m, vocab, hidden);
   check_device_pointers(op, {{"logits", logits},
                              {"lse", lse},
                              {"scale", scale},
                              {"targets", targets},
+                             {"target_logit", target_logit},
                              {"zdz", zdz}});
   CODA_CHECK(vocab % 2 == 0 && ld_logits >= vocab && ld_logits % 2 == 0, op,
              ": vocab and ld_logits must be even with ld_logits >= vocab, got vocab ", vocab,
              ", ld_logits ", ld_logits);
-  kernel::cross_entropy_grad_from_logits(logits, ld_logits, m, vocab, lse, scale, targets, z_loss,
-                                         hidden, zdz, stream);
+  kernel::cross_entropy_grad_from_logits(logits, ld_logits, m, vocab, lse, scale, targets,
+                                         target_logit, z_loss, hidden, zdz, stream);
 }
 
 void cross_entropy_from_unscaled_logits(bf16* logits, int ld_logits, const bf16* h,

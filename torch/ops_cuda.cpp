@@ -255,8 +255,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> lm_head_loss_grad(
                          int(vocab), ignore_index, float(z_loss), f32_out(lse) + m0,
                          f32_out(token_loss) + m0, s);
       ops::cross_entropy_backward_from_logits(bf_out(logits), int(vocab), f32(lse) + m0,
-                                              f32(scale) + m0, t + m0, float(z_loss),
-                                              f32_out(zdz), mc, int(vocab), int(hidden), s);
+                                              f32(scale) + m0, t + m0, f32(target_logit) + m0,
+                                              float(z_loss), f32_out(zdz), mc, int(vocab),
+                                              int(hidden), s);
     }
     const Tensor dl = logits.narrow(0, 0, mc);
     Tensor dx_c = dx.narrow(0, m0, mc);

@@ -106,11 +106,12 @@ void gemm_rmsnorm_lse_logits(const bf16* h, const bf16* w_vocab, const float* r,
                              float* target_logit, bf16* logits, int ld_logits, int m, int vocab,
                              int hidden, cudaStream_t stream);
 // B4 from those logits, in place: dℓ = (p − onehot(target) + 2·z_loss·lse·p) · scale[m] with
-// p = exp(ℓ − lse[m]); zdz[m] = Σ ℓ·dℓ / hidden (already folded: B1's input).
+// p = exp(ℓ − lse[m]), the target column's ℓ taken from target_logit (F4's fp32 value); zdz[m] =
+// Σ ℓ·dℓ / hidden (already folded: B1's input).
 void cross_entropy_backward_from_logits(bf16* logits, int ld_logits, const float* lse,
-                                        const float* scale, const int64_t* targets, float z_loss,
-                                        float* zdz, int m, int vocab, int hidden,
-                                        cudaStream_t stream);
+                                        const float* scale, const int64_t* targets,
+                                        const float* target_logit, float z_loss, float* zdz,
+                                        int m, int vocab, int hidden, cudaStream_t stream);
 
 // A2 + B4 on the plain GEMM's logits s = h·W_vocabᵀ (bf16 (M, V) at row stride ld_logits, not yet
 // scaled by r): ℓ = r·s; lse, token_loss as lse_loss_fold (the target logit r·(h·w_target) in

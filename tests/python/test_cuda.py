@@ -153,26 +153,26 @@ def test_mlp_partial_matches_fp64_reference(s):
              ["x", "gamma", "w_gu", "w_down"], 1)
 
 
-def check_lm_head(s, reduction, z_loss, chunk_bytes, seed=4):
+def check_lm_head(s, reduction, z_loss, chunk_bytes, seed=4, ignore_index=-100):
     gen = torch.Generator().manual_seed(seed)
     x = rand(s["M"], s["H"], gen=gen)
     gamma = rand(s["H"], scale=0.3, shift=1.0, gen=gen)
     h, r = caches(x, gamma)
     targets = torch.randint(0, s["V"], (s["M"],), generator=gen)
-    targets[::5] = -100
+    targets[::5] = ignore_index
     inp = dict(x=x, gamma=gamma, w_vocab=rand(s["V"], s["H"], scale=s["H"] ** -0.5, gen=gen),
                h=h, r=r, targets=targets.cuda())
 
     def ours(x, gamma, w_vocab, h, r, targets):
-        return CODA.lm_head_loss(x, gamma, w_vocab, h, r, targets, -100, reduction, z_loss,
-                                 chunk_bytes)
+        return CODA.lm_head_loss(x, gamma, w_vocab, h, r, targets, ignore_index, reduction,
+                                 z_loss, chunk_bytes)
 
     def ref(x, gamma, w_vocab, h, r, targets):
         if x.dtype == torch.float64:
-            return ref_lm_head(x, gamma, w_vocab, targets, -100, reduction, z_loss)
+            return ref_lm_head(x, gamma, w_vocab, targets, ignore_index, reduction, z_loss)
         # What a PyTorch user runs today: bf16 norm and logits, the loss on fp32 logits.
         logits = (ref_norm(x, gamma) @ w_vocab.t()).float()
-        keep = targets != -100
+        keep = targets != ignore_index
         lse = torch.logsumexp(logits, -1)
         picked = logits.gather(1, torch.where(keep, targets, 0)[:, None])[:, 0]
         tok = torch.where(keep, lse - picked + z_loss * lse * lse, torch.zeros_like(lse))
@@ -194,6 +194,14 @@ def test_lm_head_loss_matches_fp64_reference(reduction, z_loss, chunk_bytes, hid
     if hidden != S["H"] and chunk_bytes < 1 << 30:
         chunk_bytes = 8 * (S["V"] + hidden) * 2  # 8-token chunks at this hidden size too
     check_lm_head(dict(S, H=hidden), reduction, z_loss, chunk_bytes)
+
+
+@pytest.mark.parametrize("hidden", [256, 2304], ids=["plain-gemm-lse", "f4-lse"])
+def test_lm_head_loss_with_an_ignore_index_inside_the_vocabulary(hidden):
+    """ignore_index = 3, a real column: its tokens count nothing (loss and one-hot), and column 3
+    of every other token's gradient is an ordinary softmax column."""
+    check_lm_head(dict(S, H=hidden), "mean", 1e-3, 8 * (S["V"] + hidden) * 2, seed=9,
+                  ignore_index=3)
 
 
 def test_lm_head_loss_three_gemm_path_at_hidden_2048():

@@ -50,17 +50,19 @@ void fold_lse_loss(const float* max_partials, const float* sum_partials, int64_t
 
 // B4 from stored logits (the LM head's three-GEMM path): in place on each row m of logits (bf16,
 // M rows of `vocab` columns at stride ld), dℓ = (p·(1 + 2·z_loss·lse) − [n == target])·scale[m]
-// with p = exp(ℓ − lse[m]); zdz[m] = Σ_n ℓ·dℓ / hidden (fp32 values, before rounding). A target
-// outside [0, vocab) (ignored, another rank's, invalid) matches no column.
+// with p = exp(ℓ − lse[m]), ℓ of the target column = target_logit[m] (fp32, F4's); zdz[m] =
+// Σ_n ℓ·dℓ / hidden (fp32 values, before rounding). A target outside [0, vocab) (ignored, another
+// rank's, invalid) matches no column.
 void cross_entropy_grad_from_logits(bf16* logits, int64_t ld, int64_t m, int64_t vocab,
                                     const float* lse, const float* scale, const int64_t* targets,
-                                    float z_loss, int64_t hidden, float* zdz, cudaStream_t stream);
+                                    const float* target_logit, float z_loss, int64_t hidden,
+                                    float* zdz, cudaStream_t stream);
 
 // A2 and B4 in one pass pair over the plain GEMM's unscaled logits (the LM head's three-GEMM path
 // at short K, where the F4 epilogue costs more than a separate pass): per row m of s (bf16, M rows
 // of `vocab` columns at stride ld; s = h·wᵀ with h (M, hidden), w (vocab, hidden) contiguous),
-// ℓ = r[m]·s; lse[m] and token_loss[m] as fold_lse_loss, the target logit r[m]·(h[m]·w[target])
-// in fp32; then in place dℓ and zdz[m] as cross_entropy_grad_from_logits.
+// ℓ = r[m]·s except the target column's r[m]·(h[m]·w[target]) in fp32; lse[m] and token_loss[m] as
+// fold_lse_loss; then in place dℓ and zdz[m] as cross_entropy_grad_from_logits.
 void cross_entropy_from_unscaled_logits(bf16* s, int64_t ld, int64_t m, int64_t vocab,
                                         const bf16* h, const bf16* w, int64_t hidden,
                                         const float* r, const int64_t* targets,
