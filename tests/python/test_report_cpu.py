@@ -100,16 +100,31 @@ def test_readme_block_replaced_between_markers(tmp_path):
     )
 
 
-def test_later_lm_head_run_replaces_rows_and_names_its_source(tmp_path):
-    path, d = suite_file(tmp_path)
+def lm_head_only_run(tmp_path, started):
     row = {"H": 2048, "M": 8192, "V": 128256, "ms": {"coda_chunked": 2.0, "compile": 1.8},
            "peak_extra_MiB": {"coda_chunked": 100.0, "compile": 200.0}}
-    later = {"commit": "def", "device": "test", "command": "lm only",
-             "sections": {"lm_head": {"rows": [row], "chunk_bytes": 1 << 30}}}
-    (tmp_path / "2026-01-02-run9-lm-head-suite.json").write_text(json.dumps(later))
+    run = {"commit": "def", "device": "test", "command": "lm only", "started": started,
+           "sections": {"lm_head": {"rows": [row], "chunk_bytes": 1 << 30}}}
+    (tmp_path / "2026-01-02-run9-lm-head-suite.json").write_text(json.dumps(run))
+
+
+def test_later_lm_head_run_replaces_rows_and_names_its_source(tmp_path):
+    path, d = suite_file(tmp_path)
+    d["started"] = "2026-01-01T10:00:00"
+    lm_head_only_run(tmp_path, "2026-01-02T09:00:00")
     report.with_later_lm_head(d, str(tmp_path))
     table = "\n".join(sr.lm_head_table(path, d))
     assert "2026-01-02-run9-lm-head-suite.json (commit def" in table
     assert "0.90" in table  # vs compile 1.8 / 2.0, from the later file
     text = "\n".join(sr.summary(path, d))
     assert "LM head rows from a later run" in text
+
+
+def test_earlier_lm_head_run_leaves_a_newer_full_run_alone(tmp_path):
+    path, d = suite_file(tmp_path)
+    d["started"] = "2026-01-03T10:00:00"
+    before = json.dumps(d["sections"].get("lm_head"), sort_keys=True)
+    lm_head_only_run(tmp_path, "2026-01-02T09:00:00")
+    report.with_later_lm_head(d, str(tmp_path))
+    assert json.dumps(d["sections"].get("lm_head"), sort_keys=True) == before
+    assert "LM head rows from a later run" not in "\n".join(sr.summary(path, d))
