@@ -22,17 +22,13 @@ KernelChoice plain_gemm_config(int m, int n, int k) {
 
 namespace {
 
-// The data-gradient GEMM D = X·W (W not transposed: the backward's dz·W), from the run-27 sweep
-// (bench/results/2026-11-29-run27-xw-sweep.txt: pingpong 128x128 c1x2 vs cooperative 256x128
-// c1x2, swizzle 1/8 x raster M/N, every LLaMA-3 backward shape). Where both N and K reach 4096
-// or K is 16384+ (8B and 70B everywhere, 1B gate/up) cooperative 256x128 was up to 13% faster
-// (2-7% at 70B) and at worst level (gate/up with 16384 tokens at 1B / 8B); pingpong was as fast
-// or faster on 1B's narrow, short-K shapes. Swizzle 8 won for both.
 // The weight-gradient GEMM D = Xᵀ·Y (M, N = the weight's shape, K = tokens). Cooperative 128x256
-// is at cuBLAS parity (0.99-1.03, run 29) wherever its tile grid fills the last wave; where it
-// does not (1B dW QKV 3072 x 2048: 192 tiles = 1.45 waves of 132 SMs, 0.77-0.79x cuBLAS; the paper's
-// H = 2048 gate/up and H = 4096 down: 0.93 / 0.89) pingpong 128x128 has 4x the tiles and a full
-// last wave. The wave fill is the share of the launched waves' tile slots that hold a tile.
+// is at cuBLAS parity (0.99-1.03, run 29) wherever its tile grid fills the last wave. Where it
+// fills less than 93% of it (1B dW QKV 3072 x 2048: 192 tiles = 1.45 waves of 132 SMs, 0.77-0.79x
+// cuBLAS in run 29, 0.98-1.00 on pingpong in run 39; the paper's H = 2048 dW gate/up), pingpong
+// 128x128 with 2x the tiles fills it better. The wave fill is the share of the launched waves'
+// tile slots that hold a tile. (The paper's H = 4096 dW down, 0.88x cuBLAS in run 39, fills 95%:
+// its gap is something else.)
 double wave_fill(int m, int n, int tile_m, int tile_n) {
   constexpr int64_t kSms = 132;  // H100 / H200 SXM; the choice only needs the rough wave count
   const int64_t tiles = int64_t((m + tile_m - 1) / tile_m) * ((n + tile_n - 1) / tile_n);
@@ -46,6 +42,12 @@ KernelChoice plain_xty_config(int m, int n, int k) {
   return {Config::kCoop128x256x64_2x1, sched};
 }
 
+// The data-gradient GEMM D = X·W (W not transposed: the backward's dz·W), from the run-27 sweep
+// (bench/results/2026-11-29-run27-xw-sweep.txt: pingpong 128x128 c1x2 vs cooperative 256x128
+// c1x2, swizzle 1/8 x raster M/N, every LLaMA-3 backward shape). Where both N and K reach 4096
+// or K is 16384+ (8B and 70B everywhere, 1B gate/up) cooperative 256x128 was up to 13% faster
+// (2-7% at 70B) and at worst level (gate/up with 16384 tokens at 1B / 8B); pingpong was as fast
+// or faster on 1B's narrow, short-K shapes. Swizzle 8 won for both.
 KernelChoice plain_xw_config(int n, int k) {
   if ((n >= 4096 && k >= 4096) || k >= 16384)
     return {Config::kCoop256x128x64_1x2, {8, Raster::kAlongN}};
