@@ -124,6 +124,28 @@ __global__ void rope_backward_kernel(const bf16* y, const bf16* dy, const int32_
 }
 
 
+// A token's loss from its lse: 0 when ignored, NaN for a target that is neither ignored nor in
+// [0, vocab) (an invalid target must not pass silently), else lse − ℓ_target + z_loss·lse².
+__device__ float target_loss(float l, int64_t target, int64_t ignore_index, int64_t vocab,
+                             float target_logit, float z_loss) {
+  if (target == ignore_index) return 0.f;
+  if (target < 0 || target >= vocab) return __int_as_float(0x7fc00000);
+  return l - target_logit + z_loss * l * l;
+}
+
+// Σ v over the block, returned to every thread (warp shuffles, then the warps' sums in a fixed
+// order, so every thread gets the same bits). Every thread of the block must call it.
+__device__ float block_sum(float v) {
+  __shared__ float warp_sums[32];
+  for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffff, v, o);
+  __syncthreads();  // warp_sums may still be read by a previous call
+  if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = v;
+  __syncthreads();
+  float t = 0.f;
+  for (unsigned w = 0; w < blockDim.x / 32; ++w) t += warp_sums[w];
+  return t;
+}
+
 __global__ void fold_lse_loss_kernel(const float* max_partials, const float* sum_partials,
                                      int64_t m, int64_t rows_padded, int64_t tiles,
                                      const float* target_logit, const int64_t* targets,
@@ -139,17 +161,12 @@ __global__ void fold_lse_loss_kernel(const float* max_partials, const float* sum
   const float l = s.logsumexp();
   lse[row] = l;
   const int64_t target = targets[row];
-  if (target == ignore_index) {
-    token_loss[row] = 0.f;
-  } else if (target < 0 || target >= vocab) {
-    token_loss[row] = __int_as_float(0x7fc00000);  // NaN: an invalid target must not pass silently
-  } else {
-    token_loss[row] = l - target_logit[row] + z_loss * l * l;
-  }
+  token_loss[row] = target_loss(l, target, ignore_index, vocab,
+                                target >= 0 && target < vocab ? target_logit[row] : 0.f, z_loss);
 }
 
-// One block per row (the rows are long: a vocabulary); pairs of columns as one 32-bit access.
-// One row of B4 in place, by the whole block: ℓ = row_scale·v for the row's bf16 values v (1 when
+// One row of B4 in place, by the whole block (rows are long: a vocabulary; pairs of columns as
+// one 32-bit access): ℓ = row_scale·v for the row's bf16 values v (1 when
 // they are the logits themselves), except the target column's ℓ = target_logit (fp32: at
 // |ℓ| ≈ 20-30 the bf16 step moves p_target by up to ~6%, and p_target − 1 far more, relatively);
 // dℓ = (exp(ℓ − lse)·(1 + 2·z_loss·lse) − [n == target])·sc written over v, *zdz = Σ ℓ·dℓ ·
@@ -168,15 +185,8 @@ __device__ void cross_entropy_grad_row(__nv_bfloat162* v2, int64_t vocab, float 
     s += l0 * d0 + l1 * d1;
     v2[j] = __floats2bfloat162_rn(d0, d1);
   }
-  for (int o = 16; o > 0; o /= 2) s += __shfl_xor_sync(0xffffffff, s, o);
-  __shared__ float warp_sums[32];
-  if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = s;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float t = 0.f;
-    for (unsigned w = 0; w < blockDim.x / 32; ++w) t += warp_sums[w];
-    *zdz = t * inv_hidden;
-  }
+  s = block_sum(s);
+  if (threadIdx.x == 0) *zdz = s * inv_hidden;
 }
 
 __global__ void cross_entropy_grad_from_logits_kernel(bf16* logits, int64_t ld, int64_t vocab,
@@ -204,8 +214,6 @@ __global__ void cross_entropy_from_unscaled_logits_kernel(
   const float rr = r[row];
   const int64_t target = targets[row];
   const bool valid = target >= 0 && target < vocab;
-  const unsigned warp = threadIdx.x / 32, warps = blockDim.x / 32;
-  __shared__ float warp_max[32], warp_sum[32], warp_dot[32], row_lse;
   float dot = 0.f;
   if (valid) {
     const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(h + row * hidden);
@@ -215,12 +223,7 @@ __global__ void cross_entropy_from_unscaled_logits_kernel(
       dot += a.x * b.x + a.y * b.y;
     }
   }
-  for (int o = 16; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffff, dot, o);
-  if (threadIdx.x % 32 == 0) warp_dot[warp] = dot;
-  __syncthreads();
-  float target_dot = 0.f;
-  for (unsigned i = 0; i < warps; ++i) target_dot += warp_dot[i];  // same order in every thread
-  const float target_logit = rr * target_dot;
+  const float target_logit = rr * block_sum(dot);
 
   __nv_bfloat162* v2 = reinterpret_cast<__nv_bfloat162*>(logits + row * ld);
   State st;
@@ -232,17 +235,17 @@ __global__ void cross_entropy_from_unscaled_logits_kernel(
   for (int o = 16; o > 0; o /= 2)
     st = State::merge(st, State{__shfl_xor_sync(0xffffffff, st.max, o),
                                 __shfl_xor_sync(0xffffffff, st.sum, o)});
-  if (threadIdx.x % 32 == 0) warp_max[warp] = st.max, warp_sum[warp] = st.sum;
+  __shared__ float warp_max[32], warp_sum[32], row_lse;
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = st.max, warp_sum[threadIdx.x / 32] = st.sum;
   __syncthreads();
   if (threadIdx.x == 0) {
     State all;
-    for (unsigned i = 0; i < warps; ++i) all = State::merge(all, State{warp_max[i], warp_sum[i]});
+    for (unsigned i = 0; i < blockDim.x / 32; ++i)
+      all = State::merge(all, State{warp_max[i], warp_sum[i]});
     const float l = all.logsumexp();
     lse_out[row] = l;
     row_lse = l;
-    token_loss[row] = target == ignore_index ? 0.f
-                      : !valid               ? __int_as_float(0x7fc00000)  // NaN, as fold_lse_loss
-                                             : l - target_logit + z_loss * l * l;
+    token_loss[row] = target_loss(l, target, ignore_index, vocab, target_logit, z_loss);
   }
   __syncthreads();
   cross_entropy_grad_row(v2, vocab, rr, row_lse, scale[row], target, target_logit, z_loss,

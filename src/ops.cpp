@@ -48,6 +48,14 @@ void check_gemm_sizes(const char* op, int m, int n, int k) {
   CODA_CHECK(k % 8 == 0, op, ": K must be a multiple of 8 (16-byte rows for TMA), got ", k);
 }
 
+// Stored logits (M rows of V bf16 at row stride ld_logits): rows at least V long and 4-byte
+// aligned for the row kernels' bf16-pair accesses (V % 8 == 0 comes with check_gemm_sizes).
+void check_logits_stride(const char* op, int vocab, int ld_logits) {
+  CODA_CHECK(ld_logits >= vocab && ld_logits % 2 == 0, op,
+             ": ld_logits must be even and >= vocab, got vocab ", vocab, ", ld_logits ",
+             ld_logits);
+}
+
 void launch(const char* op, Program p, int m, int n, int k, const kernel::GemmProblem& prob,
             const void* args, cudaStream_t stream, Operands o = Operands::kXWt) {
   const kernel::KernelChoice c = kernel::choose_config(p, o, m, n, k);
@@ -294,8 +302,7 @@ void rmsnorm_lse_program(const char* op, Program p, const bf16* h, const bf16* w
                              {"target_logit", target_logit}});
   if (p == Program::kRmsnormLseLogits) {
     check_device_pointers(op, {{"logits", logits}});
-    CODA_CHECK(ld_logits >= vocab, op, ": ld_logits (", ld_logits, ") must be >= vocab (", vocab,
-               ")");
+    check_logits_stride(op, vocab, ld_logits);
   }
   kernel::RmsnormLseArgs args{r, targets, max_partials, sum_partials, target_logit};
   launch(op, p, m, vocab, hidden,
@@ -338,9 +345,7 @@ void cross_entropy_backward_from_logits(bf16* logits, int ld_logits, const float
                              {"targets", targets},
                              {"target_logit", target_logit},
                              {"zdz", zdz}});
-  CODA_CHECK(vocab % 2 == 0 && ld_logits >= vocab && ld_logits % 2 == 0, op,
-             ": vocab and ld_logits must be even with ld_logits >= vocab, got vocab ", vocab,
-             ", ld_logits ", ld_logits);
+  check_logits_stride(op, vocab, ld_logits);
   kernel::cross_entropy_grad_from_logits(logits, ld_logits, m, vocab, lse, scale, targets,
                                          target_logit, z_loss, hidden, zdz, stream);
 }
@@ -362,8 +367,7 @@ void cross_entropy_from_unscaled_logits(bf16* logits, int ld_logits, const bf16*
                              {"lse", lse},
                              {"token_loss", token_loss},
                              {"zdz", zdz}});
-  CODA_CHECK(ld_logits >= vocab && ld_logits % 2 == 0, op,
-             ": ld_logits must be even and >= vocab, got vocab ", vocab, ", ld_logits ", ld_logits);
+  check_logits_stride(op, vocab, ld_logits);
   kernel::cross_entropy_from_unscaled_logits(logits, ld_logits, m, vocab, h, w_vocab, hidden, r,
                                              targets, ignore_index, z_loss, scale, lse, token_loss,
                                              zdz, stream);

@@ -194,9 +194,9 @@ Tensor token_scale(const Tensor& dloss, const Tensor& counted, LossReduction red
 // The LM head's three-GEMM path: the loss and its gradients for d loss = 1, with no logits
 // recomputed. Per chunk of tokens (the chunk's bf16 logits are the scratch max_chunk_bytes
 // bounds):
-//   F4  the chunk's logits stored, with the (max, Σexp) partials and target logits;
-//   A2  lse and the token losses;
-//   B4  dℓ formed in place from the stored logits (one pass), ZdZ per token;
+//   F4  the chunk's logits stored, with the (max, Σexp) partials and target logits; A2 lse and
+//       the token losses; B4 dℓ formed in place from the stored logits, ZdZ per token. At
+//       hidden <= 2048 instead: the plain GEMM's logits, then one row kernel for all three;
 //   B1  dx of the chunk's rows (the final norm's backward) and the chunk's dγ;
 //   dW += dℓᵀ · h_out (the first chunk on our mainloop, then cuBLAS with β = 1: bf16 dW, fp32
 //        accumulation within a chunk, one rounding per chunk; no fp32 V × H accumulator).
@@ -227,9 +227,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> lm_head_loss_grad(
   const int64_t chunks = (m + rows - 1) / rows;
   const int64_t chunk = std::min((((m + chunks - 1) / chunks + q - 1) / q) * q, m);
   // At hidden <= 2048 the F4 epilogue (LSE partials and logits) cost 1.46x its GEMM on every
-  // compiled tile (run 37: a 2048-deep mainloop cannot hide it), so there the plain GEMM stores
-  // s = h·Wᵀ and one row kernel forms ℓ = r·s, lse, the loss and dℓ (3 passes over the chunk's
-  // logits in HBM, ~0.4 ms per 2048 x 128256 chunk); above, F4 stays 1.00-1.01x its GEMM.
+  // compiled tile (run 37: a 2048-deep mainloop cannot hide it); the row kernel's two reads and
+  // one write of the chunk's logits cost less. Above, F4 runs 1.00-1.01x its GEMM.
   const bool unfused_lse = hidden <= 2048;
   Tensor logits = at::empty({chunk, vocab}, x.options());
   Tensor lse = at::empty({m}, st), token_loss = at::empty({m}, st);
