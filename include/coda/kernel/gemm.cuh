@@ -13,6 +13,8 @@
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 #include <cutlass/util/packed_stride.hpp>
 #include <mutex>
+#include <type_traits>
+#include <utility>
 
 #include "coda/kernel/args.hpp"
 #include "coda/kernel/fusions/common.cuh"
@@ -115,7 +117,9 @@ struct GemmLauncher {
   using ElementC = typename Fusion::ElementC;
   using ElementD = typename Fusion::ElementD;
   using LayoutC = cutlass::layout::RowMajor;
-  static constexpr int kAlignC = 8;  // 16 bytes of bf16 (also used when C is void)
+  // 16-byte TMA rows of C (8 when C is void: the builder still asks for an alignment).
+  static constexpr int kAlignC =
+      std::is_void_v<ElementC> ? 8 : 128 / cutlass::sizeof_bits<ElementC>::value;
   static constexpr int kAlignD = 8;
 
   using EpilogueTileType = cutlass::epilogue::collective::EpilogueTileAuto;
@@ -164,8 +168,9 @@ struct GemmLauncher {
          with_leading_dimension(cutlass::make_cute_packed_stride(StrideA{}, {p.m, p.k, 1}), p.lda),
          reinterpret_cast<const ElementAB*>(p.b),
          with_leading_dimension(cutlass::make_cute_packed_stride(StrideB{}, {p.n, p.k, 1}), p.ldb)},
-        {Build::arguments(fa), c_pointer(p),
-         with_leading_dimension(cutlass::make_cute_packed_stride(StrideC{}, {p.m, p.n, 1}), p.ldc),
+        {Build::arguments(fa), c_pointer(p, fa),
+         with_leading_dimension(cutlass::make_cute_packed_stride(StrideC{}, {p.m, p.n, 1}),
+                                c_leading_dimension(p, fa)),
          d_pointer(p),
          with_leading_dimension(cutlass::make_cute_packed_stride(StrideD{}, {p.m, p.n, 1}), p.ldd)},
         hw};
@@ -192,11 +197,27 @@ struct GemmLauncher {
   }
 
  private:
-  static auto c_pointer(const GemmProblem& p) {
+  // C is the problem's residual source (p.c), or, for a fusion that defines source(Args) and
+  // source_ld(Args), one of its own operands (B2's z): then the producer warp loads it by TMA.
+  template <class F, class = void>
+  struct HasOwnSource : std::false_type {};
+  template <class F>
+  struct HasOwnSource<F, std::void_t<decltype(F::source(std::declval<typename F::Args const&>()))>>
+      : std::true_type {};
+  static auto c_pointer(const GemmProblem& p, typename Fusion::Args const& fa) {
     if constexpr (std::is_void_v<ElementC>) {
       return static_cast<const void*>(nullptr);
+    } else if constexpr (HasOwnSource<Fusion>::value) {
+      return reinterpret_cast<const ElementC*>(Fusion::source(fa));
     } else {
       return reinterpret_cast<const ElementC*>(p.c);
+    }
+  }
+  static int64_t c_leading_dimension(const GemmProblem& p, typename Fusion::Args const& fa) {
+    if constexpr (HasOwnSource<Fusion>::value) {
+      return Fusion::source_ld(fa);
+    } else {
+      return p.ldc;
     }
   }
   static auto d_pointer(const GemmProblem& p) {

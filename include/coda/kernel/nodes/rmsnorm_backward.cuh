@@ -12,13 +12,13 @@ namespace coda::kernel {
 
 // ---------------------------------------------------------------------------------------------
 // RmsnormBackwardNode<CtaTile>: the B1 epilogue in one node. The accumulator is g = dz · W; the
-// children give dres (C), r (per row), γ (per column) and ZdZ (per row). Per element:
+// children give dres (C), r (per row), γ (per column), ZdZ (per row) and x (an Sm90AuxLoad: TMA
+// from the epilogue's producer warp, fusions/rmsnorm_backward.cuh). Per element:
 //   dx = dres + r·(g·γ − x·r·ZdZ)   returned (D; may alias C)
 //   h  = x·r·γ                      -> global memory (bf16, (M, N)), a 32-bit store per pair
 //   dγ partial[n, m-tile] += g·x·r  one register per column over the tile
-// x is read from global memory by the node (a 32-bit load per column pair, one subtile ahead;
-// fragment elements (2j, 2j+1) are adjacent columns, N % 8 == 0, so a pair is wholly inside or
-// outside). dγ is merged across the lanes sharing a column (shuffles), then across the warps
+// h is stored from registers, a 32-bit store per column pair (fragment elements (2j, 2j+1) are
+// adjacent columns, N % 8 == 0, so a pair is wholly inside or outside). dγ is merged across the lanes sharing a column (shuffles), then across the warps
 // through the collective's store buffer (fixed order, so the result is deterministic), and
 // written once per (column, M-tile) as PartialLayout::per_column.
 // Replaces a topological visitor whose fp32 fragments lived in a 1040-byte stack frame and whose
@@ -34,30 +34,29 @@ struct RmsnormBackwardNode : ConsumerOnlyNode<RmsnormBackwardArgs> {
   template <class ProblemShape>
   static bool can_implement(ProblemShape const& shape, Arguments const& a) {
     auto [M, N, K, L] = cute::append<4>(shape, 1);
-    return a.x && a.h_out && a.dgamma_partials && N % 2 == 0 && a.ldx % 2 == 0 && a.ldh % 2 == 0;
+    // x is read by TMA: 16-byte aligned rows.
+    return a.x && a.h_out && a.dgamma_partials && N % 2 == 0 && a.ldx % 8 == 0 && a.ldh % 2 == 0;
   }
 
   CUTLASS_HOST_DEVICE RmsnormBackwardNode() {}
   CUTLASS_HOST_DEVICE RmsnormBackwardNode(Params const& p, SharedStorage const&) : params(p) {}
   Params params;
 
-  template <int kThreads, class GTensor, class CTensor, class XTensor, class ColState,
-            class CtaCoords, class ShapeMNL, class Lanes>
+  template <int kThreads, class GTensor, class CTensor, class ColState, class CtaCoords,
+            class ShapeMNL, class Lanes>
   struct ConsumerStoreCallbacks : cf::EmptyConsumerStoreCallbacks {
-    CUTLASS_DEVICE ConsumerStoreCallbacks(GTensor gx, GTensor gh, CTensor c, XTensor rx,
-                                          ColState dg, CtaCoords cta, ShapeMNL shape,
-                                          Lanes lanes, int tile_m, int tile_n, int thread_idx,
-                                          Params const& p)
-        : tC_gX(gx), tC_gH(gh), tC_c(c), tC_rX(rx), rDgamma(dg), tC_cta(cta), shape_mnl(shape),
-          lanes(lanes), tile_m(tile_m), tile_n(tile_n),
+    CUTLASS_DEVICE ConsumerStoreCallbacks(GTensor gh, CTensor c, ColState dg, CtaCoords cta,
+                                          ShapeMNL shape, Lanes lanes, int tile_m, int tile_n,
+                                          int thread_idx, Params const& p)
+        : tC_gH(gh), tC_c(c), rDgamma(dg), tC_cta(cta), shape_mnl(shape), lanes(lanes),
+          tile_m(tile_m), tile_n(tile_n),
           full_tile(tile_inside<CtaTile>(tile_m, tile_n, int(cute::get<0>(shape)),
                                          int(cute::get<1>(shape)))),
           thread_idx(thread_idx), params(p) {}
-    GTensor tC_gX, tC_gH;  // (CPY,CPY_M,CPY_N,EPI_M,EPI_N) global x / h of this tile (bf16)
-    CTensor tC_c;          // their absolute (m, n, l) coordinates
-    XTensor tC_rX;         // (pairs, 2) two subtiles of x in registers, a bf16 pair per slot
-    ColState rDgamma;      // one slot per column (stride 0 along M)
-    CtaCoords tC_cta;      // CTA-relative (m, n) of every element
+    GTensor tC_gH;      // (CPY,CPY_M,CPY_N,EPI_M,EPI_N) global h of this tile (bf16)
+    CTensor tC_c;       // its absolute (m, n, l) coordinates
+    ColState rDgamma;   // one slot per column (stride 0 along M)
+    CtaCoords tC_cta;   // CTA-relative (m, n) of every element
     ShapeMNL shape_mnl;
     Lanes lanes;
     int tile_m, tile_n;
@@ -65,41 +64,16 @@ struct RmsnormBackwardNode : ConsumerOnlyNode<RmsnormBackwardArgs> {
     int thread_idx;
     Params const& params;
 
-    static constexpr int kEpiM = decltype(cute::size<3>(std::declval<GTensor>()))::value;
     static constexpr int kEpiN = decltype(cute::size<4>(std::declval<GTensor>()))::value;
 
-    CUTLASS_DEVICE void load_x(int s) {
-      if (s >= kEpiM * kEpiN) return;
-      const int epi_m = s % kEpiM, epi_n = s / kEpiM;
-      auto regs = tC_rX(cute::_, s % 2);
-      auto g = tC_gX(cute::_, cute::_, cute::_, epi_m, epi_n);
-      auto c = tC_c(cute::_, cute::_, cute::_, epi_m, epi_n);
-      CUTLASS_PRAGMA_UNROLL
-      for (int e = 0; e < 2 * int(cute::size(regs)); e += 2) {
-        uint32_t v = 0u;  // rows past M: x = 0
-        if (full_tile || cute::elem_less(c(e), shape_mnl))
-          v = __ldg(reinterpret_cast<const unsigned int*>(&g(e)));
-        regs(e / 2) = v;
-      }
-    }
-
-    // Subtiles are visited epi_m fastest (the collective's loop order, fully unrolled): the x of
-    // subtile s + 1 is loaded while subtile s is computed.
-    CUTLASS_DEVICE void begin_loop(int epi_m, int epi_n) {
-      const int s = epi_n * kEpiM + epi_m;
-      if (s == 0) load_x(0);
-      load_x(s + 1);
-    }
-
     template <class ElementAccumulator, class ElementC, class ElementR, class ElementG,
-              class ElementZ, int F>
+              class ElementZ, class ElementX, int F>
     CUTLASS_DEVICE cutlass::Array<float, F> visit(
         cutlass::Array<ElementAccumulator, F> const& acc, int epi_v, int epi_m, int epi_n,
         cutlass::Array<ElementC, F> const& dres, cutlass::Array<ElementR, F> const& r,
-        cutlass::Array<ElementG, F> const& gamma, cutlass::Array<ElementZ, F> const& zdz) {
+        cutlass::Array<ElementG, F> const& gamma, cutlass::Array<ElementZ, F> const& zdz,
+        cutlass::Array<ElementX, F> const& x) {
       static_assert(F % 2 == 0, "fragments hold whole column pairs");
-      const int s = epi_n * kEpiM + epi_m;
-      auto x_regs = tC_rX(cute::_, s % 2);
       auto g_h = tC_gH(cute::_, cute::_, cute::_, epi_m, epi_n);
       auto c = tC_c(cute::_, cute::_, cute::_, epi_m, epi_n);
       auto dg_mn = rDgamma(cute::_, cute::_, cute::_, epi_m, epi_n);
@@ -107,16 +81,15 @@ struct RmsnormBackwardNode : ConsumerOnlyNode<RmsnormBackwardArgs> {
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < F; i += 2) {
         const int e = epi_v * F + i;
-        const float2 x = unpack_bf16_pair(x_regs(e / 2));
-        const float xs[2] = {x.x, x.y};
         float h[2];
         CUTLASS_PRAGMA_UNROLL
         for (int j = 0; j < 2; ++j) {
           const float g = float(acc[i + j]), rr = float(r[i + j]), ga = float(gamma[i + j]);
-          dx[i + j] = programs::RmsnormBackwardDx{}(g, float(dres[i + j]), xs[j], rr, ga,
+          const float xs = float(x[i + j]);
+          dx[i + j] = programs::RmsnormBackwardDx{}(g, float(dres[i + j]), xs, rr, ga,
                                                     float(zdz[i + j]));
-          h[j] = programs::NormalizedScaled{}(xs[j], rr, ga);
-          dg_mn(e + j) += programs::GradTimesNormalized{}(g, xs[j], rr);
+          h[j] = programs::NormalizedScaled{}(xs, rr, ga);
+          dg_mn(e + j) += programs::GradTimesNormalized{}(g, xs, rr);
         }
         if (full_tile || cute::elem_less(c(e), shape_mnl))
           *reinterpret_cast<uint32_t*>(&g_h(e)) = pack_bf16_pair(h[0], h[1]);
@@ -184,22 +157,15 @@ struct RmsnormBackwardNode : ConsumerOnlyNode<RmsnormBackwardArgs> {
     auto [m, n, k, l] = args.tile_coord_mnkl;
     auto shape_mnl = make_shape(M, N, L);
     using bf16 = cutlass::bfloat16_t;
-    // x is only read: the const is cast away so x and h share one tensor type.
-    Tensor tC_gX = partition_tile<ReferenceSrc>(
-        args, shape_mnl, const_cast<bf16*>(reinterpret_cast<const bf16*>(params.x)), params.ldx);
     Tensor tC_gH = partition_tile<ReferenceSrc>(args, shape_mnl,
                                                 reinterpret_cast<bf16*>(params.h_out), params.ldh);
     Tensor tC_c = partition_coords<ReferenceSrc>(args, shape_mnl);
-    constexpr int kPairs = decltype(size(take<0, 3>(shape(tC_gX))))::value / 2;
-    Tensor tC_rX = make_tensor<uint32_t>(make_shape(Int<kPairs>{}, _2{}));
     auto rDgamma = make_column_state<ReferenceSrc, CtaTile>(args, 0.0f);
     auto tC_cta = cta_coords<ReferenceSrc>(args);
     auto lanes = warp_lanes<ReferenceSrc>(args);
-    return ConsumerStoreCallbacks<kThreads, decltype(tC_gX), decltype(tC_c), decltype(tC_rX),
-                                  decltype(rDgamma), decltype(tC_cta), decltype(shape_mnl),
-                                  decltype(lanes)>(tC_gX, tC_gH, tC_c, tC_rX, rDgamma, tC_cta,
-                                                   shape_mnl, lanes, int(m), int(n),
-                                                   args.thread_idx, params);
+    return ConsumerStoreCallbacks<kThreads, decltype(tC_gH), decltype(tC_c), decltype(rDgamma),
+                                  decltype(tC_cta), decltype(shape_mnl), decltype(lanes)>(
+        tC_gH, tC_c, rDgamma, tC_cta, shape_mnl, lanes, int(m), int(n), args.thread_idx, params);
   }
 };
 
