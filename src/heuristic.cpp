@@ -60,10 +60,13 @@ KernelChoice program_config(Program p, int m, int n, int k) {
   const SchedulerOptions deep{k <= 2048 ? 1 : 8, Raster::kAlongM};
   switch (p) {
     case Program::kRmsnormSwiglu:
-      // Pingpong overlaps the SwiGLU epilogue with the other warpgroup's MMA; 128x192 won below
-      // 2I = 32768, 128x128 at 70B.
-      if (n < 32768) return {Config::kPing128x192x64_2x1, deep};
-      return {Config::kPing128x128x64_1x2, deep};
+      // Fused F2 times of runs 5, 16 and 47 (coda_program_bench, every compiled configuration),
+      // averaged: at 1B and 8B pingpong 128x128 was the fastest (1B / 16384 tokens: 1.82 ms
+      // against 1.96 on pingpong 128x192, the choice below 2I = 32768 until run 47); at 70B
+      // cooperative 128x256 (11.59 / 23.40 ms at 8192 / 16384 tokens, pingpong 128x192 11.65 /
+      // 23.55, pingpong 128x128 11.89 / 24.01) and it won both of the last two runs there.
+      if (n < 32768) return {Config::kPing128x128x64_1x2, deep};
+      return {Config::kCoop128x256x64_2x1, deep};
     // Swizzle 8 at K > 2048 pads the tile grid with tiles wholly past N; the LSE node used to
     // write their partials past the end of its buffers (NaN losses at H >= 4096, run 14), fixed
     // in nodes/row_partials.cuh. The GPU tests run every program under swizzle 8 too.

@@ -168,7 +168,7 @@ struct GemmLauncher {
          with_leading_dimension(cutlass::make_cute_packed_stride(StrideA{}, {p.m, p.k, 1}), p.lda),
          reinterpret_cast<const ElementAB*>(p.b),
          with_leading_dimension(cutlass::make_cute_packed_stride(StrideB{}, {p.n, p.k, 1}), p.ldb)},
-        {Build::arguments(fa), c_pointer(p, fa),
+        {build_arguments(fa, p), c_pointer(p, fa),
          with_leading_dimension(cutlass::make_cute_packed_stride(StrideC{}, {p.m, p.n, 1}),
                                 c_leading_dimension(p, fa)),
          d_pointer(p),
@@ -197,6 +197,21 @@ struct GemmLauncher {
   }
 
  private:
+  // The visitor tree's arguments from the program's Args, or from Args and the problem for a
+  // fusion whose tree loads a problem operand itself (F1 and B1 read p.c through Sm90AuxLoad).
+  template <class B, class = void>
+  struct TakesProblem : std::false_type {};
+  template <class B>
+  struct TakesProblem<B, std::void_t<decltype(B::arguments(
+                             std::declval<typename Fusion::Args const&>(),
+                             std::declval<GemmProblem const&>()))>> : std::true_type {};
+  static auto build_arguments(typename Fusion::Args const& fa, const GemmProblem& p) {
+    if constexpr (TakesProblem<Build>::value) {
+      return Build::arguments(fa, p);
+    } else {
+      return Build::arguments(fa);
+    }
+  }
   // C is the problem's residual source (p.c), or, for a fusion that defines source(Args) and
   // source_ld(Args), one of its own operands (B2's z): then the producer warp loads it by TMA.
   template <class F, class = void>

@@ -76,6 +76,25 @@ struct AuxStoreNode {
                        typename D::Stride, typename D::SmemLayoutAtom, typename D::CopyOpR2S>;
 };
 
+// A row-major (M, N) operand loaded by TMA from the epilogue's producer warp into its own smem
+// ring, on C's load pipeline (StagesC subtiles ahead of the consumer), read into registers with
+// the vectorized smem load the builder picks for a source of this type.
+template <class EpilogueDesc, class Element>
+struct AuxLoadNode {
+  using D =
+      cutlass::epilogue::collective::detail::AuxLoadDescriptor<EpilogueDesc,
+                                                               cutlass::layout::RowMajor, Element>;
+  using type = cf::Sm90AuxLoad<D::Stages, typename EpilogueDesc::EpilogueTile, Element,
+                               typename D::Stride, typename D::SmemLayoutAtom,
+                               typename D::CopyOpS2R>;
+  // Arguments for a tensor at ptr with leading dimension ld (elements).
+  static typename type::Arguments arguments(const void* ptr, int64_t ld) {
+    typename D::Stride stride{};
+    cute::get<0>(stride) = ld;
+    return {reinterpret_cast<const Element*>(ptr), Element(0), stride};
+  }
+};
+
 template <Program P>
 struct FusionOf;
 

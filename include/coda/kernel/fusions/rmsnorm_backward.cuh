@@ -20,22 +20,17 @@ struct FusionOf<Program::kRmsnormBackward> {
   template <class EpilogueDesc>
   struct Build {
     using Tile = typename EpilogueDesc::TileShape;
-    using XDesc = cutlass::epilogue::collective::detail::AuxLoadDescriptor<
-        EpilogueDesc, cutlass::layout::RowMajor, bfloat16_t>;
-    using XLoad = cf::Sm90AuxLoad<XDesc::Stages, typename EpilogueDesc::EpilogueTile, bfloat16_t,
-                                  typename XDesc::Stride, typename XDesc::SmemLayoutAtom,
-                                  typename XDesc::CopyOpS2R>;
+    using XLoad = AuxLoadNode<EpilogueDesc, bfloat16_t>;
     using Callbacks =
         cf::Sm90EVT<RmsnormBackwardNode<Tile>, cf::Sm90SrcFetch<bfloat16_t>, RowVector<Tile, float>,
-                    ColumnVector<Tile, bfloat16_t, float>, RowVector<Tile, float>, XLoad>;
+                    ColumnVector<Tile, bfloat16_t, float>, RowVector<Tile, float>,
+                    typename XLoad::type>;
     static typename Callbacks::Arguments arguments(Args const& a) {
-      typename XDesc::Stride x_stride{};
-      cute::get<0>(x_stride) = a.ldx;
       return {{},
               {a.r, 0.0f, {}},
               {reinterpret_cast<const bfloat16_t*>(a.gamma), bfloat16_t(0), {}},
               {a.zdz, 0.0f, {}},
-              {reinterpret_cast<const bfloat16_t*>(a.x), bfloat16_t(0), x_stride},
+              XLoad::arguments(a.x, a.ldx),
               a};
     }
   };
