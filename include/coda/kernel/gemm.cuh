@@ -198,7 +198,7 @@ struct GemmLauncher {
 
  private:
   // The visitor tree's arguments from the program's Args, or from Args and the problem for a
-  // fusion whose tree loads a problem operand itself (F1 and B1 read p.c through Sm90AuxLoad).
+  // fusion whose tree loads a problem operand itself (F1 reads p.c through Sm90AuxLoad).
   template <class B, class = void>
   struct TakesProblem : std::false_type {};
   template <class B>
