@@ -64,7 +64,9 @@ KernelChoice program_config(Program p, int m, int n, int k) {
       // averaged: at 1B and 8B pingpong 128x128 was the fastest (1B / 16384 tokens: 1.82 ms
       // against 1.96 on pingpong 128x192, the choice below 2I = 32768 until run 47); at 70B
       // cooperative 128x256 (11.59 / 23.40 ms at 8192 / 16384 tokens, pingpong 128x192 11.65 /
-      // 23.55, pingpong 128x128 11.89 / 24.01) and it won both of the last two runs there.
+      // 23.55, pingpong 128x128 11.89 / 24.01); it won in runs 16 and 47, while run 48 had
+      // pingpong 128x128 1.2% faster at 8192 tokens (cooperative 0.9% faster at 16384): within
+      // the run-to-run spread.
       if (n < 32768) return {Config::kPing128x128x64_1x2, deep};
       return {Config::kCoop128x256x64_2x1, deep};
     // Swizzle 8 at K > 2048 pads the tile grid with tiles wholly past N; the LSE node used to
