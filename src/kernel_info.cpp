@@ -12,9 +12,6 @@ TileShapeMN tile_shape(Config c) {
     case Config::kPing128x128x64_1x2:
       return {128, 128};
     case Config::kPing128x128x64_2x1:
-    case Config::kPing128x128x64_1x2_E64:
-    case Config::kPing128x128x64_1x2_D4:
-    case Config::kPing128x128x64_1x2_DS:
       return {128, 128};
     case Config::kPing128x192x64_2x1:
       return {128, 192};
@@ -36,12 +33,6 @@ const char* config_name(Config c) {
       return "ping_128x128x64_c1x2";
     case Config::kPing128x128x64_2x1:
       return "ping_128x128x64_c2x1";
-    case Config::kPing128x128x64_1x2_E64:
-      return "ping_128x128x64_c1x2_e64";
-    case Config::kPing128x128x64_1x2_D4:
-      return "ping_128x128x64_c1x2_d4";
-    case Config::kPing128x128x64_1x2_DS:
-      return "ping_128x128x64_c1x2_ds";
     case Config::kPing128x192x64_2x1:
       return "ping_128x192x64_c2x1";
     case Config::kCoop128x128x64_1x1:

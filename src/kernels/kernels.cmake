@@ -31,13 +31,6 @@ set(CODA_ALL_KERNELS
   "RmsnormBackward:Coop256x128x64_1x2:XW"  # B1 gate/up (K >= 16384), run 27
   "RmsnormCrossEntropyBackward:Ping128x128x64_1x2:XWt"
   "SwigluBackward:Ping128x128x64_1x2:XW"
-  # epilogue variants of B2, B1 and F1 (gemm.cuh EpilogueTuning)
-  "SwigluBackward:Ping128x128x64_1x2_E64:XW"
-  "SwigluBackward:Ping128x128x64_1x2_D4:XW"
-  "SwigluBackward:Ping128x128x64_1x2_DS:XW"
-  "RmsnormBackward:Ping128x128x64_1x2_E64:XW"
-  "RmsnormBackward:Ping128x128x64_1x2_D4:XW"
-  "ResidualRmsnormPartial:Ping128x128x64_1x2_E64:XWt"
   "Plain:Ping128x128x64_1x2:XW"
   "Plain:Coop256x128x64_1x2:XW"  # data-gradient GEMMs at N, K >= 4096, run 27
   "Plain:Coop128x256x64_2x1:XtY"

@@ -51,11 +51,8 @@ inline std::vector<Config> compiled_configs(Program p, Operands o = Operands::kX
 
 inline reference::TileConfig reference_tiles(Config c) {
   const TileShapeMN t = tile_shape(c);
-  // Epilogue subtile: 128x32 (cooperative), 64x32 (pingpong) or 64x64 (the _e64 configurations,
-  // gemm.cuh EpilogueTuning). Only the tile affects outputs; the subtile is the loop order.
-  const std::string name = config_name(c);
-  const bool e64 = name.size() > 4 && name.compare(name.size() - 4, 4, "_e64") == 0;
-  return {t.m, t.n, name.rfind("coop", 0) == 0 ? 128 : 64, e64 ? 64 : 32};
+  // Epilogue subtile: 128x32 (cooperative) or 64x32 (pingpong); only the tile affects outputs.
+  return {t.m, t.n, std::string(config_name(c)).rfind("coop", 0) == 0 ? 128 : 64, 32};
 }
 
 // The scheduler options of every test launch: swizzle 1 (what the heuristic gives these tests'

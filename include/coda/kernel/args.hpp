@@ -28,11 +28,6 @@ enum class Config : int {
   kPing128x128x64_2x1 = 3,
   kPing128x192x64_2x1 = 4,
   kCoop128x128x64_1x1 = 5,
-  // pingpong 128x128 with a retuned epilogue (gemm.cuh EpilogueTuning): 64x64 subtiles (E64),
-  // four store stages (D4), delayed TMA stores alone (DS)
-  kPing128x128x64_1x2_E64 = 6,
-  kPing128x128x64_1x2_D4 = 7,
-  kPing128x128x64_1x2_DS = 8,
   kCount
 };
 

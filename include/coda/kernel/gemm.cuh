@@ -22,25 +22,7 @@
 namespace coda::kernel {
 
 // ---- configurations -------------------------------------------------------------------------
-// The epilogue's shape and pipeline: CUTLASS's choice unless a configuration overrides it.
-//   EpiN: columns per epilogue subtile (0: the builder's 32; rows stay 64 pingpong / 128
-//         cooperative);
-//   StagesC: subtiles of C (and of every AuxLoad) in flight (0: the builder's, up to 4);
-//   StagesD: subtiles of D (and of every AuxStore) in flight (0: the builder's, 2): before it
-//         writes a store buffer, the epilogue waits for the TMA store StagesD subtiles back to
-//         have read it;
-//   DelayStore: issue each subtile's TMA stores after the next subtile's math. The builder does
-//         this only when C is void; B1 and B2 read C and otherwise wait on their stores in line.
-template <int EpiN = 0, int StagesC = 0, int StagesD = 0, bool DelayStore = false>
-struct EpilogueTuning {
-  static constexpr int kEpiN = EpiN;
-  static constexpr int kStagesC = StagesC;
-  static constexpr int kStagesD = StagesD;
-  static constexpr bool kDelayStore = DelayStore;
-};
-
-template <int TileM, int TileN, int TileK, int ClusterM, int ClusterN, bool Cooperative,
-          class Epilogue = EpilogueTuning<>>
+template <int TileM, int TileN, int TileK, int ClusterM, int ClusterN, bool Cooperative>
 struct KernelConfig {
   using TileShape = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::Int<TileK>>;
   using ClusterShape = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
@@ -54,12 +36,6 @@ struct KernelConfig {
   // pingpong gives each warpgroup a whole tile and overlaps one's epilogue with the other's MMA.
   static_assert(!Cooperative || TileM % 128 == 0, "cooperative tiles need M divisible by 128");
   static_assert(TileN % 32 == 0, "epilogue subtiles are 32 columns wide");
-  using EpilogueTileType = std::conditional_t<
-      Epilogue::kEpiN == 0, cutlass::epilogue::collective::EpilogueTileAuto,
-      cute::Shape<cute::Int<Cooperative ? 128 : 64>, cute::Int<Epilogue::kEpiN>>>;
-  static_assert(Epilogue::kEpiN == 0 || TileN % Epilogue::kEpiN == 0,
-                "the epilogue subtile must divide the tile");
-  using EpilogueOptions = Epilogue;
 };
 
 template <Config C>
@@ -87,62 +63,6 @@ struct ConfigOf<Config::kPing128x192x64_2x1> {
 template <>
 struct ConfigOf<Config::kCoop128x128x64_1x1> {
   using type = KernelConfig<128, 128, 64, 1, 1, true>;
-};
-
-// Pingpong 128x128 with the epilogue retuned for B2 and B1 at K = 2048, whose epilogues outlast
-// the other warpgroup's MMA (docs/performance-notes.md):
-//   E64: 64x64 subtiles (half the per-subtile fences and barriers), two C stages (which keeps
-//        B2's mainloop at four stages), delayed TMA stores;
-//   D4: the builder's 64x32 subtiles, two C stages, four store stages (each store buffer is
-//       waited for three subtiles after its TMA store, not one), delayed TMA stores;
-//   DS: the builder's stages, delayed TMA stores.
-template <>
-struct ConfigOf<Config::kPing128x128x64_1x2_E64> {
-  using type = KernelConfig<128, 128, 64, 1, 2, false, EpilogueTuning<64, 2, 0, true>>;
-};
-template <>
-struct ConfigOf<Config::kPing128x128x64_1x2_D4> {
-  using type = KernelConfig<128, 128, 64, 1, 2, false, EpilogueTuning<0, 2, 4, true>>;
-};
-template <>
-struct ConfigOf<Config::kPing128x128x64_1x2_DS> {
-  using type = KernelConfig<128, 128, 64, 1, 2, false, EpilogueTuning<0, 0, 0, true>>;
-};
-
-// C's stages under an override: where D reuses C's smem (C and D of one 16-bit type, B1) the
-// collective needs more C stages than D stages, so the override is raised to StagesD + 1 there.
-constexpr int retuned_stages_c(int builder, int stages_d, bool reuse_smem_c, int override_c) {
-  return override_c == 0 ? builder
-         : reuse_smem_c  ? (override_c > stages_d ? override_c : stages_d + 1)
-                         : override_c;
-}
-
-// The builder's epilogue descriptor with the stages overridden: AuxLoad and AuxStore nodes size
-// their smem rings from it, so they must agree with the collective's pipelines.
-template <class Base, int StagesCOverride, int StagesDOverride>
-struct EpilogueDescriptorWith : Base {
-  static constexpr int StagesD = StagesDOverride == 0 ? Base::StagesD : StagesDOverride;
-  static constexpr int StagesC = retuned_stages_c(
-      Base::StagesC, StagesD, Base::DispatchPolicy::ReuseSmemC, StagesCOverride);
-};
-
-// The builder's collective epilogue with the stages and the TMA-store delay overridden (the
-// builder derives them from the tile and element types and offers no knob).
-template <class Op, class Tuning>
-struct RetunedEpilogue {
-  using type = Op;
-};
-template <int SC, int SD, int FS, bool Reuse, bool Delay, class... Rest, class Tuning>
-struct RetunedEpilogue<
-    cutlass::epilogue::collective::CollectiveEpilogue<
-        cutlass::epilogue::Sm90TmaWarpSpecialized<SC, SD, FS, Reuse, Delay>, Rest...>,
-    Tuning> {
-  static constexpr int kStagesD = Tuning::kStagesD == 0 ? SD : Tuning::kStagesD;
-  static constexpr int kStagesC = retuned_stages_c(SC, kStagesD, Reuse, Tuning::kStagesC);
-  using type = cutlass::epilogue::collective::CollectiveEpilogue<
-      cutlass::epilogue::Sm90TmaWarpSpecialized<kStagesC, kStagesD, FS, Reuse,
-                                                Delay || Tuning::kDelayStore>,
-      Rest...>;
 };
 
 template <Operands O>
@@ -202,24 +122,16 @@ struct GemmLauncher {
       std::is_void_v<ElementC> ? 8 : 128 / cutlass::sizeof_bits<ElementC>::value;
   static constexpr int kAlignD = 8;
 
-  using EpilogueTileType = typename Cfg::EpilogueTileType;
-  using EpilogueOptions = typename Cfg::EpilogueOptions;
-  using EpilogueDesc = EpilogueDescriptorWith<
-      cutlass::epilogue::collective::detail::EpilogueDescriptor<
-          TileShape, EpilogueTileType, ElementC, ElementD, typename Cfg::EpilogueSchedule>,
-      EpilogueOptions::kStagesC, EpilogueOptions::kStagesD>;
+  using EpilogueTileType = cutlass::epilogue::collective::EpilogueTileAuto;
+  using EpilogueDesc = cutlass::epilogue::collective::detail::EpilogueDescriptor<
+      TileShape, EpilogueTileType, ElementC, ElementD, typename Cfg::EpilogueSchedule>;
   using Build = typename Fusion::template Build<EpilogueDesc>;
   using Callbacks = typename Build::Callbacks;
 
-  using CollectiveEpilogue = typename RetunedEpilogue<
-      typename cutlass::epilogue::collective::CollectiveBuilder<
-          cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-          EpilogueTileType, float, float, ElementC, LayoutC, kAlignC, ElementD, LayoutC, kAlignD,
-          typename Cfg::EpilogueSchedule, Callbacks>::CollectiveOp,
-      EpilogueOptions>::type;
-  static_assert(CollectiveEpilogue::DispatchPolicy::StagesC == EpilogueDesc::StagesC &&
-                    CollectiveEpilogue::DispatchPolicy::StagesD == EpilogueDesc::StagesD,
-                "the collective and the aux node descriptors disagree on the stages");
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      EpilogueTileType, float, float, ElementC, LayoutC, kAlignC, ElementD, LayoutC, kAlignD,
+      typename Cfg::EpilogueSchedule, Callbacks>::CollectiveOp;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, typename OperandLayouts<O>::A,
