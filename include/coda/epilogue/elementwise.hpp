@@ -86,18 +86,14 @@ struct SwiGlu {
 
 // --- 1 -> 2: SwiGLU backward. With s = sigmoid(g): du = da * silu(g),
 //     dg = da * u * s * (1 + g * (1 - s)). Also returns a = silu(g) * u (recomputed, for dW_down).
-// dg is evaluated as da * (a + s * (u - a)), the same product regrouped through a
-// (u * s * (1 + g - g * s) = u * s + a - a * s): two multiplies fewer per element than the form
-// above, which B2's epilogue, longer than its GEMM's MMA at K = 2048, pays for 16384 elements a
-// tile (docs/performance-notes.md).
 struct SwiGluBackward {
   template <class T>
   CODA_HD void operator()(T g, T u, T da, T& dg, T& du, T& a) const {
     const T s = sigmoid(g);
     const T silu_g = g * s;
-    a = silu_g * u;
     du = da * silu_g;
-    dg = da * (a + s * (u - a));
+    dg = da * u * s * (T(1) + g * (T(1) - s));
+    a = silu_g * u;
   }
 };
 

@@ -15,10 +15,10 @@
 
 namespace coda::kernel {
 
-// bf16 -> fp32 is exact bit placement: the low half shifted up, the high half masked in place
-// (one instruction each; __bfloat1622float2 spends a PRMT and a shift on the high half).
 CUTLASS_DEVICE float2 unpack_bf16_pair(uint32_t bits) {
-  return make_float2(__uint_as_float(bits << 16), __uint_as_float(bits & 0xffff0000u));
+  __nv_bfloat162 v;
+  memcpy(&v, &bits, 4);
+  return __bfloat1622float2(v);
 }
 CUTLASS_DEVICE uint32_t pack_bf16_pair(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
