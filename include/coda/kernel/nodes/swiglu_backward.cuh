@@ -75,9 +75,9 @@ struct SwigluBackwardNode {
   struct ConsumerStoreCallbacks : cf::EmptyConsumerStoreCallbacks {
     CUTLASS_DEVICE ConsumerStoreCallbacks(DzCallbacks&& dz, RowState zdz, CoordTensor c,
                                           Residue r, Lanes lanes, ShapeMNL shape, int tile_n,
-                                          int thread_idx, SwigluBackwardArgs const& p)
+                                          SwigluBackwardArgs const& p)
         : dz_cb(cute::forward<DzCallbacks>(dz)), rZdZ(zdz), tCcD(c), residue(r), lanes(lanes),
-          shape_mnl(shape), tile_n(tile_n), odd_row_lane(thread_idx >> 2), params(p) {}
+          shape_mnl(shape), tile_n(tile_n), params(p) {}
     DzCallbacks dz_cb;  // the stock aux store's callbacks: registers -> smem -> TMA
     RowState rZdZ;      // one slot per row (stride 0 along N)
     CoordTensor tCcD;   // thread-relative coordinates (for the row partials)
@@ -85,7 +85,6 @@ struct SwigluBackwardNode {
     Lanes lanes;
     ShapeMNL shape_mnl;
     int tile_n;
-    int odd_row_lane;  // bit 0: this lane's accumulator row (lane / 4) is odd
     SwigluBackwardArgs const& params;
 
     template <class ElementAccumulator, class ElementInput, class ElementZ, int F>
@@ -111,40 +110,9 @@ struct SwigluBackwardNode {
       return a;
     }
 
-    // dz's register-to-smem copy. Per subtile a thread holds 8 (dg, du) column pairs: rows r and
-    // r + 8 (r = lane / 4) x four 8-column groups, the two 16-column halves in the last mode. The
-    // stock copy stores one group of every lane per 64-bit STS, so a half-warp covers rows
-    // r0 .. r0 + 3 of one group, and the 128-byte swizzle (16-byte chunk XOR row) puts rows r and
-    // r ^ 1 on the same two chunks: two wavefronts per half-warp instead of one (run 53: 1024
-    // excess wavefronts per tile, z's loads included). Lanes of odd rows store the other 16-column
-    // half first, which the swizzle moves onto the banks the even rows leave free. Every lane
-    // still writes the same values to the same addresses; only the order differs.
     CUTLASS_DEVICE void postreduce(int epi_m, int epi_n, int store_iteration,
                                    bool issue_smem_store) {
-      using namespace cute;
-      auto tRS_rDz = dz_cb.tiled_r2s.get_slice(0).retile_S(dz_cb.tC_rAux);  // ((1,8),1,2)
-      constexpr int kStages = decltype(size<3>(dz_cb.tRS_sAux))::value;
-      auto tRS_sDz = dz_cb.tRS_sAux(_, _, _, store_iteration % kStages);
-      constexpr bool kRotate = decltype(size(tRS_rDz))::value == 16 &&
-                               decltype(size<0>(tRS_rDz))::value == 8 &&
-                               decltype(size<2>(tRS_rDz))::value == 2;
-      if constexpr (!kRotate) {
-        dz_cb.postreduce(epi_m, epi_n, store_iteration, issue_smem_store);
-      } else {
-        const bool odd_row = (odd_row_lane & 1) != 0;
-        CUTLASS_PRAGMA_UNROLL
-        for (int h = 0; h < 2; ++h) {
-          const int k = h ^ 1;
-          CUTLASS_PRAGMA_UNROLL
-          for (int v = 0; v < 8; v += 2) {
-            uint32_t* dst_h = &tRS_sDz(v + 8 * h);
-            uint32_t* dst_k = &tRS_sDz(v + 8 * k);
-            const uint2 val = odd_row ? make_uint2(tRS_rDz(v + 8 * k), tRS_rDz(v + 1 + 8 * k))
-                                      : make_uint2(tRS_rDz(v + 8 * h), tRS_rDz(v + 1 + 8 * h));
-            *reinterpret_cast<uint2*>(odd_row ? dst_k : dst_h) = val;
-          }
-        }
-      }
+      dz_cb.postreduce(epi_m, epi_n, store_iteration, issue_smem_store);
     }
     CUTLASS_DEVICE void tma_store(int epi_m, int epi_n, int store_iteration, bool issue_tma_store) {
       dz_cb.tma_store(epi_m, epi_n, store_iteration, issue_tma_store);
@@ -181,8 +149,7 @@ struct SwigluBackwardNode {
     return ConsumerStoreCallbacks<decltype(dz_cb), decltype(rZdZ), decltype(args.tCcD),
                                   decltype(args.residue_tCcD), decltype(lanes),
                                   decltype(shape_mnl)>(
-        cute::move(dz_cb), rZdZ, args.tCcD, args.residue_tCcD, lanes, shape_mnl, int(n),
-        args.thread_idx, params);
+        cute::move(dz_cb), rZdZ, args.tCcD, args.residue_tCcD, lanes, shape_mnl, int(n), params);
   }
 };
 
