@@ -87,7 +87,7 @@ struct RetunedEpilogue<
     cutlass::epilogue::collective::CollectiveEpilogue<
         cutlass::epilogue::Sm90TmaWarpSpecialized<SC, SD, FS, Reuse, Delay>, Rest...>,
     StagesC> {
-  static_assert(StagesC == 0 || !Reuse, "a C stage override with C's smem reused for D is not supported");
+  static_assert(!Reuse, "a C stage override with C's smem reused for D is not supported");
   using type = cutlass::epilogue::collective::CollectiveEpilogue<
       cutlass::epilogue::Sm90TmaWarpSpecialized<StagesC == 0 ? SC : StagesC, SD, FS, Reuse, Delay>,
       Rest...>;
