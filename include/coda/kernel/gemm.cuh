@@ -65,34 +65,6 @@ struct ConfigOf<Config::kCoop128x128x64_1x1> {
   using type = KernelConfig<128, 128, 64, 1, 1, true>;
 };
 
-// A fusion may set C's stage count (kStagesC) below the builder's: the collective's C pipeline and
-// every AuxLoad descriptor take it (EXPERIMENT, run 61).
-template <class F, class = void>
-struct FusionStagesC : std::integral_constant<int, 0> {};
-template <class F>
-struct FusionStagesC<F, std::void_t<decltype(F::kStagesC)>>
-    : std::integral_constant<int, F::kStagesC> {};
-
-template <class Base, int StagesCOverride>
-struct EpilogueDescriptorWith : Base {
-  static constexpr int StagesC = StagesCOverride == 0 ? Base::StagesC : StagesCOverride;
-};
-
-template <class Op, int StagesC>
-struct RetunedEpilogue {
-  using type = Op;
-};
-template <int SC, int SD, int FS, bool Reuse, bool Delay, class... Rest, int StagesC>
-struct RetunedEpilogue<
-    cutlass::epilogue::collective::CollectiveEpilogue<
-        cutlass::epilogue::Sm90TmaWarpSpecialized<SC, SD, FS, Reuse, Delay>, Rest...>,
-    StagesC> {
-  static_assert(!Reuse, "a C stage override with C's smem reused for D is not supported");
-  using type = cutlass::epilogue::collective::CollectiveEpilogue<
-      cutlass::epilogue::Sm90TmaWarpSpecialized<StagesC == 0 ? SC : StagesC, SD, FS, Reuse, Delay>,
-      Rest...>;
-};
-
 template <Operands O>
 struct OperandLayouts;
 template <>
@@ -151,20 +123,15 @@ struct GemmLauncher {
   static constexpr int kAlignD = 8;
 
   using EpilogueTileType = cutlass::epilogue::collective::EpilogueTileAuto;
-  static constexpr int kStagesC = FusionStagesC<Fusion>::value;
-  using EpilogueDesc = EpilogueDescriptorWith<
-      cutlass::epilogue::collective::detail::EpilogueDescriptor<
-          TileShape, EpilogueTileType, ElementC, ElementD, typename Cfg::EpilogueSchedule>,
-      kStagesC>;
+  using EpilogueDesc = cutlass::epilogue::collective::detail::EpilogueDescriptor<
+      TileShape, EpilogueTileType, ElementC, ElementD, typename Cfg::EpilogueSchedule>;
   using Build = typename Fusion::template Build<EpilogueDesc>;
   using Callbacks = typename Build::Callbacks;
 
-  using CollectiveEpilogue = typename RetunedEpilogue<
-      typename cutlass::epilogue::collective::CollectiveBuilder<
-          cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-          EpilogueTileType, float, float, ElementC, LayoutC, kAlignC, ElementD, LayoutC, kAlignD,
-          typename Cfg::EpilogueSchedule, Callbacks>::CollectiveOp,
-      kStagesC>::type;
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      EpilogueTileType, float, float, ElementC, LayoutC, kAlignC, ElementD, LayoutC, kAlignD,
+      typename Cfg::EpilogueSchedule, Callbacks>::CollectiveOp;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, typename OperandLayouts<O>::A,

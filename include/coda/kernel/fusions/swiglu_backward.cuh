@@ -10,7 +10,8 @@ namespace coda::kernel {
 // z is the GEMM's source C, one 32-bit element per (g, u) pair, so the epilogue's producer warp
 // loads it by TMA, up to four subtiles ahead of the consumer (StagesC). Until run 47 the node
 // read z itself, one subtile ahead, and B2 was latency-bound at K = 2048 (1.5x its GEMM,
-// docs/performance-notes.md). One node does the rest (nodes/swiglu_backward.cuh). An earlier
+// docs/performance-notes.md). One node does the rest (nodes/swiglu_backward.cuh); dz leaves by
+// TMA through a stock aux store of 32-bit pairs held inside it. An earlier
 // version split the work over three output trees with z and dz staged in shared memory by the
 // stock aux load/store nodes: 2-7x its plain GEMM on the H200.
 template <>
@@ -20,14 +21,12 @@ struct FusionOf<Program::kSwigluBackward> {
   using Args = SwigluBackwardArgs;
   static const void* source(Args const& a) { return a.z; }
   static int64_t source_ld(Args const& a) { return a.ldz; }
-  // EXPERIMENT (run 61): two C stages instead of four, so with dz stored from registers the
-  // epilogue needs 24 KB of shared memory and the mainloop gets six stages, as the plain GEMM.
-  static constexpr int kStagesC = 2;
   template <class EpilogueDesc>
   struct Build {
     using Tile = typename EpilogueDesc::TileShape;
-    using Callbacks =
-        cf::Sm90EVT<SwigluBackwardNode<Tile>, cf::Sm90AccFetch, cf::Sm90SrcFetch<uint32_t>>;
+    using DzStore = typename AuxStoreNode<EpilogueDesc, uint32_t>::type;
+    using Callbacks = cf::Sm90EVT<SwigluBackwardNode<Tile, DzStore>, cf::Sm90AccFetch,
+                                  cf::Sm90SrcFetch<uint32_t>>;
     static typename Callbacks::Arguments arguments(Args const& a) { return {{}, {}, a}; }
   };
 };
