@@ -105,17 +105,6 @@ inline int sm_count(int device) {
   return cached[device];
 }
 
-// The epilogue collective: the builder's, or the fusion's own consumer loop around it when the
-// fusion names one (template <class Stock> using StoreLoop = ...; B2: epilogue_loop.cuh).
-template <class F, class Stock, class = void>
-struct EpilogueCollectiveOf {
-  using type = Stock;
-};
-template <class F, class Stock>
-struct EpilogueCollectiveOf<F, Stock, std::void_t<typename F::template StoreLoop<Stock>>> {
-  using type = typename F::template StoreLoop<Stock>;
-};
-
 // ElementAB: the operand type of the mainloop (bf16 today; fp16 and fp8 operands instantiate the
 // same launcher, with the epilogue programs unchanged since they see fp32 accumulators).
 template <Config C, Program P, Operands O, class ElementAB = cutlass::bfloat16_t>
@@ -139,11 +128,10 @@ struct GemmLauncher {
   using Build = typename Fusion::template Build<EpilogueDesc>;
   using Callbacks = typename Build::Callbacks;
 
-  using StockEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       EpilogueTileType, float, float, ElementC, LayoutC, kAlignC, ElementD, LayoutC, kAlignD,
       typename Cfg::EpilogueSchedule, Callbacks>::CollectiveOp;
-  using CollectiveEpilogue = typename EpilogueCollectiveOf<Fusion, StockEpilogue>::type;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, typename OperandLayouts<O>::A,

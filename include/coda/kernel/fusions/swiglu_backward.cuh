@@ -1,5 +1,4 @@
 #pragma once
-#include "coda/kernel/epilogue_loop.cuh"
 #include "coda/kernel/fusions/common.cuh"
 #include "coda/kernel/nodes/swiglu_backward.cuh"
 
@@ -22,10 +21,6 @@ struct FusionOf<Program::kSwigluBackward> {
   using Args = SwigluBackwardArgs;
   static const void* source(Args const& a) { return a.z; }
   static int64_t source_ld(Args const& a) { return a.ldz; }
-  // One fence and one barrier per subtile instead of the stock loop's two of each, z read a
-  // subtile ahead into registers (epilogue_loop.cuh).
-  template <class Stock>
-  using StoreLoop = OneSyncStoreLoop<Stock>;
   template <class EpilogueDesc>
   struct Build {
     using Tile = typename EpilogueDesc::TileShape;
