@@ -65,6 +65,29 @@ struct ConfigOf<Config::kCoop128x128x64_1x1> {
   using type = KernelConfig<128, 128, 64, 1, 1, true>;
 };
 
+// A fusion may set C's stage count (kStagesC; 0 keeps the builder's): B2 keeps three so its
+// mainloop gets six stages (fusions/swiglu_backward.cuh).
+template <class F, class = void>
+struct FusionStagesC : std::integral_constant<int, 0> {};
+template <class F>
+struct FusionStagesC<F, std::void_t<decltype(F::kStagesC)>>
+    : std::integral_constant<int, F::kStagesC> {};
+template <class Op, int StagesC>
+struct WithStagesC {
+  using type = Op;
+};
+template <int SC, int SD, int FS, bool Reuse, bool Delay, class... Rest, int StagesC>
+struct WithStagesC<cutlass::epilogue::collective::CollectiveEpilogue<
+                       cutlass::epilogue::Sm90TmaWarpSpecialized<SC, SD, FS, Reuse, Delay>, Rest...>,
+                   StagesC> {
+  // With C's buffers reused for D, a store holds its buffer until the TMA has read it: C needs a
+  // stage more than D has in flight.
+  static_assert(StagesC == 0 || !Reuse || StagesC > SD, "C / D reuse needs StagesC > StagesD");
+  using type = cutlass::epilogue::collective::CollectiveEpilogue<
+      cutlass::epilogue::Sm90TmaWarpSpecialized<StagesC == 0 ? SC : StagesC, SD, FS, Reuse, Delay>,
+      Rest...>;
+};
+
 template <Operands O>
 struct OperandLayouts;
 template <>
@@ -120,7 +143,9 @@ struct GemmLauncher {
   // 16-byte TMA rows of C (8 when C is void: the builder still asks for an alignment).
   static constexpr int kAlignC =
       std::is_void_v<ElementC> ? 8 : 128 / cutlass::sizeof_bits<ElementC>::value;
-  static constexpr int kAlignD = 8;
+  // 16-byte TMA rows of D.
+  static constexpr int kAlignD =
+      std::is_void_v<ElementD> ? 8 : 128 / cutlass::sizeof_bits<ElementD>::value;
 
   using EpilogueTileType = cutlass::epilogue::collective::EpilogueTileAuto;
   using EpilogueDesc = cutlass::epilogue::collective::detail::EpilogueDescriptor<
@@ -128,10 +153,12 @@ struct GemmLauncher {
   using Build = typename Fusion::template Build<EpilogueDesc>;
   using Callbacks = typename Build::Callbacks;
 
-  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      EpilogueTileType, float, float, ElementC, LayoutC, kAlignC, ElementD, LayoutC, kAlignD,
-      typename Cfg::EpilogueSchedule, Callbacks>::CollectiveOp;
+  using CollectiveEpilogue = typename WithStagesC<
+      typename cutlass::epilogue::collective::CollectiveBuilder<
+          cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+          EpilogueTileType, float, float, ElementC, LayoutC, kAlignC, ElementD, LayoutC, kAlignD,
+          typename Cfg::EpilogueSchedule, Callbacks>::CollectiveOp,
+      FusionStagesC<Fusion>::value>::type;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, typename OperandLayouts<O>::A,
@@ -171,8 +198,9 @@ struct GemmLauncher {
         {build_arguments(fa, p), c_pointer(p, fa),
          with_leading_dimension(cutlass::make_cute_packed_stride(StrideC{}, {p.m, p.n, 1}),
                                 c_leading_dimension(p, fa)),
-         d_pointer(p),
-         with_leading_dimension(cutlass::make_cute_packed_stride(StrideD{}, {p.m, p.n, 1}), p.ldd)},
+         d_pointer(p, fa),
+         with_leading_dimension(cutlass::make_cute_packed_stride(StrideD{}, {p.m, p.n, 1}),
+                                d_leading_dimension(p, fa))},
         hw};
     using RasterOption = cutlass::gemm::kernel::detail::RasterOrderOptions;
     args.scheduler.max_swizzle_size = sched.swizzle;
@@ -235,11 +263,28 @@ struct GemmLauncher {
       return p.ldc;
     }
   }
-  static auto d_pointer(const GemmProblem& p) {
+  // D likewise: the problem's p.d, or the fusion's destination(Args) (B2's dz; its p.d, a, then
+  // leaves through an aux store the tree holds).
+  template <class F, class = void>
+  struct HasOwnDestination : std::false_type {};
+  template <class F>
+  struct HasOwnDestination<
+      F, std::void_t<decltype(F::destination(std::declval<typename F::Args const&>()))>>
+      : std::true_type {};
+  static auto d_pointer(const GemmProblem& p, typename Fusion::Args const& fa) {
     if constexpr (std::is_void_v<ElementD>) {
       return static_cast<void*>(nullptr);
+    } else if constexpr (HasOwnDestination<Fusion>::value) {
+      return reinterpret_cast<ElementD*>(Fusion::destination(fa));
     } else {
       return reinterpret_cast<ElementD*>(p.d);
+    }
+  }
+  static int64_t d_leading_dimension(const GemmProblem& p, typename Fusion::Args const& fa) {
+    if constexpr (HasOwnDestination<Fusion>::value) {
+      return Fusion::destination_ld(fa);
+    } else {
+      return p.ldd;
     }
   }
 };

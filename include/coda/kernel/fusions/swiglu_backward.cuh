@@ -6,28 +6,37 @@ namespace coda::kernel {
 
 // B2 (SwiGLU backward in the epilogue of da = dx_out · W_down, operands kXW):
 //   (g, u) = z pair;  dg, du, a = SwiGluBackward(g, u, da)
-//   dz pair -> global (uint32, (M, I));  a -> D (bf16, (M, I));  ZdZ partial += g·dg + u·du
-// z is the GEMM's source C, one 32-bit element per (g, u) pair, so the epilogue's producer warp
-// loads it by TMA, up to four subtiles ahead of the consumer (StagesC). Until run 47 the node
-// read z itself, one subtile ahead, and B2 was latency-bound at K = 2048 (1.5x its GEMM,
-// docs/performance-notes.md). One node does the rest (nodes/swiglu_backward.cuh); dz leaves by
-// TMA through a stock aux store of 32-bit pairs held inside it. An earlier
-// version split the work over three output trees with z and dz staged in shared memory by the
-// stock aux load/store nodes: 2-7x its plain GEMM on the H200.
+//   dz pair -> D (uint32, (M, I));  a -> global (bf16, (M, I));  ZdZ partial += g·dg + u·du
+// z is the GEMM's source C and dz its destination D, one 32-bit element per (g, u) pair. The
+// epilogue's producer warp loads z by TMA ahead of the consumer, and dz goes out by TMA through
+// the same shared-memory buffer (the builder reuses C's buffers for D when both have the same
+// width); a leaves through a stock aux store of bf16 held in the node
+// (nodes/swiglu_backward.cuh). Three C stages keep the epilogue at 32 KB of shared memory, so
+// the mainloop gets six stages like the plain GEMM: run 66 had B2 1.07x slower with four
+// mainloop stages than with five, and run 65 1.04x its GEMM with z (and its 32 KB) taken away.
+// Until run 67, dz had its own ring (an aux store) and the mainloop five stages; until run 47
+// the node read z itself, one subtile ahead, and B2 was latency-bound at K = 2048 (1.5x its GEMM,
+// docs/performance-notes.md).
 template <>
 struct FusionOf<Program::kSwigluBackward> {
   using ElementC = uint32_t;
-  using ElementD = bfloat16_t;
+  using ElementD = uint32_t;
   using Args = SwigluBackwardArgs;
+  static constexpr int kStagesC = 3;
   static const void* source(Args const& a) { return a.z; }
   static int64_t source_ld(Args const& a) { return a.ldz; }
+  static void* destination(Args const& a) { return a.dz; }
+  static int64_t destination_ld(Args const& a) { return a.lddz; }
   template <class EpilogueDesc>
   struct Build {
     using Tile = typename EpilogueDesc::TileShape;
-    using DzStore = typename AuxStoreNode<EpilogueDesc, uint32_t>::type;
-    using Callbacks = cf::Sm90EVT<SwigluBackwardNode<Tile, DzStore>, cf::Sm90AccFetch,
+    using AStore = typename AuxStoreNode<EpilogueDesc, bfloat16_t>::type;
+    using Callbacks = cf::Sm90EVT<SwigluBackwardNode<Tile, AStore>, cf::Sm90AccFetch,
                                   cf::Sm90SrcFetch<uint32_t>>;
-    static typename Callbacks::Arguments arguments(Args const& a) { return {{}, {}, a}; }
+    // a goes to the problem's D pointer (p.d, p.ldd), which the op layer fills with a.
+    static typename Callbacks::Arguments arguments(Args const& a, GemmProblem const& p) {
+      return {{}, {}, {a, p.d, p.ldd}};
+    }
   };
 };
 

@@ -11,40 +11,46 @@
 namespace coda::kernel {
 
 // ---------------------------------------------------------------------------------------------
-// SwigluBackwardNode<CtaTile, DzStore>: the whole B2 epilogue in one node; its children are da
+// SwigluBackwardNode<CtaTile, AStore>: the whole B2 epilogue in one node; its children are da
 // (the accumulator) and z (the source C, loaded by TMA: fusions/swiglu_backward.cuh). Output
 // column n owns the interleaved pair (2n, 2n+1) of z and dz, read and written as one 32-bit
 // element:
 //   (g, u) = z pair;  dg, du, a = SwiGluBackward(g, u, da)
-//   dz pair -> DzStore (uint32, (M, N));  returns a (D);  ZdZ partial += g·dg + u·du
-// DzStore is a stock Sm90AuxStore of 32-bit elements held inside this node: dz goes through a
-// swizzled shared-memory ring and leaves by TMA in lock-step with D's store pipeline. Rows past M
-// arrive as z = 0 (TMA fills out-of-bounds elements with zeros), which adds exactly 0 to ZdZ, and
-// TMA clips the stores. ZdZ stays in one register per row over the tile and is merged across the
+//   returns the dz pair (D, uint32, (M, N));  a -> AStore (bf16, (M, N));  ZdZ += g·dg + u·du
+// dz is the collective's D, so it goes out through the shared-memory buffer z came in by (C / D
+// reuse). AStore is a stock Sm90AuxStore of bf16 held inside this node: a goes through its own
+// swizzled ring and leaves by TMA in lock-step with D's store pipeline. Rows past M arrive as
+// z = 0 (TMA fills out-of-bounds elements with zeros), which adds exactly 0 to ZdZ, and TMA clips
+// the stores. ZdZ stays in one register per row over the tile and is merged across the
 // lanes sharing the row once, at the end (per_row partials, like OnlineLseReduction).
 // ---------------------------------------------------------------------------------------------
-template <class CtaTile, class DzStore>
+template <class CtaTile, class AStore>
 struct SwigluBackwardNode {
   struct SharedStorage {
-    typename DzStore::SharedStorage dz;
+    typename AStore::SharedStorage a;
   };
-  using Arguments = SwigluBackwardArgs;
+  struct Arguments {
+    SwigluBackwardArgs args;
+    void* a;  // the problem's D: bf16 (M, N), leading dimension lda
+    int64_t lda;
+  };
   struct Params {
     SwigluBackwardArgs args;
-    typename DzStore::Params dz;
+    typename AStore::Params a;
   };
 
   template <class ProblemShape>
   static Params to_underlying_arguments(ProblemShape const& shape, Arguments const& a,
                                         void* workspace) {
-    typename DzStore::Arguments dz{a.dz, {}};
-    cute::get<0>(dz.dAux) = a.lddz;
-    return {a, DzStore::to_underlying_arguments(shape, dz, workspace)};
+    typename AStore::Arguments out{static_cast<bfloat16_t*>(a.a), {}};
+    cute::get<0>(out.dAux) = a.lda;
+    return {a.args, AStore::to_underlying_arguments(shape, out, workspace)};
   }
   template <class ProblemShape>
   static bool can_implement(ProblemShape const& shape, Arguments const& a) {
     auto [M, N, K, L] = cute::append<4>(shape, 1);
-    return a.z && a.dz && a.zdz_partials && N % 4 == 0 && a.ldz % 4 == 0 && a.lddz % 4 == 0;
+    return a.args.z && a.args.dz && a.args.zdz_partials && a.a && N % 8 == 0 &&
+           a.args.ldz % 4 == 0 && a.args.lddz % 4 == 0 && a.lda % 8 == 0;
   }
   template <class ProblemShape>
   static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
@@ -57,11 +63,11 @@ struct SwigluBackwardNode {
   }
 
   CUTLASS_HOST_DEVICE SwigluBackwardNode() {}
-  // dz_store keeps a pointer to its Params: it gets the kernel's (p.dz), not this node's copy.
+  // a_store keeps a pointer to its Params: it gets the kernel's (p.a), not this node's copy.
   CUTLASS_HOST_DEVICE SwigluBackwardNode(Params const& p, SharedStorage const& s)
-      : params(p.args), dz_store(p.dz, s.dz) {}
+      : params(p.args), a_store(p.a, s.a) {}
   SwigluBackwardArgs params;
-  DzStore dz_store;
+  AStore a_store;
 
   CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
   CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
@@ -70,15 +76,15 @@ struct SwigluBackwardNode {
     return cf::EmptyProducerLoadCallbacks{};
   }
 
-  template <class DzCallbacks, class RowState, class CoordTensor, class Residue, class Lanes,
+  template <class ACallbacks, class RowState, class CoordTensor, class Residue, class Lanes,
             class ShapeMNL>
   struct ConsumerStoreCallbacks : cf::EmptyConsumerStoreCallbacks {
-    CUTLASS_DEVICE ConsumerStoreCallbacks(DzCallbacks&& dz, RowState zdz, CoordTensor c,
+    CUTLASS_DEVICE ConsumerStoreCallbacks(ACallbacks&& a, RowState zdz, CoordTensor c,
                                           Residue r, Lanes lanes, ShapeMNL shape, int tile_n,
                                           SwigluBackwardArgs const& p)
-        : dz_cb(cute::forward<DzCallbacks>(dz)), rZdZ(zdz), tCcD(c), residue(r), lanes(lanes),
+        : a_cb(cute::forward<ACallbacks>(a)), rZdZ(zdz), tCcD(c), residue(r), lanes(lanes),
           shape_mnl(shape), tile_n(tile_n), params(p) {}
-    DzCallbacks dz_cb;  // the stock aux store's callbacks: registers -> smem -> TMA
+    ACallbacks a_cb;  // the stock aux store's callbacks: registers -> smem -> TMA
     RowState rZdZ;      // one slot per row (stride 0 along N)
     CoordTensor tCcD;   // thread-relative coordinates (for the row partials)
     Residue residue;
@@ -88,7 +94,7 @@ struct SwigluBackwardNode {
     SwigluBackwardArgs const& params;
 
     template <class ElementAccumulator, class ElementInput, class ElementZ, int F>
-    CUTLASS_DEVICE cutlass::Array<float, F> visit(cutlass::Array<ElementAccumulator, F> const& acc,
+    CUTLASS_DEVICE cutlass::Array<uint32_t, F> visit(cutlass::Array<ElementAccumulator, F> const& acc,
                                                   int epi_v, int epi_m, int epi_n,
                                                   cutlass::Array<ElementInput, F> const& da,
                                                   cutlass::Array<ElementZ, F> const& z) {
@@ -106,16 +112,16 @@ struct SwigluBackwardNode {
         dz[i] = pack_bf16_pair(dg, du);
         zdz_mn(epi_v * F + i) += gu.x * dg + gu.y * du;
       }
-      dz_cb.visit(acc, epi_v, epi_m, epi_n, dz);
-      return a;
+      a_cb.visit(acc, epi_v, epi_m, epi_n, a);
+      return dz;
     }
 
     CUTLASS_DEVICE void postreduce(int epi_m, int epi_n, int store_iteration,
                                    bool issue_smem_store) {
-      dz_cb.postreduce(epi_m, epi_n, store_iteration, issue_smem_store);
+      a_cb.postreduce(epi_m, epi_n, store_iteration, issue_smem_store);
     }
     CUTLASS_DEVICE void tma_store(int epi_m, int epi_n, int store_iteration, bool issue_tma_store) {
-      dz_cb.tma_store(epi_m, epi_n, store_iteration, issue_tma_store);
+      a_cb.tma_store(epi_m, epi_n, store_iteration, issue_tma_store);
     }
 
     template <class STensor, class SyncFn, class VTensor>
@@ -143,13 +149,13 @@ struct SwigluBackwardNode {
     auto [M, N, K, L] = args.problem_shape_mnkl;
     auto [m, n, k, l] = args.tile_coord_mnkl;
     auto shape_mnl = make_shape(M, N, L);
-    auto dz_cb = dz_store.template get_consumer_store_callbacks<ReferenceSrc>(args);
+    auto a_cb = a_store.template get_consumer_store_callbacks<ReferenceSrc>(args);
     auto rZdZ = make_row_state<ReferenceSrc, CtaTile>(args, 0.0f);
     auto lanes = warp_lanes<ReferenceSrc>(args);
-    return ConsumerStoreCallbacks<decltype(dz_cb), decltype(rZdZ), decltype(args.tCcD),
+    return ConsumerStoreCallbacks<decltype(a_cb), decltype(rZdZ), decltype(args.tCcD),
                                   decltype(args.residue_tCcD), decltype(lanes),
                                   decltype(shape_mnl)>(
-        cute::move(dz_cb), rZdZ, args.tCcD, args.residue_tCcD, lanes, shape_mnl, int(n), params);
+        cute::move(a_cb), rZdZ, args.tCcD, args.residue_tCcD, lanes, shape_mnl, int(n), params);
   }
 };
 
