@@ -66,12 +66,21 @@ struct ConfigOf<Config::kCoop128x128x64_1x1> {
 };
 
 // A fusion may set C's stage count (kStagesC; 0 keeps the builder's): B2 keeps three so its
-// mainloop gets six stages (fusions/swiglu_backward.cuh).
+// mainloop gets six stages (fusions/swiglu_backward.cuh). The count reaches both the collective's
+// C ring (WithStagesC) and the descriptor the fusion builds its nodes from (DescriptorWith), so an
+// AuxLoadNode's ring, which rides C's pipeline, gets the same count.
 template <class F, class = void>
 struct FusionStagesC : std::integral_constant<int, 0> {};
 template <class F>
 struct FusionStagesC<F, std::void_t<decltype(F::kStagesC)>>
     : std::integral_constant<int, F::kStagesC> {};
+template <class Desc, int StagesCOverride>
+struct DescriptorWithStagesC : Desc {
+  static constexpr int StagesC = StagesCOverride;
+};
+template <class Desc, int StagesC>
+using DescriptorWith =
+    std::conditional_t<StagesC == 0, Desc, DescriptorWithStagesC<Desc, StagesC>>;
 template <class Op, int StagesC>
 struct WithStagesC {
   using type = Op;
@@ -148,8 +157,11 @@ struct GemmLauncher {
       std::is_void_v<ElementD> ? 8 : 128 / cutlass::sizeof_bits<ElementD>::value;
 
   using EpilogueTileType = cutlass::epilogue::collective::EpilogueTileAuto;
-  using EpilogueDesc = cutlass::epilogue::collective::detail::EpilogueDescriptor<
-      TileShape, EpilogueTileType, ElementC, ElementD, typename Cfg::EpilogueSchedule>;
+  using EpilogueDesc =
+      DescriptorWith<cutlass::epilogue::collective::detail::EpilogueDescriptor<
+                         TileShape, EpilogueTileType, ElementC, ElementD,
+                         typename Cfg::EpilogueSchedule>,
+                     FusionStagesC<Fusion>::value>;
   using Build = typename Fusion::template Build<EpilogueDesc>;
   using Callbacks = typename Build::Callbacks;
 
