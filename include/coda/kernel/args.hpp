@@ -115,7 +115,9 @@ struct RmsnormCrossEntropyBackwardArgs {  // B4: A = h, B = W_vocab; D = dℓ (M
   float z_loss = 0.0f;
 };
 
-struct SwigluBackwardArgs {          // B2: A = dx_out (M, H), B = W_down (H, I); D = a (M, I)
+// B2: A = dx_out (M, H), B = W_down (H, I); the problem's D (p.d) = a (M, I). The kernel writes a
+// through a node and dz as the collective's own D (fusions/swiglu_backward.cuh).
+struct SwigluBackwardArgs {
   const uint32_t* z = nullptr;       // (M, I) interleaved (g, u) bf16 pairs, one 32-bit element each
   int64_t ldz = 0;                   // in pairs
   uint32_t* dz = nullptr;            // (M, I) (dg, du) pairs

@@ -171,6 +171,9 @@ struct GemmLauncher {
           EpilogueTileType, float, float, ElementC, LayoutC, kAlignC, ElementD, LayoutC, kAlignD,
           typename Cfg::EpilogueSchedule, Callbacks>::CollectiveOp,
       FusionStagesC<Fusion>::value>::type;
+  static_assert(FusionStagesC<Fusion>::value == 0 ||
+                    CollectiveEpilogue::DispatchPolicy::StagesC == FusionStagesC<Fusion>::value,
+                "the fusion's kStagesC did not reach the collective (not an sm90 TMA epilogue?)");
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, typename OperandLayouts<O>::A,
