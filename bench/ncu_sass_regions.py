@@ -100,7 +100,8 @@ def split(path):
         if "TRYWAIT" in src[i]:
             waits += samples[i] + samples[i + 1]
     fence = sum(samples[i] for i in counted if i <= consumer_exit)
-    return sum(samples), totals, (ml_start, ml_end, consumer_exit, retry_start), fence, fences, waits
+    bounds = (ml_start, ml_end, consumer_exit, retry_start)
+    return sum(samples), totals, bounds, fence, fences, waits
 
 
 def main(paths):

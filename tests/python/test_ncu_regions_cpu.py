@@ -39,7 +39,8 @@ def synthetic_program():
     p += [("WARPGROUP.ARRIVE", 2), ("HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24", 11),
           ("HGMMA.64x128x16.F32.BF16 R88, gdesc[UR8], R88, gsb0", 13),
           ("WARPGROUP.DEPBAR.LE gsb0, 0x0", 17), ("NOP", 0)]
-    p += [("MEMBAR.ALL.CTA", 19), ("FENCE.VIEW.ASYNC.S", 23), ("BAR.SYNC.DEFER_BLOCKING 0x1, 0x80", 29),
+    p += [("MEMBAR.ALL.CTA", 19), ("FENCE.VIEW.ASYNC.S", 23),
+          ("BAR.SYNC.DEFER_BLOCKING 0x1, 0x80", 29),
           ("SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR6], R3", 31), (f"@!P1  BRA {addr(83)}", 37),
           ("EXIT", 41)]
     p += [("UTMALDG.3D [UR8], [UR10]", 43)] + [("NOP", 0)] * 48

@@ -79,16 +79,17 @@ struct DescriptorWithStagesC : Desc {
   static constexpr int StagesC = StagesCOverride;
 };
 template <class Desc, int StagesC>
-using DescriptorWith =
-    std::conditional_t<StagesC == 0, Desc, DescriptorWithStagesC<Desc, StagesC>>;
+using DescriptorWith = std::conditional_t<StagesC == 0, Desc, DescriptorWithStagesC<Desc, StagesC>>;
 template <class Op, int StagesC>
 struct WithStagesC {
+  static_assert(StagesC == 0, "kStagesC needs the sm90 TMA warp-specialized epilogue collective");
   using type = Op;
 };
 template <int SC, int SD, int FS, bool Reuse, bool Delay, class... Rest, int StagesC>
-struct WithStagesC<cutlass::epilogue::collective::CollectiveEpilogue<
-                       cutlass::epilogue::Sm90TmaWarpSpecialized<SC, SD, FS, Reuse, Delay>, Rest...>,
-                   StagesC> {
+struct WithStagesC<
+    cutlass::epilogue::collective::CollectiveEpilogue<
+        cutlass::epilogue::Sm90TmaWarpSpecialized<SC, SD, FS, Reuse, Delay>, Rest...>,
+    StagesC> {
   // With C's buffers reused for D, a store holds its buffer until the TMA has read it: C needs a
   // stage more than D has in flight.
   static_assert(StagesC == 0 || !Reuse || StagesC > SD, "C / D reuse needs StagesC > StagesD");
@@ -157,11 +158,10 @@ struct GemmLauncher {
       std::is_void_v<ElementD> ? 8 : 128 / cutlass::sizeof_bits<ElementD>::value;
 
   using EpilogueTileType = cutlass::epilogue::collective::EpilogueTileAuto;
-  using EpilogueDesc =
-      DescriptorWith<cutlass::epilogue::collective::detail::EpilogueDescriptor<
-                         TileShape, EpilogueTileType, ElementC, ElementD,
-                         typename Cfg::EpilogueSchedule>,
-                     FusionStagesC<Fusion>::value>;
+  using EpilogueDesc = DescriptorWith<
+      cutlass::epilogue::collective::detail::EpilogueDescriptor<
+          TileShape, EpilogueTileType, ElementC, ElementD, typename Cfg::EpilogueSchedule>,
+      FusionStagesC<Fusion>::value>;
   using Build = typename Fusion::template Build<EpilogueDesc>;
   using Callbacks = typename Build::Callbacks;
 
@@ -171,9 +171,6 @@ struct GemmLauncher {
           EpilogueTileType, float, float, ElementC, LayoutC, kAlignC, ElementD, LayoutC, kAlignD,
           typename Cfg::EpilogueSchedule, Callbacks>::CollectiveOp,
       FusionStagesC<Fusion>::value>::type;
-  static_assert(FusionStagesC<Fusion>::value == 0 ||
-                    CollectiveEpilogue::DispatchPolicy::StagesC == FusionStagesC<Fusion>::value,
-                "the fusion's kStagesC did not reach the collective (not an sm90 TMA epilogue?)");
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, typename OperandLayouts<O>::A,

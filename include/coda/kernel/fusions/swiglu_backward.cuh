@@ -31,8 +31,8 @@ struct FusionOf<Program::kSwigluBackward> {
   struct Build {
     using Tile = typename EpilogueDesc::TileShape;
     using AStore = typename AuxStoreNode<EpilogueDesc, bfloat16_t>::type;
-    using Callbacks = cf::Sm90EVT<SwigluBackwardNode<Tile, AStore>, cf::Sm90AccFetch,
-                                  cf::Sm90SrcFetch<uint32_t>>;
+    using Callbacks =
+        cf::Sm90EVT<SwigluBackwardNode<Tile, AStore>, cf::Sm90AccFetch, cf::Sm90SrcFetch<uint32_t>>;
     // a goes to the problem's D pointer (p.d, p.ldd), which the op layer fills with a.
     static typename Callbacks::Arguments arguments(Args const& a, GemmProblem const& p) {
       return {{}, {}, {a, p.d, p.ldd}};

@@ -79,14 +79,20 @@ struct SwigluBackwardNode {
   template <class ACallbacks, class RowState, class CoordTensor, class Residue, class Lanes,
             class ShapeMNL>
   struct ConsumerStoreCallbacks : cf::EmptyConsumerStoreCallbacks {
-    CUTLASS_DEVICE ConsumerStoreCallbacks(ACallbacks&& a, RowState zdz, CoordTensor c,
-                                          Residue r, Lanes lanes, ShapeMNL shape, int tile_n,
+    CUTLASS_DEVICE ConsumerStoreCallbacks(ACallbacks&& a, RowState zdz, CoordTensor c, Residue r,
+                                          Lanes lanes, ShapeMNL shape, int tile_n,
                                           SwigluBackwardArgs const& p)
-        : a_cb(cute::forward<ACallbacks>(a)), rZdZ(zdz), tCcD(c), residue(r), lanes(lanes),
-          shape_mnl(shape), tile_n(tile_n), params(p) {}
-    ACallbacks a_cb;  // the stock aux store's callbacks: registers -> smem -> TMA
-    RowState rZdZ;      // one slot per row (stride 0 along N)
-    CoordTensor tCcD;   // thread-relative coordinates (for the row partials)
+        : a_cb(cute::forward<ACallbacks>(a)),
+          rZdZ(zdz),
+          tCcD(c),
+          residue(r),
+          lanes(lanes),
+          shape_mnl(shape),
+          tile_n(tile_n),
+          params(p) {}
+    ACallbacks a_cb;   // the stock aux store's callbacks: registers -> smem -> TMA
+    RowState rZdZ;     // one slot per row (stride 0 along N)
+    CoordTensor tCcD;  // thread-relative coordinates (for the row partials)
     Residue residue;
     Lanes lanes;
     ShapeMNL shape_mnl;
@@ -94,10 +100,9 @@ struct SwigluBackwardNode {
     SwigluBackwardArgs const& params;
 
     template <class ElementAccumulator, class ElementInput, class ElementZ, int F>
-    CUTLASS_DEVICE cutlass::Array<uint32_t, F> visit(cutlass::Array<ElementAccumulator, F> const& acc,
-                                                  int epi_v, int epi_m, int epi_n,
-                                                  cutlass::Array<ElementInput, F> const& da,
-                                                  cutlass::Array<ElementZ, F> const& z) {
+    CUTLASS_DEVICE cutlass::Array<uint32_t, F> visit(
+        cutlass::Array<ElementAccumulator, F> const& acc, int epi_v, int epi_m, int epi_n,
+        cutlass::Array<ElementInput, F> const& da, cutlass::Array<ElementZ, F> const& z) {
       // The collective hands C over in its own register type; a converted (float) copy of the
       // packed pairs would be garbage, so insist on the raw 32-bit words.
       static_assert(std::is_same_v<ElementZ, uint32_t>, "z must arrive as raw bf16 pairs");
