@@ -7,30 +7,36 @@ namespace coda::kernel {
 
 // B1 (RMSNorm backward in the epilogue of g = dz · W, operands kXW):
 //   dx = dres (C) + r·(g·γ − x·r·ZdZ)  -> D (may alias C: an in-place accumulate into dres)
-//   h_out = x·r·γ                       -> global (the node's own stores)
+//   h_out = x·r·γ                       -> global
 //   dγ partial[n, m-tile] = Σ g·x·r     -> per-column partials (PartialLayout::per_column)
-// One node (nodes/rmsnorm_backward.cuh); dres, r, γ and ZdZ come from the stock load nodes, x
-// from one of two leaves:
-//   - pingpong (64-row epilogue subtiles): Sm90AuxLoad, TMA from the epilogue's producer warp on
-//     C's pipeline, up to four subtiles ahead. When the consumer read x itself one subtile ahead
-//     (until run 47), B1 QKV at K = 2048 ran 1.2x its GEMM;
-//   - cooperative 256x128: LoadAhead (nodes/load_ahead.cuh), the consumer's own loads one
-//     subtile ahead. The TMA ring's 32 KB cost that configuration one of its four 48 KB mainloop
-//     stages, and it ran 1-4% slower (run 47, docs/performance-notes.md).
+// One node (nodes/rmsnorm_backward.cuh); dres, r, γ and ZdZ come from the stock load nodes. x and
+// h go one of two ways:
+//   - pingpong (64-row epilogue subtiles): x by Sm90AuxLoad, TMA from the epilogue's producer
+//     warp on C's pipeline, StagesC subtiles ahead; h by a stock bf16 aux store held in the node
+//     (TMA, in step with D's stores). Three C stages keep the epilogue at 32 KB, so the mainloop
+//     keeps its six stages. h stored from registers (until run 73) left B1 QKV at 1B 1.11-1.13x
+//     its GEMM under ncu, 1.08-1.09 now; the consumer reading x itself (until run 47) 1.2x;
+//   - cooperative 256x128: x by LoadAhead (nodes/load_ahead.cuh), the consumer's own loads one
+//     subtile ahead, and h from registers: no shared memory. The TMA ring's 32 KB cost that
+//     configuration one of its four 48 KB mainloop stages, and it ran 1-4% slower (run 47,
+//     docs/performance-notes.md).
 template <>
 struct FusionOf<Program::kRmsnormBackward> {
   using ElementC = bfloat16_t;
   using ElementD = bfloat16_t;
   using Args = RmsnormBackwardArgs;
+  static constexpr int kStagesC = 3;
   template <class EpilogueDesc>
   struct Build {
     using Tile = typename EpilogueDesc::TileShape;
     static constexpr bool kXByTma = cute::size<0>(typename EpilogueDesc::EpilogueTile{}) == 64;
     using XTma = AuxLoadNode<EpilogueDesc, bfloat16_t>;
     using XLoad = std::conditional_t<kXByTma, typename XTma::type, LoadAhead<Tile>>;
-    using Callbacks =
-        cf::Sm90EVT<RmsnormBackwardNode<Tile>, cf::Sm90SrcFetch<bfloat16_t>, RowVector<Tile, float>,
-                    ColumnVector<Tile, bfloat16_t, float>, RowVector<Tile, float>, XLoad>;
+    using HStore =
+        std::conditional_t<kXByTma, typename AuxStoreNode<EpilogueDesc, bfloat16_t>::type, void>;
+    using Callbacks = cf::Sm90EVT<RmsnormBackwardNode<Tile, HStore>, cf::Sm90SrcFetch<bfloat16_t>,
+                                  RowVector<Tile, float>, ColumnVector<Tile, bfloat16_t, float>,
+                                  RowVector<Tile, float>, XLoad>;
     static typename XLoad::Arguments x_arguments(Args const& a) {
       if constexpr (kXByTma) {
         return XTma::arguments(a.x, a.ldx);

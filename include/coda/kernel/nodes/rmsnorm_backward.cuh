@@ -11,73 +11,133 @@
 namespace coda::kernel {
 
 // ---------------------------------------------------------------------------------------------
-// RmsnormBackwardNode<CtaTile>: the B1 epilogue in one node. The accumulator is g = dz · W; the
-// children give dres (C), r (per row), γ (per column), ZdZ (per row) and x (an Sm90AuxLoad: TMA
-// from the epilogue's producer warp, fusions/rmsnorm_backward.cuh). Per element:
+// RmsnormBackwardNode<CtaTile, HStore>: the B1 epilogue in one node. The accumulator is g = dz · W;
+// the children give dres (C), r (per row), γ (per column), ZdZ (per row) and x (an Sm90AuxLoad:
+// TMA from the epilogue's producer warp, fusions/rmsnorm_backward.cuh). Per element:
 //   dx = dres + r·(g·γ − x·r·ZdZ)   returned (D; may alias C)
-//   h  = x·r·γ                      -> global memory (bf16, (M, N)), a 32-bit store per pair
+//   h  = x·r·γ                      -> bf16 (M, N)
 //   dγ partial[n, m-tile] += g·x·r  one register per column over the tile
-// h is stored from registers, a 32-bit store per column pair (fragment elements (2j, 2j+1) are
-// adjacent columns, N % 8 == 0, so a pair is wholly inside or outside). dγ is merged across the lanes sharing a column (shuffles), then across the warps
-// through the collective's store buffer (fixed order, so the result is deterministic), and
-// written once per (column, M-tile) as PartialLayout::per_column.
+// h leaves through HStore, a stock bf16 Sm90AuxStore held in this node (its own swizzled ring,
+// TMA stores in step with D's), or, with HStore = void, from registers: a 32-bit store per
+// column pair (fragment elements (2j, 2j+1) are adjacent columns, N % 8 == 0, so a pair is
+// wholly inside or outside). dγ is merged across the lanes sharing a column (shuffles), then
+// across the warps through the collective's store buffer (fixed order, so the result is
+// deterministic), and written once per (column, M-tile) as PartialLayout::per_column.
 // Replaces a topological visitor whose fp32 fragments lived in a 1040-byte stack frame and whose
 // stock column reduction had 205-way shared-memory bank conflicts (docs/performance-notes.md).
 // ---------------------------------------------------------------------------------------------
-template <class CtaTile>
-struct RmsnormBackwardNode : ConsumerOnlyNode<RmsnormBackwardArgs> {
-  using Params = RmsnormBackwardArgs;
-  using Arguments = Params;
+// Stands in for HStore when h is stored from registers.
+struct NoAuxStore {
+  struct SharedStorage {};
+  struct Params {};
+  CUTLASS_HOST_DEVICE NoAuxStore() {}
+  CUTLASS_HOST_DEVICE NoAuxStore(Params const&, SharedStorage const&) {}
+};
+
+template <class CtaTile, class HStore = void>
+struct RmsnormBackwardNode {
   static constexpr int kCtaM = cute::size<0>(CtaTile{});
   static constexpr int kCtaN = cute::size<1>(CtaTile{});
+  static constexpr bool kHByTma = !std::is_void_v<HStore>;
+  using HStoreOrNone = std::conditional_t<kHByTma, HStore, NoAuxStore>;
+  struct SharedStorage {
+    typename HStoreOrNone::SharedStorage h;
+  };
+  using Arguments = RmsnormBackwardArgs;
+  struct Params {
+    RmsnormBackwardArgs args;
+    typename HStoreOrNone::Params h;
+  };
 
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const& shape, Arguments const& a,
+                                        void* workspace) {
+    if constexpr (kHByTma) {
+      typename HStore::Arguments out{reinterpret_cast<bfloat16_t*>(a.h_out), {}};
+      cute::get<0>(out.dAux) = a.ldh;
+      return {a, HStore::to_underlying_arguments(shape, out, workspace)};
+    } else {
+      return {a, {}};
+    }
+  }
   template <class ProblemShape>
   static bool can_implement(ProblemShape const& shape, Arguments const& a) {
     auto [M, N, K, L] = cute::append<4>(shape, 1);
-    // x is read by TMA: 16-byte aligned rows.
-    return a.x && a.h_out && a.dgamma_partials && N % 2 == 0 && a.ldx % 8 == 0 && a.ldh % 2 == 0;
+    // x is read by TMA: 16-byte aligned rows; so is h when it leaves by TMA.
+    return a.x && a.h_out && a.dgamma_partials && N % 2 == 0 && a.ldx % 8 == 0 &&
+           a.ldh % (kHByTma ? 8 : 2) == 0;
+  }
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
+    return 0;
+  }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*,
+                                              cudaStream_t, cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
   }
 
   CUTLASS_HOST_DEVICE RmsnormBackwardNode() {}
-  CUTLASS_HOST_DEVICE RmsnormBackwardNode(Params const& p, SharedStorage const&) : params(p) {}
-  Params params;
+  // h_store keeps a pointer to its Params: it gets the kernel's (p.h), not this node's copy.
+  CUTLASS_HOST_DEVICE RmsnormBackwardNode(Params const& p, SharedStorage const& s)
+      : params(p.args), h_store(p.h, s.h) {}
+  RmsnormBackwardArgs params;
+  HStoreOrNone h_store;
 
-  template <int kThreads, class GTensor, class CTensor, class ColState, class CtaCoords,
-            class ShapeMNL, class Lanes>
+  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
+  CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
+  template <class... ProducerArgs>
+  CUTLASS_DEVICE auto get_producer_load_callbacks(cf::ProducerLoadArgs<ProducerArgs...> const&) {
+    return cf::EmptyProducerLoadCallbacks{};
+  }
+
+  template <int kThreads, class HCallbacks, class GTensor, class CTensor, class ColState,
+            class CtaCoords, class ShapeMNL, class Lanes>
   struct ConsumerStoreCallbacks : cf::EmptyConsumerStoreCallbacks {
-    CUTLASS_DEVICE ConsumerStoreCallbacks(GTensor gh, CTensor c, ColState dg, CtaCoords cta,
-                                          ShapeMNL shape, Lanes lanes, int tile_m, int tile_n,
-                                          int thread_idx, Params const& p)
-        : tC_gH(gh), tC_c(c), rDgamma(dg), tC_cta(cta), shape_mnl(shape), lanes(lanes),
-          tile_m(tile_m), tile_n(tile_n),
+    CUTLASS_DEVICE ConsumerStoreCallbacks(HCallbacks&& hcb, GTensor gh, CTensor c, ColState dg,
+                                          CtaCoords cta, ShapeMNL shape, Lanes lanes, int tile_m,
+                                          int tile_n, int thread_idx, RmsnormBackwardArgs const& p)
+        : h_cb(cute::forward<HCallbacks>(hcb)),
+          tC_gH(gh),
+          tC_c(c),
+          rDgamma(dg),
+          tC_cta(cta),
+          shape_mnl(shape),
+          lanes(lanes),
+          tile_m(tile_m),
+          tile_n(tile_n),
           full_tile(tile_inside<CtaTile>(tile_m, tile_n, int(cute::get<0>(shape)),
                                          int(cute::get<1>(shape)))),
-          thread_idx(thread_idx), params(p) {}
-    GTensor tC_gH;      // (CPY,CPY_M,CPY_N,EPI_M,EPI_N) global h of this tile (bf16)
-    CTensor tC_c;       // its absolute (m, n, l) coordinates
-    ColState rDgamma;   // one slot per column (stride 0 along M)
-    CtaCoords tC_cta;   // CTA-relative (m, n) of every element
+          thread_idx(thread_idx),
+          params(p) {}
+    HCallbacks h_cb;   // the stock aux store's callbacks (registers -> smem -> TMA), if any
+    GTensor tC_gH;     // (CPY,CPY_M,CPY_N,EPI_M,EPI_N) global h of this tile (bf16)
+    CTensor tC_c;      // its absolute (m, n, l) coordinates
+    ColState rDgamma;  // one slot per column (stride 0 along M)
+    CtaCoords tC_cta;  // CTA-relative (m, n) of every element
     ShapeMNL shape_mnl;
     Lanes lanes;
     int tile_m, tile_n;
     bool full_tile;  // the tile lies wholly inside (M, N): no per-pair bounds checks
     int thread_idx;
-    Params const& params;
+    RmsnormBackwardArgs const& params;
 
     static constexpr int kEpiN = decltype(cute::size<4>(std::declval<GTensor>()))::value;
 
     template <class ElementAccumulator, class ElementC, class ElementR, class ElementG,
               class ElementZ, class ElementX, int F>
-    CUTLASS_DEVICE cutlass::Array<float, F> visit(
-        cutlass::Array<ElementAccumulator, F> const& acc, int epi_v, int epi_m, int epi_n,
-        cutlass::Array<ElementC, F> const& dres, cutlass::Array<ElementR, F> const& r,
-        cutlass::Array<ElementG, F> const& gamma, cutlass::Array<ElementZ, F> const& zdz,
-        cutlass::Array<ElementX, F> const& x) {
+    CUTLASS_DEVICE cutlass::Array<float, F> visit(cutlass::Array<ElementAccumulator, F> const& acc,
+                                                  int epi_v, int epi_m, int epi_n,
+                                                  cutlass::Array<ElementC, F> const& dres,
+                                                  cutlass::Array<ElementR, F> const& r,
+                                                  cutlass::Array<ElementG, F> const& gamma,
+                                                  cutlass::Array<ElementZ, F> const& zdz,
+                                                  cutlass::Array<ElementX, F> const& x) {
       static_assert(F % 2 == 0, "fragments hold whole column pairs");
       auto g_h = tC_gH(cute::_, cute::_, cute::_, epi_m, epi_n);
       auto c = tC_c(cute::_, cute::_, cute::_, epi_m, epi_n);
       auto dg_mn = rDgamma(cute::_, cute::_, cute::_, epi_m, epi_n);
-      cutlass::Array<float, F> dx;
+      cutlass::Array<float, F> dx, h_frg;
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < F; i += 2) {
         const int e = epi_v * F + i;
@@ -86,15 +146,28 @@ struct RmsnormBackwardNode : ConsumerOnlyNode<RmsnormBackwardArgs> {
         for (int j = 0; j < 2; ++j) {
           const float g = float(acc[i + j]), rr = float(r[i + j]), ga = float(gamma[i + j]);
           const float xs = float(x[i + j]);
-          dx[i + j] = programs::RmsnormBackwardDx{}(g, float(dres[i + j]), xs, rr, ga,
-                                                    float(zdz[i + j]));
+          dx[i + j] =
+              programs::RmsnormBackwardDx{}(g, float(dres[i + j]), xs, rr, ga, float(zdz[i + j]));
           h[j] = programs::NormalizedScaled{}(xs, rr, ga);
           dg_mn(e + j) += programs::GradTimesNormalized{}(g, xs, rr);
         }
-        if (full_tile || cute::elem_less(c(e), shape_mnl))
+        if constexpr (kHByTma) {
+          h_frg[i] = h[0];
+          h_frg[i + 1] = h[1];
+        } else if (full_tile || cute::elem_less(c(e), shape_mnl)) {
           *reinterpret_cast<uint32_t*>(&g_h(e)) = pack_bf16_pair(h[0], h[1]);
+        }
       }
+      if constexpr (kHByTma) h_cb.visit(acc, epi_v, epi_m, epi_n, h_frg);
       return dx;
+    }
+
+    CUTLASS_DEVICE void postreduce(int epi_m, int epi_n, int store_iteration,
+                                   bool issue_smem_store) {
+      if constexpr (kHByTma) h_cb.postreduce(epi_m, epi_n, store_iteration, issue_smem_store);
+    }
+    CUTLASS_DEVICE void tma_store(int epi_m, int epi_n, int store_iteration, bool issue_tma_store) {
+      if constexpr (kHByTma) h_cb.tma_store(epi_m, epi_n, store_iteration, issue_tma_store);
     }
 
     template <class STensor, class SyncFn, class VTensor>
@@ -134,8 +207,7 @@ struct RmsnormBackwardNode : ConsumerOnlyNode<RmsnormBackwardArgs> {
       const bool cta_in_bounds = tile_m * kCtaM < int(cute::get<0>(shape_mnl)) &&
                                  tile_n * kCtaN < int(cute::get<1>(shape_mnl));
       if (cta_in_bounds) {
-        const int64_t cols_padded =
-            (int64_t(cute::get<1>(shape_mnl)) + kCtaN - 1) / kCtaN * kCtaN;
+        const int64_t cols_padded = (int64_t(cute::get<1>(shape_mnl)) + kCtaN - 1) / kCtaN * kCtaN;
         for (int col = thread_idx; col < kCtaN; col += kWarps * 32) {
           float sum = 0.0f;
           CUTLASS_PRAGMA_UNROLL
@@ -163,9 +235,18 @@ struct RmsnormBackwardNode : ConsumerOnlyNode<RmsnormBackwardArgs> {
     auto rDgamma = make_column_state<ReferenceSrc, CtaTile>(args, 0.0f);
     auto tC_cta = cta_coords<ReferenceSrc>(args);
     auto lanes = warp_lanes<ReferenceSrc>(args);
-    return ConsumerStoreCallbacks<kThreads, decltype(tC_gH), decltype(tC_c), decltype(rDgamma),
-                                  decltype(tC_cta), decltype(shape_mnl), decltype(lanes)>(
-        tC_gH, tC_c, rDgamma, tC_cta, shape_mnl, lanes, int(m), int(n), args.thread_idx, params);
+    auto h_cb = [&] {
+      if constexpr (kHByTma) {
+        return h_store.template get_consumer_store_callbacks<ReferenceSrc>(args);
+      } else {
+        return cf::EmptyConsumerStoreCallbacks{};
+      }
+    }();
+    return ConsumerStoreCallbacks<kThreads, decltype(h_cb), decltype(tC_gH), decltype(tC_c),
+                                  decltype(rDgamma), decltype(tC_cta), decltype(shape_mnl),
+                                  decltype(lanes)>(cute::move(h_cb), tC_gH, tC_c, rDgamma, tC_cta,
+                                                   shape_mnl, lanes, int(m), int(n),
+                                                   args.thread_idx, params);
   }
 };
 
