@@ -85,12 +85,13 @@ KernelChoice program_config(Program p, int m, int n, int k) {
       if (k > 2048) return {Config::kPing128x192x64_2x1, deep};
       return {Config::kCoop128x256x64_2x1, deep};
     case Program::kRmsnormBackward:
-      // B1 (g = dz·W, N = hidden, K = the projection's width). Run-27 sweep: cooperative 256x128
-      // (its node merges dγ over 8 warps) was 4-10% faster for gate/up (K >= 16384) at 8192
-      // tokens and at 70B; pingpong was 3-5% faster for gate/up at 1B/8B with 16384 tokens and
-      // for QKV (K <= 10240) 2-21% faster (most at 1B) except 70B / 16384 (level), where the
-      // pingpong overlap of the epilogue matters more.
-      if (k >= 16384 && (m <= 8192 || n >= 8192))
+      // B1 (g = dz·W, N = hidden, K = the projection's width). QKV (K <= 10240): pingpong was
+      // 2-21% faster in the run-27 sweep (most at 1B). Gate/up (K >= 16384), fused B1 under ncu
+      // after pingpong B1 took x and h by TMA (run 75, bench/results/2026-11-30-run75-b1-gate-up-
+      // configs.txt): pingpong 5-7% faster at 1B (8192 and 16384 tokens) and 3-4% at 8B / 8192;
+      // cooperative 256x128 (its node merges dγ over 8 warps) 3% faster at 8B / 16384 and
+      // 15-25% at 70B. (Run 27, before the TMA operands, had cooperative ahead at 8192 tokens.)
+      if (k >= 16384 && (n >= 8192 || (n >= 4096 && m > 8192)))
         return {Config::kCoop256x128x64_1x2, {8, Raster::kAlongN}};
       return {Config::kPing128x128x64_1x2, deep};
     case Program::kSwigluBackward:
