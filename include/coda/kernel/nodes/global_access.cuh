@@ -1,10 +1,10 @@
 #pragma once
-// Direct global-memory access from epilogue nodes (RmsnormBackwardNode's h, LoadAhead; the bf16
-// pair packing is B2's too): the thread's share of a tile of a row-major (M, N) tensor, partitioned exactly like the collective's
-// D, its coordinates, whether a tile needs bounds checks at all, and bf16 pairs as 32-bit words.
-// Fragment elements (2j, 2j+1) are adjacent columns of one row (PairLayoutProbe checks this per
-// schedule), so a pair moves as one 32-bit word (bf16) or one half of a 64-bit access (32-bit
-// elements).
+// Direct global-memory access from epilogue nodes (RmsnormBackwardNode's h on cooperative tiles,
+// LoadAhead; the bf16 pair packing is B2's too): the thread's share of a tile of a row-major
+// (M, N) tensor, partitioned exactly like the collective's D, its coordinates, whether a tile
+// needs bounds checks at all, and bf16 pairs as 32-bit words. Fragment elements (2j, 2j+1) are
+// adjacent columns of one row (PairLayoutProbe checks this per schedule), so a pair moves as one
+// 32-bit word (bf16) or one half of a 64-bit access (32-bit elements).
 
 #include <cuda_bf16.h>
 
