@@ -17,9 +17,10 @@ namespace coda::kernel {
 //     keeps its six stages. h stored from registers (until run 73) left B1 QKV at 1B 1.11-1.13x
 //     its GEMM under ncu, 1.08-1.09 now; the consumer reading x itself (until run 47) 1.2x;
 //   - cooperative 256x128: x by LoadAhead (nodes/load_ahead.cuh), the consumer's own loads one
-//     subtile ahead, and h from registers: no shared memory. The TMA ring's 32 KB cost that
-//     configuration one of its four 48 KB mainloop stages, and it ran 1-4% slower (run 47,
-//     docs/performance-notes.md).
+//     subtile ahead, and h from registers: neither takes shared memory. An x ring's 32 KB cost
+//     that configuration one of its four 48 KB mainloop stages, and it ran 1-4% slower (run 47,
+//     docs/performance-notes.md). kStagesC is per fusion, so its C ring has three stages too
+//     (24 KB; four mainloop stages either way); run 75 timed it so.
 template <>
 struct FusionOf<Program::kRmsnormBackward> {
   using ElementC = bfloat16_t;

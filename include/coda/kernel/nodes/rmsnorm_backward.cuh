@@ -12,8 +12,9 @@ namespace coda::kernel {
 
 // ---------------------------------------------------------------------------------------------
 // RmsnormBackwardNode<CtaTile, HStore>: the B1 epilogue in one node. The accumulator is g = dz · W;
-// the children give dres (C), r (per row), γ (per column), ZdZ (per row) and x (an Sm90AuxLoad:
-// TMA from the epilogue's producer warp, fusions/rmsnorm_backward.cuh). Per element:
+// the children give dres (C), r (per row), γ (per column), ZdZ (per row) and x (an Sm90AuxLoad,
+// TMA from the epilogue's producer warp, on pingpong; LoadAhead on cooperative tiles:
+// fusions/rmsnorm_backward.cuh). Per element:
 //   dx = dres + r·(g·γ − x·r·ZdZ)   returned (D; may alias C)
 //   h  = x·r·γ                      -> bf16 (M, N)
 //   dγ partial[n, m-tile] += g·x·r  one register per column over the tile
@@ -53,7 +54,7 @@ struct RmsnormBackwardNode {
   static Params to_underlying_arguments(ProblemShape const& shape, Arguments const& a,
                                         void* workspace) {
     if constexpr (kHByTma) {
-      typename HStore::Arguments out{reinterpret_cast<bfloat16_t*>(a.h_out), {}};
+      typename HStore::Arguments out{reinterpret_cast<cutlass::bfloat16_t*>(a.h_out), {}};
       cute::get<0>(out.dAux) = a.ldh;
       return {a, HStore::to_underlying_arguments(shape, out, workspace)};
     } else {
@@ -137,7 +138,8 @@ struct RmsnormBackwardNode {
       auto g_h = tC_gH(cute::_, cute::_, cute::_, epi_m, epi_n);
       auto c = tC_c(cute::_, cute::_, cute::_, epi_m, epi_n);
       auto dg_mn = rDgamma(cute::_, cute::_, cute::_, epi_m, epi_n);
-      cutlass::Array<float, F> dx, h_frg;
+      cutlass::Array<float, F> dx;
+      [[maybe_unused]] cutlass::Array<float, F> h_frg;  // h for HStore
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < F; i += 2) {
         const int e = epi_v * F + i;

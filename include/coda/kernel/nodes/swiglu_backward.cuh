@@ -42,7 +42,7 @@ struct SwigluBackwardNode {
   template <class ProblemShape>
   static Params to_underlying_arguments(ProblemShape const& shape, Arguments const& a,
                                         void* workspace) {
-    typename AStore::Arguments out{static_cast<bfloat16_t*>(a.a), {}};
+    typename AStore::Arguments out{static_cast<cutlass::bfloat16_t*>(a.a), {}};
     cute::get<0>(out.dAux) = a.lda;
     return {a.args, AStore::to_underlying_arguments(shape, out, workspace)};
   }
