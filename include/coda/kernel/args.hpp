@@ -57,6 +57,15 @@ struct GemmProblem {
   int64_t ldd = 0;
 };
 
+// The tensors the GEMM kernel itself reads as C and writes as D: the problem's c and d, unless a
+// fusion puts its own operands there (FusionOf<P>::operands; B2's z and dz, 32-bit pairs).
+struct KernelOperands {
+  const void* c = nullptr;
+  int64_t ldc = 0;
+  void* d = nullptr;
+  int64_t ldd = 0;
+};
+
 // Persistent tile scheduler options (runtime, no recompilation).
 enum class Raster : int { kHeuristic = 0, kAlongM = 1, kAlongN = 2 };
 struct SchedulerOptions {

@@ -200,6 +200,12 @@ struct GemmLauncher {
     hw.device_id = device;
     hw.sm_count = sm_count(device);
 
+    const KernelOperands operands = kernel_operands(p, fa);
+    const ElementC* c_pointer = nullptr;
+    if constexpr (!std::is_void_v<ElementC>) c_pointer = static_cast<const ElementC*>(operands.c);
+    ElementD* d_pointer = nullptr;
+    if constexpr (!std::is_void_v<ElementD>) d_pointer = static_cast<ElementD*>(operands.d);
+
     typename Adapter::Arguments args{
         cutlass::gemm::GemmUniversalMode::kGemm,
         {p.m, p.n, p.k, 1},
@@ -207,12 +213,12 @@ struct GemmLauncher {
          with_leading_dimension(cutlass::make_cute_packed_stride(StrideA{}, {p.m, p.k, 1}), p.lda),
          reinterpret_cast<const ElementAB*>(p.b),
          with_leading_dimension(cutlass::make_cute_packed_stride(StrideB{}, {p.n, p.k, 1}), p.ldb)},
-        {build_arguments(fa, p), c_pointer(p, fa),
+        {build_arguments(fa, p), c_pointer,
          with_leading_dimension(cutlass::make_cute_packed_stride(StrideC{}, {p.m, p.n, 1}),
-                                c_leading_dimension(p, fa)),
-         d_pointer(p, fa),
+                                operands.ldc),
+         d_pointer,
          with_leading_dimension(cutlass::make_cute_packed_stride(StrideD{}, {p.m, p.n, 1}),
-                                d_leading_dimension(p, fa))},
+                                operands.ldd)},
         hw};
     using RasterOption = cutlass::gemm::kernel::detail::RasterOrderOptions;
     args.scheduler.max_swizzle_size = sched.swizzle;
@@ -252,51 +258,20 @@ struct GemmLauncher {
       return Build::arguments(fa);
     }
   }
-  // C is the problem's residual source (p.c), or, for a fusion that defines source(Args) and
-  // source_ld(Args), one of its own operands (B2's z): then the producer warp loads it by TMA.
+  // C and D are the problem's p.c and p.d, or, for a fusion that defines
+  // operands(Args, GemmProblem), its own (B2: z as C, loaded by the epilogue's producer warp, and
+  // dz as D; the problem's p.d, a, then leaves through an aux store its tree holds).
   template <class F, class = void>
-  struct HasOwnSource : std::false_type {};
+  struct HasOwnOperands : std::false_type {};
   template <class F>
-  struct HasOwnSource<F, std::void_t<decltype(F::source(std::declval<typename F::Args const&>()))>>
-      : std::true_type {};
-  static auto c_pointer(const GemmProblem& p, typename Fusion::Args const& fa) {
-    if constexpr (std::is_void_v<ElementC>) {
-      return static_cast<const void*>(nullptr);
-    } else if constexpr (HasOwnSource<Fusion>::value) {
-      return reinterpret_cast<const ElementC*>(Fusion::source(fa));
+  struct HasOwnOperands<F, std::void_t<decltype(F::operands(
+                               std::declval<typename F::Args const&>(),
+                               std::declval<GemmProblem const&>()))>> : std::true_type {};
+  static KernelOperands kernel_operands(const GemmProblem& p, typename Fusion::Args const& fa) {
+    if constexpr (HasOwnOperands<Fusion>::value) {
+      return Fusion::operands(fa, p);
     } else {
-      return reinterpret_cast<const ElementC*>(p.c);
-    }
-  }
-  static int64_t c_leading_dimension(const GemmProblem& p, typename Fusion::Args const& fa) {
-    if constexpr (HasOwnSource<Fusion>::value) {
-      return Fusion::source_ld(fa);
-    } else {
-      return p.ldc;
-    }
-  }
-  // D likewise: the problem's p.d, or the fusion's destination(Args) (B2's dz; its p.d, a, then
-  // leaves through an aux store the tree holds).
-  template <class F, class = void>
-  struct HasOwnDestination : std::false_type {};
-  template <class F>
-  struct HasOwnDestination<
-      F, std::void_t<decltype(F::destination(std::declval<typename F::Args const&>()))>>
-      : std::true_type {};
-  static auto d_pointer(const GemmProblem& p, typename Fusion::Args const& fa) {
-    if constexpr (std::is_void_v<ElementD>) {
-      return static_cast<void*>(nullptr);
-    } else if constexpr (HasOwnDestination<Fusion>::value) {
-      return reinterpret_cast<ElementD*>(Fusion::destination(fa));
-    } else {
-      return reinterpret_cast<ElementD*>(p.d);
-    }
-  }
-  static int64_t d_leading_dimension(const GemmProblem& p, typename Fusion::Args const& fa) {
-    if constexpr (HasOwnDestination<Fusion>::value) {
-      return Fusion::destination_ld(fa);
-    } else {
-      return p.ldd;
+      return {p.c, p.ldc, p.d, p.ldd};
     }
   }
 };

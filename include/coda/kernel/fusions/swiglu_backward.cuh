@@ -23,10 +23,9 @@ struct FusionOf<Program::kSwigluBackward> {
   using ElementD = uint32_t;
   using Args = SwigluBackwardArgs;
   static constexpr int kStagesC = 3;
-  static const void* source(Args const& a) { return a.z; }
-  static int64_t source_ld(Args const& a) { return a.ldz; }
-  static void* destination(Args const& a) { return a.dz; }
-  static int64_t destination_ld(Args const& a) { return a.lddz; }
+  static KernelOperands operands(Args const& a, GemmProblem const&) {
+    return {a.z, a.ldz, a.dz, a.lddz};
+  }
   template <class EpilogueDesc>
   struct Build {
     using Tile = typename EpilogueDesc::TileShape;

@@ -38,11 +38,30 @@ CUTLASS_DEVICE auto cta_coords(StoreArgs const& args) {
                                                                args.tiled_copy, args.thread_idx);
 }
 
-// The node protocol for nodes whose Params are their Arguments, with no workspace, no shared
-// memory and no producer loads: the host-side statics and the producer hooks. Nodes derive from it
-// and add a constructor, their Params member and get_consumer_store_callbacks.
+// The parts of the node protocol every custom node here shares: no workspace (its host-side
+// statics) and no producer loads (the producer hooks). Nodes derive from it.
+struct NoWorkspaceNoProducerLoads {
+  template <class ProblemShape, class Arguments>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
+    return 0;
+  }
+  template <class ProblemShape, class Arguments>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*,
+                                              cudaStream_t, cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
+  CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
+  template <class... ProducerArgs>
+  CUTLASS_DEVICE auto get_producer_load_callbacks(cf::ProducerLoadArgs<ProducerArgs...> const&) {
+    return cf::EmptyProducerLoadCallbacks{};
+  }
+};
+
+// A node whose Params are its Arguments and that has no shared memory either: it adds a
+// constructor, its Params member and get_consumer_store_callbacks.
 template <class Args>
-struct ConsumerOnlyNode {
+struct ConsumerOnlyNode : NoWorkspaceNoProducerLoads {
   struct SharedStorage {};
   using Arguments = Args;
   using Params = Args;
@@ -55,21 +74,16 @@ struct ConsumerOnlyNode {
   static bool can_implement(ProblemShape const&, Arguments const&) {
     return true;
   }
-  template <class ProblemShape>
-  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
-    return 0;
-  }
-  template <class ProblemShape>
-  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*,
-                                              cudaStream_t, cutlass::CudaHostAdapter* = nullptr) {
-    return cutlass::Status::kSuccess;
-  }
-  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
-  CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
-  template <class... ProducerArgs>
-  CUTLASS_DEVICE auto get_producer_load_callbacks(cf::ProducerLoadArgs<ProducerArgs...> const&) {
-    return cf::EmptyProducerLoadCallbacks{};
-  }
 };
+
+// Params of a stock bf16 Sm90AuxStore that a node holds for one of its outputs (B1's h, B2's a):
+// a row-major (M, N) tensor at ptr with leading dimension ld (elements).
+template <class Store, class ProblemShape>
+typename Store::Params held_store_params(ProblemShape const& shape, void* ptr, int64_t ld,
+                                         void* workspace) {
+  typename Store::Arguments out{static_cast<cutlass::bfloat16_t*>(ptr), {}};
+  cute::get<0>(out.dAux) = ld;
+  return Store::to_underlying_arguments(shape, out, workspace);
+}
 
 }  // namespace coda::kernel

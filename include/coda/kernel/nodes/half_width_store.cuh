@@ -12,7 +12,7 @@ namespace coda::kernel {
 // unchanged (the caller keeps the full-width tensor too).
 // ---------------------------------------------------------------------------------------------
 template <class EpilogueDesc, class PairFn, class Element>
-struct HalfWidthStore {
+struct HalfWidthStore : NoWorkspaceNoProducerLoads {
   using CtaTile = typename EpilogueDesc::TileShape;
   using EpiTile = typename EpilogueDesc::EpilogueTile;
   static constexpr int Stages = EpilogueDesc::StagesD;
@@ -58,28 +58,11 @@ struct HalfWidthStore {
     auto [M, N, K, L] = cute::append<4>(shape, 1);
     return a.ptr != nullptr && N % 2 == 0 && a.ld >= N / 2 && (a.ld * sizeof(Element)) % 16 == 0;
   }
-  template <class ProblemShape>
-  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
-    return 0;
-  }
-  template <class ProblemShape>
-  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*,
-                                              cudaStream_t, cutlass::CudaHostAdapter* = nullptr) {
-    return cutlass::Status::kSuccess;
-  }
-
   CUTLASS_HOST_DEVICE HalfWidthStore() {}
   CUTLASS_HOST_DEVICE HalfWidthStore(Params const& p, SharedStorage const& s)
       : params_ptr(&p), smem(const_cast<Element*>(s.smem.data())) {}
   Params const* params_ptr = nullptr;
   Element* smem = nullptr;
-
-  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
-  CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
-  template <class... Args>
-  CUTLASS_DEVICE auto get_producer_load_callbacks(cf::ProducerLoadArgs<Args...> const&) {
-    return cf::EmptyProducerLoadCallbacks{};
-  }
 
   template <class CoordTensor, class RegTensor, class SmemTensor, class TmaSmem, class TmaGmem>
   struct ConsumerStoreCallbacks : cf::EmptyConsumerStoreCallbacks {

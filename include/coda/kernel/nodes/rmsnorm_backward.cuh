@@ -36,7 +36,7 @@ struct NoAuxStore {
 };
 
 template <class CtaTile, class HStore = void>
-struct RmsnormBackwardNode {
+struct RmsnormBackwardNode : NoWorkspaceNoProducerLoads {
   static constexpr int kCtaM = cute::size<0>(CtaTile{});
   static constexpr int kCtaN = cute::size<1>(CtaTile{});
   static constexpr bool kHByTma = !std::is_void_v<HStore>;
@@ -54,9 +54,7 @@ struct RmsnormBackwardNode {
   static Params to_underlying_arguments(ProblemShape const& shape, Arguments const& a,
                                         void* workspace) {
     if constexpr (kHByTma) {
-      typename HStore::Arguments out{reinterpret_cast<cutlass::bfloat16_t*>(a.h_out), {}};
-      cute::get<0>(out.dAux) = a.ldh;
-      return {a, HStore::to_underlying_arguments(shape, out, workspace)};
+      return {a, held_store_params<HStore>(shape, a.h_out, a.ldh, workspace)};
     } else {
       return {a, {}};
     }
@@ -68,29 +66,12 @@ struct RmsnormBackwardNode {
     return a.x && a.h_out && a.dgamma_partials && N % 2 == 0 && a.ldx % 8 == 0 &&
            a.ldh % (kHByTma ? 8 : 2) == 0;
   }
-  template <class ProblemShape>
-  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
-    return 0;
-  }
-  template <class ProblemShape>
-  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*,
-                                              cudaStream_t, cutlass::CudaHostAdapter* = nullptr) {
-    return cutlass::Status::kSuccess;
-  }
-
   CUTLASS_HOST_DEVICE RmsnormBackwardNode() {}
   // h_store keeps a pointer to its Params: it gets the kernel's (p.h), not this node's copy.
   CUTLASS_HOST_DEVICE RmsnormBackwardNode(Params const& p, SharedStorage const& s)
       : params(p.args), h_store(p.h, s.h) {}
   RmsnormBackwardArgs params;
   HStoreOrNone h_store;
-
-  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
-  CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
-  template <class... ProducerArgs>
-  CUTLASS_DEVICE auto get_producer_load_callbacks(cf::ProducerLoadArgs<ProducerArgs...> const&) {
-    return cf::EmptyProducerLoadCallbacks{};
-  }
 
   template <int kThreads, class HCallbacks, class GTensor, class CTensor, class ColState,
             class CtaCoords, class ShapeMNL, class Lanes>

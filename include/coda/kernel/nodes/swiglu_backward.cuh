@@ -25,7 +25,7 @@ namespace coda::kernel {
 // lanes sharing the row once, at the end (per_row partials, like OnlineLseReduction).
 // ---------------------------------------------------------------------------------------------
 template <class CtaTile, class AStore>
-struct SwigluBackwardNode {
+struct SwigluBackwardNode : NoWorkspaceNoProducerLoads {
   struct SharedStorage {
     typename AStore::SharedStorage a;
   };
@@ -42,9 +42,7 @@ struct SwigluBackwardNode {
   template <class ProblemShape>
   static Params to_underlying_arguments(ProblemShape const& shape, Arguments const& a,
                                         void* workspace) {
-    typename AStore::Arguments out{static_cast<cutlass::bfloat16_t*>(a.a), {}};
-    cute::get<0>(out.dAux) = a.lda;
-    return {a.args, AStore::to_underlying_arguments(shape, out, workspace)};
+    return {a.args, held_store_params<AStore>(shape, a.a, a.lda, workspace)};
   }
   template <class ProblemShape>
   static bool can_implement(ProblemShape const& shape, Arguments const& a) {
@@ -52,29 +50,12 @@ struct SwigluBackwardNode {
     return a.args.z && a.args.dz && a.args.zdz_partials && a.a && N % 8 == 0 &&
            a.args.ldz % 4 == 0 && a.args.lddz % 4 == 0 && a.lda % 8 == 0;
   }
-  template <class ProblemShape>
-  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
-    return 0;
-  }
-  template <class ProblemShape>
-  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*,
-                                              cudaStream_t, cutlass::CudaHostAdapter* = nullptr) {
-    return cutlass::Status::kSuccess;
-  }
-
   CUTLASS_HOST_DEVICE SwigluBackwardNode() {}
   // a_store keeps a pointer to its Params: it gets the kernel's (p.a), not this node's copy.
   CUTLASS_HOST_DEVICE SwigluBackwardNode(Params const& p, SharedStorage const& s)
       : params(p.args), a_store(p.a, s.a) {}
   SwigluBackwardArgs params;
   AStore a_store;
-
-  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
-  CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
-  template <class... ProducerArgs>
-  CUTLASS_DEVICE auto get_producer_load_callbacks(cf::ProducerLoadArgs<ProducerArgs...> const&) {
-    return cf::EmptyProducerLoadCallbacks{};
-  }
 
   template <class ACallbacks, class RowState, class CoordTensor, class Residue, class Lanes,
             class ShapeMNL>
