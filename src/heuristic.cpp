@@ -5,17 +5,40 @@
 // entries carry ~5-20% run-to-run noise): one choice per regime, picked for the regime's geometric
 // mean with a penalty below 0.95 (sweep estimate: geomean 1.008, worst 0.92, 1B gate/up):
 //   N >= 100000 (LM head)            pingpong 128x192, cluster 2x1, swizzle 4, raster N
-//   N <= 6144 or K <= 2048           pingpong 128x128, cluster 1x2, swizzle 1, raster M
+//   N <= 6144 or K <= 2048           pingpong 128x128, cluster 1x2, raster M, the largest swizzle
+//                                    that pads no tile column (unpadded_swizzle; swizzle 1 until
+//                                    run 92)
 //   N >= 16384 (gate/up)             pingpong 128x192, cluster 2x1, swizzle 8, raster N
 //   otherwise                        cooperative 256x128, cluster 1x2, swizzle 8, raster N
 #include "coda/kernel/heuristic.hpp"
 
 namespace coda::kernel {
 
+namespace {
+
+// The tile scheduler rounds the tile grid's N extent up to swizzle x cluster N tiles (raster
+// along M), and the padded tiles still take their turn. The largest swizzle up to 8 that pads
+// nothing: at every 1B / 8B shape the pingpong programs and the plain GEMM ran 4-14% faster at
+// swizzle 4 or 8 than at 1 (run 92, bench/results/2026-11-30-run88-92-swizzle.txt), except where
+// swizzle 8 padded the grid (1B QKV: 24 tile columns, 12 clusters, rounded up to 16: 46% slower).
+int unpadded_swizzle(int n, int tile_n, int cluster_n) {
+  const int columns = (n + tile_n - 1) / tile_n;
+  for (int s : {8, 4, 2})
+    if (columns % (s * cluster_n) == 0) return s;
+  return 1;
+}
+
+// Pingpong 128x128 with cluster 1x2, tiles walked along M.
+SchedulerOptions ping_128x128_1x2_order(int n) {
+  return {unpadded_swizzle(n, 128, 2), Raster::kAlongM};
+}
+
+}  // namespace
+
 KernelChoice plain_gemm_config(int m, int n, int k) {
   (void)m;
   if (n >= 100000) return {Config::kPing128x192x64_2x1, {4, Raster::kAlongN}};
-  if (n <= 6144 || k <= 2048) return {Config::kPing128x128x64_1x2, {1, Raster::kAlongM}};
+  if (n <= 6144 || k <= 2048) return {Config::kPing128x128x64_1x2, ping_128x128_1x2_order(n)};
   if (n >= 16384) return {Config::kPing128x192x64_2x1, {8, Raster::kAlongN}};
   return {Config::kCoop256x128x64_1x2, {8, Raster::kAlongN}};
 }
@@ -36,7 +59,10 @@ double wave_fill(int m, int n, int tile_m, int tile_n) {
 }
 
 KernelChoice plain_xty_config(int m, int n, int k) {
-  const SchedulerOptions sched = plain_gemm_config(m, n, k).scheduler;
+  // The scheduler options plain_gemm_config chose before run 92 (not re-timed for these GEMMs).
+  const SchedulerOptions sched = n >= 100000              ? SchedulerOptions{4, Raster::kAlongN}
+                                 : n <= 6144 || k <= 2048 ? SchedulerOptions{1, Raster::kAlongM}
+                                                          : SchedulerOptions{8, Raster::kAlongN};
   const double coop = wave_fill(m, n, 128, 256), ping = wave_fill(m, n, 128, 128);
   if (coop < 0.93 && ping > coop + 0.03) return {Config::kPing128x128x64_1x2, sched};
   return {Config::kCoop128x256x64_2x1, sched};
@@ -51,13 +77,15 @@ KernelChoice plain_xty_config(int m, int n, int k) {
 KernelChoice plain_xw_config(int n, int k) {
   if ((n >= 4096 && k >= 4096) || k >= 16384)
     return {Config::kCoop256x128x64_1x2, {8, Raster::kAlongN}};
-  return {Config::kPing128x128x64_1x2, {8, Raster::kAlongM}};
+  return {Config::kPing128x128x64_1x2, ping_128x128_1x2_order(n)};
 }
 
 // Fused programs are compiled for fewer configurations (src/kernels/kernels.cmake). Choices from
 // the fused times per configuration in bench/results/2026-11-29-run{4,5}-programs.json.
 KernelChoice program_config(Program p, int m, int n, int k) {
+  // Other tiles: swizzle 8 along M, 1 at K <= 2048 (runs 4, 5). Pingpong 128x128 1x2: run 92.
   const SchedulerOptions deep{k <= 2048 ? 1 : 8, Raster::kAlongM};
+  const SchedulerOptions ping = ping_128x128_1x2_order(n);
   switch (p) {
     case Program::kRmsnormSwiglu:
       // Fused F2 times of runs 5, 16 and 47 (coda_program_bench, every compiled configuration),
@@ -67,7 +95,7 @@ KernelChoice program_config(Program p, int m, int n, int k) {
       // 23.55, pingpong 128x128 11.89 / 24.01); it won in runs 16 and 47, while run 48 had
       // pingpong 128x128 1.2% faster at 8192 tokens (cooperative 0.9% faster at 16384): within
       // the run-to-run spread.
-      if (n < 32768) return {Config::kPing128x128x64_1x2, deep};
+      if (n < 32768) return {Config::kPing128x128x64_1x2, ping};
       return {Config::kCoop128x256x64_2x1, deep};
     // Swizzle 8 at K > 2048 pads the tile grid with tiles wholly past N; the LSE node used to
     // write their partials past the end of its buffers (NaN losses at H >= 4096, run 14), fixed
@@ -76,6 +104,7 @@ KernelChoice program_config(Program p, int m, int n, int k) {
       return {Config::kPing128x192x64_2x1, deep};
     case Program::kRmsnormCrossEntropyBackward:
       // 128x192 spilled (128 bytes, its fp32 DAG holds ten fragments): 128x128 does not.
+      // (Not in run 92: the vocabulary's 1002 tile columns would take swizzle 1.)
       return {Config::kPing128x128x64_1x2, deep};
     case Program::kRmsnormLseLogits:
       // Per 2048-token chunk of the LM head (run 37, bench/results/2026-11-30-run37-programs-
@@ -93,13 +122,14 @@ KernelChoice program_config(Program p, int m, int n, int k) {
       // 15-25% at 70B. (Run 27, before the TMA operands, had cooperative ahead at 8192 tokens.)
       if (k >= 16384 && (n >= 8192 || (n >= 4096 && m > 8192)))
         return {Config::kCoop256x128x64_1x2, {8, Raster::kAlongN}};
-      return {Config::kPing128x128x64_1x2, deep};
+      return {Config::kPing128x128x64_1x2, ping};
     case Program::kSwigluBackward:
       // Swizzle 8 along M was the fastest B2 at every LLaMA shape of a sweep of swizzle 1/2/4/8 x
       // raster M/N (run 24: 1B 7% faster than swizzle 1; its epilogue streams z and dz, and a
       // swizzled order keeps the operand tiles in L2). Cooperative 256x128 was slower at every
       // shape (run 27: 3-10%; its epilogue does not overlap the other warpgroup's MMA).
-      return {Config::kPing128x128x64_1x2, {8, Raster::kAlongM}};
+      // (run 92's rule gives swizzle 8 at every LLaMA-3 shape)
+      return {Config::kPing128x128x64_1x2, ping};
     case Program::kResidualRmsnormPartial:
       // F1 where the plain GEMM takes cooperative 256x128 (N > 6144 at K > 2048: 70B out- and
       // down-proj): F1 on cooperative 128x256 ran 1.635 / 3.307 ms (out-proj, M = 8192 / 16384)
