@@ -18,9 +18,10 @@ namespace {
 
 // The tile scheduler rounds the tile grid's N extent up to swizzle x cluster N tiles (raster
 // along M), and the padded tiles still take their turn. The largest swizzle up to 8 that pads
-// nothing: at every 1B / 8B shape the pingpong programs and the plain GEMM ran 4-14% faster at
+// nothing: at every 1B / 8B shape the pingpong programs and the plain GEMM ran 3-13% faster at
 // swizzle 4 or 8 than at 1 (run 92, bench/results/2026-11-30-run88-92-swizzle.txt), except where
-// swizzle 8 padded the grid (1B QKV: 24 tile columns, 12 clusters, rounded up to 16: 46% slower).
+// swizzle 8 padded the grid (1B QKV: 24 tile columns, 12 clusters, rounded up to 16: 39-46%
+// slower).
 int unpadded_swizzle(int n, int tile_n, int cluster_n) {
   const int columns = (n + tile_n - 1) / tile_n;
   for (int s : {8, 4, 2})
