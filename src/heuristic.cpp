@@ -6,40 +6,54 @@
 // mean with a penalty below 0.95 (sweep estimate: geomean 1.008, worst 0.92, 1B gate/up):
 //   N >= 100000 (LM head)            pingpong 128x192, cluster 2x1, swizzle 4, raster N
 //   N <= 6144 or K <= 2048           pingpong 128x128, cluster 1x2, raster M, the largest swizzle
-//                                    that pads no tile column (unpadded_swizzle; swizzle 1 until
-//                                    run 92)
+//                                    that pads the tile grid by at most 2% (swizzle 1 until run 92)
 //   N >= 16384 (gate/up)             pingpong 128x192, cluster 2x1, swizzle 8, raster N
 //   otherwise                        cooperative 256x128, cluster 1x2, swizzle 8, raster N
 #include "coda/kernel/heuristic.hpp"
+
+#include <algorithm>
+#include <cstdint>
 
 namespace coda::kernel {
 
 namespace {
 
-// The tile scheduler rounds the tile grid's N extent up to swizzle x cluster N tiles (raster
-// along M), and the padded tiles still take their turn. The largest swizzle up to 8 that pads
-// nothing: at every 1B / 8B shape the pingpong programs and the plain GEMM ran 3-13% faster at
-// swizzle 4 or 8 than at 1 (run 92, bench/results/2026-11-30-run88-92-swizzle.txt), except where
-// swizzle 8 padded the grid (1B QKV: 24 tile columns, 12 clusters, rounded up to 16: 39-46%
-// slower).
-int unpadded_swizzle(int n, int tile_n, int cluster_n) {
-  const int columns = (n + tile_n - 1) / tile_n;
-  for (int s : {8, 4, 2})
-    if (columns % (s * cluster_n) == 0) return s;
-  return 1;
+// The tiles CUTLASS's persistent scheduler runs for an (M, N) problem: the tile counts rounded up
+// to whole clusters, then both up to swizzle x cluster tiles, where the swizzle is first capped by
+// the smaller count (8 needs 6 tiles, 4 needs 3, 2 needs 2; PersistentTileSchedulerSm90Params::
+// initialize). The padded tiles take their turns like real ones.
+int64_t scheduled_tiles(int m, int n, int tile_m, int tile_n, int cluster_m, int cluster_n,
+                        int swizzle) {
+  auto round_up = [](int64_t x, int64_t q) { return (x + q - 1) / q * q; };
+  const int64_t tm = round_up((m + tile_m - 1) / tile_m, cluster_m);
+  const int64_t tn = round_up((n + tile_n - 1) / tile_n, cluster_n);
+  const int64_t fewer = std::min(tm, tn);
+  const int s = swizzle >= 8 && fewer >= 6   ? 8
+                : swizzle >= 4 && fewer >= 3 ? 4
+                : swizzle >= 2 && fewer >= 2 ? 2
+                                             : 1;
+  return round_up(tm, s * cluster_m) * round_up(tn, s * cluster_n);
 }
 
-// Pingpong 128x128 with cluster 1x2, tiles walked along M.
-SchedulerOptions ping_128x128_1x2_order(int n) {
-  return {unpadded_swizzle(n, 128, 2), Raster::kAlongM};
+// Pingpong 128x128 with cluster 1x2, tiles walked along M, at the largest swizzle up to 8 whose
+// padding adds at most 2% to the tiles of swizzle 1. At every 1B / 8B shape the pingpong programs
+// and the plain GEMM ran 3-13% faster at swizzle 4 or 8 than at 1 (run 92, bench/results/
+// 2026-11-30-run88-92-swizzle.txt), except where swizzle 8 padded the grid (1B QKV: 24 tile
+// columns, 12 clusters, rounded up to 16: 39-46% slower). Token counts that are not a multiple
+// of 8 tiles pad along M as well (600 tokens: 5 tile rows, 8 at swizzle 4).
+SchedulerOptions ping_128x128_1x2_order(int m, int n) {
+  const int64_t unswizzled = scheduled_tiles(m, n, 128, 128, 1, 2, 1);
+  for (int s : {8, 4, 2})
+    if (scheduled_tiles(m, n, 128, 128, 1, 2, s) * 50 <= unswizzled * 51)
+      return {s, Raster::kAlongM};
+  return {1, Raster::kAlongM};
 }
 
 }  // namespace
 
 KernelChoice plain_gemm_config(int m, int n, int k) {
-  (void)m;
   if (n >= 100000) return {Config::kPing128x192x64_2x1, {4, Raster::kAlongN}};
-  if (n <= 6144 || k <= 2048) return {Config::kPing128x128x64_1x2, ping_128x128_1x2_order(n)};
+  if (n <= 6144 || k <= 2048) return {Config::kPing128x128x64_1x2, ping_128x128_1x2_order(m, n)};
   if (n >= 16384) return {Config::kPing128x192x64_2x1, {8, Raster::kAlongN}};
   return {Config::kCoop256x128x64_1x2, {8, Raster::kAlongN}};
 }
@@ -75,10 +89,10 @@ KernelChoice plain_xty_config(int m, int n, int k) {
 // or K is 16384+ (8B and 70B everywhere, 1B gate/up) cooperative 256x128 was up to 13% faster
 // (2-7% at 70B) and at worst level (gate/up with 16384 tokens at 1B / 8B); pingpong was as fast
 // or faster on 1B's narrow, short-K shapes. Swizzle 8 won for both.
-KernelChoice plain_xw_config(int n, int k) {
+KernelChoice plain_xw_config(int m, int n, int k) {
   if ((n >= 4096 && k >= 4096) || k >= 16384)
     return {Config::kCoop256x128x64_1x2, {8, Raster::kAlongN}};
-  return {Config::kPing128x128x64_1x2, ping_128x128_1x2_order(n)};
+  return {Config::kPing128x128x64_1x2, ping_128x128_1x2_order(m, n)};
 }
 
 // Fused programs are compiled for fewer configurations (src/kernels/kernels.cmake). Choices from
@@ -86,7 +100,7 @@ KernelChoice plain_xw_config(int n, int k) {
 KernelChoice program_config(Program p, int m, int n, int k) {
   // Other tiles: swizzle 8 along M, 1 at K <= 2048 (runs 4, 5). Pingpong 128x128 1x2: run 92.
   const SchedulerOptions deep{k <= 2048 ? 1 : 8, Raster::kAlongM};
-  const SchedulerOptions ping = ping_128x128_1x2_order(n);
+  const SchedulerOptions ping = ping_128x128_1x2_order(m, n);
   switch (p) {
     case Program::kRmsnormSwiglu:
       // Fused F2 times of runs 5, 16 and 47 (coda_program_bench, every compiled configuration),
@@ -153,7 +167,7 @@ KernelChoice program_config(Program p, int m, int n, int k) {
 KernelChoice choose_config(Program p, Operands o, int m, int n, int k) {
   const KernelChoice c = p != Program::kPlain  ? program_config(p, m, n, k)
                          : o == Operands::kXWt ? plain_gemm_config(m, n, k)
-                         : o == Operands::kXW  ? plain_xw_config(n, k)
+                         : o == Operands::kXW  ? plain_xw_config(m, n, k)
                                                : plain_xty_config(m, n, k);
   if (find_kernel(p, c.config, o)) return c;
   for (int i = 0; i < static_cast<int>(Config::kCount); ++i)

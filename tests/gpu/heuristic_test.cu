@@ -1,0 +1,73 @@
+// The heuristic's tile order for pingpong 128x128 (cluster 1x2) against CUTLASS's own persistent
+// tile scheduler, on the host (no GPU needed): the swizzle it picks pads the scheduled tile grid
+// by at most 2% over swizzle 1, and no larger swizzle up to 8 would stay within that.
+
+#include <cutlass/gemm/kernel/tile_scheduler_params.h>
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <string>
+
+#include "coda/kernel/args.hpp"
+#include "coda/kernel/heuristic.hpp"
+
+namespace coda::kernel {
+namespace {
+
+using SchedulerParams = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90Params;
+
+// The tiles CUTLASS's scheduler hands out (padding included) for pingpong 128x128, cluster 1x2.
+uint64_t scheduled_tiles(int m, int n, int swizzle) {
+  SchedulerParams p;
+  cutlass::KernelHardwareInfo hw;
+  hw.sm_count = 132;
+  p.initialize(cutlass::gemm::BatchedGemmCoord(m, n, 64, 1), cutlass::gemm::GemmCoord(128, 128, 64),
+               cutlass::gemm::GemmCoord(1, 2, 1), hw, swizzle,
+               SchedulerParams::RasterOrderOptions::AlongM);
+  return p.blocks_per_problem_;
+}
+
+struct Case {
+  Program program;
+  Operands operands;
+  int k;
+};
+
+TEST(Heuristic, PingpongSwizzlePadsTheTileGridByAtMostTwoPercent) {
+  if (!find_kernel(Program::kPlain, Config::kPing128x128x64_1x2, Operands::kXWt))
+    GTEST_SKIP() << "pingpong 128x128 1x2 is not compiled in this build";
+  const int ms[] = {1, 19, 128, 600, 1100, 4097, 8000, 8192, 16384, 16500};
+  const int ns[] = {8,    200,  1032,  2048,  3072,  4096,  5632,
+                    6144, 8200, 11008, 14336, 16384, 22016, 28672};
+  const Case cases[] = {{Program::kPlain, Operands::kXWt, 2048},
+                        {Program::kPlain, Operands::kXW, 2048},
+                        {Program::kResidualRmsnormPartial, Operands::kXWt, 4096},
+                        {Program::kRmsnormRope, Operands::kXWt, 2048},
+                        {Program::kRmsnormSwiglu, Operands::kXWt, 2048},
+                        {Program::kSwigluBackward, Operands::kXW, 2048},
+                        {Program::kRmsnormBackward, Operands::kXW, 3072}};
+  int checked = 0;
+  for (const Case& c : cases)
+    for (int m : ms)
+      for (int n : ns) {
+        const KernelChoice choice = choose_config(c.program, c.operands, m, n, c.k);
+        if (choice.config != Config::kPing128x128x64_1x2) continue;
+        const std::string at = std::string(program_name(c.program)) + " M=" + std::to_string(m) +
+                               " N=" + std::to_string(n) + " K=" + std::to_string(c.k);
+        ASSERT_EQ(choice.scheduler.raster, Raster::kAlongM) << at;
+        const int s = choice.scheduler.swizzle;
+        const uint64_t unswizzled = scheduled_tiles(m, n, 1);
+        EXPECT_LE(scheduled_tiles(m, n, s) * 50, unswizzled * 51) << at << " swizzle " << s;
+        for (int larger = 2 * s; larger <= 8; larger *= 2)
+          EXPECT_GT(scheduled_tiles(m, n, larger) * 50, unswizzled * 51)
+              << at << ": swizzle " << larger << " pads no more than 2% but " << s << " was chosen";
+        ++checked;
+      }
+  EXPECT_GT(checked, 500);
+  // 1B QKV: 24 tile columns; swizzle 8 rounds them up to 32 (run 92: 39-46% slower than 4).
+  EXPECT_EQ(
+      choose_config(Program::kRmsnormRope, Operands::kXWt, 8192, 3072, 2048).scheduler.swizzle, 4);
+}
+
+}  // namespace
+}  // namespace coda::kernel
