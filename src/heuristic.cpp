@@ -6,7 +6,7 @@
 // mean with a penalty below 0.95 (sweep estimate: geomean 1.008, worst 0.92, 1B gate/up):
 //   N >= 100000 (LM head)            pingpong 128x192, cluster 2x1, swizzle 4, raster N
 //   N <= 6144 or K <= 2048           pingpong 128x128, cluster 1x2, raster M, the largest swizzle
-//                                    that pads the tile grid by at most 2% (swizzle 1 until run 92)
+//                                    that pads the tile grid by at most 2% (run 92)
 //   N >= 16384 (gate/up)             pingpong 128x192, cluster 2x1, swizzle 8, raster N
 //   otherwise                        cooperative 256x128, cluster 1x2, swizzle 8, raster N
 #include "coda/kernel/heuristic.hpp"
@@ -39,7 +39,7 @@ int64_t scheduled_tiles(int m, int n, int tile_m, int tile_n, int cluster_m, int
 // padding adds at most 2% to the tiles of swizzle 1. At every 1B / 8B shape the pingpong programs
 // and the plain GEMM ran 3-13% faster at swizzle 4 or 8 than at 1 (run 92, bench/results/
 // 2026-11-30-run88-92-swizzle.txt), except where swizzle 8 padded the grid (1B QKV: 24 tile
-// columns, 12 clusters, rounded up to 16: 39-46% slower). Token counts that are not a multiple
+// columns, 12 clusters, rounded up to 16: 38-47% slower). Token counts that are not a multiple
 // of 8 tiles pad along M as well (600 tokens: 5 tile rows, 8 at swizzle 4).
 SchedulerOptions ping_128x128_1x2_order(int m, int n) {
   const int64_t unswizzled = scheduled_tiles(m, n, 128, 128, 1, 2, 1);
@@ -74,7 +74,8 @@ double wave_fill(int m, int n, int tile_m, int tile_n) {
 }
 
 KernelChoice plain_xty_config(int m, int n, int k) {
-  // The scheduler options plain_gemm_config chose before run 92 (not re-timed for these GEMMs).
+  // The run-2 sweep's options (swizzle 1 along M in the pingpong regime; not re-timed for these
+  // GEMMs in run 92).
   const SchedulerOptions sched = n >= 100000              ? SchedulerOptions{4, Raster::kAlongN}
                                  : n <= 6144 || k <= 2048 ? SchedulerOptions{1, Raster::kAlongM}
                                                           : SchedulerOptions{8, Raster::kAlongN};
@@ -119,7 +120,7 @@ KernelChoice program_config(Program p, int m, int n, int k) {
       return {Config::kPing128x192x64_2x1, deep};
     case Program::kRmsnormCrossEntropyBackward:
       // 128x192 spilled (128 bytes, its fp32 DAG holds ten fragments): 128x128 does not.
-      // (Not in run 92: the vocabulary's 1002 tile columns would take swizzle 1.)
+      // (Not re-timed in run 92: it keeps swizzle 8 at K > 2048.)
       return {Config::kPing128x128x64_1x2, deep};
     case Program::kRmsnormLseLogits:
       // Per 2048-token chunk of the LM head (run 37, bench/results/2026-11-30-run37-programs-
