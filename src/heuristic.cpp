@@ -89,7 +89,8 @@ KernelChoice plain_xty_config(int m, int n, int k) {
 // c1x2, swizzle 1/8 x raster M/N, every LLaMA-3 backward shape). Where both N and K reach 4096
 // or K is 16384+ (8B and 70B everywhere, 1B gate/up) cooperative 256x128 was up to 13% faster
 // (2-7% at 70B) and at worst level (gate/up with 16384 tokens at 1B / 8B); pingpong was as fast
-// or faster on 1B's narrow, short-K shapes. Swizzle 8 won for both.
+// or faster on 1B's narrow, short-K shapes. Swizzle 8 won for both; pingpong now takes the
+// padding rule (ping_128x128_1x2_order), which gives 8 at those shapes.
 KernelChoice plain_xw_config(int m, int n, int k) {
   if ((n >= 4096 && k >= 4096) || k >= 16384)
     return {Config::kCoop256x128x64_1x2, {8, Raster::kAlongN}};
