@@ -1,14 +1,18 @@
 // Our plain GEMM (fixed mainloop, empty epilogue) vs cuBLAS on the GEMM shapes of BENCHMARKS.md,
 // side by side in one process. --sweep times every compiled configuration and scheduler option
 // (swizzle x raster) per shape; otherwise the heuristic's pick. Each of our outputs is compared
-// with cuBLAS's before any time is reported.
+// with cuBLAS's before any time is reported. --operands picks the layout: XWt (the forward
+// projections, default), XW (the backward's data gradients, D = dY·W, M = tokens) or XtY (the
+// weight gradients, D = Xᵀ·Y, K = tokens).
 //
-//   coda_gemm_bench [--sweep] [--quick] [--json results.json] [--command "..."] [--commit sha]
+//   coda_gemm_bench [--operands XWt|XW|XtY] [--sweep] [--quick] [--model NAME]
+//                   [--json results.json] [--command "..."] [--commit sha]
 
 #include <cublasLt.h>
 
 #include <cmath>
 #include <cstdio>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -35,19 +39,34 @@ struct Shape {
   int m, n, k;
 };
 
-std::vector<Shape> shapes(bool quick) {
+using kernel::Operands;
+
+std::vector<Shape> shapes(bool quick, Operands o) {
   std::vector<Shape> out;
   for (int m : bench::kTokenCounts) {
     for (const auto& md : bench::kLlama3Models) {
-      out.push_back({md.name, "out_proj", m, md.hidden, md.q_heads * md.head_dim});
-      out.push_back({md.name, "gate_up", m, 2 * md.ffn, md.hidden});
-      out.push_back({md.name, "down_proj", m, md.hidden, md.ffn});
-      out.push_back({md.name, "qkv", m, md.qkv_width(), md.hidden});
-      out.push_back({md.name, "lm_head", m, bench::kLlama3Vocab, md.hidden});
+      const int q = md.q_heads * md.head_dim;
+      if (o == Operands::kXWt) {
+        out.push_back({md.name, "out_proj", m, md.hidden, q});
+        out.push_back({md.name, "gate_up", m, 2 * md.ffn, md.hidden});
+        out.push_back({md.name, "down_proj", m, md.hidden, md.ffn});
+        out.push_back({md.name, "qkv", m, md.qkv_width(), md.hidden});
+        out.push_back({md.name, "lm_head", m, bench::kLlama3Vocab, md.hidden});
+      } else if (o == Operands::kXW) {  // each projection's data gradient dY·W
+        out.push_back({md.name, "d_out_proj", m, q, md.hidden});
+        out.push_back({md.name, "d_gate_up", m, md.hidden, 2 * md.ffn});
+        out.push_back({md.name, "d_down_proj", m, md.ffn, md.hidden});
+        out.push_back({md.name, "d_qkv", m, md.hidden, md.qkv_width()});
+      } else {  // each projection's weight gradient dYᵀ·X: the weight's (rows, columns), K = m
+        out.push_back({md.name, "dW_out_proj", md.hidden, q, m});
+        out.push_back({md.name, "dW_gate_up", 2 * md.ffn, md.hidden, m});
+        out.push_back({md.name, "dW_down_proj", md.hidden, md.ffn, m});
+        out.push_back({md.name, "dW_qkv", md.qkv_width(), md.hidden, m});
+      }
     }
     if (quick) break;
   }
-  out.push_back({"square", "8192^3", 8192, 8192, 8192});
+  if (o == Operands::kXWt) out.push_back({"square", "8192^3", 8192, 8192, 8192});
   return out;
 }
 
@@ -61,10 +80,14 @@ class Cublas {
     cudaFree(ws_);
     cublasLtDestroy(lt_);
   }
-  // D (M, N) row-major = X (M, K) row-major · W (N, K)ᵀ, as torch.nn.functional.linear calls it:
-  // column-major D^T (N, M) = op_T(W^T) · X^T with cuBLASLt's top heuristic and a 32 MiB workspace.
-  void gemm(const bf16* x, const bf16* w, bf16* d, int m, int n, int k, cudaStream_t s) {
-    Plan& p = plan(m, n, k);
+  // D (M, N) row-major is column-major D^T (N, M) = op(A) · op(B) to cuBLAS, with A the weight
+  // side (W or Y) and B the X side, as torch calls it; cuBLASLt's top heuristic, 32 MiB workspace:
+  //   XWt: X (M, K) · W (N, K)ᵀ       -> op_T(W as K x N) · (X as K x M)
+  //   XW:  X (M, K) · W (K, N)        -> (W as N x K) · (X as K x M)
+  //   XtY: X (K, M)ᵀ · Y (K, N)       -> (Y as N x K) · op_T(X as M x K)
+  void gemm(Operands o, const bf16* x, const bf16* w, bf16* d, int m, int n, int k,
+            cudaStream_t s) {
+    Plan& p = plan(o, m, n, k);
     const float alpha = 1.f, beta = 0.f;
     CUBLAS_CHECK(cublasLtMatmul(lt_, p.op, &alpha, w, p.a, x, p.b, &beta, d, p.c, d, p.c, &p.algo,
                                 ws_, kWorkspace, s));
@@ -73,23 +96,32 @@ class Cublas {
  private:
   static constexpr size_t kWorkspace = size_t(32) << 20;
   struct Plan {
+    Operands o = Operands::kXWt;
     int m = 0, n = 0, k = 0;
     cublasLtMatmulDesc_t op{};
     cublasLtMatrixLayout_t a{}, b{}, c{};
     cublasLtMatmulAlgo_t algo{};
   };
-  Plan& plan(int m, int n, int k) {
+  Plan& plan(Operands o, int m, int n, int k) {
     for (Plan& p : plans_)
-      if (p.m == m && p.n == n && p.k == k) return p;
+      if (p.o == o && p.m == m && p.n == n && p.k == k) return p;
     Plan p;
-    p.m = m, p.n = n, p.k = k;
+    p.o = o, p.m = m, p.n = n, p.k = k;
     CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-    const cublasOperation_t t = CUBLAS_OP_T, nn = CUBLAS_OP_N;
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof(t)));
+    const cublasOperation_t ta = o == Operands::kXWt ? CUBLAS_OP_T : CUBLAS_OP_N,
+                            tb = o == Operands::kXtY ? CUBLAS_OP_T : CUBLAS_OP_N;
     CUBLAS_CHECK(
-        cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &nn, sizeof(nn)));
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_16BF, k, n, k));
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, k, m, k));
+        cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
+    CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
+    if (o == Operands::kXWt)
+      CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_16BF, k, n, k));
+    else
+      CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_16BF, n, k, n));
+    if (o == Operands::kXtY)
+      CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, m, k, m));
+    else
+      CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, k, m, k));
     CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, CUDA_R_16BF, n, m, n));
     cublasLtMatmulPreference_t pref;
     CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
@@ -135,9 +167,17 @@ int main(int argc, char** argv) {
   float* diff = nullptr;
   CODA_CUDA_CHECK(cudaMalloc(&diff, 2 * sizeof(float)));
 
+  const std::string ops_name = args.count("operands") ? args["operands"] : "XWt";
+  const Operands ops = ops_name == "XWt"   ? Operands::kXWt
+                       : ops_name == "XW"  ? Operands::kXW
+                       : ops_name == "XtY" ? Operands::kXtY
+                                           : throw std::invalid_argument(
+                                                 "coda_gemm_bench: --operands must be XWt, XW or "
+                                                 "XtY, got " + ops_name);
+  const std::string only_model = args.count("model") ? args["model"] : "";
   std::vector<kernel::Config> configs;
   for (int c = 0; c < int(kernel::Config::kCount); ++c)
-    if (kernel::find_kernel(kernel::Program::kPlain, kernel::Config(c), kernel::Operands::kXWt))
+    if (kernel::find_kernel(kernel::Program::kPlain, kernel::Config(c), ops))
       configs.push_back(kernel::Config(c));
   std::vector<kernel::SchedulerOptions> scheds;
   for (int sw : {1, 2, 4, 8})
@@ -153,12 +193,14 @@ int main(int argc, char** argv) {
         .set("device", bench::device_description())
         .set("commit", args.count("commit") ? args["commit"] : "unknown")
         .set("command", args.count("command") ? args["command"] : "coda_gemm_bench")
+        .set("operands", ops_name)
         .set("geomean_ratio", geo)
         .set("worst_ratio", worst_ratio)
         .set("shapes", n);
     bench::write_results(args["json"], header, rows);
   };
-  for (const Shape& s : shapes(quick)) {
+  for (const Shape& s : shapes(quick, ops)) {
+    if (!only_model.empty() && s.model != only_model) continue;
     const size_t na = size_t(s.m) * s.k, nw = size_t(s.n) * s.k, nd = size_t(s.m) * s.n;
     bf16 *x, *w, *d_ref, *d;
     CODA_CUDA_CHECK(cudaMalloc(&x, na * 2));
@@ -169,13 +211,16 @@ int main(int argc, char** argv) {
     kernel::fill_uniform_bf16(w, nw, 12 + s.n, -1.f, 1.f, nullptr);
     const double flop = 2.0 * s.m * s.n * s.k;
     const double t_cublas =
-        timer.median_ms([&](cudaStream_t st) { cublas.gemm(x, w, d_ref, s.m, s.n, s.k, st); });
-    const kernel::GemmProblem prob{s.m, s.n, s.k, x, s.k, w, s.k, nullptr, 0, d, s.n};
+        timer.median_ms([&](cudaStream_t st) { cublas.gemm(ops, x, w, d_ref, s.m, s.n, s.k, st); });
+    // Leading dimensions: X (M, K) or, for XtY, (K, M); W (N, K), or (K, N) for XW and XtY.
+    const kernel::GemmProblem prob{s.m,     s.n, s.k,     x, ops == Operands::kXtY ? s.m : s.k,
+                                   w,       ops == Operands::kXWt ? s.k : s.n,
+                                   nullptr, 0,   d,       s.n};
     kernel::PlainArgs plain;
 
     auto time_ours = [&](kernel::Config c, kernel::SchedulerOptions so, int reps = 15) -> double {
       const kernel::LaunchFn fn =
-          kernel::find_kernel(kernel::Program::kPlain, c, kernel::Operands::kXWt);
+          kernel::find_kernel(kernel::Program::kPlain, c, ops);
       CODA_CUDA_CHECK(cudaMemset(d, 0xff, nd * 2));
       CODA_CUDA_CHECK(fn(prob, &plain, so, nullptr));
       kernel::max_abs_diff_bf16(d, d_ref, nd, diff, nullptr);
@@ -191,9 +236,16 @@ int main(int argc, char** argv) {
                              reps);
     };
 
-    kernel::Config best_c = kernel::plain_gemm_config(s.m, s.n, s.k).config;
-    kernel::SchedulerOptions best_s = kernel::plain_gemm_config(s.m, s.n, s.k).scheduler;
-    double best = NAN;
+    const kernel::KernelChoice pick = kernel::choose_config(kernel::Program::kPlain, ops, s.m, s.n, s.k);
+    kernel::Config best_c = pick.config;
+    kernel::SchedulerOptions best_s = pick.scheduler;
+    double best = NAN, t_pick = NAN;  // sweep: the fastest, and the heuristic's pick
+    struct Swept {
+      double ms;
+      kernel::Config c;
+      kernel::SchedulerOptions so;
+    };
+    std::vector<Swept> swept;
     if (sweep) {
       for (kernel::Config c : configs)
         for (const auto& so : scheds) {
@@ -202,6 +254,7 @@ int main(int argc, char** argv) {
                              .set("kind", "sweep")
                              .set("model", s.model)
                              .set("op", s.op)
+                             .set("operands", ops_name)
                              .set("m", s.m)
                              .set("n", s.n)
                              .set("k", s.k)
@@ -210,7 +263,11 @@ int main(int argc, char** argv) {
                              .set("raster", so.raster == kernel::Raster::kAlongM ? "M" : "N")
                              .set("ms", t)
                              .set("cublas_ms", t_cublas));
+          if (t == t) swept.push_back({t, c, so});
           if (t == t && !(t >= best)) best = t, best_c = c, best_s = so;
+          if (c == pick.config && so.swizzle == pick.scheduler.swizzle &&
+              so.raster == pick.scheduler.raster)
+            t_pick = t;
         }
     }
     // The reported row: the chosen configuration timed interleaved with cuBLAS.
@@ -218,9 +275,9 @@ int main(int argc, char** argv) {
     double t_cublas2 = NAN, t_ours2 = NAN;
     if (t_check == t_check) {
       const kernel::LaunchFn fn =
-          kernel::find_kernel(kernel::Program::kPlain, best_c, kernel::Operands::kXWt);
+          kernel::find_kernel(kernel::Program::kPlain, best_c, ops);
       std::tie(t_cublas2, t_ours2) = timer.median_ms_interleaved(
-          [&](cudaStream_t st) { cublas.gemm(x, w, d_ref, s.m, s.n, s.k, st); },
+          [&](cudaStream_t st) { cublas.gemm(ops, x, w, d_ref, s.m, s.n, s.k, st); },
           [&](cudaStream_t st) { CODA_CUDA_CHECK(fn(prob, &plain, best_s, st)); });
     }
     const double ratio = t_cublas2 / t_ours2;
@@ -230,11 +287,64 @@ int main(int argc, char** argv) {
                 best_s.raster == kernel::Raster::kAlongM   ? "M"
                 : best_s.raster == kernel::Raster::kAlongN ? "N"
                                                            : "H");
+    if (sweep)
+      std::printf("%-11s %-9s   heuristic %s sw%d %s: %.3f ms in the sweep, %.3f x the fastest\n",
+                  s.model.c_str(), s.op.c_str(), kernel::config_name(pick.config),
+                  pick.scheduler.swizzle, pick.scheduler.raster == kernel::Raster::kAlongN ? "N" : "M",
+                  t_pick, t_pick / best);
+    if (sweep && !swept.empty() && t_check == t_check) {
+      // One sequential pass of 7 repeats per option drifts with the clock: the heuristic's pick
+      // and the sweep's three fastest options are timed again, round-robin with cuBLAS.
+      std::sort(swept.begin(), swept.end(), [](const Swept& a, const Swept& b) { return a.ms < b.ms; });
+      std::vector<Swept> finalists{{t_pick, pick.config, pick.scheduler}};
+      for (const Swept& w : swept) {
+        if (finalists.size() == 4) break;
+        if (!(w.c == pick.config && w.so.swizzle == pick.scheduler.swizzle &&
+              w.so.raster == pick.scheduler.raster))
+          finalists.push_back(w);
+      }
+      std::vector<std::function<void(cudaStream_t)>> fns{
+          [&](cudaStream_t st) { cublas.gemm(ops, x, w, d_ref, s.m, s.n, s.k, st); }};
+      for (const Swept& f : finalists) {
+        const kernel::LaunchFn fn = kernel::find_kernel(kernel::Program::kPlain, f.c, ops);
+        const kernel::SchedulerOptions so = f.so;
+        fns.push_back([&prob, &plain, fn, so](cudaStream_t st) { CODA_CUDA_CHECK(fn(prob, &plain, so, st)); });
+      }
+      const std::vector<double> med = timer.median_ms_interleaved(fns, 2, 15);
+      for (size_t j = 0; j < finalists.size(); ++j) {
+        const Swept& f = finalists[j];
+        const char* ra = f.so.raster == kernel::Raster::kAlongN ? "N" : "M";
+        std::printf("%-11s %-9s   round-robin %s %s sw%d %s: %.3f ms, %.3f x the pick, cuBLAS %.3f\n",
+                    s.model.c_str(), s.op.c_str(), j == 0 ? "pick" : "cand",
+                    kernel::config_name(f.c), f.so.swizzle, ra, med[j + 1], med[j + 1] / med[1],
+                    med[0]);
+        rows.push_back(bench::JsonRow()
+                           .set("kind", "round_robin")
+                           .set("model", s.model)
+                           .set("op", s.op)
+                           .set("operands", ops_name)
+                           .set("m", s.m)
+                           .set("n", s.n)
+                           .set("k", s.k)
+                           .set("heuristic_pick", j == 0 ? 1.0 : 0.0)
+                           .set("config", kernel::config_name(f.c))
+                           .set("swizzle", f.so.swizzle)
+                           .set("raster", ra)
+                           .set("ms", med[j + 1])
+                           .set("cublas_ms", med[0]));
+      }
+    }
     std::fflush(stdout);
     rows.push_back(bench::JsonRow()
                        .set("kind", "best")
+                       .set("heuristic_config", kernel::config_name(pick.config))
+                       .set("heuristic_swizzle", pick.scheduler.swizzle)
+                       .set("heuristic_raster",
+                            pick.scheduler.raster == kernel::Raster::kAlongN ? "N" : "M")
+                       .set("heuristic_sweep_ms", t_pick)
                        .set("model", s.model)
                        .set("op", s.op)
+                       .set("operands", ops_name)
                        .set("m", s.m)
                        .set("n", s.n)
                        .set("k", s.k)

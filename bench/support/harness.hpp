@@ -61,6 +61,23 @@ class Timer {
     return {ta[reps / 2], tb[reps / 2]};
   }
 
+  // Any number of candidates timed round-robin, as median_ms_interleaved does for two.
+  std::vector<double> median_ms_interleaved(
+      const std::vector<std::function<void(cudaStream_t)>>& fns, int warmup = 3, int reps = 21,
+      cudaStream_t stream = nullptr) {
+    for (int i = 0; i < warmup; ++i)
+      for (const auto& f : fns) f(stream);
+    std::vector<std::vector<float>> t(fns.size(), std::vector<float>(reps));
+    for (int i = 0; i < reps; ++i)
+      for (size_t j = 0; j < fns.size(); ++j) t[j][i] = once(fns[j], i, stream);
+    std::vector<double> med;
+    for (auto& v : t) {
+      std::sort(v.begin(), v.end());
+      med.push_back(v[reps / 2]);
+    }
+    return med;
+  }
+
  private:
   float once(const std::function<void(cudaStream_t)>& fn, int i, cudaStream_t stream) {
     CODA_CUDA_CHECK(cudaMemsetAsync(flush_, i & 0xff, flush_bytes_, stream));
