@@ -1,5 +1,6 @@
 #pragma once
 #include "coda/kernel/fusions/common.cuh"
+#include "coda/kernel/nodes/row_sum_squares.cuh"
 
 namespace coda::kernel {
 
@@ -21,8 +22,7 @@ struct FusionOf<Program::kResidualRmsnormPartial> {
     using H = cf::Sm90EVT<typename AuxStoreNode<EpilogueDesc, bfloat16_t>::type,
                           cf::Sm90EVT<ComputeNode<epilogue::Multiplies>, cf::Sm90AccFetch,
                                       ColumnVector<Tile, bfloat16_t, float>>>;
-    using S = cf::Sm90EVT<RowPartialSum<Tile>,
-                          cf::Sm90EVT<ComputeNode<epilogue::Square>, cf::Sm90AccFetch>>;
+    using S = cf::Sm90EVT<RowSumOfSquares<Tile>, cf::Sm90AccFetch>;
     // x is computed once and fed as the "accumulator" of the three output trees.
     using Callbacks = cf::Sm90SplitTreeVisitor<X, cf::Sm90AccFetch, H, S>;
 
@@ -31,7 +31,7 @@ struct FusionOf<Program::kResidualRmsnormPartial> {
           {{}, Residual::arguments(p.c, p.ldc), {}},  // x = acc + residual
           {{{}, {reinterpret_cast<const bfloat16_t*>(a.gamma), bfloat16_t(0), {}}, {}},  // x ⊙ γ
            {reinterpret_cast<bfloat16_t*>(a.h), {a.ldh, cute::_1{}, 0}}},                // store h
-          {{{}, {}}, {a.sumsq_partials, 0.0f, {}}},  // Σ x² partials
+          {{}, {a.sumsq_partials}},                  // Σ x² partials
           {}};                                       // D = x
     }
   };

@@ -1,0 +1,98 @@
+#pragma once
+#include "coda/kernel/nodes/common.cuh"
+#include "coda/kernel/nodes/row_partials.cuh"
+
+namespace coda::kernel {
+
+// ---------------------------------------------------------------------------------------------
+// RowSumOfSquares<CtaTile>: S[row] = Σ x² over the tile's columns, x the child's fragment (F1's
+// x = acc + residual), as PartialLayout::per_row partials (one per row and N-tile). One register
+// per row over the tile, merged across the lanes that share the row once, at the end, like
+// SwigluBackwardNode's ZdZ. It takes the place of CUTLASS's Sm90ColReduction, whose visit tests
+// every element's coordinates against the residue: about two ISETP and two IMAD per element, 260
+// and 220 per thread and tile on pingpong 128x128 (docs/performance-notes.md, twelfth session).
+// No test is needed here: an element past M or N is 0 + 0 (TMA fills the operands' and the
+// residual's out-of-bounds elements with zeros) and adds exactly 0; rows past M land in the
+// padding of the partials and nothing is written for a tile wholly past N.
+// Returns its input, so it can sit in a side tree of Sm90SplitTreeVisitor.
+// ---------------------------------------------------------------------------------------------
+template <class CtaTile>
+struct RowSumOfSquares : NoWorkspaceNoProducerLoads {
+  struct SharedStorage {};
+  struct Arguments {
+    float* partials = nullptr;  // per_row layout, rows padded to the tile
+  };
+  using Params = Arguments;
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& a, void*) {
+    return a;
+  }
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const&, Arguments const& a) {
+    return a.partials != nullptr;
+  }
+  CUTLASS_HOST_DEVICE RowSumOfSquares() {}
+  CUTLASS_HOST_DEVICE RowSumOfSquares(Params const& p, SharedStorage const&) : params(p) {}
+  Params params;
+
+  template <class RowState, class CoordTensor, class Residue, class Lanes, class ShapeMNL>
+  struct ConsumerStoreCallbacks : cf::EmptyConsumerStoreCallbacks {
+    CUTLASS_DEVICE ConsumerStoreCallbacks(RowState s, CoordTensor c, Residue r, Lanes lanes,
+                                          ShapeMNL shape, int tile_n, Params const& p)
+        : rS(s), tCcD(c), residue(r), lanes(lanes), shape_mnl(shape), tile_n(tile_n), params(p) {}
+    RowState rS;       // one slot per row (stride 0 along N)
+    CoordTensor tCcD;  // thread-relative coordinates (for the row partials)
+    Residue residue;
+    Lanes lanes;
+    ShapeMNL shape_mnl;
+    int tile_n;
+    Params const& params;
+
+    template <class ElementAccumulator, class ElementInput, int F>
+    CUTLASS_DEVICE cutlass::Array<ElementInput, F> visit(
+        cutlass::Array<ElementAccumulator, F> const&, int epi_v, int epi_m, int epi_n,
+        cutlass::Array<ElementInput, F> const& x) {
+      auto s_mn = rS(cute::_, cute::_, cute::_, epi_m, epi_n);
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < F; ++i) {
+        const float v = static_cast<float>(x[i]);
+        s_mn(epi_v * F + i) = fmaf(v, v, s_mn(epi_v * F + i));
+      }
+      return x;
+    }
+
+    template <class STensor, class SyncFn, class VTensor>
+    CUTLASS_DEVICE void reduce(STensor&&, SyncFn const&, int, int, bool is_last_iteration,
+                               VTensor) {
+      if (!is_last_iteration) return;
+      auto f = cute::filter(rS);
+      lanes.for_each_row_merge_step([&](int lane_delta) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < cute::size(f); ++i)
+          f(i) += __shfl_down_sync(0xffffffff, f(i), lane_delta);
+      });
+      if (!lanes.row_lane) return;
+      const auto target = row_partials_target<CtaTile>(
+          int(cute::get<0>(shape_mnl)), int(cute::get<1>(shape_mnl)), residue, tile_n);
+      for_each_row_slot(tCcD, target, [&](int64_t idx, int i, int epi_m) {
+        params.partials[idx] = rS(cute::_, cute::_, cute::_, epi_m, _0{})(i);
+      });
+    }
+  };
+
+  template <bool ReferenceSrc, class... Args>
+  CUTLASS_DEVICE auto get_consumer_store_callbacks(cf::ConsumerStoreArgs<Args...> const& args) {
+    using namespace cute;
+    auto [M, N, K, L] = args.problem_shape_mnkl;
+    auto [m, n, k, l] = args.tile_coord_mnkl;
+    auto shape_mnl = make_shape(M, N, L);
+    auto rS = make_row_state<ReferenceSrc, CtaTile>(args, 0.0f);
+    auto lanes = warp_lanes<ReferenceSrc>(args);
+    return ConsumerStoreCallbacks<decltype(rS), decltype(args.tCcD), decltype(args.residue_tCcD),
+                                  decltype(lanes), decltype(shape_mnl)>(
+        rS, args.tCcD, args.residue_tCcD, lanes, shape_mnl, int(n), params);
+  }
+};
+
+}  // namespace coda::kernel
