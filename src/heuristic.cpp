@@ -74,8 +74,11 @@ double wave_fill(int m, int n, int tile_m, int tile_n) {
 }
 
 KernelChoice plain_xty_config(int m, int n, int k) {
-  // The run-2 sweep's options (swizzle 1 along M in the pingpong regime; not re-timed for these
-  // GEMMs in run 92).
+  // The run-2 sweep's options (swizzle 1 along M in the pingpong regime). Run 97 re-timed them
+  // round-robin against every compiled option at the LLaMA-3 weight-gradient shapes
+  // (bench/results/2026-11-30-run97-xty-xw-sweep.txt): within 1.2% of the fastest everywhere
+  // but 70B dW qkv (pingpong 128x128, swizzle 1 along M, 2.6-3.3% faster; about 0.1% of the
+  // layer), and 0.985-1.024x cuBLAS's speed.
   const SchedulerOptions sched = n >= 100000              ? SchedulerOptions{4, Raster::kAlongN}
                                  : n <= 6144 || k <= 2048 ? SchedulerOptions{1, Raster::kAlongM}
                                                           : SchedulerOptions{8, Raster::kAlongN};
@@ -90,7 +93,9 @@ KernelChoice plain_xty_config(int m, int n, int k) {
 // or K is 16384+ (8B and 70B everywhere, 1B gate/up) cooperative 256x128 was up to 13% faster
 // (2-7% at 70B) and at worst level (gate/up with 16384 tokens at 1B / 8B); pingpong was as fast
 // or faster on 1B's narrow, short-K shapes. Swizzle 8 won for both; pingpong now takes the
-// padding rule (ping_128x128_1x2_order), which gives 8 at those shapes.
+// padding rule (ping_128x128_1x2_order), which gives 8 at those shapes. Run 97 re-timed these
+// round-robin: within 1.2% of the fastest option except 8B's down (2.8%, 8192 tokens) and QKV
+// (1.6-1.8%) shapes, where pingpong 128x128 was ahead; the chain runs those through B2 / B1.
 KernelChoice plain_xw_config(int m, int n, int k) {
   if ((n >= 4096 && k >= 4096) || k >= 16384)
     return {Config::kCoop256x128x64_1x2, {8, Raster::kAlongN}};
