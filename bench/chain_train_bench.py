@@ -87,8 +87,16 @@ def ours_chain(coda, t, m, dx2_up, dqkv_up):
     dw_gu = c("coda_gemm_xty", dz, hout1, dwgu, 2 * inter, hidden, m)
     dw_o = c("coda_gemm_xty", dx1, y, dwo, hidden, hq * d, m)
     d_y = c("coda_gemm_xw", dx1, wo, dy, m, hq * d, hidden)
-    fwd_calls = [f1_out, fold1, f2, f1_down, fold2, f3]
-    bwd_calls = [b3, b1_qkv, dgfold_attn, dw_qkv, b2_op, zfold, dw_down, b1_gu, dgfold_ffn, dw_gu, dw_o, d_y]
+    # Every launch in chain order, named by the stage it belongs to (a fold counts with its GEMM;
+    # bench/chain_stage_profile.py times them one by one inside the chain).
+    fwd_named = [("F1 out-proj", f1_out), ("F1 out-proj", fold1), ("F2 gate/up", f2),
+                 ("F1 down-proj", f1_down), ("F1 down-proj", fold2), ("F3 qkv+RoPE", f3)]
+    bwd_named = [("B3 RoPE bwd", b3), ("B1 qkv", b1_qkv), ("B1 qkv", dgfold_attn), ("dW qkv", dw_qkv),
+                 ("B2 SwiGLU bwd", b2_op), ("B2 SwiGLU bwd", zfold), ("dW down", dw_down),
+                 ("B1 gate/up", b1_gu), ("B1 gate/up", dgfold_ffn), ("dW gate/up", dw_gu),
+                 ("dW o", dw_o), ("d(y)", d_y)]
+    fwd_calls = [f for _, f in fwd_named]
+    bwd_calls = [f for _, f in bwd_named]
 
     def forward():
         for f in fwd_calls:
@@ -128,7 +136,8 @@ def ours_chain(coda, t, m, dx2_up, dqkv_up):
         ("d(y)", d_y, None, None, lambda: torch.matmul(dx1, wo), (m, hq * d, hidden)),
     ]
     return SimpleNamespace(**{k: v for k, v in locals().items() if isinstance(v, torch.Tensor)},
-                           forward=forward, backward=backward, ops=ops, stream=stream)
+                           forward=forward, backward=backward, ops=ops, stream=stream,
+                           named_calls=fwd_named + bwd_named)
 
 
 def run_shape(coda, model, m, results, progress, profile=False, backward_only=False):

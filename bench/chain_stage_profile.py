@@ -1,0 +1,124 @@
+"""Per-stage time of the layer chain forward + backward measured inside the running chain.
+
+The suite times each op alone (L2 cleared, idle gaps between runs). A 15-130 ms stream of GEMMs
+runs at other clocks, so the sum of those times does not explain the chain's total. Here the whole
+chain runs back to back, with a CUDA event between every two launches:
+- ours: the fused chain of bench/chain_train_bench.py, every launch, a fold counted with its GEMM;
+- the GEMM-only floor: its 12 cuBLAS GEMMs. In the suite's order, the 4 forward GEMMs run first,
+  then per projection the data gradient and the weight gradient.
+Rounds alternate between the two, with L2 cleared before each. Per stage the median over rounds;
+next to it the floor's GEMM of the same place in the chain.
+
+  python3 bench/chain_stage_profile.py --lib .gpubin/libcoda_capi.so [--models llama3-8B]
+      [--m 16384] [--rounds 20] [--json out.json] [--commit sha]
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from chain_bench import ALL_MODELS, MODELS, Coda, chain_inputs, flush_l2
+from chain_train_bench import ours_chain
+
+# Our stage -> the floor's GEMM at the same place in the chain (B3 has none).
+FLOOR_OF = {
+    "F1 out-proj": "fwd out-proj", "F2 gate/up": "fwd gate/up", "F1 down-proj": "fwd down-proj",
+    "F3 qkv+RoPE": "fwd qkv", "B1 qkv": "dX qkv", "dW qkv": "dW qkv", "B2 SwiGLU bwd": "dX down-proj",
+    "dW down": "dW down-proj", "B1 gate/up": "dX gate/up", "dW gate/up": "dW gate/up",
+    "dW o": "dW out-proj", "d(y)": "dX out-proj",
+}
+
+
+def timed_sequence(named):
+    """Runs the (stage, fn) launches back to back with an event at every boundary; returns a
+    function that, after synchronization, gives {stage: ms} (summed over a stage's launches) and
+    the total."""
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(len(named) + 1)]
+    ev[0].record()
+    for i, (_, fn) in enumerate(named):
+        fn()
+        ev[i + 1].record()
+
+    def read():
+        per = {}
+        for i, (stage, _) in enumerate(named):
+            per[stage] = per.get(stage, 0.0) + ev[i].elapsed_time(ev[i + 1])
+        return per, ev[0].elapsed_time(ev[-1])
+
+    return read
+
+
+def profile_shape(coda, model, m, rounds, progress):
+    t = chain_inputs(model, m, 7 * m + ALL_MODELS[model][0])
+    dx2_up, dqkv_up = t.rnd(m, t.hidden, scale=0.1), t.rnd(m, t.qkv_w, scale=0.1)
+    o = ours_chain(coda, t, m, dx2_up, dqkv_up)
+    ours = o.named_calls
+    names = ["out-proj", "gate/up", "down-proj", "qkv"]
+    gemms = [(t.y, t.wo, o.x1), (o.h1, t.wgu_split, o.z), (o.act, t.wd, o.x2), (o.h2, t.wqkv_hf, o.qkv)]
+    floor = [(f"fwd {n}", (lambda a=a, w=w: F.linear(a, w))) for n, (a, w, _) in zip(names, gemms)]
+    for n, (a, w, out) in zip(names, gemms):  # as the suite's gemm_only: `out` stands in for the gradient
+        floor.append((f"dX {n}", lambda a=a, w=w, out=out: torch.matmul(out, w)))
+        floor.append((f"dW {n}", lambda a=a, w=w, out=out: torch.matmul(out.t(), a)))
+    variants = {"coda": ours, "gemm_only": floor}
+    for v in variants.values():  # warm-up
+        for _, fn in v:
+            fn()
+    torch.cuda.synchronize()
+    progress(f"{model} M={m}: {rounds} rounds")
+    samples = {k: [] for k in variants}
+    keys = list(variants)
+    for r in range(rounds):
+        for k in (keys if r % 2 == 0 else keys[::-1]):
+            flush_l2()
+            read = timed_sequence(variants[k])
+            torch.cuda.synchronize()
+            samples[k].append(read())
+    out = {}
+    for k, runs in samples.items():
+        stages = list(dict.fromkeys(s for s, _ in variants[k]))
+        out[k] = {"total_ms": statistics.median(tot for _, tot in runs),
+                  "stages_ms": {s: statistics.median(per[s] for per, _ in runs) for s in stages}}
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lib", required=True)
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--m", default="8192,16384")
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--json")
+    ap.add_argument("--commit", default="unknown")
+    a = ap.parse_args()
+    coda = Coda(a.lib)
+    res = {"benchmark": "chain_stage_profile", "device": torch.cuda.get_device_name(),
+           "torch": torch.__version__, "cuda": torch.version.cuda, "commit": a.commit,
+           "command": " ".join(sys.argv), "rows": []}
+    t0 = time.time()
+    progress = lambda s: print(f"  [{time.time() - t0:6.1f}s] {s}", file=sys.stderr, flush=True)  # noqa: E731
+    for model in a.models.split(","):
+        for m in (int(x) for x in a.m.split(",")):
+            p = profile_shape(coda, model, m, a.rounds, progress)
+            res["rows"].append({"model": model, "m": m, **p})
+            ours, fl = p["coda"], p["gemm_only"]
+            print(f"\n{model} M={m}: ours {ours['total_ms']:.3f} ms, GEMM-only floor "
+                  f"{fl['total_ms']:.3f} ms (in-chain medians)")
+            print(f"  {'stage':16s} {'ours':>8s} {'floor GEMM':>11s} {'ratio':>6s}")
+            for s, v in ours["stages_ms"].items():
+                f = fl["stages_ms"].get(FLOOR_OF.get(s, ""), float("nan"))
+                print(f"  {s:16s} {v:8.3f} {f:11.3f} {v / f:6.3f}")
+            sys.stdout.flush()
+            del p
+            torch.cuda.empty_cache()
+            if a.json:
+                with open(a.json, "w") as fh:
+                    json.dump(res, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
