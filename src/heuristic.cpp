@@ -13,6 +13,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <sstream>
+
+#include "coda/common/check.hpp"
 
 namespace coda::kernel {
 
@@ -171,7 +175,74 @@ KernelChoice program_config(Program p, int m, int n, int k) {
 
 }  // namespace
 
+std::vector<KernelOverride> parse_kernel_overrides(const std::string& spec) {
+  auto names = [](auto count, auto name_of) {
+    std::string all;
+    for (int i = 0; i < int(count); ++i) all += std::string(i ? ", " : "") + name_of(i);
+    return all;
+  };
+  auto programs = [] {
+    std::string all;
+    for (int i = 0; i < int(Program::kCount); ++i)
+      all += std::string(i ? ", " : "") + program_name(Program(i));
+    return all;
+  };
+  std::vector<KernelOverride> out;
+  std::stringstream entries(spec);
+  std::string e;
+  while (std::getline(entries, e, ';')) {
+    if (e.empty()) continue;
+    const auto slash = e.find('/'), eq = e.find('=');
+    CODA_CHECK(slash != std::string::npos && eq != std::string::npos && slash < eq,
+               "CODA_KERNEL_OVERRIDE: expected PROGRAM/OPERANDS=CONFIG:SWIZZLE:RASTER, got '", e,
+               "'");
+    const std::string prog = e.substr(0, slash), ops = e.substr(slash + 1, eq - slash - 1);
+    std::stringstream rhs(e.substr(eq + 1));
+    std::string cfg, sw, ra;
+    std::getline(rhs, cfg, ':');
+    std::getline(rhs, sw, ':');
+    std::getline(rhs, ra, ':');
+    KernelOverride v{Program::kCount, Operands::kXWt, {Config::kCount, {}}};
+    for (int i = 0; i < int(Program::kCount); ++i)
+      if (prog == program_name(Program(i))) v.program = Program(i);
+    CODA_CHECK(v.program != Program::kCount, "CODA_KERNEL_OVERRIDE: unknown program '", prog,
+               "' in '", e, "'; expected one of ", programs());
+    CODA_CHECK(ops == "XWt" || ops == "XW" || ops == "XtY", "CODA_KERNEL_OVERRIDE: operands '",
+               ops, "' in '", e, "': expected XWt, XW or XtY");
+    v.operands = ops == "XWt" ? Operands::kXWt : ops == "XW" ? Operands::kXW : Operands::kXtY;
+    for (int i = 0; i < int(Config::kCount); ++i)
+      if (cfg == config_name(Config(i))) v.choice.config = Config(i);
+    CODA_CHECK(v.choice.config != Config::kCount, "CODA_KERNEL_OVERRIDE: unknown configuration '",
+               cfg, "' in '", e, "'; expected one of ",
+               names(int(Config::kCount), [](int i) { return config_name(Config(i)); }));
+    CODA_CHECK(sw == "1" || sw == "2" || sw == "4" || sw == "8",
+               "CODA_KERNEL_OVERRIDE: swizzle '", sw, "' in '", e, "': expected 1, 2, 4 or 8");
+    CODA_CHECK(ra == "M" || ra == "N", "CODA_KERNEL_OVERRIDE: raster '", ra, "' in '", e,
+               "': expected M or N");
+    v.choice.scheduler = {std::stoi(sw), ra == "M" ? Raster::kAlongM : Raster::kAlongN};
+    out.push_back(v);
+  }
+  return out;
+}
+
+namespace {
+const std::vector<KernelOverride>& env_overrides() {
+  static const std::vector<KernelOverride> v = [] {
+    const char* s = std::getenv("CODA_KERNEL_OVERRIDE");
+    return s ? parse_kernel_overrides(s) : std::vector<KernelOverride>{};
+  }();
+  return v;
+}
+}  // namespace
+
 KernelChoice choose_config(Program p, Operands o, int m, int n, int k) {
+  for (const KernelOverride& v : env_overrides())
+    if (v.program == p && v.operands == o) {
+      CODA_CHECK(find_kernel(p, v.choice.config, o), "CODA_KERNEL_OVERRIDE: ", program_name(p),
+                 " with ", operands_name(o), " is not compiled for ", config_name(v.choice.config),
+                 " in this build (src/kernels/kernels.cmake)");
+      return v.choice;
+    }
   const KernelChoice c = p != Program::kPlain  ? program_config(p, m, n, k)
                          : o == Operands::kXWt ? plain_gemm_config(m, n, k)
                          : o == Operands::kXW  ? plain_xw_config(m, n, k)

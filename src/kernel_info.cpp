@@ -61,6 +61,10 @@ const char* program_name(Program p) {
       return "pair_layout_probe";
     case Program::kRmsnormBackward:
       return "gemm_rmsnorm_backward";
+    case Program::kRmsnormCrossEntropyBackward:
+      return "gemm_rmsnorm_cross_entropy_backward";
+    case Program::kSwigluBackward:
+      return "gemm_swiglu_backward";
     case Program::kCount:
       break;
   }

@@ -7,7 +7,9 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
+#include "coda/common/check.hpp"
 #include "coda/kernel/args.hpp"
 #include "coda/kernel/heuristic.hpp"
 
@@ -68,6 +70,51 @@ TEST(Heuristic, PingpongSwizzlePadsTheTileGridByAtMostTwoPercent) {
   // swizzle 4 3-8% faster than 1).
   EXPECT_EQ(
       choose_config(Program::kRmsnormRope, Operands::kXWt, 8192, 3072, 2048).scheduler.swizzle, 4);
+}
+
+TEST(KernelOverride, ParsesEntriesByTheNamesTheLibraryPrints) {
+  const auto v = parse_kernel_overrides(
+      "gemm_rmsnorm_backward/XW=ping_128x128x64_c1x2:8:M;;gemm/XtY=coop_128x256x64_c2x1:4:N");
+  ASSERT_EQ(v.size(), 2u);
+  EXPECT_EQ(v[0].program, Program::kRmsnormBackward);
+  EXPECT_EQ(v[0].operands, Operands::kXW);
+  EXPECT_EQ(v[0].choice.config, Config::kPing128x128x64_1x2);
+  EXPECT_EQ(v[0].choice.scheduler.swizzle, 8);
+  EXPECT_EQ(v[0].choice.scheduler.raster, Raster::kAlongM);
+  EXPECT_EQ(v[1].program, Program::kPlain);
+  EXPECT_EQ(v[1].operands, Operands::kXtY);
+  EXPECT_EQ(v[1].choice.config, Config::kCoop128x256x64_2x1);
+  EXPECT_EQ(v[1].choice.scheduler.swizzle, 4);
+  EXPECT_EQ(v[1].choice.scheduler.raster, Raster::kAlongN);
+  EXPECT_TRUE(parse_kernel_overrides("").empty());
+  // Every program has a name an override can use.
+  for (int i = 0; i < int(Program::kCount); ++i)
+    EXPECT_NE(std::string(program_name(Program(i))), "?") << i;
+}
+
+TEST(KernelOverride, BadEntriesNameThePartAndTheAcceptedValues) {
+  auto message = [](const std::string& spec) -> std::string {
+    try {
+      parse_kernel_overrides(spec);
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  const std::pair<std::string, std::string> bad[] = {
+      {"gemm=ping_128x128x64_c1x2:8:M", "expected PROGRAM/OPERANDS=CONFIG:SWIZZLE:RASTER"},
+      {"gemm_b1/XW=ping_128x128x64_c1x2:8:M", "unknown program 'gemm_b1'"},
+      {"gemm/XY=ping_128x128x64_c1x2:8:M", "operands 'XY'"},
+      {"gemm/XW=ping_128x999x64_c1x2:8:M", "unknown configuration 'ping_128x999x64_c1x2'"},
+      {"gemm/XW=ping_128x128x64_c1x2:3:M", "swizzle '3'"},
+      {"gemm/XW=ping_128x128x64_c1x2:8", "raster ''"},
+  };
+  for (const auto& [spec, want] : bad) {
+    const std::string got = message(spec);
+    EXPECT_NE(got.find("CODA_KERNEL_OVERRIDE"), std::string::npos) << spec << ": " << got;
+    EXPECT_NE(got.find(want), std::string::npos) << spec << ": " << got;
+  }
+  EXPECT_NE(message("gemm_b1/XW=a:1:M").find("gemm_rmsnorm_backward"), std::string::npos);
 }
 
 }  // namespace
