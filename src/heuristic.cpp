@@ -176,15 +176,9 @@ KernelChoice program_config(Program p, int m, int n, int k) {
 }  // namespace
 
 std::vector<KernelOverride> parse_kernel_overrides(const std::string& spec) {
-  auto names = [](auto count, auto name_of) {
+  auto names = [](int count, auto name_of) {  // "a, b, c" for an error message
     std::string all;
-    for (int i = 0; i < int(count); ++i) all += std::string(i ? ", " : "") + name_of(i);
-    return all;
-  };
-  auto programs = [] {
-    std::string all;
-    for (int i = 0; i < int(Program::kCount); ++i)
-      all += std::string(i ? ", " : "") + program_name(Program(i));
+    for (int i = 0; i < count; ++i) all += std::string(i ? ", " : "") + name_of(i);
     return all;
   };
   std::vector<KernelOverride> out;
@@ -206,7 +200,8 @@ std::vector<KernelOverride> parse_kernel_overrides(const std::string& spec) {
     for (int i = 0; i < int(Program::kCount); ++i)
       if (prog == program_name(Program(i))) v.program = Program(i);
     CODA_CHECK(v.program != Program::kCount, "CODA_KERNEL_OVERRIDE: unknown program '", prog,
-               "' in '", e, "'; expected one of ", programs());
+               "' in '", e, "'; expected one of ",
+               names(int(Program::kCount), [](int i) { return program_name(Program(i)); }));
     CODA_CHECK(ops == "XWt" || ops == "XW" || ops == "XtY", "CODA_KERNEL_OVERRIDE: operands '",
                ops, "' in '", e, "': expected XWt, XW or XtY");
     v.operands = ops == "XWt" ? Operands::kXWt : ops == "XW" ? Operands::kXW : Operands::kXtY;
