@@ -10,8 +10,10 @@
 
 #include <cublasLt.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -213,9 +215,8 @@ int main(int argc, char** argv) {
     const double t_cublas =
         timer.median_ms([&](cudaStream_t st) { cublas.gemm(ops, x, w, d_ref, s.m, s.n, s.k, st); });
     // Leading dimensions: X (M, K) or, for XtY, (K, M); W (N, K), or (K, N) for XW and XtY.
-    const kernel::GemmProblem prob{s.m,     s.n, s.k,     x, ops == Operands::kXtY ? s.m : s.k,
-                                   w,       ops == Operands::kXWt ? s.k : s.n,
-                                   nullptr, 0,   d,       s.n};
+    const int64_t ldx = ops == Operands::kXtY ? s.m : s.k, ldw = ops == Operands::kXWt ? s.k : s.n;
+    const kernel::GemmProblem prob{s.m, s.n, s.k, x, ldx, w, ldw, nullptr, 0, d, s.n};
     kernel::PlainArgs plain;
 
     auto time_ours = [&](kernel::Config c, kernel::SchedulerOptions so, int reps = 15) -> double {
@@ -297,11 +298,11 @@ int main(int argc, char** argv) {
       // and the sweep's three fastest options are timed again, round-robin with cuBLAS.
       std::sort(swept.begin(), swept.end(), [](const Swept& a, const Swept& b) { return a.ms < b.ms; });
       std::vector<Swept> finalists{{t_pick, pick.config, pick.scheduler}};
-      for (const Swept& w : swept) {
+      for (const Swept& cand : swept) {
         if (finalists.size() == 4) break;
-        if (!(w.c == pick.config && w.so.swizzle == pick.scheduler.swizzle &&
-              w.so.raster == pick.scheduler.raster))
-          finalists.push_back(w);
+        if (!(cand.c == pick.config && cand.so.swizzle == pick.scheduler.swizzle &&
+              cand.so.raster == pick.scheduler.raster))
+          finalists.push_back(cand);
       }
       std::vector<std::function<void(cudaStream_t)>> fns{
           [&](cudaStream_t st) { cublas.gemm(ops, x, w, d_ref, s.m, s.n, s.k, st); }};
