@@ -7,7 +7,8 @@ chain runs back to back, with a CUDA event between every two launches:
 - the GEMM-only floor: its 12 cuBLAS GEMMs. In the suite's order, the 4 forward GEMMs run first,
   then per projection the data gradient and the weight gradient.
 Rounds alternate between the two, with L2 cleared before each. Per stage the median over rounds;
-next to it the floor's GEMM of the same place in the chain.
+next to it the floor's GEMM of the same shape. The floor's backward runs in the suite's order, out-
+proj to QKV, and ours QKV first, so the two sit after different predecessors in their sequences.
 
   python3 bench/chain_stage_profile.py --lib .gpubin/libcoda_capi.so [--models llama3-8B]
       [--m 16384] [--rounds 20] [--json out.json] [--commit sha]
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 from chain_bench import ALL_MODELS, MODELS, Coda, chain_inputs, flush_l2
 from chain_train_bench import ours_chain
 
-# Our stage -> the floor's GEMM at the same place in the chain (B3 has none).
+# Our stage -> the floor's GEMM of the same shape (B3 has none).
 FLOOR_OF = {
     "F1 out-proj": "fwd out-proj", "F2 gate/up": "fwd gate/up", "F1 down-proj": "fwd down-proj",
     "F3 qkv+RoPE": "fwd qkv", "B1 qkv": "dX qkv", "dW qkv": "dW qkv", "B2 SwiGLU bwd": "dX down-proj",

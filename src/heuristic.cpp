@@ -181,10 +181,15 @@ std::vector<KernelOverride> parse_kernel_overrides(const std::string& spec) {
     for (int i = 0; i < count; ++i) all += std::string(i ? ", " : "") + name_of(i);
     return all;
   };
+  auto trim = [](std::string t) {
+    const auto b = t.find_first_not_of(" \t\r\n"), l = t.find_last_not_of(" \t\r\n");
+    return b == std::string::npos ? std::string() : t.substr(b, l - b + 1);
+  };
   std::vector<KernelOverride> out;
   std::stringstream entries(spec);
   std::string e;
   while (std::getline(entries, e, ';')) {
+    e = trim(e);
     if (e.empty()) continue;
     const auto slash = e.find('/'), eq = e.find('=');
     CODA_CHECK(slash != std::string::npos && eq != std::string::npos && slash < eq,
@@ -192,10 +197,13 @@ std::vector<KernelOverride> parse_kernel_overrides(const std::string& spec) {
                "'");
     const std::string prog = e.substr(0, slash), ops = e.substr(slash + 1, eq - slash - 1);
     std::stringstream rhs(e.substr(eq + 1));
-    std::string cfg, sw, ra;
+    std::string cfg, sw, ra, rest;
     std::getline(rhs, cfg, ':');
     std::getline(rhs, sw, ':');
     std::getline(rhs, ra, ':');
+    std::getline(rhs, rest);
+    CODA_CHECK(rest.empty(), "CODA_KERNEL_OVERRIDE: unexpected '", rest, "' after the raster in '",
+               e, "'");
     KernelOverride v{Program::kCount, Operands::kXWt, {Config::kCount, {}}};
     for (int i = 0; i < int(Program::kCount); ++i)
       if (prog == program_name(Program(i))) v.program = Program(i);
@@ -215,6 +223,9 @@ std::vector<KernelOverride> parse_kernel_overrides(const std::string& spec) {
     CODA_CHECK(ra == "M" || ra == "N", "CODA_KERNEL_OVERRIDE: raster '", ra, "' in '", e,
                "': expected M or N");
     v.choice.scheduler = {std::stoi(sw), ra == "M" ? Raster::kAlongM : Raster::kAlongN};
+    for (const KernelOverride& w : out)
+      CODA_CHECK(w.program != v.program || w.operands != v.operands, "CODA_KERNEL_OVERRIDE: ",
+                 prog, "/", ops, " is named twice");
     out.push_back(v);
   }
   return out;

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <utility>
 
@@ -38,6 +39,8 @@ struct Case {
 TEST(Heuristic, PingpongSwizzlePadsTheTileGridByAtMostTwoPercent) {
   if (!find_kernel(Program::kPlain, Config::kPing128x128x64_1x2, Operands::kXWt))
     GTEST_SKIP() << "pingpong 128x128 1x2 is not compiled in this build";
+  if (const char* o = std::getenv("CODA_KERNEL_OVERRIDE"); o && *o)
+    GTEST_SKIP() << "CODA_KERNEL_OVERRIDE is set (" << o << "): the heuristic is not in charge";
   const int ms[] = {1, 19, 128, 600, 1100, 4097, 8000, 8192, 16384, 16500};
   const int ns[] = {8,    200,  1032,  2048,  3072,  4096,  5632,
                     6144, 8200, 11008, 14336, 16384, 22016, 28672};
@@ -87,6 +90,10 @@ TEST(KernelOverride, ParsesEntriesByTheNamesTheLibraryPrints) {
   EXPECT_EQ(v[1].choice.scheduler.swizzle, 4);
   EXPECT_EQ(v[1].choice.scheduler.raster, Raster::kAlongN);
   EXPECT_TRUE(parse_kernel_overrides("").empty());
+  EXPECT_TRUE(parse_kernel_overrides(" ; \n").empty());
+  const auto spaced = parse_kernel_overrides(" gemm/XW=ping_128x128x64_c1x2:2:N ;\n");
+  ASSERT_EQ(spaced.size(), 1u);
+  EXPECT_EQ(spaced[0].choice.scheduler.swizzle, 2);
   // Every program has a name an override can use.
   for (int i = 0; i < int(Program::kCount); ++i)
     EXPECT_NE(std::string(program_name(Program(i))), "?") << i;
@@ -108,6 +115,9 @@ TEST(KernelOverride, BadEntriesNameThePartAndTheAcceptedValues) {
       {"gemm/XW=ping_128x999x64_c1x2:8:M", "unknown configuration 'ping_128x999x64_c1x2'"},
       {"gemm/XW=ping_128x128x64_c1x2:3:M", "swizzle '3'"},
       {"gemm/XW=ping_128x128x64_c1x2:8", "raster ''"},
+      {"gemm/XW=ping_128x128x64_c1x2:8:M:junk", "unexpected 'junk' after the raster"},
+      {"gemm/XW=ping_128x128x64_c1x2:8:M;gemm/XW=coop_256x128x64_c1x2:8:N",
+       "gemm/XW is named twice"},
   };
   for (const auto& [spec, want] : bad) {
     const std::string got = message(spec);

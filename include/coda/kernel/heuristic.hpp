@@ -34,7 +34,8 @@ struct KernelOverride {
 // program_name (e.g. gemm_rmsnorm_backward), XWt / XW / XtY and config_name (e.g.
 // coop_256x128x64_c1x2), SWIZZLE 1/2/4/8 and RASTER M or N, e.g.
 //   gemm_rmsnorm_backward/XW=ping_128x128x64_c1x2:8:M;gemm/XtY=coop_128x256x64_c2x1:4:N
-// Throws coda::Error naming the bad entry and the accepted values.
+// Blanks around entries are ignored. Throws coda::Error naming the bad entry and the accepted
+// values; a program / operand pair named twice is an error too.
 std::vector<KernelOverride> parse_kernel_overrides(const std::string& spec);
 
 }  // namespace coda::kernel
