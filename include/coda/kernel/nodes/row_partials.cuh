@@ -125,4 +125,25 @@ CUTLASS_DEVICE void for_each_row_slot(CoordTensor const& tCcD, RowPartialsTarget
   }
 }
 
+// The end of a tile for a node with a row state (make_row_state) of per-row sums: folds it across
+// the lanes that share each row and, from the row lane, writes one per_row partial per row slot
+// to `partials` (SwigluBackwardNode's ZdZ, RowSumOfSquares).
+template <class CtaTile, class RowState, class Lanes, class CoordTensor, class Residue,
+          class ShapeMNL>
+CUTLASS_DEVICE void store_row_sums(RowState& state, Lanes const& lanes, CoordTensor const& tCcD,
+                                   Residue const& residue, ShapeMNL const& shape_mnl, int tile_n,
+                                   float* partials) {
+  auto f = cute::filter(state);
+  lanes.for_each_row_merge_step([&](int lane_delta) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < cute::size(f); ++i) f(i) += __shfl_down_sync(0xffffffff, f(i), lane_delta);
+  });
+  if (!lanes.row_lane) return;
+  const auto target = row_partials_target<CtaTile>(int(cute::get<0>(shape_mnl)),
+                                                   int(cute::get<1>(shape_mnl)), residue, tile_n);
+  for_each_row_slot(tCcD, target, [&](int64_t idx, int i, int epi_m) {
+    partials[idx] = state(cute::_, cute::_, cute::_, epi_m, _0{})(i);
+  });
+}
+
 }  // namespace coda::kernel

@@ -113,19 +113,9 @@ struct SwigluBackwardNode : NoWorkspaceNoProducerLoads {
     template <class STensor, class SyncFn, class VTensor>
     CUTLASS_DEVICE void reduce(STensor&&, SyncFn const&, int, int, bool is_last_iteration,
                                VTensor) {
-      if (!is_last_iteration) return;
-      auto f = cute::filter(rZdZ);
-      lanes.for_each_row_merge_step([&](int lane_delta) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < cute::size(f); ++i)
-          f(i) += __shfl_down_sync(0xffffffff, f(i), lane_delta);
-      });
-      if (!lanes.row_lane) return;
-      const auto target = row_partials_target<CtaTile>(
-          int(cute::get<0>(shape_mnl)), int(cute::get<1>(shape_mnl)), residue, tile_n);
-      for_each_row_slot(tCcD, target, [&](int64_t idx, int i, int epi_m) {
-        params.zdz_partials[idx] = rZdZ(cute::_, cute::_, cute::_, epi_m, _0{})(i);
-      });
+      if (is_last_iteration)
+        store_row_sums<CtaTile>(rZdZ, lanes, tCcD, residue, shape_mnl, tile_n,
+                                params.zdz_partials);
     }
   };
 
