@@ -144,6 +144,10 @@ class Cublas {
   std::vector<Plan> plans_;
 };
 
+const char* raster_name(kernel::Raster r) {
+  return r == kernel::Raster::kAlongM ? "M" : r == kernel::Raster::kAlongN ? "N" : "H";
+}
+
 const char* gpu_missing() {
   static std::string why;
   int n = 0;
@@ -175,7 +179,8 @@ int main(int argc, char** argv) {
                        : ops_name == "XtY" ? Operands::kXtY
                                            : throw std::invalid_argument(
                                                  "coda_gemm_bench: --operands must be XWt, XW or "
-                                                 "XtY, got " + ops_name);
+                                                 "XtY, got " +
+                                                 ops_name);
   const std::string only_model = args.count("model") ? args["model"] : "";
   std::vector<kernel::Config> configs;
   for (int c = 0; c < int(kernel::Config::kCount); ++c)
@@ -220,8 +225,7 @@ int main(int argc, char** argv) {
     kernel::PlainArgs plain;
 
     auto time_ours = [&](kernel::Config c, kernel::SchedulerOptions so, int reps = 15) -> double {
-      const kernel::LaunchFn fn =
-          kernel::find_kernel(kernel::Program::kPlain, c, ops);
+      const kernel::LaunchFn fn = kernel::find_kernel(kernel::Program::kPlain, c, ops);
       CODA_CUDA_CHECK(cudaMemset(d, 0xff, nd * 2));
       CODA_CUDA_CHECK(fn(prob, &plain, so, nullptr));
       kernel::max_abs_diff_bf16(d, d_ref, nd, diff, nullptr);
@@ -237,7 +241,8 @@ int main(int argc, char** argv) {
                              reps);
     };
 
-    const kernel::KernelChoice pick = kernel::choose_config(kernel::Program::kPlain, ops, s.m, s.n, s.k);
+    const kernel::KernelChoice pick =
+        kernel::choose_config(kernel::Program::kPlain, ops, s.m, s.n, s.k);
     kernel::Config best_c = pick.config;
     kernel::SchedulerOptions best_s = pick.scheduler;
     double best = NAN, t_pick = NAN;  // sweep: the fastest, and the heuristic's pick
@@ -247,36 +252,42 @@ int main(int argc, char** argv) {
       kernel::SchedulerOptions so;
     };
     std::vector<Swept> swept;
+    auto is_pick = [&](kernel::Config c, kernel::SchedulerOptions so) {
+      return c == pick.config && so.swizzle == pick.scheduler.swizzle &&
+             so.raster == pick.scheduler.raster;
+    };
+    // One timed option of this shape, as a results row.
+    auto option_row = [&](const char* kind, kernel::Config c, kernel::SchedulerOptions so,
+                          double ms, double cublas_ms) {
+      return bench::JsonRow()
+          .set("kind", kind)
+          .set("model", s.model)
+          .set("op", s.op)
+          .set("operands", ops_name)
+          .set("m", s.m)
+          .set("n", s.n)
+          .set("k", s.k)
+          .set("config", kernel::config_name(c))
+          .set("swizzle", so.swizzle)
+          .set("raster", raster_name(so.raster))
+          .set("ms", ms)
+          .set("cublas_ms", cublas_ms);
+    };
     if (sweep) {
       for (kernel::Config c : configs)
         for (const auto& so : scheds) {
           const double t = time_ours(c, so, 7);
-          rows.push_back(bench::JsonRow()
-                             .set("kind", "sweep")
-                             .set("model", s.model)
-                             .set("op", s.op)
-                             .set("operands", ops_name)
-                             .set("m", s.m)
-                             .set("n", s.n)
-                             .set("k", s.k)
-                             .set("config", kernel::config_name(c))
-                             .set("swizzle", so.swizzle)
-                             .set("raster", so.raster == kernel::Raster::kAlongM ? "M" : "N")
-                             .set("ms", t)
-                             .set("cublas_ms", t_cublas));
+          rows.push_back(option_row("sweep", c, so, t, t_cublas));
           if (t == t) swept.push_back({t, c, so});
           if (t == t && !(t >= best)) best = t, best_c = c, best_s = so;
-          if (c == pick.config && so.swizzle == pick.scheduler.swizzle &&
-              so.raster == pick.scheduler.raster)
-            t_pick = t;
+          if (is_pick(c, so)) t_pick = t;
         }
     }
     // The reported row: the chosen configuration timed interleaved with cuBLAS.
     const double t_check = time_ours(best_c, best_s, 3);  // correctness check (NaN on FAIL)
     double t_cublas2 = NAN, t_ours2 = NAN;
     if (t_check == t_check) {
-      const kernel::LaunchFn fn =
-          kernel::find_kernel(kernel::Program::kPlain, best_c, ops);
+      const kernel::LaunchFn fn = kernel::find_kernel(kernel::Program::kPlain, best_c, ops);
       std::tie(t_cublas2, t_ours2) = timer.median_ms_interleaved(
           [&](cudaStream_t st) { cublas.gemm(ops, x, w, d_ref, s.m, s.n, s.k, st); },
           [&](cudaStream_t st) { CODA_CUDA_CHECK(fn(prob, &plain, best_s, st)); });
@@ -285,77 +296,49 @@ int main(int argc, char** argv) {
     std::printf("%-11s %-9s %6d %6d %6d | %8.3f %7.1f | %8.3f %7.1f %6.3f | %s sw%d %s\n",
                 s.model.c_str(), s.op.c_str(), s.m, s.n, s.k, t_cublas2, flop / t_cublas2 / 1e9,
                 t_ours2, flop / t_ours2 / 1e9, ratio, kernel::config_name(best_c), best_s.swizzle,
-                best_s.raster == kernel::Raster::kAlongM   ? "M"
-                : best_s.raster == kernel::Raster::kAlongN ? "N"
-                                                           : "H");
+                raster_name(best_s.raster));
     if (sweep)
       std::printf("%-11s %-9s   heuristic %s sw%d %s: %.3f ms in the sweep, %.3f x the fastest\n",
                   s.model.c_str(), s.op.c_str(), kernel::config_name(pick.config),
-                  pick.scheduler.swizzle, pick.scheduler.raster == kernel::Raster::kAlongN ? "N" : "M",
-                  t_pick, t_pick / best);
+                  pick.scheduler.swizzle, raster_name(pick.scheduler.raster), t_pick,
+                  t_pick / best);
     if (sweep && !swept.empty() && t_check == t_check) {
       // One sequential pass of 7 repeats per option drifts with the clock: the heuristic's pick
       // and the sweep's three fastest options are timed again, round-robin with cuBLAS.
-      std::sort(swept.begin(), swept.end(), [](const Swept& a, const Swept& b) { return a.ms < b.ms; });
+      std::sort(swept.begin(), swept.end(),
+                [](const Swept& a, const Swept& b) { return a.ms < b.ms; });
       std::vector<Swept> finalists{{t_pick, pick.config, pick.scheduler}};
       for (const Swept& cand : swept) {
         if (finalists.size() == 4) break;
-        if (!(cand.c == pick.config && cand.so.swizzle == pick.scheduler.swizzle &&
-              cand.so.raster == pick.scheduler.raster))
-          finalists.push_back(cand);
+        if (!is_pick(cand.c, cand.so)) finalists.push_back(cand);
       }
       std::vector<std::function<void(cudaStream_t)>> fns{
           [&](cudaStream_t st) { cublas.gemm(ops, x, w, d_ref, s.m, s.n, s.k, st); }};
       for (const Swept& f : finalists) {
         const kernel::LaunchFn fn = kernel::find_kernel(kernel::Program::kPlain, f.c, ops);
         const kernel::SchedulerOptions so = f.so;
-        fns.push_back([&prob, &plain, fn, so](cudaStream_t st) { CODA_CUDA_CHECK(fn(prob, &plain, so, st)); });
+        fns.push_back([&prob, &plain, fn, so](cudaStream_t st) {
+          CODA_CUDA_CHECK(fn(prob, &plain, so, st));
+        });
       }
       const std::vector<double> med = timer.median_ms_interleaved(fns, 2, 15);
       for (size_t j = 0; j < finalists.size(); ++j) {
         const Swept& f = finalists[j];
-        const char* ra = f.so.raster == kernel::Raster::kAlongN ? "N" : "M";
-        std::printf("%-11s %-9s   round-robin %s %s sw%d %s: %.3f ms, %.3f x the pick, cuBLAS %.3f\n",
-                    s.model.c_str(), s.op.c_str(), j == 0 ? "pick" : "cand",
-                    kernel::config_name(f.c), f.so.swizzle, ra, med[j + 1], med[j + 1] / med[1],
-                    med[0]);
-        rows.push_back(bench::JsonRow()
-                           .set("kind", "round_robin")
-                           .set("model", s.model)
-                           .set("op", s.op)
-                           .set("operands", ops_name)
-                           .set("m", s.m)
-                           .set("n", s.n)
-                           .set("k", s.k)
-                           .set("heuristic_pick", j == 0 ? 1.0 : 0.0)
-                           .set("config", kernel::config_name(f.c))
-                           .set("swizzle", f.so.swizzle)
-                           .set("raster", ra)
-                           .set("ms", med[j + 1])
-                           .set("cublas_ms", med[0]));
+        const char* ra = raster_name(f.so.raster);
+        std::printf(
+            "%-11s %-9s   round-robin %s %s sw%d %s: %.3f ms, %.3f x the pick, cuBLAS %.3f\n",
+            s.model.c_str(), s.op.c_str(), j == 0 ? "pick" : "cand", kernel::config_name(f.c),
+            f.so.swizzle, ra, med[j + 1], med[j + 1] / med[1], med[0]);
+        rows.push_back(option_row("round_robin", f.c, f.so, med[j + 1], med[0])
+                           .set("heuristic_pick", j == 0 ? 1.0 : 0.0));
       }
     }
     std::fflush(stdout);
-    rows.push_back(bench::JsonRow()
-                       .set("kind", "best")
+    rows.push_back(option_row("best", best_c, best_s, t_ours2, t_cublas2)
                        .set("heuristic_config", kernel::config_name(pick.config))
                        .set("heuristic_swizzle", pick.scheduler.swizzle)
-                       .set("heuristic_raster",
-                            pick.scheduler.raster == kernel::Raster::kAlongN ? "N" : "M")
+                       .set("heuristic_raster", raster_name(pick.scheduler.raster))
                        .set("heuristic_sweep_ms", t_pick)
-                       .set("model", s.model)
-                       .set("op", s.op)
-                       .set("operands", ops_name)
-                       .set("m", s.m)
-                       .set("n", s.n)
-                       .set("k", s.k)
-                       .set("config", kernel::config_name(best_c))
-                       .set("swizzle", best_s.swizzle)
-                       .set("raster", best_s.raster == kernel::Raster::kAlongM   ? "M"
-                                      : best_s.raster == kernel::Raster::kAlongN ? "N"
-                                                                                 : "H")
-                       .set("ms", t_ours2)
-                       .set("cublas_ms", t_cublas2)
                        .set("tflops", flop / t_ours2 / 1e9)
                        .set("cublas_tflops", flop / t_cublas2 / 1e9)
                        .set("ratio_vs_cublas", ratio));
