@@ -347,7 +347,7 @@ def main():
         lines += sr.chain_tables(suite_path, d) + sr.lm_head_table(suite_path, d)
         lines += ["# Earlier focused runs (one benchmark per results file)\n",
                   "The layer-chain tables below timed one variant after another, ours first, which paid "
-                  "for the GPU's clock ramp (6-19% of the speed ratio at the small shapes; docs/performance-notes.md, "
+                  "for the GPU's clock ramp (6-19% of the speed ratio at the small shapes; docs/performance-notes-early.md, "
                   "\"The benchmark suite and its method\"); the GEMM, program and LM-head benchmarks "
                   "already alternated their variants.\n"]
         write_readme(sr.readme_section(suite_path, d))

@@ -210,22 +210,22 @@ std::vector<KernelOverride> parse_kernel_overrides(const std::string& spec) {
     CODA_CHECK(v.program != Program::kCount, "CODA_KERNEL_OVERRIDE: unknown program '", prog,
                "' in '", e, "'; expected one of ",
                names(int(Program::kCount), [](int i) { return program_name(Program(i)); }));
-    CODA_CHECK(ops == "XWt" || ops == "XW" || ops == "XtY", "CODA_KERNEL_OVERRIDE: operands '",
-               ops, "' in '", e, "': expected XWt, XW or XtY");
+    CODA_CHECK(ops == "XWt" || ops == "XW" || ops == "XtY", "CODA_KERNEL_OVERRIDE: operands '", ops,
+               "' in '", e, "': expected XWt, XW or XtY");
     v.operands = ops == "XWt" ? Operands::kXWt : ops == "XW" ? Operands::kXW : Operands::kXtY;
     for (int i = 0; i < int(Config::kCount); ++i)
       if (cfg == config_name(Config(i))) v.choice.config = Config(i);
     CODA_CHECK(v.choice.config != Config::kCount, "CODA_KERNEL_OVERRIDE: unknown configuration '",
                cfg, "' in '", e, "'; expected one of ",
                names(int(Config::kCount), [](int i) { return config_name(Config(i)); }));
-    CODA_CHECK(sw == "1" || sw == "2" || sw == "4" || sw == "8",
-               "CODA_KERNEL_OVERRIDE: swizzle '", sw, "' in '", e, "': expected 1, 2, 4 or 8");
+    CODA_CHECK(sw == "1" || sw == "2" || sw == "4" || sw == "8", "CODA_KERNEL_OVERRIDE: swizzle '",
+               sw, "' in '", e, "': expected 1, 2, 4 or 8");
     CODA_CHECK(ra == "M" || ra == "N", "CODA_KERNEL_OVERRIDE: raster '", ra, "' in '", e,
                "': expected M or N");
     v.choice.scheduler = {std::stoi(sw), ra == "M" ? Raster::kAlongM : Raster::kAlongN};
     for (const KernelOverride& w : out)
-      CODA_CHECK(w.program != v.program || w.operands != v.operands, "CODA_KERNEL_OVERRIDE: ",
-                 prog, "/", ops, " is named twice");
+      CODA_CHECK(w.program != v.program || w.operands != v.operands, "CODA_KERNEL_OVERRIDE: ", prog,
+                 "/", ops, " is named twice");
     out.push_back(v);
   }
   return out;

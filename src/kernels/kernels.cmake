@@ -12,7 +12,7 @@ set(CODA_ALL_KERNELS
   "Plain:Coop128x128x64_1x1:XWt"
   # forward programs (F1 was also swept on pingpong 128x192, B2 and B1 on pingpong 128x128 with
   # cluster 2x1 in runs 37 and 42, and dropped; F2 on pingpong 128x192, its choice below
-  # 2I = 32768 until run 47, dropped after it: docs/performance-notes.md)
+  # 2I = 32768 until run 47, dropped after it: docs/performance-notes-early.md)
   "ResidualRmsnormPartial:Ping128x128x64_1x2:XWt"
   "ResidualRmsnormPartial:Coop128x256x64_2x1:XWt"
   "ResidualRmsnormPartial:Coop256x128x64_1x2:XWt"

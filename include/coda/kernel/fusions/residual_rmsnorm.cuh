@@ -8,7 +8,7 @@ namespace coda::kernel {
 // The residual (the problem's p.c) is an Sm90AuxLoad, not the source C. With a bf16 C the builder
 // reuses C's shared memory for D, so a C stage is not freed until the TMA store of D from it is
 // done, and it turns off the delayed TMA store. Avoiding both changed nothing measurable (run 48
-// against run 47, within 2% at the configurations the heuristic picks; docs/performance-notes.md).
+// against run 47, within 2% at the configurations the heuristic picks; docs/performance-notes-early.md).
 template <>
 struct FusionOf<Program::kResidualRmsnormPartial> {
   using ElementC = void;

@@ -19,7 +19,7 @@ namespace coda::kernel {
 //   - cooperative 256x128: x by LoadAhead (nodes/load_ahead.cuh), the consumer's own loads one
 //     subtile ahead, and h from registers: neither takes shared memory. An x ring's 32 KB cost
 //     that configuration one of its four 48 KB mainloop stages, and it ran 1-4% slower (run 47,
-//     docs/performance-notes.md). kStagesC is per fusion, so its C ring has three stages too
+//     docs/performance-notes-early.md). kStagesC is per fusion, so its C ring has three stages too
 //     (24 KB; four mainloop stages either way); run 75 timed it so.
 template <>
 struct FusionOf<Program::kRmsnormBackward> {

@@ -16,7 +16,7 @@ namespace coda::kernel {
 // mainloop stages than with five, and run 65 1.04x its GEMM with z (and its 32 KB) taken away.
 // Until run 67, dz had its own ring (an aux store) and the mainloop five stages; until run 47
 // the node read z itself, one subtile ahead, and B2 was latency-bound at K = 2048 (1.5x its GEMM,
-// docs/performance-notes.md).
+// docs/performance-notes-early.md).
 template <>
 struct FusionOf<Program::kSwigluBackward> {
   using ElementC = uint32_t;
