@@ -17,28 +17,6 @@ TileShapeMN tile_shape(Config c) {
       return {128, 192};
     case Config::kCoop128x128x64_1x1:
       return {128, 128};
-    case Config::kCoopN192x192x64_2x1:
-    case Config::kCoopN192x192x64_1x2:
-      return {192, 192};
-    case Config::kCount:
-      break;
-  }
-  return {0, 0};
-}
-
-TileShapeMN epilogue_subtile(Config c) {
-  switch (c) {
-    case Config::kCoop128x256x64_2x1:
-    case Config::kCoop256x128x64_1x2:
-    case Config::kCoop128x128x64_1x1:
-      return {128, 32};
-    case Config::kPing128x128x64_1x2:
-    case Config::kPing128x128x64_2x1:
-    case Config::kPing128x192x64_2x1:
-      return {64, 32};
-    case Config::kCoopN192x192x64_2x1:
-    case Config::kCoopN192x192x64_1x2:
-      return {64, 192};
     case Config::kCount:
       break;
   }
@@ -59,10 +37,6 @@ const char* config_name(Config c) {
       return "ping_128x192x64_c2x1";
     case Config::kCoop128x128x64_1x1:
       return "coop_128x128x64_c1x1";
-    case Config::kCoopN192x192x64_2x1:
-      return "coopn_192x192x64_c2x1";
-    case Config::kCoopN192x192x64_1x2:
-      return "coopn_192x192x64_c1x2";
     case Config::kCount:
       break;
   }

@@ -10,9 +10,6 @@ set(CODA_ALL_KERNELS
   "Plain:Ping128x128x64_2x1:XWt"
   "Plain:Ping128x192x64_2x1:XWt"
   "Plain:Coop128x128x64_1x1:XWt"
-  # N split between the warpgroups, 192x192: what cuBLAS runs at 70B (run 106)
-  "Plain:CoopN192x192x64_2x1:XWt"
-  "Plain:CoopN192x192x64_1x2:XWt"
   # forward programs (F1 was also swept on pingpong 128x192, B2 and B1 on pingpong 128x128 with
   # cluster 2x1 in runs 37 and 42, and dropped; F2 on pingpong 128x192, its choice below
   # 2I = 32768 until run 47, dropped after it: docs/performance-notes-early.md)
@@ -21,7 +18,6 @@ set(CODA_ALL_KERNELS
   "ResidualRmsnormPartial:Coop256x128x64_1x2:XWt"
   "RmsnormSwiglu:Ping128x128x64_1x2:XWt"
   "RmsnormSwiglu:Coop128x256x64_2x1:XWt"
-  "RmsnormSwiglu:CoopN192x192x64_2x1:XWt"
   "RmsnormRope:Ping128x128x64_1x2:XWt"
   "RmsnormRope:Coop128x256x64_2x1:XWt"
   "RmsnormRope:Coop256x128x64_1x2:XWt"
@@ -38,15 +34,12 @@ set(CODA_ALL_KERNELS
   "Plain:Ping128x128x64_1x2:XW"
   "Plain:Coop256x128x64_1x2:XW"  # data-gradient GEMMs at N, K >= 4096, run 27
   "Plain:Coop128x256x64_2x1:XtY"
-  "Plain:CoopN192x192x64_2x1:XtY"
-  "Plain:CoopN192x192x64_2x1:XW"
   # weight gradients whose 128x256 tile grid leaves most of a last wave idle (1B dW QKV: 192 tiles
   # on 132 SMs, 0.77x cuBLAS in run 29); heuristic.cpp plain_xty_config
   "Plain:Ping128x128x64_1x2:XtY"
   # tests: the fragment pairing every pairwise epilogue relies on, per schedule
   "PairLayoutProbe:Ping128x128x64_1x2:XWt"
   "PairLayoutProbe:Coop128x256x64_2x1:XWt"
-  "PairLayoutProbe:CoopN192x192x64_2x1:XWt"
 )
 
 # The fusion header each program's translation units include (include/coda/kernel/fusions/).

@@ -28,8 +28,6 @@ enum class Config : int {
   kPing128x128x64_2x1 = 3,
   kPing128x192x64_2x1 = 4,
   kCoop128x128x64_1x1 = 5,
-  kCoopN192x192x64_2x1 = 6,  // N split between the warpgroups (192x96 each), as cuBLAS runs at 70B
-  kCoopN192x192x64_1x2 = 7,
   kCount
 };
 
@@ -145,8 +143,6 @@ struct TileShapeMN {
   int m, n;
 };
 TileShapeMN tile_shape(Config c);
-// The epilogue's subtile: 128x32 (cooperative), 64x32 (pingpong), 64 x tile N (split N).
-TileShapeMN epilogue_subtile(Config c);
 const char* config_name(Config c);
 const char* program_name(Program p);
 const char* operands_name(Operands o);

@@ -22,37 +22,20 @@
 namespace coda::kernel {
 
 // ---- configurations -------------------------------------------------------------------------
-// SplitN (cooperative only): the two consumer warpgroups split the tile's N instead of its M, each
-// taking TileM x TileN/2 (192x96 of a 192x192 tile: three 64-row wgmmas, 144 fp32 accumulators per
-// thread). Tile M need not be a multiple of 128 then; CUTLASS's builder only splits M, so such a
-// configuration gets its mainloop from SplitNMainloop below and one epilogue subtile of 64 rows by
-// the whole tile width (each subtile must hold both warpgroups' columns of the same rows).
-template <int TileM, int TileN, int TileK, int ClusterM, int ClusterN, bool Cooperative,
-          bool SplitN = false>
+template <int TileM, int TileN, int TileK, int ClusterM, int ClusterN, bool Cooperative>
 struct KernelConfig {
-  static constexpr bool kSplitN = SplitN;
   using TileShape = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::Int<TileK>>;
   using ClusterShape = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
   using MainloopSchedule =
       std::conditional_t<Cooperative, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
                          cutlass::gemm::KernelTmaWarpSpecializedPingpong>;
-  // A split-N tile's epilogue goes through the builder as the 64-row (pingpong) schedule, the
-  // only one it lets have 64-row subtiles; the collective itself is the same for both schedules
-  // but for its fragment size, which kEpilogueFragment then sets for 256 threads.
   using EpilogueSchedule =
-      std::conditional_t<Cooperative && !SplitN, cutlass::epilogue::TmaWarpSpecializedCooperative,
+      std::conditional_t<Cooperative, cutlass::epilogue::TmaWarpSpecializedCooperative,
                          cutlass::epilogue::TmaWarpSpecialized>;
-  static constexpr int kEpilogueFragment = SplitN ? 16 : 0;  // 0: the builder's
   // NOTE: cooperative splits the tile's M across two consumer warpgroups (64 rows each per wgmma);
   // pingpong gives each warpgroup a whole tile and overlaps one's epilogue with the other's MMA.
-  static_assert(!Cooperative || SplitN || TileM % 128 == 0,
-                "cooperative tiles need M divisible by 128");
-  static_assert(!SplitN || (Cooperative && TileM % 64 == 0 && TileM >= 128 && TileN % 32 == 0),
-                "a split-N tile is cooperative, M a multiple of 64 (at least 128), N of 32");
+  static_assert(!Cooperative || TileM % 128 == 0, "cooperative tiles need M divisible by 128");
   static_assert(TileN % 32 == 0, "epilogue subtiles are 32 columns wide");
-  using EpilogueTile =
-      std::conditional_t<SplitN, cute::Shape<cute::_64, cute::Int<TileN>>,
-                         cutlass::epilogue::collective::EpilogueTileAuto>;
 };
 
 template <Config C>
@@ -81,14 +64,6 @@ template <>
 struct ConfigOf<Config::kCoop128x128x64_1x1> {
   using type = KernelConfig<128, 128, 64, 1, 1, true>;
 };
-template <>
-struct ConfigOf<Config::kCoopN192x192x64_2x1> {
-  using type = KernelConfig<192, 192, 64, 2, 1, true, true>;
-};
-template <>
-struct ConfigOf<Config::kCoopN192x192x64_1x2> {
-  using type = KernelConfig<192, 192, 64, 1, 2, true, true>;
-};
 
 // A fusion may set C's stage count (kStagesC; 0 keeps the builder's): B2 keeps three so its
 // mainloop gets six stages (fusions/swiglu_backward.cuh). The count reaches both the collective's
@@ -105,61 +80,22 @@ struct DescriptorWithStagesC : Desc {
 };
 template <class Desc, int StagesC>
 using DescriptorWith = std::conditional_t<StagesC == 0, Desc, DescriptorWithStagesC<Desc, StagesC>>;
-// The builder's epilogue collective with C's stage count and the fragment size replaced where
-// nonzero (FragmentSize: a split-N configuration's, kEpilogueFragment).
-template <class Op, int StagesC, int FragmentSize>
+template <class Op, int StagesC>
 struct WithStagesC {
-  static_assert(StagesC == 0 && FragmentSize == 0,
-                "kStagesC / kEpilogueFragment need the sm90 TMA warp-specialized epilogue collective");
+  static_assert(StagesC == 0, "kStagesC needs the sm90 TMA warp-specialized epilogue collective");
   using type = Op;
 };
-template <int SC, int SD, int FS, bool Reuse, bool Delay, class... Rest, int StagesC,
-          int FragmentSize>
+template <int SC, int SD, int FS, bool Reuse, bool Delay, class... Rest, int StagesC>
 struct WithStagesC<
     cutlass::epilogue::collective::CollectiveEpilogue<
         cutlass::epilogue::Sm90TmaWarpSpecialized<SC, SD, FS, Reuse, Delay>, Rest...>,
-    StagesC, FragmentSize> {
+    StagesC> {
   // With C's buffers reused for D, a store holds its buffer until the TMA has read it: C needs a
   // stage more than D has in flight.
   static_assert(StagesC == 0 || !Reuse || StagesC > SD, "C / D reuse needs StagesC > StagesD");
   using type = cutlass::epilogue::collective::CollectiveEpilogue<
-      cutlass::epilogue::Sm90TmaWarpSpecialized<StagesC == 0 ? SC : StagesC, SD,
-                                                FragmentSize == 0 ? FS : FragmentSize, Reuse,
-                                                Delay>,
+      cutlass::epilogue::Sm90TmaWarpSpecialized<StagesC == 0 ? SC : StagesC, SD, FS, Reuse, Delay>,
       Rest...>;
-};
-
-// A split-N configuration's epilogue collective with its C / D staging in shared memory swizzled
-// 64 bytes wide instead of the builder's 128: a warpgroup's columns start half a tile in (96 of
-// 192), which must fall on a swizzle atom's edge for the register-to-shared copy to partition the
-// subtile.
-template <class Op, bool SplitN>
-struct WithSplitNSmem {
-  using type = Op;
-};
-template <class Dispatch, class Cta, class EpiTile, class EC, class SC, class ED, class SD,
-          class Fusion, class G2S, class AtomC, class S2R, class S2G, class AtomD, class R2S,
-          class CopyAtomC, class R2R>
-struct WithSplitNSmem<
-    cutlass::epilogue::collective::CollectiveEpilogue<Dispatch, Cta, EpiTile, EC, SC, ED, SD, Fusion,
-                                                      G2S, AtomC, S2R, S2G, AtomD, R2S, CopyAtomC,
-                                                      R2R>,
-    true> {
-  // (the builder lays out a void C as D: its smem tensor is still partitioned)
-  template <class E, class Atom, bool = std::is_void_v<E>>
-  struct NarrowOf {
-    using type = cute::GMMA::Layout_K_SW64_Atom<E>;
-  };
-  template <class E, class Atom>
-  struct NarrowOf<E, Atom, true> {
-    using type = Atom;
-  };
-  template <class E, class Atom>
-  using Narrow = typename NarrowOf<E, Atom>::type;
-  using ElementCOrD = std::conditional_t<std::is_void_v<EC>, ED, EC>;
-  using type = cutlass::epilogue::collective::CollectiveEpilogue<
-      Dispatch, Cta, EpiTile, EC, SC, ED, SD, Fusion, G2S, Narrow<ElementCOrD, AtomC>, S2R, S2G,
-      Narrow<ED, AtomD>, R2S, CopyAtomC, R2R>;
 };
 
 template <Operands O>
@@ -202,51 +138,6 @@ inline int sm_count(int device) {
   return cached[device];
 }
 
-// The mainloop of a split-N configuration, assembled the way CUTLASS's sm90 builder assembles a
-// cooperative one, except for the tiled MMA: one wgmma atom of 64 x TileN/2 laid out 1 x 2 over the
-// two warpgroups (the builder's is 2 x 1). B's shared-memory swizzle is chosen for the half width
-// each warpgroup's descriptors start at (an N-major B of 96 columns takes the 64-byte swizzle).
-template <class Cfg, class ElementAB, class LayoutA, class LayoutB, int CarveoutBytes>
-struct SplitNMainloop {
-  using TileShape = typename Cfg::TileShape;
-  using ClusterShape = typename Cfg::ClusterShape;
-  static constexpr int kTileM = cute::size<0>(TileShape{});
-  static constexpr int kHalfN = cute::size<1>(TileShape{}) / 2;
-  static constexpr int kTileK = cute::size<2>(TileShape{});
-  static constexpr cute::GMMA::Major kMajorA =
-      cutlass::gemm::collective::detail::gmma_ss_tag_to_major_A<ElementAB, LayoutA>();
-  static constexpr cute::GMMA::Major kMajorB =
-      cutlass::gemm::collective::detail::gmma_ss_tag_to_major_B<ElementAB, LayoutB>();
-  using WarpgroupTile = cute::Shape<cute::_64, cute::Int<kHalfN>, cute::Int<kTileK>>;
-  using TiledMma = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<ElementAB, ElementAB, float, WarpgroupTile, kMajorA, kMajorB>(),
-      cute::Layout<cute::Shape<cute::_1, cute::_2, cute::_1>>{}));
-  using GmemTiledCopyA = decltype(cutlass::gemm::collective::detail::sm90_cluster_shape_to_tma_atom(
-      cute::shape<1>(ClusterShape{})));
-  using GmemTiledCopyB = decltype(cutlass::gemm::collective::detail::sm90_cluster_shape_to_tma_atom(
-      cute::shape<0>(ClusterShape{})));
-  using SmemLayoutAtomA = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
-                                   kMajorA, ElementAB, cute::Int<kTileM>, cute::Int<kTileK>>());
-  using SmemLayoutAtomB = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
-                                   kMajorB, ElementAB, cute::Int<kHalfN>, cute::Int<kTileK>>());
-  static constexpr int kStages =
-      cutlass::gemm::collective::detail::compute_stage_count_or_override<
-          cutlass::gemm::collective::detail::sm90_smem_capacity_bytes, ElementAB, ElementAB,
-          TileShape>(cutlass::gemm::collective::StageCountAutoCarveout<CarveoutBytes>{});
-  using type = cutlass::gemm::collective::CollectiveMma<
-      cutlass::gemm::MainloopSm90TmaGmmaWarpSpecialized<kStages, ClusterShape,
-                                                        typename Cfg::MainloopSchedule>,
-      TileShape, ElementAB, cutlass::detail::TagToStrideA_t<LayoutA>, ElementAB,
-      cutlass::detail::TagToStrideB_t<LayoutB>, TiledMma, GmemTiledCopyA, SmemLayoutAtomA, void,
-      cute::identity, GmemTiledCopyB, SmemLayoutAtomB, void, cute::identity>;
-};
-
-// The builder's mainloop, named only when chosen (the builder rejects a split-N tile).
-template <class Builder>
-struct BuilderMainloop {
-  using type = typename Builder::CollectiveOp;
-};
-
 // ElementAB: the operand type of the mainloop (bf16 today; fp16 and fp8 operands instantiate the
 // same launcher, with the epilogue programs unchanged since they see fp32 accumulators).
 template <Config C, Program P, Operands O, class ElementAB = cutlass::bfloat16_t>
@@ -266,7 +157,7 @@ struct GemmLauncher {
   static constexpr int kAlignD =
       std::is_void_v<ElementD> ? 8 : 128 / cutlass::sizeof_bits<ElementD>::value;
 
-  using EpilogueTileType = typename Cfg::EpilogueTile;
+  using EpilogueTileType = cutlass::epilogue::collective::EpilogueTileAuto;
   using EpilogueDesc = DescriptorWith<
       cutlass::epilogue::collective::detail::EpilogueDescriptor<
           TileShape, EpilogueTileType, ElementC, ElementD, typename Cfg::EpilogueSchedule>,
@@ -274,25 +165,20 @@ struct GemmLauncher {
   using Build = typename Fusion::template Build<EpilogueDesc>;
   using Callbacks = typename Build::Callbacks;
 
-  using CollectiveEpilogue = typename WithSplitNSmem<typename WithStagesC<
+  using CollectiveEpilogue = typename WithStagesC<
       typename cutlass::epilogue::collective::CollectiveBuilder<
           cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
           EpilogueTileType, float, float, ElementC, LayoutC, kAlignC, ElementD, LayoutC, kAlignD,
           typename Cfg::EpilogueSchedule, Callbacks>::CollectiveOp,
-      FusionStagesC<Fusion>::value, Cfg::kEpilogueFragment>::type, Cfg::kSplitN>::type;
+      FusionStagesC<Fusion>::value>::type;
 
-  static constexpr int kEpilogueSmemBytes =
-      static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage));
-  using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, typename OperandLayouts<O>::A,
-      kAlignAB, ElementAB, typename OperandLayouts<O>::B, kAlignAB, float, TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<kEpilogueSmemBytes>,
-      typename Cfg::MainloopSchedule>;
-  using CollectiveMainloop = typename std::conditional_t<
-      Cfg::kSplitN,
-      SplitNMainloop<Cfg, ElementAB, typename OperandLayouts<O>::A, typename OperandLayouts<O>::B,
-                     kEpilogueSmemBytes>,
-      BuilderMainloop<BuiltMainloop>>::type;
+      kAlignAB, ElementAB, typename OperandLayouts<O>::B, kAlignAB,
+      float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      typename Cfg::MainloopSchedule>::CollectiveOp;
 
   using Kernel =
       cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, CollectiveMainloop,
