@@ -17,8 +17,6 @@ TileShapeMN tile_shape(Config c) {
       return {128, 192};
     case Config::kCoop128x128x64_1x1:
       return {128, 128};
-    case Config::kCoop256x192x64_1x2:
-      return {256, 192};
     case Config::kCount:
       break;
   }
@@ -39,8 +37,6 @@ const char* config_name(Config c) {
       return "ping_128x192x64_c2x1";
     case Config::kCoop128x128x64_1x1:
       return "coop_128x128x64_c1x1";
-    case Config::kCoop256x192x64_1x2:
-      return "coop_256x192x64_c1x2";
     case Config::kCount:
       break;
   }

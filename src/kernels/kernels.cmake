@@ -10,17 +10,14 @@ set(CODA_ALL_KERNELS
   "Plain:Ping128x128x64_2x1:XWt"
   "Plain:Ping128x192x64_2x1:XWt"
   "Plain:Coop128x128x64_1x1:XWt"
-  "Plain:Coop256x192x64_1x2:XWt"
   # forward programs (F1 was also swept on pingpong 128x192, B2 and B1 on pingpong 128x128 with
   # cluster 2x1 in runs 37 and 42, and dropped; F2 on pingpong 128x192, its choice below
   # 2I = 32768 until run 47, dropped after it: docs/performance-notes-early.md)
   "ResidualRmsnormPartial:Ping128x128x64_1x2:XWt"
   "ResidualRmsnormPartial:Coop128x256x64_2x1:XWt"
   "ResidualRmsnormPartial:Coop256x128x64_1x2:XWt"
-  "ResidualRmsnormPartial:Coop256x192x64_1x2:XWt"
   "RmsnormSwiglu:Ping128x128x64_1x2:XWt"
   "RmsnormSwiglu:Coop128x256x64_2x1:XWt"
-  "RmsnormSwiglu:Coop256x192x64_1x2:XWt"
   "RmsnormRope:Ping128x128x64_1x2:XWt"
   "RmsnormRope:Coop128x256x64_2x1:XWt"
   "RmsnormRope:Coop256x128x64_1x2:XWt"
@@ -32,14 +29,11 @@ set(CODA_ALL_KERNELS
   # backward programs and the transposed operand layouts the backward pass needs
   "RmsnormBackward:Ping128x128x64_1x2:XW"
   "RmsnormBackward:Coop256x128x64_1x2:XW"  # B1 gate/up (K >= 16384), run 27
-  "RmsnormBackward:Coop256x192x64_1x2:XW"
   "RmsnormCrossEntropyBackward:Ping128x128x64_1x2:XWt"
   "SwigluBackward:Ping128x128x64_1x2:XW"
   "Plain:Ping128x128x64_1x2:XW"
   "Plain:Coop256x128x64_1x2:XW"  # data-gradient GEMMs at N, K >= 4096, run 27
-  "Plain:Coop256x192x64_1x2:XW"
   "Plain:Coop128x256x64_2x1:XtY"
-  "Plain:Coop256x192x64_1x2:XtY"
   # weight gradients whose 128x256 tile grid leaves most of a last wave idle (1B dW QKV: 192 tiles
   # on 132 SMs, 0.77x cuBLAS in run 29); heuristic.cpp plain_xty_config
   "Plain:Ping128x128x64_1x2:XtY"

@@ -28,7 +28,6 @@ enum class Config : int {
   kPing128x128x64_2x1 = 3,
   kPing128x192x64_2x1 = 4,
   kCoop128x128x64_1x1 = 5,
-  kCoop256x192x64_1x2 = 6,  // 22% fewer operand bytes per FLOP than 128x256 (70B, run 110)
   kCount
 };
 

@@ -64,10 +64,6 @@ template <>
 struct ConfigOf<Config::kCoop128x128x64_1x1> {
   using type = KernelConfig<128, 128, 64, 1, 1, true>;
 };
-template <>
-struct ConfigOf<Config::kCoop256x192x64_1x2> {
-  using type = KernelConfig<256, 192, 64, 1, 2, true>;  // 192 accumulators per thread
-};
 
 // A fusion may set C's stage count (kStagesC; 0 keeps the builder's): B2 keeps three so its
 // mainloop gets six stages (fusions/swiglu_backward.cuh). The count reaches both the collective's
