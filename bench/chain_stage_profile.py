@@ -4,11 +4,12 @@ The suite times each op alone (L2 cleared, idle gaps between runs). A 15-130 ms 
 runs at other clocks, so the sum of those times does not explain the chain's total. Here the whole
 chain runs back to back, with a CUDA event between every two launches:
 - ours: the fused chain of bench/chain_train_bench.py, every launch, a fold counted with its GEMM;
-- the GEMM-only floor: its 12 cuBLAS GEMMs. In the suite's order, the 4 forward GEMMs run first,
-  then per projection the data gradient and the weight gradient.
+- the GEMM-only floor: its 12 cuBLAS GEMMs, run in the order of our stages (the 4 forward GEMMs,
+  then QKV's, down-proj's, gate/up's and out-proj's gradients, as our backward runs them), so each
+  floor GEMM sits after the same predecessors as the stage it is paired with. (The suite's
+  gemm_only runs the backward out-proj first; the total is the same GEMMs.)
 Rounds alternate between the two, with L2 cleared before each. Per stage the median over rounds;
-next to it the floor's GEMM of the same shape. The floor's backward runs in the suite's order, out-
-proj to QKV, and ours QKV first, so the two sit after different predecessors in their sequences.
+next to it the floor's GEMM of the same shape.
 
   python3 bench/chain_stage_profile.py --lib .gpubin/libcoda_capi.so [--models llama3-8B]
       [--m 16384] [--rounds 20] [--json out.json] [--commit sha]
@@ -61,10 +62,15 @@ def profile_shape(coda, model, m, rounds, progress):
     ours = o.named_calls
     names = ["out-proj", "gate/up", "down-proj", "qkv"]
     gemms = [(t.y, t.wo, o.x1), (o.h1, t.wgu_split, o.z), (o.act, t.wd, o.x2), (o.h2, t.wqkv_hf, o.qkv)]
-    floor = [(f"fwd {n}", (lambda a=a, w=w: F.linear(a, w))) for n, (a, w, _) in zip(names, gemms)]
+    floor_gemm = {}
     for n, (a, w, out) in zip(names, gemms):  # as the suite's gemm_only: `out` stands in for the gradient
-        floor.append((f"dX {n}", lambda a=a, w=w, out=out: torch.matmul(out, w)))
-        floor.append((f"dW {n}", lambda a=a, w=w, out=out: torch.matmul(out.t(), a)))
+        floor_gemm[f"fwd {n}"] = lambda a=a, w=w: F.linear(a, w)
+        floor_gemm[f"dX {n}"] = lambda a=a, w=w, out=out: torch.matmul(out, w)
+        floor_gemm[f"dW {n}"] = lambda a=a, w=w, out=out: torch.matmul(out.t(), a)
+    # The floor's GEMMs in our stages' order, so each pair sits after the same predecessors.
+    order = list(dict.fromkeys(FLOOR_OF[s] for s, _ in ours if s in FLOOR_OF))
+    assert sorted(order) == sorted(floor_gemm), (order, list(floor_gemm))
+    floor = [(name, floor_gemm[name]) for name in order]
     variants = {"coda": ours, "gemm_only": floor}
     for v in variants.values():  # warm-up
         for _, fn in v:
