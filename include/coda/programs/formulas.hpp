@@ -22,11 +22,12 @@ struct NormalizedScaled {
     return x * r * gamma;
   }
 };
-// dγ contribution g·n = g·x·r.
+// dγ contribution g·n = g·(x·r), grouped as x·r so that the GPU epilogue computes x·r once for
+// dx, h and dγ (without fast math the compiler may not regroup g·x·r itself).
 struct GradTimesNormalized {
   template <class T>
   CODA_HD T operator()(T g, T x, T r) const {
-    return g * x * r;
+    return g * (x * r);
   }
 };
 
