@@ -12,7 +12,11 @@ Rounds alternate between the two, with L2 cleared before each. Per stage the med
 next to it the floor's GEMM of the same shape.
 
   python3 bench/chain_stage_profile.py --lib .gpubin/libcoda_capi.so [--models llama3-8B]
-      [--m 16384] [--rounds 20] [--json out.json] [--commit sha]
+      [--m 16384] [--rounds 20] [--energy CHAINS] [--json out.json] [--commit sha]
+
+--energy CHAINS adds, per shape, the time and the energy (NVML's cumulative counter) per chain of
+each variant run CHAINS times back to back, alternating over 6 rounds: whether ours spends more
+energy per chain than the floor, which at the power limit (70B) becomes time.
 """
 
 import argparse
@@ -55,7 +59,56 @@ def timed_sequence(named):
     return read
 
 
-def profile_shape(coda, model, m, rounds, progress):
+class EnergyCounter:
+    """The GPU's cumulative energy counter (NVML, millijoules since the driver loaded; Volta and
+    later) through ctypes, so no Python package is needed. None where NVML is missing."""
+
+    def __init__(self, index=0):
+        import ctypes
+        try:
+            self.nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        except OSError:
+            self.nvml = None
+            return
+        self.ctypes = ctypes
+        self.handle = ctypes.c_void_p()
+        if (self.nvml.nvmlInit_v2() != 0
+                or self.nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(self.handle)) != 0):
+            self.nvml = None
+
+    def millijoules(self):
+        v = self.ctypes.c_ulonglong()
+        rc = self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle, self.ctypes.byref(v))
+        if rc != 0:
+            raise RuntimeError(f"nvmlDeviceGetTotalEnergyConsumption returned {rc}")
+        return v.value
+
+
+def energy_per_chain(variants, repeats, rounds, counter):
+    """Each variant's whole sequence `repeats` times back to back (no L2 flush: sustained load),
+    alternating variants over `rounds`; the median per chain of time (events) and of energy (the
+    NVML counter read around the batch, after a synchronize)."""
+    keys = list(variants)
+    per = {k: {"ms": [], "joules": []} for k in keys}
+    for r in range(rounds):
+        for k in (keys if r % 2 == 0 else keys[::-1]):
+            torch.cuda.synchronize()
+            e0 = counter.millijoules()
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(repeats):
+                for _, fn in variants[k]:
+                    fn()
+            stop.record()
+            torch.cuda.synchronize()
+            e1 = counter.millijoules()
+            per[k]["ms"].append(start.elapsed_time(stop) / repeats)
+            per[k]["joules"].append((e1 - e0) / 1000.0 / repeats)
+    return {k: {"ms": statistics.median(v["ms"]), "joules": statistics.median(v["joules"])}
+            for k, v in per.items()}
+
+
+def profile_shape(coda, model, m, rounds, progress, energy=None):
     t = chain_inputs(model, m, 7 * m + ALL_MODELS[model][0])
     dx2_up, dqkv_up = t.rnd(m, t.hidden, scale=0.1), t.rnd(m, t.qkv_w, scale=0.1)
     o = ours_chain(coda, t, m, dx2_up, dqkv_up)
@@ -86,6 +139,9 @@ def profile_shape(coda, model, m, rounds, progress):
             torch.cuda.synchronize()
             samples[k].append(read())
     out = {}
+    if energy is not None:
+        progress(f"{model} M={m}: energy, {energy[1]} rounds of {energy[0]} chains")
+        out["energy"] = energy_per_chain(variants, energy[0], energy[1], energy[2])
     for k, runs in samples.items():
         stages = list(dict.fromkeys(s for s, _ in variants[k]))
         out[k] = {"total_ms": statistics.median(tot for _, tot in runs),
@@ -101,8 +157,16 @@ def main():
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--json")
     ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--energy", type=int, default=0, metavar="CHAINS",
+                    help="also the energy per chain (NVML), CHAINS back to back per sample")
     a = ap.parse_args()
     coda = Coda(a.lib)
+    energy = None
+    if a.energy:
+        counter = EnergyCounter()
+        if counter.nvml is None:
+            sys.exit("chain_stage_profile: --energy needs NVML (libnvidia-ml.so.1)")
+        energy = (a.energy, 6, counter)
     res = {"benchmark": "chain_stage_profile", "device": torch.cuda.get_device_name(),
            "torch": torch.__version__, "cuda": torch.version.cuda, "commit": a.commit,
            "command": " ".join(sys.argv), "rows": []}
@@ -110,11 +174,18 @@ def main():
     progress = lambda s: print(f"  [{time.time() - t0:6.1f}s] {s}", file=sys.stderr, flush=True)  # noqa: E731
     for model in a.models.split(","):
         for m in (int(x) for x in a.m.split(",")):
-            p = profile_shape(coda, model, m, a.rounds, progress)
+            p = profile_shape(coda, model, m, a.rounds, progress, energy)
             res["rows"].append({"model": model, "m": m, **p})
             ours, fl = p["coda"], p["gemm_only"]
             print(f"\n{model} M={m}: ours {ours['total_ms']:.3f} ms, GEMM-only floor "
                   f"{fl['total_ms']:.3f} ms (in-chain medians)")
+            if "energy" in p:
+                e = p["energy"]
+                eo, ef = e["coda"], e["gemm_only"]
+                print(f"  sustained, per chain: ours {eo['ms']:.3f} ms {eo['joules']:.2f} J "
+                      f"({eo['joules'] / eo['ms'] * 1000:.0f} W), floor {ef['ms']:.3f} ms "
+                      f"{ef['joules']:.2f} J ({ef['joules'] / ef['ms'] * 1000:.0f} W); ratio "
+                      f"time {eo['ms'] / ef['ms']:.3f}, energy {eo['joules'] / ef['joules']:.3f}")
             print(f"  {'stage':16s} {'ours':>8s} {'floor GEMM':>11s} {'ratio':>6s}")
             for s, v in ours["stages_ms"].items():
                 f = fl["stages_ms"].get(FLOOR_OF.get(s, ""), float("nan"))
