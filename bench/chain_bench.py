@@ -168,6 +168,25 @@ def bench_interleaved(variants, progress=None, label="", min_runs=12, target_ms=
     return {k: statistics.median(s.elapsed_time(e) for s, e in v) for k, v in events.items()}
 
 
+def bench_sustained(variants, batch, rounds=6):
+    """Median ms per run of each variant under sustained load: `batch` runs back to back (no L2
+    clearing, no idle gap), the variants alternating batch by batch over `rounds`. Training steps
+    run like this, and an H200 at its power limit gives each variant the clock its energy per run
+    allows; bench_interleaved's single runs after an L2 clear see less of that. Callables only."""
+    names = [k for k, v in variants.items() if callable(v)]
+    per = {k: [] for k in names}
+    for r in range(rounds):
+        for k in (names if r % 2 == 0 else names[::-1]):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            for _ in range(batch):
+                variants[k]()
+            e.record()
+            torch.cuda.synchronize()
+            per[k].append(s.elapsed_time(e) / batch)
+    return {k: statistics.median(v) for k, v in per.items()}
+
+
 def chain_inputs(model, m, seed):
     """Random bf16 inputs of one layer chain, its weights in the HF layout and in the fused layouts
     (gate/up interleaved, Q/K rows permuted to adjacent RoPE pairs), and the RoPE tables. `rnd`

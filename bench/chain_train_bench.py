@@ -9,6 +9,11 @@ GEMMs alone), eager, torch.compile and Liger through autograd. Every gradient is
 an fp32 autograd evaluation (ours <= 2 x eager bf16's error + 1e-6) before any time is printed.
 
   python3 bench/chain_train_bench.py --lib .gpubin/libcoda_capi.so [--quick] [--json out.json]
+      [--models llama3-1B,llama3-8B] [--sustained RUNS]
+
+--sustained RUNS also times every variant in batches of RUNS back-to-back steps without clearing
+L2, the variants alternating batch by batch (rows with "pass": "fwd+bwd sustained"): how a training
+loop runs them, at the power limit.
 """
 
 import argparse
@@ -22,7 +27,8 @@ import torch.nn.functional as F
 
 from types import SimpleNamespace
 
-from chain_bench import ALL_MODELS, EPS, MODELS, Coda, bench_interleaved, chain_inputs, make_chain
+from chain_bench import (ALL_MODELS, EPS, MODELS, Coda, bench_interleaved, bench_sustained,
+                         chain_inputs, make_chain)
 
 
 
@@ -140,9 +146,10 @@ def ours_chain(coda, t, m, dx2_up, dqkv_up):
                            named_calls=fwd_named + bwd_named)
 
 
-def run_shape(coda, model, m, results, progress, profile=False, backward_only=False):
+def run_shape(coda, model, m, results, progress, profile=False, backward_only=False, sustained=0):
     """One shape: checks every gradient, times fwd+bwd of every variant; `profile`: also every
-    op of ours alone; `backward_only`: also the backward pass alone."""
+    op of ours alone; `backward_only`: also the backward pass alone; `sustained`: also every
+    variant in batches of that many back-to-back steps (bench_sustained)."""
     t = chain_inputs(model, m, 7 * m + ALL_MODELS[model][0])
     hidden, hq, hkv, d, inter, qkv_w = t.hidden, t.hq, t.hkv, t.d, t.inter, t.qkv_w
     y, x0, wo, wd, wqkv_hf, g_ffn, g_attn = t.y, t.x0, t.wo, t.wd, t.wqkv_hf, t.g_ffn, t.g_attn
@@ -252,6 +259,16 @@ def run_shape(coda, model, m, results, progress, profile=False, backward_only=Fa
     msg = " ".join(f"{k}={v:.3f}" for k, v in times.items()) + f" | speedup {speedup:.3f}x" if ok else \
         "FAIL " + json.dumps(acc)
     print(f"{model:11s} M={m:5d} {msg}", flush=True)
+    if ok and sustained:
+        progress(f"chain fwd+bwd {model} M={m}: sustained, batches of {sustained}")
+        st = bench_sustained(variants, sustained)
+        base = [st[k] for k in ("eager", "compile", "liger") if k in st]
+        results["rows"].append({"model": model, "m": m, "pass": "fwd+bwd sustained",
+                                "batch": sustained, "check": "PASS",
+                                **{f"ms_{k}": v for k, v in st.items()},
+                                "speedup_vs_best_baseline": min(base) / st["coda"] if base else float("nan")})
+        print(f"{model:11s} M={m:5d} sustained: " + " ".join(f"{k}={v:.3f}" for k, v in st.items())
+              + (f" | speedup {min(base) / st['coda']:.3f}x" if base else ""), flush=True)
     if ok and backward_only:
         # Backward alone: ours re-runs backward() on the saved forward tensors; each autograd
         # baseline runs its forward untimed before every timed autograd.grad (no retain_graph:
@@ -283,6 +300,10 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--profile", action="store_true", help="also time every op of our chain alone")
+    ap.add_argument("--sustained", type=int, default=0, metavar="RUNS",
+                    help="also time every variant in batches of RUNS back-to-back steps (no L2 "
+                         "clearing), the variants alternating batch by batch")
+    ap.add_argument("--models", default=",".join(MODELS))
     a = ap.parse_args()
     coda = Coda(a.lib)
     results = {"benchmark": "chain_fwd_bwd", "device": torch.cuda.get_device_name(),
@@ -290,9 +311,9 @@ def main():
                "command": " ".join(sys.argv), "rows": []}
     t0 = time.time()
     progress = lambda s: print(f"  [{time.time() - t0:6.1f}s] {s}", file=sys.stderr, flush=True)  # noqa: E731
-    for model in MODELS:
+    for model in a.models.split(","):
         for m in ((8192,) if a.quick else (8192, 16384)):
-            run_shape(coda, model, m, results, progress, profile=a.profile)
+            run_shape(coda, model, m, results, progress, profile=a.profile, sustained=a.sustained)
             if a.json:
                 with open(a.json, "w") as f:
                     json.dump(results, f, indent=1)
