@@ -168,23 +168,32 @@ def bench_interleaved(variants, progress=None, label="", min_runs=12, target_ms=
     return {k: statistics.median(s.elapsed_time(e) for s, e in v) for k, v in events.items()}
 
 
-def bench_sustained(variants, batch, rounds=6):
+def bench_sustained(variants, batch, rounds=6, millijoules=None):
     """Median ms per run of each variant under sustained load: `batch` runs back to back (no L2
     clearing, no idle gap), the variants alternating batch by batch over `rounds`. Training steps
     run like this, and an H200 at its power limit gives each variant the clock its energy per run
-    allows; bench_interleaved's single runs after an L2 clear see less of that. Callables only."""
+    allows; bench_interleaved's single runs after an L2 clear see less of that. Callables only.
+    With `millijoules` (a cumulative energy counter, e.g. NVML's), read around each batch after a
+    synchronize, each result is {"ms": ..., "joules": ...} per run instead of the ms."""
     names = [k for k, v in variants.items() if callable(v)]
-    per = {k: [] for k in names}
+    ms, joules = {k: [] for k in names}, {k: [] for k in names}
     for r in range(rounds):
         for k in (names if r % 2 == 0 else names[::-1]):
+            torch.cuda.synchronize()
+            e0 = millijoules() if millijoules else 0
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
             for _ in range(batch):
                 variants[k]()
             e.record()
             torch.cuda.synchronize()
-            per[k].append(s.elapsed_time(e) / batch)
-    return {k: statistics.median(v) for k, v in per.items()}
+            if millijoules:
+                joules[k].append((millijoules() - e0) / 1000.0 / batch)
+            ms[k].append(s.elapsed_time(e) / batch)
+    if not millijoules:
+        return {k: statistics.median(v) for k, v in ms.items()}
+    return {k: {"ms": statistics.median(ms[k]), "joules": statistics.median(joules[k])}
+            for k in names}
 
 
 def chain_inputs(model, m, seed):

@@ -28,7 +28,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from chain_bench import ALL_MODELS, MODELS, Coda, chain_inputs, flush_l2
+from chain_bench import ALL_MODELS, MODELS, Coda, bench_sustained, chain_inputs, flush_l2
 from chain_train_bench import ours_chain
 
 # Our stage -> the floor's GEMM of the same shape (B3 has none).
@@ -84,30 +84,6 @@ class EnergyCounter:
         return v.value
 
 
-def energy_per_chain(variants, repeats, rounds, counter):
-    """Each variant's whole sequence `repeats` times back to back (no L2 flush: sustained load),
-    alternating variants over `rounds`; the median per chain of time (events) and of energy (the
-    NVML counter read around the batch, after a synchronize)."""
-    keys = list(variants)
-    per = {k: {"ms": [], "joules": []} for k in keys}
-    for r in range(rounds):
-        for k in (keys if r % 2 == 0 else keys[::-1]):
-            torch.cuda.synchronize()
-            e0 = counter.millijoules()
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(repeats):
-                for _, fn in variants[k]:
-                    fn()
-            stop.record()
-            torch.cuda.synchronize()
-            e1 = counter.millijoules()
-            per[k]["ms"].append(start.elapsed_time(stop) / repeats)
-            per[k]["joules"].append((e1 - e0) / 1000.0 / repeats)
-    return {k: {"ms": statistics.median(v["ms"]), "joules": statistics.median(v["joules"])}
-            for k, v in per.items()}
-
-
 def profile_shape(coda, model, m, rounds, progress, energy=None):
     t = chain_inputs(model, m, 7 * m + ALL_MODELS[model][0])
     dx2_up, dqkv_up = t.rnd(m, t.hidden, scale=0.1), t.rnd(m, t.qkv_w, scale=0.1)
@@ -141,7 +117,10 @@ def profile_shape(coda, model, m, rounds, progress, energy=None):
     out = {}
     if energy is not None:
         progress(f"{model} M={m}: energy, {energy[1]} rounds of {energy[0]} chains")
-        out["energy"] = energy_per_chain(variants, energy[0], energy[1], energy[2])
+        chains, rounds_e, counter = energy
+        out["energy"] = bench_sustained(
+            {k: (lambda seq=seq: [fn() for _, fn in seq]) for k, seq in variants.items()},
+            chains, rounds_e, counter.millijoules)
     for k, runs in samples.items():
         stages = list(dict.fromkeys(s for s, _ in variants[k]))
         out[k] = {"total_ms": statistics.median(tot for _, tot in runs),
