@@ -125,25 +125,50 @@ CUTLASS_DEVICE void for_each_row_slot(CoordTensor const& tCcD, RowPartialsTarget
   }
 }
 
-// The end of a tile for a node with a row state (make_row_state) of per-row sums: folds it across
-// the lanes that share each row and, from the row lane, writes one per_row partial per row slot
-// to `partials` (SwigluBackwardNode's ZdZ, RowSumOfSquares).
-template <class CtaTile, class RowState, class Lanes, class CoordTensor, class Residue,
+// Per-row sums a node keeps in registers over a tile (a row state of zeros), with what their one
+// store at the end of the tile needs: SwigluBackwardNode's ZdZ, RowSumOfSquares. slots(epi_m,
+// epi_n) is a subtile's view for visit; store(partials), at the last subtile, folds the sums
+// across the lanes that share each row and, from the row lane, writes one per_row partial per row
+// slot.
+template <class CtaTile, class RowState, class CoordTensor, class Residue, class Lanes,
           class ShapeMNL>
-CUTLASS_DEVICE void store_row_sums(RowState& state, Lanes const& lanes, CoordTensor const& tCcD,
-                                   Residue const& residue, ShapeMNL const& shape_mnl, int tile_n,
-                                   float* partials) {
-  auto f = cute::filter(state);
-  lanes.for_each_row_merge_step([&](int lane_delta) {
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < cute::size(f); ++i) f(i) += __shfl_down_sync(0xffffffff, f(i), lane_delta);
-  });
-  if (!lanes.row_lane) return;
-  const auto target = row_partials_target<CtaTile>(int(cute::get<0>(shape_mnl)),
-                                                   int(cute::get<1>(shape_mnl)), residue, tile_n);
-  for_each_row_slot(tCcD, target, [&](int64_t idx, int i, int epi_m) {
-    partials[idx] = state(cute::_, cute::_, cute::_, epi_m, _0{})(i);
-  });
+struct RowSums {
+  RowState state;    // one slot per row (stride 0 along N)
+  CoordTensor tCcD;  // thread-relative coordinates of the elements
+  Residue residue;
+  Lanes lanes;
+  ShapeMNL shape_mnl;
+  int tile_n;
+
+  CUTLASS_DEVICE auto slots(int epi_m, int epi_n) {
+    return state(cute::_, cute::_, cute::_, epi_m, epi_n);
+  }
+  CUTLASS_DEVICE void store(float* partials) {
+    auto f = cute::filter(state);
+    lanes.for_each_row_merge_step([&](int lane_delta) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < cute::size(f); ++i)
+        f(i) += __shfl_down_sync(0xffffffff, f(i), lane_delta);
+    });
+    if (!lanes.row_lane) return;
+    const auto target = row_partials_target<CtaTile>(
+        int(cute::get<0>(shape_mnl)), int(cute::get<1>(shape_mnl)), residue, tile_n);
+    for_each_row_slot(tCcD, target, [&](int64_t idx, int i, int epi_m) {
+      partials[idx] = state(cute::_, cute::_, cute::_, epi_m, _0{})(i);
+    });
+  }
+};
+
+template <bool ReferenceSrc, class CtaTile, class StoreArgs>
+CUTLASS_DEVICE auto make_row_sums(StoreArgs const& args) {
+  auto [M, N, K, L] = args.problem_shape_mnkl;
+  auto [m, n, k, l] = args.tile_coord_mnkl;
+  auto shape_mnl = cute::make_shape(M, N, L);
+  auto state = make_row_state<ReferenceSrc, CtaTile>(args, 0.0f);
+  auto lanes = warp_lanes<ReferenceSrc>(args);
+  return RowSums<CtaTile, decltype(state), decltype(args.tCcD), decltype(args.residue_tCcD),
+                 decltype(lanes), decltype(shape_mnl)>{state,       args.tCcD, args.residue_tCcD,
+                                                       lanes,       shape_mnl, int(n)};
 }
 
 }  // namespace coda::kernel

@@ -38,24 +38,17 @@ struct RowSumOfSquares : NoWorkspaceNoProducerLoads {
   CUTLASS_HOST_DEVICE RowSumOfSquares(Params const& p, SharedStorage const&) : params(p) {}
   Params params;
 
-  template <class RowState, class CoordTensor, class Residue, class Lanes, class ShapeMNL>
+  template <class Sums>
   struct ConsumerStoreCallbacks : cf::EmptyConsumerStoreCallbacks {
-    CUTLASS_DEVICE ConsumerStoreCallbacks(RowState s, CoordTensor c, Residue r, Lanes lanes,
-                                          ShapeMNL shape, int tile_n, Params const& p)
-        : rS(s), tCcD(c), residue(r), lanes(lanes), shape_mnl(shape), tile_n(tile_n), params(p) {}
-    RowState rS;       // one slot per row (stride 0 along N)
-    CoordTensor tCcD;  // thread-relative coordinates (for the row partials)
-    Residue residue;
-    Lanes lanes;
-    ShapeMNL shape_mnl;
-    int tile_n;
+    CUTLASS_DEVICE ConsumerStoreCallbacks(Sums s, Params const& p) : sums(s), params(p) {}
+    Sums sums;  // RowSums: S per row over the tile
     Params const& params;
 
     template <class ElementAccumulator, class ElementInput, int F>
     CUTLASS_DEVICE cutlass::Array<ElementInput, F> visit(
         cutlass::Array<ElementAccumulator, F> const&, int epi_v, int epi_m, int epi_n,
         cutlass::Array<ElementInput, F> const& x) {
-      auto s_mn = rS(cute::_, cute::_, cute::_, epi_m, epi_n);
+      auto s_mn = sums.slots(epi_m, epi_n);
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < F; ++i) {
         const float v = static_cast<float>(x[i]);
@@ -67,22 +60,14 @@ struct RowSumOfSquares : NoWorkspaceNoProducerLoads {
     template <class STensor, class SyncFn, class VTensor>
     CUTLASS_DEVICE void reduce(STensor&&, SyncFn const&, int, int, bool is_last_iteration,
                                VTensor) {
-      if (is_last_iteration)
-        store_row_sums<CtaTile>(rS, lanes, tCcD, residue, shape_mnl, tile_n, params.partials);
+      if (is_last_iteration) sums.store(params.partials);
     }
   };
 
   template <bool ReferenceSrc, class... Args>
   CUTLASS_DEVICE auto get_consumer_store_callbacks(cf::ConsumerStoreArgs<Args...> const& args) {
-    using namespace cute;
-    auto [M, N, K, L] = args.problem_shape_mnkl;
-    auto [m, n, k, l] = args.tile_coord_mnkl;
-    auto shape_mnl = make_shape(M, N, L);
-    auto rS = make_row_state<ReferenceSrc, CtaTile>(args, 0.0f);
-    auto lanes = warp_lanes<ReferenceSrc>(args);
-    return ConsumerStoreCallbacks<decltype(rS), decltype(args.tCcD), decltype(args.residue_tCcD),
-                                  decltype(lanes), decltype(shape_mnl)>(
-        rS, args.tCcD, args.residue_tCcD, lanes, shape_mnl, int(n), params);
+    auto sums = make_row_sums<ReferenceSrc, CtaTile>(args);
+    return ConsumerStoreCallbacks<decltype(sums)>(sums, params);
   }
 };
 

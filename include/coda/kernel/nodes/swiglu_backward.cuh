@@ -57,27 +57,12 @@ struct SwigluBackwardNode : NoWorkspaceNoProducerLoads {
   SwigluBackwardArgs params;
   AStore a_store;
 
-  template <class ACallbacks, class RowState, class CoordTensor, class Residue, class Lanes,
-            class ShapeMNL>
+  template <class ACallbacks, class Sums>
   struct ConsumerStoreCallbacks : cf::EmptyConsumerStoreCallbacks {
-    CUTLASS_DEVICE ConsumerStoreCallbacks(ACallbacks&& a, RowState zdz, CoordTensor c, Residue r,
-                                          Lanes lanes, ShapeMNL shape, int tile_n,
-                                          SwigluBackwardArgs const& p)
-        : a_cb(cute::forward<ACallbacks>(a)),
-          rZdZ(zdz),
-          tCcD(c),
-          residue(r),
-          lanes(lanes),
-          shape_mnl(shape),
-          tile_n(tile_n),
-          params(p) {}
-    ACallbacks a_cb;   // the stock aux store's callbacks: registers -> smem -> TMA
-    RowState rZdZ;     // one slot per row (stride 0 along N)
-    CoordTensor tCcD;  // thread-relative coordinates (for the row partials)
-    Residue residue;
-    Lanes lanes;
-    ShapeMNL shape_mnl;
-    int tile_n;
+    CUTLASS_DEVICE ConsumerStoreCallbacks(ACallbacks&& a, Sums sums, SwigluBackwardArgs const& p)
+        : a_cb(cute::forward<ACallbacks>(a)), zdz(sums), params(p) {}
+    ACallbacks a_cb;  // the stock aux store's callbacks: registers -> smem -> TMA
+    Sums zdz;         // RowSums: ZdZ per row over the tile
     SwigluBackwardArgs const& params;
 
     template <class ElementAccumulator, class ElementInput, class ElementZ, int F>
@@ -88,7 +73,7 @@ struct SwigluBackwardNode : NoWorkspaceNoProducerLoads {
       // packed pairs would be garbage, so insist on the raw 32-bit words.
       static_assert(std::is_same_v<ElementZ, uint32_t>, "z must arrive as raw bf16 pairs");
       cutlass::Array<uint32_t, F> dz;
-      auto zdz_mn = rZdZ(cute::_, cute::_, cute::_, epi_m, epi_n);
+      auto zdz_mn = zdz.slots(epi_m, epi_n);
       cutlass::Array<float, F> a;
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < F; ++i) {
@@ -113,25 +98,15 @@ struct SwigluBackwardNode : NoWorkspaceNoProducerLoads {
     template <class STensor, class SyncFn, class VTensor>
     CUTLASS_DEVICE void reduce(STensor&&, SyncFn const&, int, int, bool is_last_iteration,
                                VTensor) {
-      if (is_last_iteration)
-        store_row_sums<CtaTile>(rZdZ, lanes, tCcD, residue, shape_mnl, tile_n,
-                                params.zdz_partials);
+      if (is_last_iteration) zdz.store(params.zdz_partials);
     }
   };
 
   template <bool ReferenceSrc, class... Args>
   CUTLASS_DEVICE auto get_consumer_store_callbacks(cf::ConsumerStoreArgs<Args...> const& args) {
-    using namespace cute;
-    auto [M, N, K, L] = args.problem_shape_mnkl;
-    auto [m, n, k, l] = args.tile_coord_mnkl;
-    auto shape_mnl = make_shape(M, N, L);
     auto a_cb = a_store.template get_consumer_store_callbacks<ReferenceSrc>(args);
-    auto rZdZ = make_row_state<ReferenceSrc, CtaTile>(args, 0.0f);
-    auto lanes = warp_lanes<ReferenceSrc>(args);
-    return ConsumerStoreCallbacks<decltype(a_cb), decltype(rZdZ), decltype(args.tCcD),
-                                  decltype(args.residue_tCcD), decltype(lanes),
-                                  decltype(shape_mnl)>(
-        cute::move(a_cb), rZdZ, args.tCcD, args.residue_tCcD, lanes, shape_mnl, int(n), params);
+    auto zdz = make_row_sums<ReferenceSrc, CtaTile>(args);
+    return ConsumerStoreCallbacks<decltype(a_cb), decltype(zdz)>(cute::move(a_cb), zdz, params);
   }
 };
 
