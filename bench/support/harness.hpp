@@ -50,18 +50,12 @@ class Timer {
                                                   const std::function<void(cudaStream_t)>& b,
                                                   int warmup = 3, int reps = 21,
                                                   cudaStream_t stream = nullptr) {
-    for (int i = 0; i < warmup; ++i) a(stream), b(stream);
-    std::vector<float> ta(reps), tb(reps);
-    for (int i = 0; i < reps; ++i) {
-      ta[i] = once(a, i, stream);
-      tb[i] = once(b, i, stream);
-    }
-    std::sort(ta.begin(), ta.end());
-    std::sort(tb.begin(), tb.end());
-    return {ta[reps / 2], tb[reps / 2]};
+    const std::vector<double> m = median_ms_interleaved(
+        std::vector<std::function<void(cudaStream_t)>>{a, b}, warmup, reps, stream);
+    return {m[0], m[1]};
   }
 
-  // Any number of candidates timed round-robin, as median_ms_interleaved does for two.
+  // Any number of candidates timed round-robin (A, B, C, A, B, C, ...), each median in order.
   std::vector<double> median_ms_interleaved(
       const std::vector<std::function<void(cudaStream_t)>>& fns, int warmup = 3, int reps = 21,
       cudaStream_t stream = nullptr) {
