@@ -168,6 +168,29 @@ def bench_interleaved(variants, progress=None, label="", min_runs=12, target_ms=
     return {k: statistics.median(s.elapsed_time(e) for s, e in v) for k, v in events.items()}
 
 
+class EnergyCounter:
+    """The GPU's cumulative energy counter (NVML, millijoules since the driver loaded; Volta and
+    later) through ctypes, so no Python package is needed. None where NVML is missing."""
+
+    def __init__(self, index=0):
+        try:
+            self.nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        except OSError:
+            self.nvml = None
+            return
+        self.handle = ctypes.c_void_p()
+        if (self.nvml.nvmlInit_v2() != 0
+                or self.nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(self.handle)) != 0):
+            self.nvml = None
+
+    def millijoules(self):
+        v = ctypes.c_ulonglong()
+        rc = self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle, ctypes.byref(v))
+        if rc != 0:
+            raise RuntimeError(f"nvmlDeviceGetTotalEnergyConsumption returned {rc}")
+        return v.value
+
+
 def bench_sustained(variants, batch, rounds=6, millijoules=None):
     """Median ms per run of each variant under sustained load: `batch` runs back to back (no L2
     clearing, no idle gap), the variants alternating batch by batch over `rounds`. Training steps

@@ -28,7 +28,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from chain_bench import ALL_MODELS, MODELS, Coda, bench_sustained, chain_inputs, flush_l2
+from chain_bench import (ALL_MODELS, MODELS, Coda, EnergyCounter, bench_sustained, chain_inputs,
+                         flush_l2)
 from chain_train_bench import ours_chain
 
 # Our stage -> the floor's GEMM of the same shape (B3 has none).
@@ -57,31 +58,6 @@ def timed_sequence(named):
         return per, ev[0].elapsed_time(ev[-1])
 
     return read
-
-
-class EnergyCounter:
-    """The GPU's cumulative energy counter (NVML, millijoules since the driver loaded; Volta and
-    later) through ctypes, so no Python package is needed. None where NVML is missing."""
-
-    def __init__(self, index=0):
-        import ctypes
-        try:
-            self.nvml = ctypes.CDLL("libnvidia-ml.so.1")
-        except OSError:
-            self.nvml = None
-            return
-        self.ctypes = ctypes
-        self.handle = ctypes.c_void_p()
-        if (self.nvml.nvmlInit_v2() != 0
-                or self.nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(self.handle)) != 0):
-            self.nvml = None
-
-    def millijoules(self):
-        v = self.ctypes.c_ulonglong()
-        rc = self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle, self.ctypes.byref(v))
-        if rc != 0:
-            raise RuntimeError(f"nvmlDeviceGetTotalEnergyConsumption returned {rc}")
-        return v.value
 
 
 def profile_shape(coda, model, m, rounds, progress, energy=None):

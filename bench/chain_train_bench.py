@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 from types import SimpleNamespace
 
-from chain_bench import (ALL_MODELS, EPS, MODELS, Coda, bench_interleaved, bench_sustained,
-                         chain_inputs, make_chain)
+from chain_bench import (ALL_MODELS, EPS, MODELS, Coda, EnergyCounter, bench_interleaved,
+                         bench_sustained, chain_inputs, make_chain)
 
 
 
@@ -261,14 +261,22 @@ def run_shape(coda, model, m, results, progress, profile=False, backward_only=Fa
     print(f"{model:11s} M={m:5d} {msg}", flush=True)
     if ok and sustained:
         progress(f"chain fwd+bwd {model} M={m}: sustained, batches of {sustained}")
-        st = bench_sustained(variants, sustained)
-        base = [st[k] for k in ("eager", "compile", "liger") if k in st]
+        counter = EnergyCounter()
+        st = bench_sustained(variants, sustained,
+                             millijoules=counter.millijoules if counter.nvml else None)
+        if counter.nvml is None:  # no NVML: times only
+            st = {k: {"ms": v} for k, v in st.items()}
+        ms = {k: v["ms"] for k, v in st.items()}
+        base = [ms[k] for k in ("eager", "compile", "liger") if k in ms]
         results["rows"].append({"model": model, "m": m, "pass": "fwd+bwd sustained",
                                 "batch": sustained, "check": "PASS",
-                                **{f"ms_{k}": v for k, v in st.items()},
-                                "speedup_vs_best_baseline": min(base) / st["coda"] if base else float("nan")})
-        print(f"{model:11s} M={m:5d} sustained: " + " ".join(f"{k}={v:.3f}" for k, v in st.items())
-              + (f" | speedup {min(base) / st['coda']:.3f}x" if base else ""), flush=True)
+                                **{f"ms_{k}": v for k, v in ms.items()},
+                                **{f"joules_{k}": v["joules"] for k, v in st.items() if "joules" in v},
+                                "speedup_vs_best_baseline": min(base) / ms["coda"] if base else float("nan")})
+        print(f"{model:11s} M={m:5d} sustained: "
+              + " ".join(f"{k}={v['ms']:.3f}" + (f" ({v['joules']:.2f} J)" if "joules" in v else "")
+                         for k, v in st.items())
+              + (f" | speedup {min(base) / ms['coda']:.3f}x" if base else ""), flush=True)
     if ok and backward_only:
         # Backward alone: ours re-runs backward() on the saved forward tensors; each autograd
         # baseline runs its forward untimed before every timed autograd.grad (no retain_graph:
