@@ -1,0 +1,150 @@
+"""Why our chain slows down under sustained load: host launch rate, graph replay, energy per GEMM.
+
+chain_train_bench.py --sustained (run 119) found our fused fwd+bwd chain 9-10% slower per step when
+run back to back than in single runs after an L2 clear, where the GEMM-only floor and torch.compile
+moved by 0-2%. This probe separates the candidate causes, per model at one token count:
+
+  host    the host time to enqueue one step of ours (perf_counter around launches, no sync), next
+          to the GPU time of a step: a host slower than the GPU starves it under sustained load;
+  graph   ours launched step by step vs the same step captured once into a CUDA graph and
+          replayed, both sustained (bench_sustained, NVML energy): equal times clear the host;
+  gemms   every GEMM shape of the chain, our plain GEMM (empty epilogue) vs cuBLAS, and our fused
+          op vs cuBLAS, sustained with energy per run: at the 700 W limit a kernel that spends
+          more energy per FLOP gets a lower clock.
+
+  python3 bench/sustained_probe.py --lib .gpubin/libcoda_capi.so [--models llama3-1B,llama3-8B]
+      [--m 8192] [--json out.json]
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from chain_bench import ALL_MODELS, Coda, EnergyCounter, bench_sustained, chain_inputs
+from chain_train_bench import ours_chain
+
+
+def host_enqueue_ms(step, steps=20, rounds=5):
+    """Median host ms to enqueue one step (no sync inside the batch) and GPU ms per step."""
+    host, gpu = [], []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        host.append((time.perf_counter() - t0) * 1e3 / steps)
+        e.record()
+        torch.cuda.synchronize()
+        gpu.append(s.elapsed_time(e) / steps)
+    return statistics.median(host), statistics.median(gpu)
+
+
+def batch_for(fn, target_ms=400.0):
+    """Runs per sustained batch so that one batch lasts about target_ms (NVML's energy counter
+    is too coarse for shorter batches)."""
+    fn()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(3):
+        fn()
+    e.record()
+    torch.cuda.synchronize()
+    return max(3, int(target_ms / max(s.elapsed_time(e) / 3, 1e-3)))
+
+
+def fmt(st):
+    return " ".join(f"{k}={v['ms']:.3f}ms/{v['joules']:.3f}J" for k, v in st.items())
+
+
+def probe(coda, model, m, counter, progress):
+    t = chain_inputs(model, m, 7 * m + ALL_MODELS[model][0])
+    dx2_up, dqkv_up = t.rnd(m, t.hidden, scale=0.1), t.rnd(m, t.qkv_w, scale=0.1)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # our launches go to `side`, so the step can be captured there
+        o = ours_chain(coda, t, m, dx2_up, dqkv_up)
+
+        def step():
+            o.forward()
+            o.backward()
+
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        host_ms, gpu_ms = host_enqueue_ms(step)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            step()
+        torch.cuda.synchronize()
+        gemms = [(t.y, t.wo, o.x1), (o.h1, t.wgu_split, o.z), (o.act, t.wd, o.x2),
+                 (o.h2, t.wqkv_hf, o.qkv)]
+
+        def floor():
+            for a_in, w, _ in gemms:
+                F.linear(a_in, w)
+            for a_in, w, out in gemms:
+                torch.matmul(out, w)
+                torch.matmul(out.t(), a_in)
+
+        floor_graph = torch.cuda.CUDAGraph()
+        floor()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(floor_graph, stream=side):
+            floor()
+        torch.cuda.synchronize()
+        row = {"model": model, "m": m, "host_enqueue_ms_per_step": host_ms, "gpu_ms_per_step": gpu_ms}
+        print(f"{model} M={m}: host enqueue {host_ms:.3f} ms/step, GPU {gpu_ms:.3f} ms/step", flush=True)
+        chain_variants = {"coda": step, "coda_graph": graph.replay, "gemm_only": floor,
+                          "gemm_only_graph": floor_graph.replay}
+        n = batch_for(step)
+        progress(f"{model} M={m}: chain sustained, batches of {n}")
+        row["chain"] = bench_sustained(chain_variants, n, rounds=6, millijoules=counter.millijoules)
+        row["chain_batch"] = n
+        print(f"{model} M={m} chain sustained x{n}: {fmt(row['chain'])}", flush=True)
+        row["ops"] = {}
+        for name, ours, _, plain, cublas, shape in o.ops:
+            if plain is None or cublas is None:
+                continue
+            v = {"fused": ours, "plain": plain, "cublas": cublas}
+            n = batch_for(cublas)
+            st = bench_sustained(v, n, rounds=6, millijoules=counter.millijoules)
+            row["ops"][name] = {"shape": shape, "batch": n, **st}
+            print(f"  {name:14s} {shape}: {fmt(st)}", flush=True)
+    torch.cuda.synchronize()
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lib", required=True)
+    ap.add_argument("--models", default="llama3-1B,llama3-8B")
+    ap.add_argument("--m", type=int, default=8192)
+    ap.add_argument("--json")
+    ap.add_argument("--commit", default="unknown")
+    a = ap.parse_args()
+    counter = EnergyCounter()
+    if counter.nvml is None:
+        sys.exit("sustained_probe: needs NVML (libnvidia-ml.so.1) for the energy counter")
+    coda = Coda(a.lib)
+    res = {"benchmark": "sustained_probe", "device": torch.cuda.get_device_name(),
+           "torch": torch.__version__, "cuda": torch.version.cuda, "commit": a.commit,
+           "command": " ".join(sys.argv), "rows": []}
+    t0 = time.time()
+    progress = lambda s: print(f"  [{time.time() - t0:6.1f}s] {s}", file=sys.stderr, flush=True)  # noqa: E731
+    for model in a.models.split(","):
+        res["rows"].append(probe(coda, model, a.m, counter, progress))
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
