@@ -4,12 +4,20 @@
 //
 //   coda_program_bench [--quick] [--json results.json] [--commit sha] [--command "..."]
 //                      [--only MODEL:OP] [--op OP] [--m M] [--config NAME] [--swizzle S]
-//                      [--raster M|N] [--unchecked]
+//                      [--raster M|N] [--unchecked] [--sweep-sustained]
+//
+// --sweep-sustained: per case, every compiled configuration of the program (each spot-checked
+// first) under the scheduler orders the GPU tests run (swizzle 1, 8 along M, 8 along N, 4 along
+// M) and the heuristic's own, plus our plain GEMM as the op layer would run it, all timed two
+// ways in one process: single runs after an L2 flush, round-robin (BENCHMARKS.md), and under
+// sustained load (Timer::median_ms_sustained: back-to-back batches, alternating). Rows carry
+// "mode": "sweep"; the heuristic's pick is marked.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -99,6 +107,28 @@ double dot_row(const bf16* a, const bf16* w, int m, int n, int k, int n_cols = 0
   return s;
 }
 
+struct Candidate {
+  const char* config;
+  kernel::SchedulerOptions order;
+  bool chosen;  // the heuristic's configuration and order
+  std::function<void(cudaStream_t)> run;
+};
+
+const char* raster_name(const kernel::SchedulerOptions& o) {
+  return o.raster == kernel::Raster::kAlongN ? "N" : o.raster == kernel::Raster::kAlongM ? "M" : "H";
+}
+
+// The tile orders the sweep times: those the GPU tests cover, and the heuristic's own.
+std::vector<kernel::SchedulerOptions> sweep_orders(const kernel::SchedulerOptions& heuristic) {
+  std::vector<kernel::SchedulerOptions> v = {heuristic};
+  for (kernel::SchedulerOptions o : {kernel::SchedulerOptions{1, kernel::Raster::kAlongM},
+                                     kernel::SchedulerOptions{8, kernel::Raster::kAlongM},
+                                     kernel::SchedulerOptions{8, kernel::Raster::kAlongN},
+                                     kernel::SchedulerOptions{4, kernel::Raster::kAlongM}})
+    if (o.swizzle != heuristic.swizzle || o.raster != heuristic.raster) v.push_back(o);
+  return v;
+}
+
 // |got − want| within bf16 output rounding plus fp32-accumulation slack.
 bool close(double got, double want) { return std::abs(got - want) <= 1e-2 * std::abs(want) + 2e-2; }
 
@@ -123,12 +153,13 @@ int main(int argc, char** argv) {
   uint64_t seed = 1;
   // --only MODEL:OP, --op OP, --m M, --config NAME select cases; --swizzle, --raster override (e.g. to profile one under ncu).
   const std::string only = args.count("only") ? args["only"] : "";
-  const std::string only_op = args.count("op") ? args["op"] : "";  // --op NAME: every model
+  const std::string only_op = args.count("op") ? args["op"] : "";  // --op A,B: every model
   const int only_m = args.count("m") ? std::stoi(args["m"]) : 0;
   const std::string only_config = args.count("config") ? args["config"] : "";
   for (const Case& c : cases(args.count("quick"))) {
     if (!only.empty() && c.model + ":" + c.op != only) continue;
-    if (!only_op.empty() && c.op != only_op) continue;
+    if (!only_op.empty() && ("," + only_op + ",").find("," + c.op + ",") == std::string::npos)
+      continue;
     if (only_m && c.m != only_m) continue;
     const size_t na = size_t(c.m) * c.k, nw = size_t(c.n) * c.k, nd = size_t(c.m) * c.n;
     const bool xw = c.operands == kernel::Operands::kXW;
@@ -228,6 +259,9 @@ int main(int argc, char** argv) {
         c.n};
     const kernel::GemmProblem plain_prob{c.m, c.n, c.k, a, c.k, w, ldw, nullptr, 0, d, c.n};
 
+    const bool sweep = args.count("sweep-sustained");
+    const kernel::KernelChoice chosen = kernel::choose_config(c.program, c.operands, c.m, c.n, c.k);
+    std::vector<Candidate> candidates;
     for (int ci = 0; ci < int(Config::kCount); ++ci) {
       const Config cfg = Config(ci);
       const auto fused_fn = kernel::find_kernel(c.program, cfg, c.operands);
@@ -330,6 +364,20 @@ int main(int argc, char** argv) {
         }
         ++checked;
       }
+      if (sweep) {
+        if (ok) {
+          for (const kernel::SchedulerOptions& o : sweep_orders(so))
+            candidates.push_back({kernel::config_name(cfg), o, cfg == chosen.config &&
+                                  o.swizzle == so.swizzle && o.raster == so.raster,
+                                  [&, fused_fn, o](cudaStream_t st) {
+                                    CODA_CUDA_CHECK(fused_fn(prob, fargs, o, st));
+                                  }});
+        } else {
+          std::printf("%-11s %-13s %6d %6d %6d | %-22s spot check FAILED: left out of the sweep\n",
+                      c.model.c_str(), c.op.c_str(), c.m, c.n, c.k, kernel::config_name(cfg));
+        }
+        continue;
+      }
       double t_plain = NAN, t_fused = NAN;
       if (ok) {
         std::tie(t_plain, t_fused) = timer.median_ms_interleaved(
@@ -359,6 +407,50 @@ int main(int argc, char** argv) {
                          .set("plain_ms", t_plain)
                          .set("fused_ms", t_fused)
                          .set("fused_over_plain", t_fused / t_plain));
+      if (args.count("json")) bench::write_results(args["json"], header, rows);
+    }
+    if (sweep && !candidates.empty()) {
+      // Our plain GEMM of the shape, as the op layer runs it, as the reference.
+      const kernel::KernelChoice pc = kernel::choose_config(Program::kPlain, c.operands, c.m, c.n, c.k);
+      const auto plain_fn = kernel::find_kernel(Program::kPlain, pc.config, c.operands);
+      kernel::PlainArgs plain_args;
+      std::vector<std::function<void(cudaStream_t)>> fns;
+      for (const Candidate& cd : candidates) fns.push_back(cd.run);
+      if (plain_fn)
+        fns.push_back([&](cudaStream_t st) {
+          CODA_CUDA_CHECK(plain_fn(plain_prob, &plain_args, pc.scheduler, st));
+        });
+      const std::vector<double> flushed = timer.median_ms_interleaved(fns, 2, 11);
+      const std::vector<double> sustained = timer.median_ms_sustained(fns);
+      const double ref_f = plain_fn ? flushed.back() : NAN, ref_s = plain_fn ? sustained.back() : NAN;
+      std::printf("%-11s %-13s %6d %6d %6d | sweep: flushed / sustained ms (ratio to plain %s %d:%s "
+                  "%.3f / %.3f ms)\n", c.model.c_str(), c.op.c_str(), c.m, c.n, c.k,
+                  kernel::config_name(pc.config), pc.scheduler.swizzle, raster_name(pc.scheduler),
+                  ref_f, ref_s);
+      for (size_t j = 0; j < candidates.size(); ++j) {
+        const Candidate& cd = candidates[j];
+        std::printf("    %c %-22s %d:%s  %8.3f %8.3f   %6.3f %6.3f\n", cd.chosen ? '*' : ' ',
+                    cd.config, cd.order.swizzle, raster_name(cd.order), flushed[j], sustained[j],
+                    flushed[j] / ref_f, sustained[j] / ref_s);
+        rows.push_back(bench::JsonRow()
+                           .set("mode", "sweep")
+                           .set("model", c.model)
+                           .set("op", c.op)
+                           .set("program", kernel::program_name(c.program))
+                           .set("m", c.m)
+                           .set("n", c.n)
+                           .set("k", c.k)
+                           .set("config", cd.config)
+                           .set("swizzle", cd.order.swizzle)
+                           .set("raster", raster_name(cd.order))
+                           .set("heuristic_pick", cd.chosen ? 1.0 : 0.0)
+                           .set("flushed_ms", flushed[j])
+                           .set("sustained_ms", sustained[j])
+                           .set("plain_config", kernel::config_name(pc.config))
+                           .set("plain_flushed_ms", ref_f)
+                           .set("plain_sustained_ms", ref_s));
+      }
+      std::fflush(stdout);
       if (args.count("json")) bench::write_results(args["json"], header, rows);
     }
     for (void* p :

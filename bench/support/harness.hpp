@@ -72,6 +72,49 @@ class Timer {
     return med;
   }
 
+  // Sustained load, as a training loop runs kernels: each candidate runs back to back for about
+  // `batch_ms` (no L2 flush, no idle gap between runs), the candidates alternating batch by batch
+  // over `rounds` (the order reversed every other round). Returns each candidate's median ms per
+  // run. At the H200's 700 W limit a kernel's clock follows its energy per unit of work, which
+  // single flushed runs after an idle gap hide.
+  std::vector<double> median_ms_sustained(
+      const std::vector<std::function<void(cudaStream_t)>>& fns, double batch_ms = 120.0,
+      int rounds = 5, cudaStream_t stream = nullptr) {
+    std::vector<int> runs(fns.size());
+    for (size_t j = 0; j < fns.size(); ++j) {  // calibrate: runs per batch from a warm run
+      fns[j](stream);
+      CODA_CUDA_CHECK(cudaEventRecord(start_, stream));
+      fns[j](stream);
+      CODA_CUDA_CHECK(cudaEventRecord(stop_, stream));
+      CODA_CUDA_CHECK(cudaEventSynchronize(stop_));
+      float ms = 0;
+      CODA_CUDA_CHECK(cudaEventElapsedTime(&ms, start_, stop_));
+      runs[j] = std::max(3, int(batch_ms / std::max(ms, 1e-3f)));
+    }
+    auto batch = [&](size_t j) {
+      CODA_CUDA_CHECK(cudaEventRecord(start_, stream));
+      for (int r = 0; r < runs[j]; ++r) fns[j](stream);
+      CODA_CUDA_CHECK(cudaEventRecord(stop_, stream));
+      CODA_CUDA_CHECK(cudaEventSynchronize(stop_));
+      float ms = 0;
+      CODA_CUDA_CHECK(cudaEventElapsedTime(&ms, start_, stop_));
+      return ms / runs[j];
+    };
+    for (size_t j = 0; j < fns.size(); ++j) batch(j);  // one untimed batch each: reach the limit
+    std::vector<std::vector<float>> t(fns.size());
+    for (int r = 0; r < rounds; ++r)
+      for (size_t i = 0; i < fns.size(); ++i) {
+        const size_t j = r % 2 == 0 ? i : fns.size() - 1 - i;
+        t[j].push_back(batch(j));
+      }
+    std::vector<double> med;
+    for (auto& v : t) {
+      std::sort(v.begin(), v.end());
+      med.push_back(v[v.size() / 2]);
+    }
+    return med;
+  }
+
  private:
   float once(const std::function<void(cudaStream_t)>& fn, int i, cudaStream_t stream) {
     CODA_CUDA_CHECK(cudaMemsetAsync(flush_, i & 0xff, flush_bytes_, stream));
