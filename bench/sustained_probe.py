@@ -12,8 +12,13 @@ moved by 0-2%. This probe separates the candidate causes, per model at one token
           op vs cuBLAS, sustained with energy per run: at the 700 W limit a kernel that spends
           more energy per FLOP gets a lower clock.
 
+  alt     with --alt NAME=SPEC (repeatable): our chain also with those kernel configuration
+          overrides (coda::kernel::set_kernel_overrides, SPEC as CODA_KERNEL_OVERRIDE), its
+          buffers laid out under them, its outputs compared with the heuristic's chain, and all
+          timed side by side flushed (bench_interleaved) and sustained, in one process.
+
   python3 bench/sustained_probe.py --lib .gpubin/libcoda_capi.so [--models llama3-1B,llama3-8B]
-      [--m 8192] [--json out.json]
+      [--m 8192[,16384]] [--alt NAME=SPEC ...] [--chain-only] [--json out.json]
 """
 
 import argparse
@@ -25,7 +30,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from chain_bench import ALL_MODELS, Coda, EnergyCounter, bench_sustained, chain_inputs
+from chain_bench import (ALL_MODELS, Coda, EnergyCounter, bench_interleaved, bench_sustained,
+                         chain_inputs)
 from chain_train_bench import ours_chain
 
 
@@ -64,7 +70,21 @@ def fmt(st):
     return " ".join(f"{k}={v['ms']:.3f}ms/{v['joules']:.3f}J" for k, v in st.items())
 
 
-def probe(coda, model, m, counter, progress):
+def with_overrides(coda, spec, fn):
+    """fn() with the kernel configuration overrides `spec` active, then none."""
+    coda("coda_set_kernel_overrides", spec.encode())
+    try:
+        return fn()
+    finally:
+        coda("coda_set_kernel_overrides", b"")
+
+
+def max_rel_diff(a, b):
+    a, b = a.float(), b.float()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def probe(coda, model, m, counter, progress, alts=None, chain_only=False):
     t = chain_inputs(model, m, 7 * m + ALL_MODELS[model][0])
     dx2_up, dqkv_up = t.rnd(m, t.hidden, scale=0.1), t.rnd(m, t.qkv_w, scale=0.1)
     side = torch.cuda.Stream()
@@ -104,13 +124,37 @@ def probe(coda, model, m, counter, progress):
         print(f"{model} M={m}: host enqueue {host_ms:.3f} ms/step, GPU {gpu_ms:.3f} ms/step", flush=True)
         chain_variants = {"coda": step, "coda_graph": graph.replay, "gemm_only": floor,
                           "gemm_only_graph": floor_graph.replay}
+        outs = ("x2", "qkv", "dy", "dx1", "dwo", "dwd", "dwgu", "dwqkv", "dg_ffn", "dg_attn")
+        row["alt"] = {}
+        for name, spec in (alts or {}).items():
+            # Built under its overrides: its partial buffers and folds follow those tiles.
+            oa = with_overrides(coda, spec, lambda: ours_chain(coda, t, m, dx2_up, dqkv_up))
+
+            def alt_step(oa=oa, spec=spec):
+                with_overrides(coda, spec, lambda: (oa.forward(), oa.backward()))
+
+            alt_step()
+            step()
+            torch.cuda.synchronize()
+            diff = {k: max_rel_diff(getattr(oa, k), getattr(o, k)) for k in outs}
+            row["alt"][name] = {"spec": spec, "max_rel_diff_vs_heuristic": diff}
+            print(f"  alt {name} = {spec}: max |diff| / max |heuristic's| "
+                  + " ".join(f"{k}={v:.1e}" for k, v in diff.items()), flush=True)
+            chain_variants[f"coda_{name}"] = alt_step
+        if alts:
+            flushed = bench_interleaved({k: v for k, v in chain_variants.items()
+                                         if not k.endswith("_graph")}, progress,
+                                        f"{model} M={m} flushed")
+            row["chain_flushed_ms"] = flushed
+            print(f"{model} M={m} chain flushed: "
+                  + " ".join(f"{k}={v:.3f}" for k, v in flushed.items()), flush=True)
         n = batch_for(step)
         progress(f"{model} M={m}: chain sustained, batches of {n}")
         row["chain"] = bench_sustained(chain_variants, n, rounds=6, millijoules=counter.millijoules)
         row["chain_batch"] = n
         print(f"{model} M={m} chain sustained x{n}: {fmt(row['chain'])}", flush=True)
         row["ops"] = {}
-        for name, ours, _, plain, cublas, shape in o.ops:
+        for name, ours, _, plain, cublas, shape in ([] if chain_only else o.ops):
             if plain is None or cublas is None:
                 continue
             v = {"fused": ours, "plain": plain, "cublas": cublas}
@@ -126,7 +170,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lib", required=True)
     ap.add_argument("--models", default="llama3-1B,llama3-8B")
-    ap.add_argument("--m", type=int, default=8192)
+    ap.add_argument("--m", default="8192")
+    ap.add_argument("--alt", action="append", default=[], metavar="NAME=SPEC",
+                    help="also our chain under these kernel configuration overrides")
+    ap.add_argument("--chain-only", action="store_true", help="skip the per-GEMM section")
     ap.add_argument("--json")
     ap.add_argument("--commit", default="unknown")
     a = ap.parse_args()
@@ -139,11 +186,13 @@ def main():
            "command": " ".join(sys.argv), "rows": []}
     t0 = time.time()
     progress = lambda s: print(f"  [{time.time() - t0:6.1f}s] {s}", file=sys.stderr, flush=True)  # noqa: E731
+    alts = dict(x.split("=", 1) for x in a.alt)
     for model in a.models.split(","):
-        res["rows"].append(probe(coda, model, a.m, counter, progress))
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump(res, f, indent=1)
+        for m in (int(x) for x in a.m.split(",")):
+            res["rows"].append(probe(coda, model, m, counter, progress, alts, a.chain_only))
+            if a.json:
+                with open(a.json, "w") as f:
+                    json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":

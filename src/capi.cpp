@@ -5,6 +5,7 @@
 #include <cstring>
 #include <string>
 
+#include "coda/kernel/heuristic.hpp"
 #include "coda/ops.hpp"
 
 namespace {
@@ -30,6 +31,11 @@ auto S(void* s) { return static_cast<cudaStream_t>(s); }
 extern "C" {
 
 const char* coda_last_error() { return g_last_error.c_str(); }
+
+// Tuning only: replaces the kernel configuration overrides (coda::kernel::set_kernel_overrides).
+int coda_set_kernel_overrides(const char* spec) {
+  return guarded([&] { coda::kernel::set_kernel_overrides(spec ? spec : ""); });
+}
 
 int coda_gemm(const void* x, const void* w, void* d, int m, int n, int k, void* stream) {
   return guarded([&] { coda::ops::gemm(B(x), B(w), Bm(d), m, n, k, S(stream)); });

@@ -14,6 +14,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <memory>
+#include <mutex>
 #include <sstream>
 
 #include "coda/common/check.hpp"
@@ -193,9 +195,19 @@ std::vector<KernelOverride> parse_kernel_overrides(const std::string& spec) {
     if (e.empty()) continue;
     const auto slash = e.find('/'), eq = e.find('=');
     CODA_CHECK(slash != std::string::npos && eq != std::string::npos && slash < eq,
-               "CODA_KERNEL_OVERRIDE: expected PROGRAM/OPERANDS=CONFIG:SWIZZLE:RASTER, got '", e,
+               "CODA_KERNEL_OVERRIDE: expected PROGRAM/OPERANDS[@K]=CONFIG:SWIZZLE:RASTER, got '", e,
                "'");
-    const std::string prog = e.substr(0, slash), ops = e.substr(slash + 1, eq - slash - 1);
+    const std::string prog = e.substr(0, slash);
+    std::string ops = e.substr(slash + 1, eq - slash - 1);
+    int only_k = 0;
+    if (const auto at = ops.find('@'); at != std::string::npos) {
+      const std::string ks = ops.substr(at + 1);
+      ops = ops.substr(0, at);
+      CODA_CHECK(!ks.empty() && ks.size() <= 9 &&
+                     ks.find_first_not_of("0123456789") == std::string::npos && std::stoi(ks) > 0,
+                 "CODA_KERNEL_OVERRIDE: K '", ks, "' in '", e, "': expected a positive integer");
+      only_k = std::stoi(ks);
+    }
     std::stringstream rhs(e.substr(eq + 1));
     std::string cfg, sw, ra, rest;
     std::getline(rhs, cfg, ':');
@@ -204,7 +216,7 @@ std::vector<KernelOverride> parse_kernel_overrides(const std::string& spec) {
     std::getline(rhs, rest);
     CODA_CHECK(rest.empty(), "CODA_KERNEL_OVERRIDE: unexpected '", rest, "' after the raster in '",
                e, "'");
-    KernelOverride v{Program::kCount, Operands::kXWt, {Config::kCount, {}}};
+    KernelOverride v{Program::kCount, Operands::kXWt, {Config::kCount, {}}, only_k};
     for (int i = 0; i < int(Program::kCount); ++i)
       if (prog == program_name(Program(i))) v.program = Program(i);
     CODA_CHECK(v.program != Program::kCount, "CODA_KERNEL_OVERRIDE: unknown program '", prog,
@@ -224,26 +236,49 @@ std::vector<KernelOverride> parse_kernel_overrides(const std::string& spec) {
                "': expected M or N");
     v.choice.scheduler = {std::stoi(sw), ra == "M" ? Raster::kAlongM : Raster::kAlongN};
     for (const KernelOverride& w : out)
-      CODA_CHECK(w.program != v.program || w.operands != v.operands, "CODA_KERNEL_OVERRIDE: ", prog,
-                 "/", ops, " is named twice");
+      CODA_CHECK(w.program != v.program || w.operands != v.operands || w.k != v.k,
+                 "CODA_KERNEL_OVERRIDE: ", prog, "/", ops,
+                 v.k ? "@" + std::to_string(v.k) : std::string(), " is named twice");
     out.push_back(v);
   }
   return out;
 }
 
 namespace {
-const std::vector<KernelOverride>& env_overrides() {
-  static const std::vector<KernelOverride> v = [] {
+// The active overrides: CODA_KERNEL_OVERRIDE's at the first launch, until set_kernel_overrides
+// replaces them. Readers take a reference-counted snapshot, so a replacement never frees a list
+// a launch on another thread is still reading.
+struct ActiveOverrides {
+  std::mutex mutex;
+  std::shared_ptr<const std::vector<KernelOverride>> list;
+};
+ActiveOverrides& active_overrides() {
+  static ActiveOverrides a;
+  return a;
+}
+std::shared_ptr<const std::vector<KernelOverride>> overrides_snapshot() {
+  ActiveOverrides& a = active_overrides();
+  std::lock_guard<std::mutex> lock(a.mutex);
+  if (!a.list) {
     const char* s = std::getenv("CODA_KERNEL_OVERRIDE");
-    return s ? parse_kernel_overrides(s) : std::vector<KernelOverride>{};
-  }();
-  return v;
+    a.list = std::make_shared<const std::vector<KernelOverride>>(
+        s ? parse_kernel_overrides(s) : std::vector<KernelOverride>{});
+  }
+  return a.list;
 }
 }  // namespace
 
+void set_kernel_overrides(const std::string& spec) {
+  auto parsed = std::make_shared<const std::vector<KernelOverride>>(parse_kernel_overrides(spec));
+  ActiveOverrides& a = active_overrides();
+  std::lock_guard<std::mutex> lock(a.mutex);
+  a.list = std::move(parsed);
+}
+
 KernelChoice choose_config(Program p, Operands o, int m, int n, int k) {
-  for (const KernelOverride& v : env_overrides())
-    if (v.program == p && v.operands == o) {
+  const auto overrides = overrides_snapshot();
+  for (const KernelOverride& v : *overrides)
+    if (v.program == p && v.operands == o && (v.k == 0 || v.k == k)) {
       CODA_CHECK(find_kernel(p, v.choice.config, o), "CODA_KERNEL_OVERRIDE: ", program_name(p),
                  " with ", operands_name(o), " is not compiled for ", config_name(v.choice.config),
                  " in this build (src/kernels/kernels.cmake)");

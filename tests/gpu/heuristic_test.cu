@@ -99,6 +99,37 @@ TEST(KernelOverride, ParsesEntriesByTheNamesTheLibraryPrints) {
     EXPECT_NE(std::string(program_name(Program(i))), "?") << i;
 }
 
+TEST(KernelOverride, AnEntryCanBeLimitedToOneK) {
+  const auto v = parse_kernel_overrides(
+      "gemm_rmsnorm_backward/XW@28672=coop_256x128x64_c1x2:8:M;"
+      "gemm_rmsnorm_backward/XW=ping_128x128x64_c1x2:4:M");
+  ASSERT_EQ(v.size(), 2u);
+  EXPECT_EQ(v[0].k, 28672);
+  EXPECT_EQ(v[0].operands, Operands::kXW);
+  EXPECT_EQ(v[0].choice.config, Config::kCoop256x128x64_1x2);
+  EXPECT_EQ(v[1].k, 0);
+}
+
+TEST(KernelOverride, SetReplacesTheActiveOverridesAndKeepsThemOnABadSpec) {
+  // 8B B1: gate/up (K = 28672) and QKV (K = 6144) share the program; the entry for one K leaves
+  // the other to the heuristic.
+  const KernelChoice qkv = choose_config(Program::kRmsnormBackward, Operands::kXW, 8192, 4096, 6144);
+  set_kernel_overrides("gemm_rmsnorm_backward/XW@28672=coop_256x128x64_c1x2:2:N");
+  const KernelChoice gu = choose_config(Program::kRmsnormBackward, Operands::kXW, 8192, 4096, 28672);
+  EXPECT_EQ(gu.config, Config::kCoop256x128x64_1x2);
+  EXPECT_EQ(gu.scheduler.swizzle, 2);
+  EXPECT_EQ(gu.scheduler.raster, Raster::kAlongN);
+  const KernelChoice qkv2 = choose_config(Program::kRmsnormBackward, Operands::kXW, 8192, 4096, 6144);
+  EXPECT_EQ(qkv2.config, qkv.config);
+  EXPECT_EQ(qkv2.scheduler.swizzle, qkv.scheduler.swizzle);
+  EXPECT_THROW(set_kernel_overrides("gemm_rmsnorm_backward/XW@x=ping_128x128x64_c1x2:8:M"), Error);
+  EXPECT_EQ(choose_config(Program::kRmsnormBackward, Operands::kXW, 8192, 4096, 28672).scheduler.swizzle,
+            2);
+  set_kernel_overrides("");
+  const KernelChoice back = choose_config(Program::kRmsnormBackward, Operands::kXW, 8192, 4096, 28672);
+  EXPECT_EQ(back.scheduler.swizzle, 8);  // the heuristic's swizzle for either configuration
+}
+
 TEST(KernelOverride, BadEntriesNameThePartAndTheAcceptedValues) {
   auto message = [](const std::string& spec) -> std::string {
     try {
@@ -109,7 +140,12 @@ TEST(KernelOverride, BadEntriesNameThePartAndTheAcceptedValues) {
     return "no error";
   };
   const std::pair<std::string, std::string> bad[] = {
-      {"gemm=ping_128x128x64_c1x2:8:M", "expected PROGRAM/OPERANDS=CONFIG:SWIZZLE:RASTER"},
+      {"gemm=ping_128x128x64_c1x2:8:M", "expected PROGRAM/OPERANDS[@K]=CONFIG:SWIZZLE:RASTER"},
+      {"gemm/XW@=ping_128x128x64_c1x2:8:M", "K '' in"},
+      {"gemm/XW@-4=ping_128x128x64_c1x2:8:M", "K '-4' in"},
+      {"gemm/XW@0=ping_128x128x64_c1x2:8:M", "K '0' in"},
+      {"gemm/XW@8=ping_128x128x64_c1x2:8:M;gemm/XW@8=coop_256x128x64_c1x2:8:N",
+       "gemm/XW@8 is named twice"},
       {"gemm_b1/XW=ping_128x128x64_c1x2:8:M", "unknown program 'gemm_b1'"},
       {"gemm/XY=ping_128x128x64_c1x2:8:M", "operands 'XY'"},
       {"gemm/XW=ping_128x999x64_c1x2:8:M", "unknown configuration 'ping_128x999x64_c1x2'"},

@@ -19,23 +19,32 @@ struct KernelChoice {
 KernelChoice plain_gemm_config(int m, int n, int k);
 
 // Any program; falls back to a compiled configuration of that program. The environment variable
-// CODA_KERNEL_OVERRIDE, read once, replaces the choice for whole program / operand pairs (for
-// tuning and benchmarks only; see parse_kernel_overrides).
+// CODA_KERNEL_OVERRIDE, read at the first launch, or set_kernel_overrides replaces the choice for
+// program / operand pairs (for tuning and benchmarks only; see parse_kernel_overrides).
 KernelChoice choose_config(Program p, Operands o, int m, int n, int k);
 
-// One CODA_KERNEL_OVERRIDE entry: every launch of `program` with `operands` takes `choice`.
+// One CODA_KERNEL_OVERRIDE entry: every launch of `program` with `operands` (and, where k > 0,
+// that inner dimension K) takes `choice`.
 struct KernelOverride {
   Program program;
   Operands operands;
   KernelChoice choice;
+  int k = 0;
 };
 
-// Parses "PROGRAM/OPERANDS=CONFIG:SWIZZLE:RASTER" entries separated by ';', with the names of
+// Parses "PROGRAM/OPERANDS[@K]=CONFIG:SWIZZLE:RASTER" entries separated by ';', with the names of
 // program_name (e.g. gemm_rmsnorm_backward), XWt / XW / XtY and config_name (e.g.
-// coop_256x128x64_c1x2), SWIZZLE 1/2/4/8 and RASTER M or N, e.g.
-//   gemm_rmsnorm_backward/XW=ping_128x128x64_c1x2:8:M;gemm/XtY=coop_128x256x64_c2x1:4:N
-// Blanks around entries are ignored. Throws coda::Error naming the bad entry and the accepted
-// values; a program / operand pair named twice is an error too.
+// coop_256x128x64_c1x2), SWIZZLE 1/2/4/8 and RASTER M or N; "@K" limits an entry to launches
+// with that K (one projection of a layer), e.g.
+//   gemm_rmsnorm_backward/XW@28672=coop_256x128x64_c1x2:8:M;gemm/XtY=coop_128x256x64_c2x1:4:N
+// The first matching entry applies. Blanks around entries are ignored. Throws coda::Error
+// naming the bad entry and the accepted values; an entry named twice is an error too.
 std::vector<KernelOverride> parse_kernel_overrides(const std::string& spec);
+
+// Replaces the active overrides (CODA_KERNEL_OVERRIDE's, or an earlier call's) from now on, so a
+// benchmark can time two configuration sets in one process; "" clears them. A bad spec throws and
+// leaves the active ones. Partial-buffer layouts follow the configuration: size buffers and fold
+// with the overrides that run the launch. Tuning only.
+void set_kernel_overrides(const std::string& spec);
 
 }  // namespace coda::kernel
