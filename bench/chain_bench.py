@@ -183,6 +183,16 @@ class EnergyCounter:
                 or self.nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(self.handle)) != 0):
             self.nvml = None
 
+    def sm_clock_mhz(self):
+        v = ctypes.c_uint()
+        rc = self.nvml.nvmlDeviceGetClockInfo(self.handle, 1, ctypes.byref(v))  # NVML_CLOCK_SM
+        return v.value if rc == 0 else float("nan")
+
+    def power_w(self):
+        v = ctypes.c_uint()
+        rc = self.nvml.nvmlDeviceGetPowerUsage(self.handle, ctypes.byref(v))  # milliwatts
+        return v.value / 1000.0 if rc == 0 else float("nan")
+
     def millijoules(self):
         v = ctypes.c_ulonglong()
         rc = self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle, ctypes.byref(v))
@@ -191,25 +201,30 @@ class EnergyCounter:
         return v.value
 
 
-def bench_sustained(variants, batch, rounds=6, millijoules=None):
+def bench_sustained(variants, batch, rounds=6, millijoules=None, intervals=None):
     """Median ms per run of each variant under sustained load: `batch` runs back to back (no L2
     clearing, no idle gap), the variants alternating batch by batch over `rounds`. Training steps
     run like this, and an H200 at its power limit gives each variant the clock its energy per run
     allows; bench_interleaved's single runs after an L2 clear see less of that. Callables only.
     With `millijoules` (a cumulative energy counter, e.g. NVML's), read around each batch after a
-    synchronize, each result is {"ms": ..., "joules": ...} per run instead of the ms."""
+    synchronize, each result is {"ms": ..., "joules": ...} per run instead of the ms. With
+    `intervals` (a list), (name, host start, host end) of every timed batch is appended, its ends
+    taken after a synchronize, so samples of a clock taken meanwhile can be attributed."""
     names = [k for k, v in variants.items() if callable(v)]
     ms, joules = {k: [] for k in names}, {k: [] for k in names}
     for r in range(rounds):
         for k in (names if r % 2 == 0 else names[::-1]):
             torch.cuda.synchronize()
             e0 = millijoules() if millijoules else 0
+            h0 = time.perf_counter()
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
             for _ in range(batch):
                 variants[k]()
             e.record()
             torch.cuda.synchronize()
+            if intervals is not None:
+                intervals.append((k, h0, time.perf_counter()))
             if millijoules:
                 joules[k].append((millijoules() - e0) / 1000.0 / batch)
             ms[k].append(s.elapsed_time(e) / batch)
