@@ -20,6 +20,7 @@ import ctypes
 import json
 import statistics
 import sys
+import threading
 import time
 from types import SimpleNamespace
 
@@ -201,37 +202,58 @@ class EnergyCounter:
         return v.value
 
 
-def bench_sustained(variants, batch, rounds=6, millijoules=None, intervals=None):
+def bench_sustained(variants, batch, rounds=6, counter=None):
     """Median ms per run of each variant under sustained load: `batch` runs back to back (no L2
     clearing, no idle gap), the variants alternating batch by batch over `rounds`. Training steps
     run like this, and an H200 at its power limit gives each variant the clock its energy per run
     allows; bench_interleaved's single runs after an L2 clear see less of that. Callables only.
-    With `millijoules` (a cumulative energy counter, e.g. NVML's), read around each batch after a
-    synchronize, each result is {"ms": ..., "joules": ...} per run instead of the ms. With
-    `intervals` (a list), (name, host start, host end) of every timed batch is appended, its ends
-    taken after a synchronize, so samples of a clock taken meanwhile can be attributed."""
+    With `counter` (an EnergyCounter with NVML), each result is a dict per variant: "ms" per run,
+    "joules" per run from the cumulative energy counter read around each batch (coarse: NVML
+    updates it every few tens of ms), and the median SM clock and board power sampled every ~5 ms
+    inside its batches (the first 20% of each batch skipped while the clock settles)."""
     names = [k for k, v in variants.items() if callable(v)]
-    ms, joules = {k: [] for k in names}, {k: [] for k in names}
-    for r in range(rounds):
-        for k in (names if r % 2 == 0 else names[::-1]):
-            torch.cuda.synchronize()
-            e0 = millijoules() if millijoules else 0
-            h0 = time.perf_counter()
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            for _ in range(batch):
-                variants[k]()
-            e.record()
-            torch.cuda.synchronize()
-            if intervals is not None:
-                intervals.append((k, h0, time.perf_counter()))
-            if millijoules:
-                joules[k].append((millijoules() - e0) / 1000.0 / batch)
-            ms[k].append(s.elapsed_time(e) / batch)
-    if not millijoules:
+    ms, joules, spans = {k: [] for k in names}, {k: [] for k in names}, []
+    samples, stop = [], threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            samples.append((time.perf_counter(), counter.sm_clock_mhz(), counter.power_w()))
+            time.sleep(0.005)
+
+    sampler = threading.Thread(target=sample, daemon=True) if counter else None
+    if sampler:
+        sampler.start()
+    try:
+        for r in range(rounds):
+            for k in (names if r % 2 == 0 else names[::-1]):
+                torch.cuda.synchronize()
+                e0 = counter.millijoules() if counter else 0
+                h0 = time.perf_counter()
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                for _ in range(batch):
+                    variants[k]()
+                e.record()
+                torch.cuda.synchronize()
+                spans.append((k, h0, time.perf_counter()))
+                if counter:
+                    joules[k].append((counter.millijoules() - e0) / 1000.0 / batch)
+                ms[k].append(s.elapsed_time(e) / batch)
+    finally:
+        stop.set()
+        if sampler:
+            sampler.join()
+    if not counter:
         return {k: statistics.median(v) for k, v in ms.items()}
-    return {k: {"ms": statistics.median(ms[k]), "joules": statistics.median(joules[k])}
-            for k in names}
+    out = {}
+    for k in names:
+        inside = [(c, w) for t, c, w in samples for name, h0, h1 in spans
+                  if name == k and h0 + 0.2 * (h1 - h0) <= t <= h1]
+        out[k] = {"ms": statistics.median(ms[k]), "joules": statistics.median(joules[k]),
+                  "sm_clock_mhz": statistics.median(c for c, _ in inside) if inside else None,
+                  "power_w": statistics.median(w for _, w in inside) if inside else None,
+                  "samples": len(inside)}
+    return out
 
 
 def chain_inputs(model, m, seed):

@@ -96,7 +96,7 @@ def profile_shape(coda, model, m, rounds, progress, energy=None):
         chains, rounds_e, counter = energy
         out["energy"] = bench_sustained(
             {k: (lambda seq=seq: [fn() for _, fn in seq]) for k, seq in variants.items()},
-            chains, rounds_e, counter.millijoules)
+            chains, rounds_e, counter)
     for k, runs in samples.items():
         stages = list(dict.fromkeys(s for s, _ in variants[k]))
         out[k] = {"total_ms": statistics.median(tot for _, tot in runs),

@@ -262,8 +262,7 @@ def run_shape(coda, model, m, results, progress, profile=False, backward_only=Fa
     if ok and sustained:
         progress(f"chain fwd+bwd {model} M={m}: sustained, batches of {sustained}")
         counter = EnergyCounter()
-        st = bench_sustained(variants, sustained,
-                             millijoules=counter.millijoules if counter.nvml else None)
+        st = bench_sustained(variants, sustained, counter=counter if counter.nvml else None)
         if counter.nvml is None:  # no NVML: times only
             st = {k: {"ms": v} for k, v in st.items()}
         ms = {k: v["ms"] for k, v in st.items()}
@@ -271,10 +270,12 @@ def run_shape(coda, model, m, results, progress, profile=False, backward_only=Fa
         results["rows"].append({"model": model, "m": m, "pass": "fwd+bwd sustained",
                                 "batch": sustained, "check": "PASS",
                                 **{f"ms_{k}": v for k, v in ms.items()},
-                                **{f"joules_{k}": v["joules"] for k, v in st.items() if "joules" in v},
+                                **{f"{q}_{k}": v[q] for k, v in st.items()
+                                   for q in ("joules", "sm_clock_mhz", "power_w") if q in v},
                                 "speedup_vs_best_baseline": min(base) / ms["coda"] if base else float("nan")})
         print(f"{model:11s} M={m:5d} sustained: "
-              + " ".join(f"{k}={v['ms']:.3f}" + (f" ({v['joules']:.2f} J)" if "joules" in v else "")
+              + " ".join(f"{k}={v['ms']:.3f}" + (f" ({v['sm_clock_mhz']} MHz, {v['power_w']} W)"
+                                                   if "joules" in v else "")
                          for k, v in st.items())
               + (f" | speedup {min(base) / ms['coda']:.3f}x" if base else ""), flush=True)
     if ok and backward_only:

@@ -25,7 +25,6 @@ import argparse
 import json
 import statistics
 import sys
-import threading
 import time
 
 import torch
@@ -68,7 +67,8 @@ def batch_for(fn, target_ms=400.0):
 
 
 def fmt(st):
-    return " ".join(f"{k}={v['ms']:.3f}ms/{v['joules']:.3f}J" for k, v in st.items())
+    return " ".join(f"{k}={v['ms']:.3f}ms/{v['joules']:.3f}J/{v['sm_clock_mhz']}MHz/{v['power_w']}W"
+                    for k, v in st.items())
 
 
 def with_overrides(coda, spec, fn):
@@ -151,40 +151,16 @@ def probe(coda, model, m, counter, progress, alts=None, chain_only=False):
                   + " ".join(f"{k}={v:.3f}" for k, v in flushed.items()), flush=True)
         n = batch_for(step)
         progress(f"{model} M={m}: chain sustained, batches of {n}")
-        intervals, samples = [], []
-        stop = threading.Event()
-
-        def sample():  # SM clock and board power every ~5 ms while the batches run
-            while not stop.is_set():
-                samples.append((time.perf_counter(), counter.sm_clock_mhz(), counter.power_w()))
-                time.sleep(0.005)
-
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
-        try:
-            row["chain"] = bench_sustained(chain_variants, n, rounds=6,
-                                           millijoules=counter.millijoules, intervals=intervals)
-        finally:
-            stop.set()
-            sampler.join()
-        for k in row["chain"]:
-            # Samples inside the batch, skipping its first 20% (the clock settling).
-            inside = [(c, w) for t_, c, w in samples for name, h0, h1 in intervals
-                      if name == k and h0 + 0.2 * (h1 - h0) <= t_ <= h1]
-            row["chain"][k]["sm_clock_mhz"] = statistics.median(c for c, _ in inside) if inside else None
-            row["chain"][k]["power_w"] = statistics.median(w for _, w in inside) if inside else None
-            row["chain"][k]["samples"] = len(inside)
+        row["chain"] = bench_sustained(chain_variants, n, rounds=6, counter=counter)
         row["chain_batch"] = n
         print(f"{model} M={m} chain sustained x{n}: {fmt(row['chain'])}", flush=True)
-        print("    median SM clock / power inside the batches: " + " ".join(
-            f"{k}={v['sm_clock_mhz']}MHz/{v['power_w']}W" for k, v in row["chain"].items()), flush=True)
         row["ops"] = {}
         for name, ours, _, plain, cublas, shape in ([] if chain_only else o.ops):
             if plain is None or cublas is None:
                 continue
             v = {"fused": ours, "plain": plain, "cublas": cublas}
             n = batch_for(cublas)
-            st = bench_sustained(v, n, rounds=6, millijoules=counter.millijoules)
+            st = bench_sustained(v, n, rounds=6, counter=counter)
             row["ops"][name] = {"shape": shape, "batch": n, **st}
             print(f"  {name:14s} {shape}: {fmt(st)}", flush=True)
     torch.cuda.synchronize()
