@@ -128,3 +128,35 @@ def test_earlier_lm_head_run_leaves_a_newer_full_run_alone(tmp_path):
     report.with_later_lm_head(d, str(tmp_path))
     assert json.dumps(d["sections"].get("lm_head"), sort_keys=True) == before
     assert "LM head rows from a later run" not in "\n".join(sr.summary(path, d))
+
+
+def sustained_file(tmp_path, name="2026-01-01-run7-sustained.json"):
+    single = {"model": "llama3-1B", "m": 8192, "pass": "fwd+bwd", "check": "PASS", "ms_coda": 4.0,
+              "ms_compile": 4.8, "ms_gemm_only": 3.9, "speedup_vs_best_baseline": 1.2}
+    sustained = {"model": "llama3-1B", "m": 8192, "pass": "fwd+bwd sustained", "check": "PASS",
+                 "batch": 20, "ms_coda": 4.5, "ms_compile": 4.6, "ms_gemm_only": 4.1,
+                 "speedup_vs_best_baseline": 4.6 / 4.5, "sm_clock_mhz_coda": 1410.0,
+                 "sm_clock_mhz_compile": 1785, "sm_clock_mhz_gemm_only": None}
+    # A shape with no sustained row is left out: there is nothing to set it against.
+    lone = dict(single, model="llama3-8B")
+    d = {"commit": "abc", "device": "test", "command": "chain_train_bench --sustained 20",
+         "rows": [single, sustained, lone]}
+    path = tmp_path / name
+    path.write_text(json.dumps(d))
+    return str(path)
+
+
+def test_sustained_table_sets_each_shape_against_its_single_runs(tmp_path):
+    table = "\n".join(report.sustained_table(sustained_file(tmp_path)))
+    rows = [line for line in table.splitlines() if line.startswith("| llama3")]
+    assert len(rows) == 1  # the 8B shape has no sustained row
+    cells = [c.strip() for c in rows[0].split("|")]
+    assert cells[3:8] == ["4.000 / 4.800 / 3.900", "1.200", "4.500 / 4.600 / 4.100", "1.022",
+                          "1410 / 1785 / —"]
+    assert "batches of 20 steps" in table
+
+
+def test_readme_line_gives_sustained_and_single_speedups(tmp_path):
+    line = "\n".join(report.sustained_readme_line(sustained_file(tmp_path)))
+    assert "1B/8192: 1.022 (single 1.200)" in line
+    assert "8B/8192" not in line  # no sustained row for it
