@@ -5,8 +5,13 @@
 // projections, default), XW (the backward's data gradients, D = dY·W, M = tokens) or XtY (the
 // weight gradients, D = Xᵀ·Y, K = tokens).
 //
-//   coda_gemm_bench [--operands XWt|XW|XtY] [--sweep] [--quick] [--model NAME]
+//   coda_gemm_bench [--operands XWt|XW|XtY] [--sweep] [--sustained] [--quick] [--model NAME]
 //                   [--json results.json] [--command "..."] [--commit sha]
+//
+// --sustained: per shape, also every compiled configuration (each checked against cuBLAS) at the
+// heuristic's tile order and at swizzle 8 along N / M and 1 along M, and cuBLAS, timed under
+// sustained load (Timer::median_ms_sustained: back-to-back batches, alternating), as a training
+// loop runs them at the H200's power limit; rows with "kind": "sustained".
 
 #include <cublasLt.h>
 
@@ -331,6 +336,50 @@ int main(int argc, char** argv) {
             f.so.swizzle, ra, med[j + 1], med[j + 1] / med[1], med[0]);
         rows.push_back(option_row("round_robin", f.c, f.so, med[j + 1], med[0])
                            .set("heuristic_pick", j == 0 ? 1.0 : 0.0));
+      }
+    }
+    if (args.count("sustained") && t_check == t_check) {
+      struct Option {
+        kernel::Config c;
+        kernel::SchedulerOptions so;
+      };
+      std::vector<Option> options;
+      for (kernel::Config c : configs)
+        for (kernel::SchedulerOptions so :
+             {pick.scheduler, kernel::SchedulerOptions{8, kernel::Raster::kAlongN},
+              kernel::SchedulerOptions{8, kernel::Raster::kAlongM},
+              kernel::SchedulerOptions{1, kernel::Raster::kAlongM}}) {
+          bool seen = false;
+          for (const Option& o : options)
+            seen |= o.c == c && o.so.swizzle == so.swizzle && o.so.raster == so.raster;
+          if (seen) continue;
+          const double checked = time_ours(c, so, 1);  // NaN where the output check fails
+          if (checked == checked) options.push_back({c, so});
+        }
+      std::vector<std::function<void(cudaStream_t)>> fns{
+          [&](cudaStream_t st) { cublas.gemm(ops, x, w, d_ref, s.m, s.n, s.k, st); }};
+      for (const Option& o : options) {
+        const kernel::LaunchFn fn = kernel::find_kernel(kernel::Program::kPlain, o.c, ops);
+        fns.push_back([&prob, &plain, fn, so = o.so](cudaStream_t st) {
+          CODA_CUDA_CHECK(fn(prob, &plain, so, st));
+        });
+      }
+      const std::vector<double> flushed = timer.median_ms_interleaved(fns, 2, 11);
+      const std::vector<double> sustained = timer.median_ms_sustained(fns);
+      std::printf("%-11s %-9s   sustained: cuBLAS flushed %.3f sustained %.3f ms\n",
+                  s.model.c_str(), s.op.c_str(), flushed[0], sustained[0]);
+      for (size_t j = 0; j < options.size(); ++j) {
+        const Option& o = options[j];
+        std::printf("%-11s %-9s   %c %-22s sw%d %s: flushed %.3f (%.3f x cuBLAS) sustained %.3f "
+                    "(%.3f x cuBLAS)\n",
+                    s.model.c_str(), s.op.c_str(), is_pick(o.c, o.so) ? '*' : ' ',
+                    kernel::config_name(o.c), o.so.swizzle, raster_name(o.so.raster),
+                    flushed[j + 1], flushed[j + 1] / flushed[0], sustained[j + 1],
+                    sustained[j + 1] / sustained[0]);
+        rows.push_back(option_row("sustained", o.c, o.so, sustained[j + 1], sustained[0])
+                           .set("flushed_ms", flushed[j + 1])
+                           .set("cublas_flushed_ms", flushed[0])
+                           .set("heuristic_pick", is_pick(o.c, o.so) ? 1.0 : 0.0));
       }
     }
     std::fflush(stdout);
