@@ -80,16 +80,23 @@ double wave_fill(int m, int n, int tile_m, int tile_n) {
 }
 
 KernelChoice plain_xty_config(int m, int n, int k) {
-  // The run-2 sweep's options (swizzle 1 along M in the pingpong regime). Run 97 re-timed them
-  // round-robin against every compiled option at the LLaMA-3 weight-gradient shapes
-  // (bench/results/2026-11-30-run97-xty-xw-sweep.txt): within 1.2% of the fastest everywhere
-  // but 70B dW qkv (pingpong 128x128, swizzle 1 along M, 2.6-3.3% faster; about 0.1% of the
-  // layer), and 0.985-1.024x cuBLAS's speed.
-  const SchedulerOptions sched = n >= 100000              ? SchedulerOptions{4, Raster::kAlongN}
-                                 : n <= 6144 || k <= 2048 ? SchedulerOptions{1, Raster::kAlongM}
-                                                          : SchedulerOptions{8, Raster::kAlongN};
+  // Cooperative 128x256 at swizzle 8 along N. Until run 125 the shapes with N <= 6144 took
+  // swizzle 1 along M (the run-2 sweep's choice, within 1.2% of the fastest in single runs, run
+  // 97). Under sustained load (steps back to back at the 700 W limit, bench/results/
+  // 2026-11-30-run125-xty-sustained.txt) swizzle 1 ran 0.5-7% slower than 8 along N (8B dW
+  // gate/up 3.107 against 2.872 ms: 1.073 against 0.992x cuBLAS's time) and was level or up to
+  // 1.8% slower in single runs; 8 along N ran at 0.99-1.00x cuBLAS's time sustained at every
+  // LLaMA-3 weight-gradient shape of 8192 tokens it serves.
+  // The LM head's dW (vocabulary-many rows) keeps the earlier rule: not re-timed under load.
+  const SchedulerOptions sched =
+      n >= 100000                            ? SchedulerOptions{4, Raster::kAlongN}
+      : m >= 100000 && (n <= 6144 || k <= 2048) ? SchedulerOptions{1, Raster::kAlongM}
+                                             : SchedulerOptions{8, Raster::kAlongN};
   const double coop = wave_fill(m, n, 128, 256), ping = wave_fill(m, n, 128, 128);
-  if (coop < 0.93 && ping > coop + 0.03) return {Config::kPing128x128x64_1x2, sched};
+  // Pingpong takes the padding rule of the other pingpong kernels (1B dW qkv: swizzle 8 along M,
+  // 1.004x cuBLAS sustained and 0.965x in single runs, against 1.009 / 1.012 at swizzle 1).
+  if (coop < 0.93 && ping > coop + 0.03)
+    return {Config::kPing128x128x64_1x2, ping_128x128_1x2_order(m, n)};
   return {Config::kCoop128x256x64_2x1, sched};
 }
 

@@ -75,6 +75,27 @@ TEST(Heuristic, PingpongSwizzlePadsTheTileGridByAtMostTwoPercent) {
       choose_config(Program::kRmsnormRope, Operands::kXWt, 8192, 3072, 2048).scheduler.swizzle, 4);
 }
 
+TEST(Heuristic, WeightGradientsTakeSwizzle8AlongNOrThePingpongPaddingRule) {
+  // Run 125 (sustained load): swizzle 1 along M, the earlier choice at N <= 6144, ran up to 7%
+  // slower than 8 along N. 8B dW gate/up (2I x H, K = tokens) and dW out-proj:
+  for (const auto& [m, n] : {std::pair{28672, 4096}, std::pair{4096, 4096}, std::pair{2048, 2048}}) {
+    const KernelChoice c = choose_config(Program::kPlain, Operands::kXtY, m, n, 8192);
+    EXPECT_EQ(c.config, Config::kCoop128x256x64_2x1) << m << "x" << n;
+    EXPECT_EQ(c.scheduler.swizzle, 8) << m << "x" << n;
+    EXPECT_EQ(c.scheduler.raster, Raster::kAlongN) << m << "x" << n;
+  }
+  // 1B dW qkv (3072 x 2048): 128x256 tiles fill 1.45 waves badly, pingpong 128x128 with its order.
+  const KernelChoice q = choose_config(Program::kPlain, Operands::kXtY, 3072, 2048, 8192);
+  EXPECT_EQ(q.config, Config::kPing128x128x64_1x2);
+  EXPECT_EQ(q.scheduler.swizzle, 8);
+  EXPECT_EQ(q.scheduler.raster, Raster::kAlongM);
+  // The LM head's dW (vocabulary rows x H) keeps the earlier rule at H <= 6144: swizzle 1 along M.
+  const KernelChoice lm = choose_config(Program::kPlain, Operands::kXtY, 128256, 2048, 2048);
+  EXPECT_EQ(lm.config, Config::kCoop128x256x64_2x1);
+  EXPECT_EQ(lm.scheduler.swizzle, 1);
+  EXPECT_EQ(lm.scheduler.raster, Raster::kAlongM);
+}
+
 TEST(KernelOverride, ParsesEntriesByTheNamesTheLibraryPrints) {
   const auto v = parse_kernel_overrides(
       "gemm_rmsnorm_backward/XW=ping_128x128x64_c1x2:8:M;;gemm/XtY=coop_128x256x64_c2x1:4:N");
