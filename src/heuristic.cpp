@@ -83,7 +83,7 @@ KernelChoice plain_xty_config(int m, int n, int k) {
   // Cooperative 128x256 at swizzle 8 along N. Until run 125 the shapes with N <= 6144 took
   // swizzle 1 along M (the run-2 sweep's choice, within 1.2% of the fastest in single runs, run
   // 97). Under sustained load (steps back to back at the 700 W limit, bench/results/
-  // 2026-11-30-run125-xty-sustained.txt) swizzle 1 ran 0.5-7% slower than 8 along N (8B dW
+  // 2026-11-30-run125-xty-sustained.txt) swizzle 1 ran 2-8% slower than 8 along N (8B dW
   // gate/up 3.107 against 2.872 ms: 1.073 against 0.992x cuBLAS's time) and was level or up to
   // 1.8% slower in single runs; 8 along N ran at 0.99-1.00x cuBLAS's time sustained at every
   // LLaMA-3 weight-gradient shape of 8192 tokens it serves.
