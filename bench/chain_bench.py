@@ -18,6 +18,7 @@ time is printed; the accuracy columns give max |out - fp32 ref| of ours and of e
 import argparse
 import ctypes
 import json
+import os
 import statistics
 import sys
 import threading
@@ -170,18 +171,34 @@ def bench_interleaved(variants, progress=None, label="", min_runs=12, target_ms=
 
 
 class EnergyCounter:
-    """The GPU's cumulative energy counter (NVML, millijoules since the driver loaded; Volta and
-    later) through ctypes, so no Python package is needed. None where NVML is missing."""
+    """NVML through ctypes (no Python package needed), for the GPU torch is timing: its
+    cumulative energy counter (millijoules since the driver loaded; Volta and later), SM clock and
+    board power. nvml is None where NVML is missing or the GPU cannot be found."""
 
-    def __init__(self, index=0):
+    def __init__(self, device=None):
         try:
             self.nvml = ctypes.CDLL("libnvidia-ml.so.1")
         except OSError:
             self.nvml = None
             return
         self.handle = ctypes.c_void_p()
-        if (self.nvml.nvmlInit_v2() != 0
-                or self.nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(self.handle)) != 0):
+        if self.nvml.nvmlInit_v2() != 0:
+            self.nvml = None
+            return
+        # NVML numbers GPUs without CUDA_VISIBLE_DEVICES: find torch's device by its PCI address,
+        # and fall back to NVML's index only where no device is renumbered.
+        dev = torch.cuda.current_device() if device is None else device
+        try:
+            p = torch.cuda.get_device_properties(dev)
+            by_bus = self.nvml.nvmlDeviceGetHandleByPciBusId_v2
+            for bus_id in (f"{p.pci_domain_id:08X}:{p.pci_bus_id:02X}:{p.pci_device_id:02X}.0",
+                           f"{p.pci_domain_id:04X}:{p.pci_bus_id:02X}:{p.pci_device_id:02X}.0"):
+                if by_bus(bus_id.encode(), ctypes.byref(self.handle)) == 0:
+                    return
+        except AttributeError:  # a torch without the PCI fields, or an NVML without the call
+            pass
+        if "CUDA_VISIBLE_DEVICES" in os.environ or \
+                self.nvml.nvmlDeviceGetHandleByIndex_v2(dev, ctypes.byref(self.handle)) != 0:
             self.nvml = None
 
     def sm_clock_mhz(self):
@@ -190,6 +207,9 @@ class EnergyCounter:
         return v.value if rc == 0 else float("nan")
 
     def power_w(self):
+        """Board power in W. On Ampere and later NVML averages it over the last second, so a
+        sample belongs to that second, not to the instant (at the power limit it reads the limit
+        whichever variant runs)."""
         v = ctypes.c_uint()
         rc = self.nvml.nvmlDeviceGetPowerUsage(self.handle, ctypes.byref(v))  # milliwatts
         return v.value / 1000.0 if rc == 0 else float("nan")
@@ -208,8 +228,10 @@ def bench_sustained(variants, batch, rounds=6, counter=None):
     run like this, and an H200 at its power limit gives each variant the clock its energy per run
     allows; bench_interleaved's single runs after an L2 clear see less of that. Callables only.
     With `counter` (an EnergyCounter with NVML), each result is a dict per variant: "ms" per run,
-    "joules" per run from the cumulative energy counter read around each batch (coarse: NVML
-    updates it every few tens of ms), and the median SM clock and board power sampled every ~5 ms
+    "joules" per run from the cumulative energy counter read around each batch (coarse: it
+    disagreed with the power samples by up to 15% over batches of 0.1-0.4 s), the median SM clock
+    (the signal that ranks variants at the power limit) and board power (NVML's one-second
+    average) sampled every ~5 ms
     inside its batches (the first 20% of each batch skipped while the clock settles)."""
     names = [k for k, v in variants.items() if callable(v)]
     ms, joules, spans = {k: [] for k in names}, {k: [] for k in names}, []
@@ -248,7 +270,7 @@ def bench_sustained(variants, batch, rounds=6, counter=None):
     out = {}
     for k in names:
         inside = [(c, w) for t, c, w in samples for name, h0, h1 in spans
-                  if name == k and h0 + 0.2 * (h1 - h0) <= t <= h1]
+                  if name == k and h0 + 0.2 * (h1 - h0) <= t <= h1 and c == c and w == w]
         out[k] = {"ms": statistics.median(ms[k]), "joules": statistics.median(joules[k]),
                   "sm_clock_mhz": statistics.median(c for c, _ in inside) if inside else None,
                   "power_w": statistics.median(w for _, w in inside) if inside else None,

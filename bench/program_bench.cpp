@@ -7,11 +7,12 @@
 //                      [--raster M|N] [--unchecked] [--sweep-sustained]
 //
 // --sweep-sustained: per case, every compiled configuration of the program (each spot-checked
-// first) under the scheduler orders the GPU tests run (swizzle 1, 8 along M, 8 along N, 4 along
-// M) and the heuristic's own, plus our plain GEMM as the op layer would run it, all timed two
-// ways in one process: single runs after an L2 flush, round-robin (BENCHMARKS.md), and under
-// sustained load (Timer::median_ms_sustained: back-to-back batches, alternating). Rows carry
-// "mode": "sweep"; the heuristic's pick is marked.
+// first, at the heuristic's tile order) under the scheduler orders the GPU tests run and check
+// (swizzle 1, 8 along M, 8 along N, 4 along M) and the heuristic's own, plus our plain GEMM as
+// the op layer would run it, all timed two ways in one process: single runs after an L2 flush,
+// round-robin (BENCHMARKS.md), and under sustained load (Timer::median_ms_sustained:
+// back-to-back batches, alternating). Rows carry "mode": "sweep"; "*" marks the heuristic's pick
+// (its configuration and order, without --swizzle / --raster).
 
 #include <algorithm>
 #include <cmath>
@@ -368,7 +369,8 @@ int main(int argc, char** argv) {
         if (ok) {
           for (const kernel::SchedulerOptions& o : sweep_orders(so))
             candidates.push_back({kernel::config_name(cfg), o, cfg == chosen.config &&
-                                  o.swizzle == so.swizzle && o.raster == so.raster,
+                                  o.swizzle == chosen.scheduler.swizzle &&
+                                  o.raster == chosen.scheduler.raster,
                                   [&, fused_fn, o](cudaStream_t st) {
                                     CODA_CUDA_CHECK(fused_fn(prob, fargs, o, st));
                                   }});

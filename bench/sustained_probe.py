@@ -8,9 +8,10 @@ moved by 0-2%. This probe separates the candidate causes, per model at one token
           to the GPU time of a step: a host slower than the GPU starves it under sustained load;
   graph   ours launched step by step vs the same step captured once into a CUDA graph and
           replayed, both sustained (bench_sustained, NVML energy): equal times clear the host;
-  gemms   every GEMM shape of the chain, our plain GEMM (empty epilogue) vs cuBLAS, and our fused
-          op vs cuBLAS, sustained with energy per run: at the 700 W limit a kernel that spends
-          more energy per FLOP gets a lower clock.
+  gemms   every fused op of the chain (F1-F3, B1, B2) vs our plain GEMM (empty epilogue) and
+          cuBLAS of its shape, sustained: at the 700 W limit a kernel that spends more energy per
+          FLOP gets a lower clock. (The weight- and data-gradient plain GEMMs: coda_gemm_bench
+          --operands XtY|XW --sustained.)
 
   alt     with --alt NAME=SPEC (repeatable): our chain also with those kernel configuration
           overrides (coda::kernel::set_kernel_overrides, SPEC as CODA_KERNEL_OVERRIDE), its
@@ -23,6 +24,7 @@ moved by 0-2%. This probe separates the candidate causes, per model at one token
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -187,7 +189,18 @@ def main():
            "command": " ".join(sys.argv), "rows": []}
     t0 = time.time()
     progress = lambda s: print(f"  [{time.time() - t0:6.1f}s] {s}", file=sys.stderr, flush=True)  # noqa: E731
-    alts = dict(x.split("=", 1) for x in a.alt)
+    alts = {}
+    for x in a.alt:
+        name, eq, spec = x.partition("=")
+        if not eq or not name or not spec:
+            ap.error(f"--alt expects NAME=SPEC, got '{x}'")
+        if name in alts:
+            ap.error(f"--alt: the name '{name}' is given twice")
+        alts[name] = spec
+    if alts and os.environ.get("CODA_KERNEL_OVERRIDE"):
+        # with_overrides() clears the overrides after each alternative's launches, so the
+        # heuristic's chain would run under other overrides than its buffers were laid out for.
+        ap.error("--alt cannot be combined with CODA_KERNEL_OVERRIDE (unset it)")
     for model in a.models.split(","):
         for m in (int(x) for x in a.m.split(",")):
             res["rows"].append(probe(coda, model, m, counter, progress, alts, a.chain_only))

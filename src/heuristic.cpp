@@ -87,16 +87,17 @@ KernelChoice plain_xty_config(int m, int n, int k) {
   // gate/up 3.107 against 2.872 ms: 1.073 against 0.992x cuBLAS's time) and was level or up to
   // 1.8% slower in single runs; 8 along N ran at 0.99-1.00x cuBLAS's time sustained at every
   // LLaMA-3 weight-gradient shape of 8192 tokens it serves.
-  // The LM head's dW (vocabulary-many rows) keeps the earlier rule: not re-timed under load.
-  const SchedulerOptions sched =
-      n >= 100000                            ? SchedulerOptions{4, Raster::kAlongN}
-      : m >= 100000 && (n <= 6144 || k <= 2048) ? SchedulerOptions{1, Raster::kAlongM}
-                                             : SchedulerOptions{8, Raster::kAlongN};
+  // The earlier rule stays where run 125 did not time the change: the LM head's dW
+  // (vocabulary-many rows) and weight gradients over at most 2048 tokens.
+  const bool earlier_rule = k <= 2048 || (m >= 100000 && n <= 6144);
+  const SchedulerOptions sched = n >= 100000    ? SchedulerOptions{4, Raster::kAlongN}
+                                 : earlier_rule ? SchedulerOptions{1, Raster::kAlongM}
+                                                : SchedulerOptions{8, Raster::kAlongN};
   const double coop = wave_fill(m, n, 128, 256), ping = wave_fill(m, n, 128, 128);
   // Pingpong takes the padding rule of the other pingpong kernels (1B dW qkv: swizzle 8 along M,
   // 1.004x cuBLAS sustained and 0.965x in single runs, against 1.009 / 1.012 at swizzle 1).
   if (coop < 0.93 && ping > coop + 0.03)
-    return {Config::kPing128x128x64_1x2, ping_128x128_1x2_order(m, n)};
+    return {Config::kPing128x128x64_1x2, earlier_rule ? sched : ping_128x128_1x2_order(m, n)};
   return {Config::kCoop128x256x64_2x1, sched};
 }
 
@@ -284,13 +285,16 @@ void set_kernel_overrides(const std::string& spec) {
 
 KernelChoice choose_config(Program p, Operands o, int m, int n, int k) {
   const auto overrides = overrides_snapshot();
+  // An entry for this K wins over one for every K, wherever either stands in the list.
+  const KernelOverride* match = nullptr;
   for (const KernelOverride& v : *overrides)
-    if (v.program == p && v.operands == o && (v.k == 0 || v.k == k)) {
-      CODA_CHECK(find_kernel(p, v.choice.config, o), "CODA_KERNEL_OVERRIDE: ", program_name(p),
-                 " with ", operands_name(o), " is not compiled for ", config_name(v.choice.config),
-                 " in this build (src/kernels/kernels.cmake)");
-      return v.choice;
-    }
+    if (v.program == p && v.operands == o && (v.k == k || (v.k == 0 && !match))) match = &v;
+  if (match) {
+    CODA_CHECK(find_kernel(p, match->choice.config, o), "CODA_KERNEL_OVERRIDE: ", program_name(p),
+               " with ", operands_name(o), " is not compiled for ",
+               config_name(match->choice.config), " in this build (src/kernels/kernels.cmake)");
+    return match->choice;
+  }
   const KernelChoice c = p != Program::kPlain  ? program_config(p, m, n, k)
                          : o == Operands::kXWt ? plain_gemm_config(m, n, k)
                          : o == Operands::kXW  ? plain_xw_config(m, n, k)

@@ -80,6 +80,7 @@ class Timer {
   std::vector<double> median_ms_sustained(
       const std::vector<std::function<void(cudaStream_t)>>& fns, double batch_ms = 120.0,
       int rounds = 5, cudaStream_t stream = nullptr) {
+    rounds = std::max(rounds, 1);
     std::vector<int> runs(fns.size());
     for (size_t j = 0; j < fns.size(); ++j) {  // calibrate: runs per batch from a warm run
       fns[j](stream);

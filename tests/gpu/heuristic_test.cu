@@ -76,8 +76,8 @@ TEST(Heuristic, PingpongSwizzlePadsTheTileGridByAtMostTwoPercent) {
 }
 
 TEST(Heuristic, WeightGradientsTakeSwizzle8AlongNOrThePingpongPaddingRule) {
-  // Run 125 (sustained load): swizzle 1 along M, the earlier choice at N <= 6144, ran up to 7%
-  // slower than 8 along N. 8B dW gate/up (2I x H, K = tokens) and dW out-proj:
+  // Run 125 (sustained load, 8192 tokens): swizzle 1 along M, the earlier choice at N <= 6144,
+  // ran 2-8% slower than 8 along N. 8B dW gate/up (2I x H, K = tokens), dW out-proj, 1B dW o:
   for (const auto& [m, n] : {std::pair{28672, 4096}, std::pair{4096, 4096}, std::pair{2048, 2048}}) {
     const KernelChoice c = choose_config(Program::kPlain, Operands::kXtY, m, n, 8192);
     EXPECT_EQ(c.config, Config::kCoop128x256x64_2x1) << m << "x" << n;
@@ -89,7 +89,13 @@ TEST(Heuristic, WeightGradientsTakeSwizzle8AlongNOrThePingpongPaddingRule) {
   EXPECT_EQ(q.config, Config::kPing128x128x64_1x2);
   EXPECT_EQ(q.scheduler.swizzle, 8);
   EXPECT_EQ(q.scheduler.raster, Raster::kAlongM);
-  // The LM head's dW (vocabulary rows x H) keeps the earlier rule at H <= 6144: swizzle 1 along M.
+  // Not timed by run 125, so the earlier rule: at most 2048 tokens, and the LM head's dW
+  // (vocabulary rows x H, H <= 6144): swizzle 1 along M.
+  for (const auto& [m, n] : {std::pair{28672, 4096}, std::pair{3072, 2048}}) {
+    const KernelChoice c = choose_config(Program::kPlain, Operands::kXtY, m, n, 2048);
+    EXPECT_EQ(c.scheduler.swizzle, 1) << m << "x" << n;
+    EXPECT_EQ(c.scheduler.raster, Raster::kAlongM) << m << "x" << n;
+  }
   const KernelChoice lm = choose_config(Program::kPlain, Operands::kXtY, 128256, 2048, 2048);
   EXPECT_EQ(lm.config, Config::kCoop128x256x64_2x1);
   EXPECT_EQ(lm.scheduler.swizzle, 1);
@@ -129,6 +135,22 @@ TEST(KernelOverride, AnEntryCanBeLimitedToOneK) {
   EXPECT_EQ(v[0].operands, Operands::kXW);
   EXPECT_EQ(v[0].choice.config, Config::kCoop256x128x64_1x2);
   EXPECT_EQ(v[1].k, 0);
+}
+
+TEST(KernelOverride, AnEntryForTheKWinsOverOneForEveryK) {
+  // Listed after the general entry, the @K one still applies at its K.
+  set_kernel_overrides(
+      "gemm_rmsnorm_backward/XW=ping_128x128x64_c1x2:4:M;"
+      "gemm_rmsnorm_backward/XW@28672=coop_256x128x64_c1x2:2:N");
+  const KernelChoice at_k =
+      choose_config(Program::kRmsnormBackward, Operands::kXW, 8192, 4096, 28672);
+  const KernelChoice other =
+      choose_config(Program::kRmsnormBackward, Operands::kXW, 8192, 4096, 6144);
+  set_kernel_overrides("");
+  EXPECT_EQ(at_k.config, Config::kCoop256x128x64_1x2);
+  EXPECT_EQ(at_k.scheduler.swizzle, 2);
+  EXPECT_EQ(other.config, Config::kPing128x128x64_1x2);
+  EXPECT_EQ(other.scheduler.swizzle, 4);
 }
 
 TEST(KernelOverride, SetReplacesTheActiveOverridesAndKeepsThemOnABadSpec) {

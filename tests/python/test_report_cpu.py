@@ -157,6 +157,20 @@ def test_sustained_table_sets_each_shape_against_its_single_runs(tmp_path):
 
 
 def test_readme_line_gives_sustained_and_single_speedups(tmp_path):
-    line = "\n".join(report.sustained_readme_line(sustained_file(tmp_path)))
+    path = sustained_file(tmp_path)
+    line = "\n".join(report.sustained_readme_line(path))
     assert "1B/8192: 1.022 (single 1.200)" in line
     assert "8B/8192" not in line  # no sustained row for it
+    assert "lower SM clock" not in line  # the floor's clock is missing: no clock claim
+    d = json.load(open(path))
+    d["rows"][1]["sm_clock_mhz_gemm_only"] = 1500
+    open(path, "w").write(json.dumps(d))
+    assert "at a 6-6% lower SM clock" in "\n".join(report.sustained_readme_line(path))  # 1410 / 1500
+
+
+def test_latest_sustained_skips_other_benchmarks_files(tmp_path):
+    chain = sustained_file(tmp_path, "2026-01-01-run7-sustained.json")
+    # A later coda_gemm_bench --sustained file has the same ending and no chain rows.
+    (tmp_path / "2026-01-01-run8-xty-sustained.json").write_text(
+        json.dumps({"rows": [{"kind": "sustained", "ms": 1.0}]}))
+    assert report.latest_sustained(str(tmp_path)) == chain

@@ -37,7 +37,7 @@ struct KernelOverride {
 // coop_256x128x64_c1x2), SWIZZLE 1/2/4/8 and RASTER M or N; "@K" limits an entry to launches
 // with that K (one projection of a layer), e.g.
 //   gemm_rmsnorm_backward/XW@28672=coop_256x128x64_c1x2:8:M;gemm/XtY=coop_128x256x64_c2x1:4:N
-// The first matching entry applies. Blanks around entries are ignored. Throws coda::Error
+// An entry for the launch's K wins over one without "@K". Blanks around entries are ignored. Throws coda::Error
 // naming the bad entry and the accepted values; an entry named twice is an error too.
 std::vector<KernelOverride> parse_kernel_overrides(const std::string& spec);
 
