@@ -180,15 +180,6 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--commit", default="unknown")
     a = ap.parse_args()
-    counter = EnergyCounter()
-    if counter.nvml is None:
-        sys.exit("sustained_probe: needs NVML (libnvidia-ml.so.1) for the energy counter")
-    coda = Coda(a.lib)
-    res = {"benchmark": "sustained_probe", "device": torch.cuda.get_device_name(),
-           "torch": torch.__version__, "cuda": torch.version.cuda, "commit": a.commit,
-           "command": " ".join(sys.argv), "rows": []}
-    t0 = time.time()
-    progress = lambda s: print(f"  [{time.time() - t0:6.1f}s] {s}", file=sys.stderr, flush=True)  # noqa: E731
     alts = {}
     for x in a.alt:
         name, eq, spec = x.partition("=")
@@ -201,6 +192,15 @@ def main():
         # with_overrides() clears the overrides after each alternative's launches, so the
         # heuristic's chain would run under other overrides than its buffers were laid out for.
         ap.error("--alt cannot be combined with CODA_KERNEL_OVERRIDE (unset it)")
+    counter = EnergyCounter()
+    if counter.nvml is None:
+        sys.exit("sustained_probe: needs NVML (libnvidia-ml.so.1) for the energy counter")
+    coda = Coda(a.lib)
+    res = {"benchmark": "sustained_probe", "device": torch.cuda.get_device_name(),
+           "torch": torch.__version__, "cuda": torch.version.cuda, "commit": a.commit,
+           "command": " ".join(sys.argv), "rows": []}
+    t0 = time.time()
+    progress = lambda s: print(f"  [{time.time() - t0:6.1f}s] {s}", file=sys.stderr, flush=True)  # noqa: E731
     for model in a.models.split(","):
         for m in (int(x) for x in a.m.split(",")):
             res["rows"].append(probe(coda, model, m, counter, progress, alts, a.chain_only))
