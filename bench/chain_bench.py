@@ -124,6 +124,25 @@ def flush_l2():
     _l2_flush[0].zero_()
 
 
+def results_file(benchmark, commit):
+    """The results dict every chain benchmark writes: what ran, where, from which commit."""
+    return {"benchmark": benchmark, "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__, "cuda": torch.version.cuda, "commit": commit,
+            "command": " ".join(sys.argv), "rows": []}
+
+
+def progress_printer():
+    """progress(msg): msg to stderr with the seconds since this call."""
+    t0 = time.time()
+    return lambda s: print(f"  [{time.time() - t0:6.1f}s] {s}", file=sys.stderr, flush=True)
+
+
+def write_json(path, results):
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
+
+
 def invoke(variant):
     """A variant is a callable, or (prepare, run): run(prepare()), prepare untimed."""
     if isinstance(variant, tuple):
@@ -469,17 +488,11 @@ def main():
     ap.add_argument("--commit", default="unknown")
     a = ap.parse_args()
     coda = Coda(a.lib)
-    results = {"benchmark": "forward_chain", "device": torch.cuda.get_device_name(),
-               "torch": torch.__version__, "cuda": torch.version.cuda, "commit": a.commit,
-               "command": " ".join(sys.argv), "rows": []}
-    t0 = time.time()
-    progress = lambda s: print(f"  [{time.time() - t0:6.1f}s] {s}", file=sys.stderr, flush=True)
+    results, progress = results_file("forward_chain", a.commit), progress_printer()
     for model in MODELS:
         for m in ((8192,) if a.quick else (8192, 16384)):
             run_shape(coda, model, m, results, progress)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(results, f, indent=1)
+    write_json(a.json, results)
 
 
 if __name__ == "__main__":

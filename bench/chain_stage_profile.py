@@ -20,16 +20,14 @@ energy per chain than the floor, which at the power limit (70B) becomes time.
 """
 
 import argparse
-import json
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 from chain_bench import (ALL_MODELS, MODELS, Coda, EnergyCounter, bench_sustained, chain_inputs,
-                         flush_l2)
+                         flush_l2, progress_printer, results_file, write_json)
 from chain_train_bench import ours_chain
 
 # Our stage -> the floor's GEMM of the same shape (B3 has none).
@@ -122,11 +120,7 @@ def main():
         if counter.nvml is None:
             sys.exit("chain_stage_profile: --energy needs NVML (libnvidia-ml.so.1)")
         energy = (a.energy, 6, counter)
-    res = {"benchmark": "chain_stage_profile", "device": torch.cuda.get_device_name(),
-           "torch": torch.__version__, "cuda": torch.version.cuda, "commit": a.commit,
-           "command": " ".join(sys.argv), "rows": []}
-    t0 = time.time()
-    progress = lambda s: print(f"  [{time.time() - t0:6.1f}s] {s}", file=sys.stderr, flush=True)  # noqa: E731
+    res, progress = results_file("chain_stage_profile", a.commit), progress_printer()
     for model in a.models.split(","):
         for m in (int(x) for x in a.m.split(",")):
             p = profile_shape(coda, model, m, a.rounds, progress, energy)
@@ -148,9 +142,7 @@ def main():
             sys.stdout.flush()
             del p
             torch.cuda.empty_cache()
-            if a.json:
-                with open(a.json, "w") as fh:
-                    json.dump(res, fh, indent=1)
+            write_json(a.json, res)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,6 @@ loop runs them, at the power limit.
 import argparse
 import ctypes
 import json
-import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +26,8 @@ import torch.nn.functional as F
 from types import SimpleNamespace
 
 from chain_bench import (ALL_MODELS, EPS, MODELS, Coda, EnergyCounter, bench_interleaved,
-                         bench_sustained, chain_inputs, make_chain)
+                         bench_sustained, chain_inputs, make_chain, progress_printer,
+                         results_file, write_json)
 
 
 
@@ -315,17 +314,11 @@ def main():
     ap.add_argument("--models", default=",".join(MODELS))
     a = ap.parse_args()
     coda = Coda(a.lib)
-    results = {"benchmark": "chain_fwd_bwd", "device": torch.cuda.get_device_name(),
-               "torch": torch.__version__, "cuda": torch.version.cuda, "commit": a.commit,
-               "command": " ".join(sys.argv), "rows": []}
-    t0 = time.time()
-    progress = lambda s: print(f"  [{time.time() - t0:6.1f}s] {s}", file=sys.stderr, flush=True)  # noqa: E731
+    results, progress = results_file("chain_fwd_bwd", a.commit), progress_printer()
     for model in a.models.split(","):
         for m in ((8192,) if a.quick else (8192, 16384)):
             run_shape(coda, model, m, results, progress, profile=a.profile, sustained=a.sustained)
-            if a.json:
-                with open(a.json, "w") as f:
-                    json.dump(results, f, indent=1)
+            write_json(a.json, results)
 
 
 if __name__ == "__main__":

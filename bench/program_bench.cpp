@@ -260,6 +260,15 @@ int main(int argc, char** argv) {
         c.n};
     const kernel::GemmProblem plain_prob{c.m, c.n, c.k, a, c.k, w, ldw, nullptr, 0, d, c.n};
 
+    auto case_row = [&c] {  // the fields every results row of this case starts with
+      return bench::JsonRow()
+          .set("model", c.model)
+          .set("op", c.op)
+          .set("program", kernel::program_name(c.program))
+          .set("m", c.m)
+          .set("n", c.n)
+          .set("k", c.k);
+    };
     const bool sweep = args.count("sweep-sustained");
     const kernel::KernelChoice chosen = kernel::choose_config(c.program, c.operands, c.m, c.n, c.k);
     std::vector<Candidate> candidates;
@@ -392,13 +401,7 @@ int main(int argc, char** argv) {
                   plain_choice.config == cfg ? "" : "; plain on ",
                   plain_choice.config == cfg ? "" : kernel::config_name(plain_choice.config));
       std::fflush(stdout);
-      rows.push_back(bench::JsonRow()
-                         .set("model", c.model)
-                         .set("op", c.op)
-                         .set("program", kernel::program_name(c.program))
-                         .set("m", c.m)
-                         .set("n", c.n)
-                         .set("k", c.k)
+      rows.push_back(case_row()
                          .set("config", kernel::config_name(cfg))
                          .set("plain_config", kernel::config_name(plain_choice.config))
                          .set("swizzle", so.swizzle)
@@ -434,14 +437,8 @@ int main(int argc, char** argv) {
         std::printf("    %c %-22s %d:%s  %8.3f %8.3f   %6.3f %6.3f\n", cd.chosen ? '*' : ' ',
                     cd.config, cd.order.swizzle, raster_name(cd.order), flushed[j], sustained[j],
                     flushed[j] / ref_f, sustained[j] / ref_s);
-        rows.push_back(bench::JsonRow()
+        rows.push_back(case_row()
                            .set("mode", "sweep")
-                           .set("model", c.model)
-                           .set("op", c.op)
-                           .set("program", kernel::program_name(c.program))
-                           .set("m", c.m)
-                           .set("n", c.n)
-                           .set("k", c.k)
                            .set("config", cd.config)
                            .set("swizzle", cd.order.swizzle)
                            .set("raster", raster_name(cd.order))

@@ -23,7 +23,6 @@ moved by 0-2%. This probe separates the candidate causes, per model at one token
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -33,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from chain_bench import (ALL_MODELS, Coda, EnergyCounter, bench_interleaved, bench_sustained,
-                         chain_inputs)
+                         chain_inputs, progress_printer, results_file, write_json)
 from chain_train_bench import ours_chain
 
 
@@ -196,17 +195,11 @@ def main():
     if counter.nvml is None:
         sys.exit("sustained_probe: needs NVML (libnvidia-ml.so.1) for the energy counter")
     coda = Coda(a.lib)
-    res = {"benchmark": "sustained_probe", "device": torch.cuda.get_device_name(),
-           "torch": torch.__version__, "cuda": torch.version.cuda, "commit": a.commit,
-           "command": " ".join(sys.argv), "rows": []}
-    t0 = time.time()
-    progress = lambda s: print(f"  [{time.time() - t0:6.1f}s] {s}", file=sys.stderr, flush=True)  # noqa: E731
+    res, progress = results_file("sustained_probe", a.commit), progress_printer()
     for model in a.models.split(","):
         for m in (int(x) for x in a.m.split(",")):
             res["rows"].append(probe(coda, model, m, counter, progress, alts, a.chain_only))
-            if a.json:
-                with open(a.json, "w") as f:
-                    json.dump(res, f, indent=1)
+            write_json(a.json, res)
 
 
 if __name__ == "__main__":

@@ -75,31 +75,29 @@ TEST(Heuristic, PingpongSwizzlePadsTheTileGridByAtMostTwoPercent) {
       choose_config(Program::kRmsnormRope, Operands::kXWt, 8192, 3072, 2048).scheduler.swizzle, 4);
 }
 
+// The weight-gradient GEMM's choice (D = Xᵀ·Y, the weight's M x N, K = tokens) against `want`.
+void expect_xty_choice(int m, int n, int k, Config config, int swizzle, Raster raster) {
+  const KernelChoice c = choose_config(Program::kPlain, Operands::kXtY, m, n, k);
+  EXPECT_EQ(c.config, config) << m << "x" << n << "x" << k;
+  EXPECT_EQ(c.scheduler.swizzle, swizzle) << m << "x" << n << "x" << k;
+  EXPECT_EQ(c.scheduler.raster, raster) << m << "x" << n << "x" << k;
+}
+
 TEST(Heuristic, WeightGradientsTakeSwizzle8AlongNOrThePingpongPaddingRule) {
+  const Config coop = Config::kCoop128x256x64_2x1, ping = Config::kPing128x128x64_1x2;
   // Run 125 (sustained load, 8192 tokens): swizzle 1 along M, the earlier choice at N <= 6144,
-  // ran 2-8% slower than 8 along N. 8B dW gate/up (2I x H, K = tokens), dW out-proj, 1B dW o:
-  for (const auto& [m, n] : {std::pair{28672, 4096}, std::pair{4096, 4096}, std::pair{2048, 2048}}) {
-    const KernelChoice c = choose_config(Program::kPlain, Operands::kXtY, m, n, 8192);
-    EXPECT_EQ(c.config, Config::kCoop128x256x64_2x1) << m << "x" << n;
-    EXPECT_EQ(c.scheduler.swizzle, 8) << m << "x" << n;
-    EXPECT_EQ(c.scheduler.raster, Raster::kAlongN) << m << "x" << n;
-  }
+  // ran 2-8% slower than 8 along N. 8B dW gate/up (2I x H), 8B dW out-proj, 1B dW out-proj:
+  expect_xty_choice(28672, 4096, 8192, coop, 8, Raster::kAlongN);
+  expect_xty_choice(4096, 4096, 8192, coop, 8, Raster::kAlongN);
+  expect_xty_choice(2048, 2048, 8192, coop, 8, Raster::kAlongN);
   // 1B dW qkv (3072 x 2048): 128x256 tiles fill 1.45 waves badly, pingpong 128x128 with its order.
-  const KernelChoice q = choose_config(Program::kPlain, Operands::kXtY, 3072, 2048, 8192);
-  EXPECT_EQ(q.config, Config::kPing128x128x64_1x2);
-  EXPECT_EQ(q.scheduler.swizzle, 8);
-  EXPECT_EQ(q.scheduler.raster, Raster::kAlongM);
-  // Not timed by run 125, so the earlier rule: at most 2048 tokens, and the LM head's dW
-  // (vocabulary rows x H, H <= 6144): swizzle 1 along M.
-  for (const auto& [m, n] : {std::pair{28672, 4096}, std::pair{3072, 2048}}) {
-    const KernelChoice c = choose_config(Program::kPlain, Operands::kXtY, m, n, 2048);
-    EXPECT_EQ(c.scheduler.swizzle, 1) << m << "x" << n;
-    EXPECT_EQ(c.scheduler.raster, Raster::kAlongM) << m << "x" << n;
-  }
-  const KernelChoice lm = choose_config(Program::kPlain, Operands::kXtY, 128256, 2048, 2048);
-  EXPECT_EQ(lm.config, Config::kCoop128x256x64_2x1);
-  EXPECT_EQ(lm.scheduler.swizzle, 1);
-  EXPECT_EQ(lm.scheduler.raster, Raster::kAlongM);
+  expect_xty_choice(3072, 2048, 8192, ping, 8, Raster::kAlongM);
+  // Not timed by run 125, so the earlier rule (swizzle 1 along M): at most 2048 tokens, and the
+  // LM head's dW (vocabulary rows x H, H <= 6144).
+  expect_xty_choice(28672, 4096, 2048, coop, 1, Raster::kAlongM);
+  expect_xty_choice(3072, 2048, 2048, ping, 1, Raster::kAlongM);
+  expect_xty_choice(128256, 2048, 2048, coop, 1, Raster::kAlongM);
+  expect_xty_choice(128256, 2048, 8192, coop, 1, Raster::kAlongM);
 }
 
 TEST(KernelOverride, ParsesEntriesByTheNamesTheLibraryPrints) {
