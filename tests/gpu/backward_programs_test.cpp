@@ -323,8 +323,15 @@ TEST_F(GpuKernelTest, SwigluBackwardMatchesReference) {
 
 TEST_F(GpuKernelTest, RopeBackwardAndZdZMatchReference) {
   testing::Rng rng(27);
-  const programs::QkvLayout layouts[] = {{4, 2, 64}, {3, 1, 128}};
-  for (const auto& ql : layouts)
+  // The kernel reads rows 16 bytes at a time where the width is a multiple of 8 and every
+  // tensor is 16-byte aligned, and 4 bytes at a time otherwise: the last two cases take the
+  // general path (dy 8 bytes past an aligned address; a width of 18).
+  struct Case {
+    programs::QkvLayout ql;
+    int dy_offset;  // elements
+  };
+  const Case cases[] = {{{4, 2, 64}, 0}, {{3, 1, 128}, 0}, {{4, 2, 64}, 4}, {{1, 1, 6}, 0}};
+  for (const auto& [ql, dy_offset] : cases)
     for (int M : {1, 19, 111, 4097}) {
       const int W = ql.width(), H = 256;
       const V y = testing::bf16_uniform(size_t(M) * W, -2, 2, rng);
@@ -335,14 +342,16 @@ TEST_F(GpuKernelTest, RopeBackwardAndZdZMatchReference) {
       const auto table = programs::rope_column_table(ql, inv);
       std::vector<uint32_t> hi, lo;
       ops::split_rope_table(table, hi, lo);
-      auto dyv = upload_bf16(y), ddy = upload_bf16(dy);
+      V dy_shifted(dy_offset, 0.0);
+      dy_shifted.insert(dy_shifted.end(), dy.begin(), dy.end());
+      auto dyv = upload_bf16(y), ddy = upload_bf16(dy_shifted);
       DeviceBuffer<int32_t> dpos(pos);
       DeviceBuffer<uint32_t> dhi(hi), dlo(lo);
       DeviceBuffer<bf16> ddz(size_t(M) * W);
       DeviceBuffer<float> dzdz(M);
       ddz.poison();
       dzdz.poison();
-      rope_backward(dyv.get(), ddy.get(), dpos.get(), dhi.get(), dlo.get(), M, W, H, ddz.get(),
+      rope_backward(dyv.get(), ddy.get() + dy_offset, dpos.get(), dhi.get(), dlo.get(), M, W, H, ddz.get(),
                     dzdz.get(), nullptr);
       CODA_CUDA_CHECK(cudaDeviceSynchronize());
       V dz(size_t(M) * W), zsum(M);
@@ -366,7 +375,8 @@ TEST_F(GpuKernelTest, RopeBackwardAndZdZMatchReference) {
         z_pt[i] = double(acc) / H;
       }
       const auto zg = dzdz.download();
-      const std::string l = "d=" + std::to_string(ql.head_dim) + " M=" + std::to_string(M);
+      const std::string l = "d=" + std::to_string(ql.head_dim) + " M=" + std::to_string(M) +
+                            " dy offset " + std::to_string(dy_offset);
       expect_rule("B3 dz " + l, download_bf16(ddz), dz, dz_pt);
       expect_rule("B3 ZdZ " + l, V(zg.begin(), zg.end()), zsum, z_pt);
     }
