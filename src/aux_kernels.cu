@@ -2,8 +2,6 @@
 #include <cuda_bf16.h>
 
 #include <cmath>
-#include <cstdint>
-#include <cstring>
 
 #include "coda/kernel/aux_kernels.hpp"
 #include "coda/kernel/cuda_check.hpp"
@@ -101,85 +99,25 @@ __global__ void fold_row_sums_kernel(const float* partials, int64_t m, int64_t r
   out[row] = s * scale;
 }
 
-// B3 for one pair: dz = RoPEᵀ(dy) at (pos, freq); returns y·dy over the pair (ZdZ's share).
-__device__ __forceinline__ float rope_backward_pair(uint32_t y_bits, uint32_t dy_bits, int32_t p,
-                                                   uint32_t hi, uint32_t lo, uint32_t& dz_bits) {
-  __nv_bfloat162 yb, gb;
-  memcpy(&yb, &y_bits, 4);
-  memcpy(&gb, &dy_bits, 4);
-  const float2 yv = __bfloat1622float2(yb), g = __bfloat1622float2(gb);
-  float c, sn, d0, d1;
-  programs::rope_cos_sin<float>(p, programs::RopeFrequency{hi, lo}, c, sn);
-  epilogue::RopeRotateTranspose{}(g.x, g.y, c, sn, d0, d1);
-  const __nv_bfloat162 out = __floats2bfloat162_rn(d0, d1);
-  memcpy(&dz_bits, &out, 4);
-  return yv.x * g.x + yv.y * g.y;
-}
-
-// One warp per row; each lane handles pairs (2j, 2j+1) as one 32-bit load of two bf16. The
-// general path (any even width, 4-byte aligned rows).
+// One warp per row; each lane handles pairs (2j, 2j+1) as one 32-bit load of two bf16.
 __global__ void rope_backward_kernel(const bf16* y, const bf16* dy, const int32_t* pos,
                                      const uint32_t* freq_hi, const uint32_t* freq_lo, int64_t m,
                                      int64_t width, float inv_hidden, bf16* dz, float* zdz) {
   const int64_t row = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= m) return;
-  const uint32_t* y2 = reinterpret_cast<const uint32_t*>(y + row * width);
-  const uint32_t* dy2 = reinterpret_cast<const uint32_t*>(dy + row * width);
-  uint32_t* dz2 = reinterpret_cast<uint32_t*>(dz + row * width);
+  const __nv_bfloat162* y2 = reinterpret_cast<const __nv_bfloat162*>(y + row * width);
+  const __nv_bfloat162* dy2 = reinterpret_cast<const __nv_bfloat162*>(dy + row * width);
+  __nv_bfloat162* dz2 = reinterpret_cast<__nv_bfloat162*>(dz + row * width);
   const int32_t p = pos[row];
   float s = 0.f;
-  for (int64_t j = lane; j < width / 2; j += 32)
-    s += rope_backward_pair(y2[j], dy2[j], p, freq_hi[2 * j], freq_lo[2 * j], dz2[j]);
-  for (int o = 16; o > 0; o /= 2) s += __shfl_xor_sync(0xffffffff, s, o);
-  if (lane == 0) zdz[row] = s * inv_hidden;
-}
-
-// The same with 16-byte accesses (four pairs per load) and kUnroll loads of y and dy in flight
-// per lane before any is used, for widths that are a multiple of 8 with 16-byte aligned tensors.
-// The 32-bit path kept about 16 KB in flight per SM and ran at ~3 TB/s (run 113: 51 us for
-// 151 MB at 1B / 8192 tokens). The sum runs in the same per-lane order for a given width, so
-// ZdZ stays deterministic.
-template <int kUnroll>
-__global__ void rope_backward_vec_kernel(const bf16* y, const bf16* dy, const int32_t* pos,
-                                         const uint32_t* freq_hi, const uint32_t* freq_lo,
-                                         int64_t m, int64_t width, float inv_hidden, bf16* dz,
-                                         float* zdz) {
-  const int64_t row = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (row >= m) return;
-  const int64_t vecs = width / 8;
-  const uint4* y4 = reinterpret_cast<const uint4*>(y + row * width);
-  const uint4* dy4 = reinterpret_cast<const uint4*>(dy + row * width);
-  uint4* dz4 = reinterpret_cast<uint4*>(dz + row * width);
-  const uint4* hi4 = reinterpret_cast<const uint4*>(freq_hi);  // 4 columns: pairs at .x, .z
-  const uint4* lo4 = reinterpret_cast<const uint4*>(freq_lo);
-  const int32_t p = pos[row];
-  float s = 0.f;
-  for (int64_t base = lane; base < vecs; base += 32 * kUnroll) {
-    uint4 yv[kUnroll], gv[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t v = base + 32 * u;
-      if (v < vecs) {
-        yv[u] = __ldcs(y4 + v);  // streamed: read once
-        gv[u] = __ldcs(dy4 + v);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t v = base + 32 * u;
-      if (v < vecs) {
-        const uint4 h0 = __ldg(hi4 + 2 * v), h1 = __ldg(hi4 + 2 * v + 1);
-        const uint4 l0 = __ldg(lo4 + 2 * v), l1 = __ldg(lo4 + 2 * v + 1);
-        uint4 out;
-        s += rope_backward_pair(yv[u].x, gv[u].x, p, h0.x, l0.x, out.x);
-        s += rope_backward_pair(yv[u].y, gv[u].y, p, h0.z, l0.z, out.y);
-        s += rope_backward_pair(yv[u].z, gv[u].z, p, h1.x, l1.x, out.z);
-        s += rope_backward_pair(yv[u].w, gv[u].w, p, h1.z, l1.z, out.w);
-        __stcs(dz4 + v, out);
-      }
-    }
+  for (int64_t j = lane; j < width / 2; j += 32) {
+    const float2 yv = __bfloat1622float2(y2[j]), g = __bfloat1622float2(dy2[j]);
+    float c, sn, d0, d1;
+    programs::rope_cos_sin<float>(p, programs::RopeFrequency{freq_hi[2 * j], freq_lo[2 * j]}, c, sn);
+    epilogue::RopeRotateTranspose{}(g.x, g.y, c, sn, d0, d1);
+    dz2[j] = __floats2bfloat162_rn(d0, d1);
+    s += yv.x * g.x + yv.y * g.y;
   }
   for (int o = 16; o > 0; o /= 2) s += __shfl_xor_sync(0xffffffff, s, o);
   if (lane == 0) zdz[row] = s * inv_hidden;
@@ -409,15 +347,8 @@ void rope_backward(const bf16* y, const bf16* dy, const int32_t* pos, const uint
              "rope_backward: need m > 0, an even width and hidden > 0, got m ", m, ", width ",
              width, ", hidden ", hidden);
   const int warps = 8;
-  const unsigned blocks = unsigned((m + warps - 1) / warps);
-  auto aligned16 = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
-  if (width % 8 == 0 && aligned16(y) && aligned16(dy) && aligned16(dz) && aligned16(freq_hi) &&
-      aligned16(freq_lo))
-    rope_backward_vec_kernel<4><<<blocks, warps * 32, 0, stream>>>(
-        y, dy, pos, freq_hi, freq_lo, m, width, 1.0f / float(hidden), dz, zdz);
-  else
-    rope_backward_kernel<<<blocks, warps * 32, 0, stream>>>(y, dy, pos, freq_hi, freq_lo, m, width,
-                                                            1.0f / float(hidden), dz, zdz);
+  rope_backward_kernel<<<unsigned((m + warps - 1) / warps), warps * 32, 0, stream>>>(
+      y, dy, pos, freq_hi, freq_lo, m, width, 1.0f / float(hidden), dz, zdz);
   CODA_CUDA_CHECK(cudaGetLastError());
 }
 
