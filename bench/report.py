@@ -312,38 +312,63 @@ def summary(results):
     return out + [""]
 
 
-def latest_sustained(results):
-    """The latest chain_train_bench --sustained file: one with "fwd+bwd sustained" rows (other
-    benchmarks' files also end in -sustained.json)."""
-    files = sorted(glob.glob(os.path.join(results, "*-sustained.json")), key=run_key)
-    for path in reversed(files):
+def sustained_files(results):
+    """The chain_train_bench --sustained files, latest first: those with "fwd+bwd sustained" rows
+    (other benchmarks' files also end in -sustained.json)."""
+    out = []
+    for path in reversed(sorted(glob.glob(os.path.join(results, "*-sustained.json")), key=run_key)):
         try:
             rows = json.load(open(path)).get("rows", [])
         except (OSError, ValueError):
             continue
         if any(isinstance(r, dict) and r.get("pass") == "fwd+bwd sustained" for r in rows):
-            return path
-    return None
+            out.append(path)
+    return out
 
 
-def sustained_rows(path):
-    """(model, m) -> {"single": fwd+bwd row, "sustained": fwd+bwd sustained row} of a
-    chain_train_bench --sustained file, for the pairs that have both."""
+def latest_sustained(results):
+    files = sustained_files(results)
+    return files[0] if files else None
+
+
+def sustained_rows(paths):
+    """(model, m) -> {"single": fwd+bwd row, "sustained": fwd+bwd sustained row, "path": file} for
+    the pairs that have both, each from the first of paths (latest first) that has it: a later
+    run that covered only some shapes (one model, or cut short) keeps the others of an earlier run.
+    Both rows of a pair always come from one file, so each ratio is measured in one run."""
     pairs = {}
-    for r in json.load(open(path))["rows"]:
-        if r.get("check") == "PASS" and r.get("pass") in ("fwd+bwd", "fwd+bwd sustained"):
-            key = "single" if r["pass"] == "fwd+bwd" else "sustained"
-            pairs.setdefault((r["model"], r["m"]), {})[key] = r
-    return {k: v for k, v in pairs.items() if len(v) == 2}
+    for path in [paths] if isinstance(paths, str) else paths:
+        found = {}
+        for r in json.load(open(path))["rows"]:
+            if r.get("check") == "PASS" and r.get("pass") in ("fwd+bwd", "fwd+bwd sustained"):
+                key = "single" if r["pass"] == "fwd+bwd" else "sustained"
+                found.setdefault((r["model"], r["m"]), {"path": path})[key] = r
+        for k, v in found.items():
+            if len(v) == 3 and k not in pairs:
+                pairs[k] = v
+    def size(model):  # llama3-8B before llama3-70B
+        found = re.search(r"(\d+)B$", model)
+        return float(found.group(1)) if found else float("inf")
+    return dict(sorted(pairs.items(), key=lambda kv: (size(kv[0][0]), kv[0][0], kv[0][1])))
 
 
-def sustained_table(path):
+def sustained_table(paths):
     """The layer chain fwd + bwd as a training loop runs it (chain_train_bench --sustained), next
     to the same file's single runs after an L2 clear."""
-    d = json.load(open(path))
+    pairs = sustained_rows(paths)
+    used = sorted({v["path"] for v in pairs.values()}, key=run_key, reverse=True)
+    if not used:
+        return []
+    d = json.load(open(used[0]))
     batch = next((r["batch"] for r in d["rows"] if "batch" in r), "?")
+    sources = []
+    for path in used:
+        dd = json.load(open(path))
+        sources.append(header(path, dd) + f"torch {dd.get('torch')}, CUDA {dd.get('cuda')}." +
+                       (f" Rows: {', '.join(f'{mo} {m}' for (mo, m), v in pairs.items() if v['path'] == path)}."
+                        if len(used) > 1 else ""))
     out = ["## Layer chain forward + backward under sustained load\n",
-           header(path, d) + f"torch {d.get('torch')}, CUDA {d.get('cuda')}.\n",
+           "\n".join(sources) + "\n",
            "Single: one step at a time after an L2 clear, variants interleaved (the suite's method). "
            f"Sustained: batches of {batch} steps back to back, no L2 clear, the variants alternating "
            "batch by batch, median ms per step; the SM clock is NVML's median inside the batches. "
@@ -351,7 +376,7 @@ def sustained_table(path):
            "energy per step.\n",
            "| model | M | single: ours / compile / floor ms | speedup vs best | sustained: ours / compile / floor ms | speedup vs best | SM MHz ours / compile / floor |",
            "|---|---|---|---|---|---|---|"]
-    for (model, m), v in sustained_rows(path).items():
+    for (model, m), v in pairs.items():
         a, b = v["single"], v["sustained"]
         out.append(f"| {model} | {m} | {a['ms_coda']:.3f} / {a.get('ms_compile', float('nan')):.3f} / "
                    f"{a['ms_gemm_only']:.3f} | {a['speedup_vs_best_baseline']:.3f} | "
@@ -362,10 +387,24 @@ def sustained_table(path):
     return out + [""]
 
 
-def sustained_readme_line(path):
-    pairs = sustained_rows(path)
+def clock_range(lower):
+    """'2-9% below', or 'from 3% above to 7% below' where some shapes ran faster than the floor's
+    clock (lower: fractions by which ours was below the floor's, one per shape)."""
+    def pct(x):
+        return f"{100 * abs(x):.0f}% {'below' if x >= 0 else 'above'}"
+    lo, hi = min(lower), max(lower)
+    if lo >= 0:
+        return f"{100 * lo:.0f}-{100 * hi:.0f}% below"
+    if hi < 0:
+        return f"{100 * -hi:.0f}-{100 * -lo:.0f}% above"
+    return f"from {pct(lo)} to {pct(hi)}"
+
+
+def sustained_readme_line(paths):
+    pairs = sustained_rows(paths)
     if not pairs:
         return []
+    used = sorted({v["path"] for v in pairs.values()}, key=run_key, reverse=True)
     cells = ", ".join(f"{model.replace('llama3-', '')}/{m}: {v['sustained']['speedup_vs_best_baseline']:.3f}"
                       f" (single {v['single']['speedup_vs_best_baseline']:.3f})"
                       for (model, m), v in pairs.items())
@@ -373,10 +412,11 @@ def sustained_readme_line(path):
              for v in pairs.values()
              if isinstance(v["sustained"].get("sm_clock_mhz_coda"), (int, float))
              and isinstance(v["sustained"].get("sm_clock_mhz_gemm_only"), (int, float))]
-    clocks = (f" Run back to back, our chain ran at a {100 * min(lower):.0f}-{100 * max(lower):.0f}% "
-              "lower SM clock than the GEMM-only floor's (docs/performance-notes.md)." if lower else "")
+    clocks = (f" Run back to back, our chain's SM clock ran {clock_range(lower)} the GEMM-only floor's "
+              "(docs/performance-notes.md)." if lower else "")
     return [f"- Layer chain forward + backward **under sustained load** (steps back to back at the 700 W "
-            f"limit, as in training; `{os.path.relpath(path)}`), speed vs the best baseline: {cells}."
+            f"limit, as in training; {', '.join(f'`{os.path.relpath(p)}`' for p in used)}), speed vs "
+            f"the best baseline: {cells}."
             + clocks]
 
 
@@ -413,9 +453,9 @@ def main():
         with_later_lm_head(d, a.results)
         lines += sr.summary(suite_path, d) + sr.ops_table(suite_path, d, os.path.join("docs", "img"))
         lines += sr.chain_tables(suite_path, d)
-        sustained_path = latest_sustained(a.results)
-        if sustained_path:
-            lines += sustained_table(sustained_path)
+        sustained_paths = sustained_files(a.results)
+        if sustained_paths:
+            lines += sustained_table(sustained_paths)
         lines += sr.lm_head_table(suite_path, d)
         lines += ["# Earlier focused runs (one benchmark per results file)\n",
                   "The layer-chain tables below timed one variant after another, ours first, which paid "
@@ -423,7 +463,7 @@ def main():
                   "\"The benchmark suite and its method\"); the GEMM, program and LM-head benchmarks "
                   "already alternated their variants.\n"]
         write_readme(sr.readme_section(suite_path, d)
-                     + (sustained_readme_line(sustained_path) if sustained_path else []))
+                     + (sustained_readme_line(sustained_paths) if sustained_paths else []))
     lines += summary(a.results)
     for pattern, fn in (("*-gemm.json", gemm_table), ("*-programs.json", program_table),
                         ("*-chain-fwd.json", chain_table), ("*-chain-fwd-bwd*.json", train_table),

@@ -165,7 +165,13 @@ def test_readme_line_gives_sustained_and_single_speedups(tmp_path):
     d = json.load(open(path))
     d["rows"][1]["sm_clock_mhz_gemm_only"] = 1500
     open(path, "w").write(json.dumps(d))
-    assert "at a 6-6% lower SM clock" in "\n".join(report.sustained_readme_line(path))  # 1410 / 1500
+    assert "SM clock ran 6-6% below the GEMM-only" in "\n".join(report.sustained_readme_line(path))
+
+
+def test_clock_range_names_shapes_that_ran_above_the_floor():
+    assert report.clock_range([0.02, 0.09]) == "2-9% below"
+    assert report.clock_range([-0.029, 0.07]) == "from 3% above to 7% below"  # run 127's 1B / 8192
+    assert report.clock_range([-0.05, -0.01]) == "1-5% above"
 
 
 def test_latest_sustained_skips_other_benchmarks_files(tmp_path):
@@ -174,3 +180,30 @@ def test_latest_sustained_skips_other_benchmarks_files(tmp_path):
     (tmp_path / "2026-01-01-run8-xty-sustained.json").write_text(
         json.dumps({"rows": [{"kind": "sustained", "ms": 1.0}]}))
     assert report.latest_sustained(str(tmp_path)) == chain
+
+
+def test_a_later_partial_run_keeps_the_earlier_runs_other_shapes(tmp_path):
+    earlier = sustained_file(tmp_path, "2026-01-01-run7-sustained.json")  # 1B / 8192
+    d = json.load(open(earlier))
+    moved = [dict(r, m=16384) for r in d["rows"][:2]]  # 1B / 16384, both passes
+    d["rows"] += moved
+    open(earlier, "w").write(json.dumps(d))
+    # A later run of 1B / 8192 only, with another speedup, and a lone single row for 16384 (cut
+    # short before its sustained batch): its pair wins, 16384 comes whole from the earlier file.
+    later_rows = [dict(d["rows"][0], ms_coda=3.0, speedup_vs_best_baseline=1.6),
+                  dict(d["rows"][1], speedup_vs_best_baseline=1.1),
+                  dict(d["rows"][0], m=16384, speedup_vs_best_baseline=9.9)]
+    later = tmp_path / "2026-01-01-run10-70B-sustained.json"
+    later.write_text(json.dumps(dict(d, commit="def", rows=later_rows)))
+    files = report.sustained_files(str(tmp_path))
+    assert files == [str(later), earlier]  # run 10 sorts after run 7
+    pairs = report.sustained_rows(files)
+    assert list(pairs) == [("llama3-1B", 8192), ("llama3-1B", 16384)]
+    assert pairs[("llama3-1B", 8192)]["path"] == str(later)
+    assert pairs[("llama3-1B", 16384)]["path"] == earlier
+    assert pairs[("llama3-1B", 16384)]["single"]["speedup_vs_best_baseline"] == 1.2  # not 9.9
+    table = "\n".join(report.sustained_table(files))
+    assert "commit `def`" in table and "commit `abc`" in table
+    assert "Rows: llama3-1B 8192." in table and "Rows: llama3-1B 16384." in table
+    line = "\n".join(report.sustained_readme_line(files))
+    assert "1B/8192: 1.100 (single 1.600)" in line and "1B/16384: 1.022 (single 1.200)" in line
