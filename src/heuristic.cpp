@@ -73,13 +73,12 @@ namespace {
 // 128x128 with 2x the tiles fills it better. The wave fill is the share of the launched waves'
 // tile slots that hold a tile. (The paper's H = 4096 dW down, 0.88x cuBLAS in run 39, fills 95%:
 // its gap is something else.)
-double wave_fill(int m, int n, int tile_m, int tile_n) {
-  constexpr int64_t kSms = 132;  // H100 / H200 SXM; the choice only needs the rough wave count
+double wave_fill(int m, int n, int tile_m, int tile_n, int sms) {
   const int64_t tiles = int64_t((m + tile_m - 1) / tile_m) * ((n + tile_n - 1) / tile_n);
-  return double(tiles) / double((tiles + kSms - 1) / kSms * kSms);
+  return double(tiles) / double((tiles + sms - 1) / sms * sms);
 }
 
-KernelChoice plain_xty_config(int m, int n, int k) {
+KernelChoice plain_xty_config(int m, int n, int k, int sms) {
   // Cooperative 128x256 at swizzle 8 along N. Until run 125 the shapes with N <= 6144 took
   // swizzle 1 along M (the run-2 sweep's choice, within 1.2% of the fastest in single runs, run
   // 97). Under sustained load (steps back to back at the 700 W limit, bench/results/
@@ -93,7 +92,7 @@ KernelChoice plain_xty_config(int m, int n, int k) {
   const SchedulerOptions sched = n >= 100000    ? SchedulerOptions{4, Raster::kAlongN}
                                  : earlier_rule ? SchedulerOptions{1, Raster::kAlongM}
                                                 : SchedulerOptions{8, Raster::kAlongN};
-  const double coop = wave_fill(m, n, 128, 256), ping = wave_fill(m, n, 128, 128);
+  const double coop = wave_fill(m, n, 128, 256, sms), ping = wave_fill(m, n, 128, 128, sms);
   // Pingpong takes the padding rule of the other pingpong kernels (1B dW qkv: swizzle 8 along M,
   // 1.004x cuBLAS sustained and 0.965x in single runs, against 1.009 / 1.012 at swizzle 1).
   if (coop < 0.93 && ping > coop + 0.03)
@@ -283,7 +282,8 @@ void set_kernel_overrides(const std::string& spec) {
   a.list = std::move(parsed);
 }
 
-KernelChoice choose_config(Program p, Operands o, int m, int n, int k) {
+KernelChoice choose_config(Program p, Operands o, int m, int n, int k, int sms) {
+  CODA_CHECK(sms > 0, "choose_config: the multiprocessor count must be positive, got ", sms);
   const auto overrides = overrides_snapshot();
   // An entry for this K wins over one for every K, wherever either stands in the list.
   const KernelOverride* match = nullptr;
@@ -298,7 +298,7 @@ KernelChoice choose_config(Program p, Operands o, int m, int n, int k) {
   const KernelChoice c = p != Program::kPlain  ? program_config(p, m, n, k)
                          : o == Operands::kXWt ? plain_gemm_config(m, n, k)
                          : o == Operands::kXW  ? plain_xw_config(m, n, k)
-                                               : plain_xty_config(m, n, k);
+                                               : plain_xty_config(m, n, k, sms);
   if (find_kernel(p, c.config, o)) return c;
   for (int i = 0; i < static_cast<int>(Config::kCount); ++i)
     if (find_kernel(p, static_cast<Config>(i), o)) return {static_cast<Config>(i), c.scheduler};

@@ -100,6 +100,24 @@ TEST(Heuristic, WeightGradientsTakeSwizzle8AlongNOrThePingpongPaddingRule) {
   expect_xty_choice(128256, 2048, 8192, coop, 1, Raster::kAlongM);
 }
 
+TEST(Heuristic, WeightGradientWaveFillCountsTheDevicesMultiprocessors) {
+  const auto xty = [](int sms) {
+    return choose_config(Program::kPlain, Operands::kXtY, 3072, 2048, 8192, sms).config;
+  };
+  // 1B dW qkv: 192 tiles of 128x256. On 132 SMs they fill 73% of the two waves they take, the 384
+  // pingpong tiles 97% of three: pingpong. On 96 SMs the 128x256 tiles fill two waves exactly; on
+  // 114 (an H100 PCIe) both fill 84% of theirs: the 128x256 tile stays.
+  EXPECT_EQ(xty(kDefaultSms), Config::kPing128x128x64_1x2);
+  EXPECT_EQ(choose_config(Program::kPlain, Operands::kXtY, 3072, 2048, 8192).config,
+            Config::kPing128x128x64_1x2);
+  EXPECT_EQ(xty(96), Config::kCoop128x256x64_2x1);
+  EXPECT_EQ(xty(114), Config::kCoop128x256x64_2x1);
+  // The other programs' choices do not depend on it.
+  EXPECT_EQ(choose_config(Program::kSwigluBackward, Operands::kXW, 8192, 8192, 2048, 78).config,
+            choose_config(Program::kSwigluBackward, Operands::kXW, 8192, 8192, 2048).config);
+  EXPECT_THROW(choose_config(Program::kPlain, Operands::kXtY, 3072, 2048, 8192, 0), coda::Error);
+}
+
 TEST(KernelOverride, ParsesEntriesByTheNamesTheLibraryPrints) {
   const auto v = parse_kernel_overrides(
       "gemm_rmsnorm_backward/XW=ping_128x128x64_c1x2:8:M;;gemm/XtY=coop_128x256x64_c2x1:4:N");
