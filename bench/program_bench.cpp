@@ -405,9 +405,7 @@ int main(int argc, char** argv) {
                          .set("config", kernel::config_name(cfg))
                          .set("plain_config", kernel::config_name(plain_choice.config))
                          .set("swizzle", so.swizzle)
-                         .set("raster", so.raster == kernel::Raster::kAlongN   ? "N"
-                                        : so.raster == kernel::Raster::kAlongM ? "M"
-                                                                               : "heuristic")
+                         .set("raster", raster_name(so))
                          .set("check", unchecked ? "unchecked" : ok ? "ok" : "FAIL")
                          .set("plain_ms", t_plain)
                          .set("fused_ms", t_fused)
