@@ -172,6 +172,7 @@ int main(int argc, char** argv) {
     return 0;
   }
   const bool sweep = args.count("sweep"), quick = args.count("quick");
+  const int sms = bench::device_sms();  // the heuristic sees what the op layer passes it
   bench::Timer timer;
   Cublas cublas;
   std::vector<bench::JsonRow> rows;
@@ -247,7 +248,7 @@ int main(int argc, char** argv) {
     };
 
     const kernel::KernelChoice pick =
-        kernel::choose_config(kernel::Program::kPlain, ops, s.m, s.n, s.k);
+        kernel::choose_config(kernel::Program::kPlain, ops, s.m, s.n, s.k, sms);
     kernel::Config best_c = pick.config;
     kernel::SchedulerOptions best_s = pick.scheduler;
     double best = NAN, t_pick = NAN;  // sweep: the fastest, and the heuristic's pick

@@ -142,6 +142,7 @@ int main(int argc, char** argv) {
     std::printf("coda_program_bench: no CUDA device; nothing to measure\n");
     return 0;
   }
+  const int sms = bench::device_sms();  // the heuristic sees what the op layer passes it
   bench::Timer timer;
   std::vector<bench::JsonRow> rows;
   bench::JsonRow header;
@@ -270,7 +271,7 @@ int main(int argc, char** argv) {
           .set("k", c.k);
     };
     const bool sweep = args.count("sweep-sustained");
-    const kernel::KernelChoice chosen = kernel::choose_config(c.program, c.operands, c.m, c.n, c.k);
+    const kernel::KernelChoice chosen = kernel::choose_config(c.program, c.operands, c.m, c.n, c.k, sms);
     std::vector<Candidate> candidates;
     for (int ci = 0; ci < int(Config::kCount); ++ci) {
       const Config cfg = Config(ci);
@@ -282,12 +283,12 @@ int main(int argc, char** argv) {
       const kernel::KernelChoice plain_choice =
           kernel::find_kernel(Program::kPlain, cfg, c.operands)
               ? kernel::KernelChoice{cfg, {}}
-              : kernel::choose_config(Program::kPlain, c.operands, c.m, c.n, c.k);
+              : kernel::choose_config(Program::kPlain, c.operands, c.m, c.n, c.k, sms);
       const auto plain_fn = kernel::find_kernel(Program::kPlain, plain_choice.config, c.operands);
       if (!plain_fn) continue;
       // The scheduler options the op layer would use for this program and shape.
       kernel::SchedulerOptions so =
-          kernel::choose_config(c.program, c.operands, c.m, c.n, c.k).scheduler;
+          kernel::choose_config(c.program, c.operands, c.m, c.n, c.k, sms).scheduler;
       kernel::SchedulerOptions plain_so = plain_choice.config == cfg ? so : plain_choice.scheduler;
       // --swizzle N / --raster M|N override them (both timed kernels), to explore.
       for (kernel::SchedulerOptions* o : {&so, &plain_so}) {
@@ -414,7 +415,7 @@ int main(int argc, char** argv) {
     }
     if (sweep && !candidates.empty()) {
       // Our plain GEMM of the shape, as the op layer runs it, as the reference.
-      const kernel::KernelChoice pc = kernel::choose_config(Program::kPlain, c.operands, c.m, c.n, c.k);
+      const kernel::KernelChoice pc = kernel::choose_config(Program::kPlain, c.operands, c.m, c.n, c.k, sms);
       const auto plain_fn = kernel::find_kernel(Program::kPlain, pc.config, c.operands);
       kernel::PlainArgs plain_args;
       std::vector<std::function<void(cudaStream_t)>> fns;

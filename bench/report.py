@@ -332,20 +332,35 @@ def latest_sustained(results):
 
 
 def sustained_rows(paths):
-    """(model, m) -> {"single": fwd+bwd row, "sustained": fwd+bwd sustained row, "path": file} for
-    the pairs that have both, each from the first of paths (latest first) that has it: a later
-    run that covered only some shapes (one model, or cut short) keeps the others of an earlier run.
-    Both rows of a pair always come from one file, so each ratio is measured in one run."""
+    """(model, m) -> {"single": fwd+bwd row, "sustained": fwd+bwd sustained row, "path": file}, or
+    {"failed": True, "path": file}, per shape. paths are latest first; a shape comes from the first
+    file that has a passing pair for it or a failed row of it (a failure is shown, never replaced
+    by an older pass). So a later run that covered only some shapes (one model, or cut short)
+    keeps the others of an earlier run, and only of a run of the same date as the latest. Both
+    rows of a pair always come from one file, so each ratio is measured in one run."""
+    paths = [paths] if isinstance(paths, str) else list(paths)
+    if not paths:
+        return {}
+    day = run_key(paths[0])[0]
     pairs = {}
-    for path in [paths] if isinstance(paths, str) else paths:
-        found = {}
+    for path in paths:
+        if run_key(path)[0] != day:
+            continue
+        found, failed = {}, set()
         for r in json.load(open(path))["rows"]:
-            if r.get("check") == "PASS" and r.get("pass") in ("fwd+bwd", "fwd+bwd sustained"):
-                key = "single" if r["pass"] == "fwd+bwd" else "sustained"
-                found.setdefault((r["model"], r["m"]), {"path": path})[key] = r
-        for k, v in found.items():
-            if len(v) == 3 and k not in pairs:
-                pairs[k] = v
+            if r.get("pass") not in ("fwd+bwd", "fwd+bwd sustained"):
+                continue
+            shape = (r["model"], r["m"])
+            if r.get("check") != "PASS":
+                failed.add(shape)
+                continue
+            key = "single" if r["pass"] == "fwd+bwd" else "sustained"
+            found.setdefault(shape, {"path": path})[key] = r
+        for shape in failed:
+            pairs.setdefault(shape, {"failed": True, "path": path})
+        for shape, v in found.items():
+            if len(v) == 3:
+                pairs.setdefault(shape, v)
     def size(model):  # llama3-8B before llama3-70B
         found = re.search(r"(\d+)B$", model)
         return float(found.group(1)) if found else float("inf")
@@ -359,8 +374,8 @@ def sustained_table(paths):
     used = sorted({v["path"] for v in pairs.values()}, key=run_key, reverse=True)
     if not used:
         return []
-    d = json.load(open(used[0]))
-    batch = next((r["batch"] for r in d["rows"] if "batch" in r), "?")
+    batches = sorted({str(r["batch"]) for v in pairs.values() if not v.get("failed")
+                      for r in (v["sustained"],) if "batch" in r}) or ["?"]
     sources = []
     for path in used:
         dd = json.load(open(path))
@@ -370,13 +385,16 @@ def sustained_table(paths):
     out = ["## Layer chain forward + backward under sustained load\n",
            "\n".join(sources) + "\n",
            "Single: one step at a time after an L2 clear, variants interleaved (the suite's method). "
-           f"Sustained: batches of {batch} steps back to back, no L2 clear, the variants alternating "
-           "batch by batch, median ms per step; the SM clock is NVML's median inside the batches. "
-           "Sustained, every variant draws the H200's 700 W limit, so a variant's clock follows its "
-           "energy per step.\n",
+           f"Sustained: batches of {' or '.join(batches)} steps back to back, no L2 clear, the "
+           "variants alternating batch by batch, median ms per step; the SM clock is NVML's median "
+           "inside the batches. Sustained, every variant draws the H200's 700 W limit, so a "
+           "variant's clock follows its energy per step.\n",
            "| model | M | single: ours / compile / floor ms | speedup vs best | sustained: ours / compile / floor ms | speedup vs best | SM MHz ours / compile / floor |",
            "|---|---|---|---|---|---|---|"]
     for (model, m), v in pairs.items():
+        if v.get("failed"):
+            out.append(f"| {model} | {m} | FAIL (a check failed; no time) | | | | |")
+            continue
         a, b = v["single"], v["sustained"]
         out.append(f"| {model} | {m} | {a['ms_coda']:.3f} / {a.get('ms_compile', float('nan')):.3f} / "
                    f"{a['ms_gemm_only']:.3f} | {a['speedup_vs_best_baseline']:.3f} | "
@@ -393,6 +411,8 @@ def clock_range(lower):
     def pct(x):
         return f"{100 * abs(x):.0f}% {'below' if x >= 0 else 'above'}"
     lo, hi = min(lower), max(lower)
+    if round(100 * lo) == round(100 * hi):
+        return pct(lo)
     if lo >= 0:
         return f"{100 * lo:.0f}-{100 * hi:.0f}% below"
     if hi < 0:
@@ -405,15 +425,17 @@ def sustained_readme_line(paths):
     if not pairs:
         return []
     used = sorted({v["path"] for v in pairs.values()}, key=run_key, reverse=True)
-    cells = ", ".join(f"{model.replace('llama3-', '')}/{m}: {v['sustained']['speedup_vs_best_baseline']:.3f}"
+    cells = ", ".join(f"{model.replace('llama3-', '')}/{m}: FAIL" if v.get("failed") else
+                      f"{model.replace('llama3-', '')}/{m}: {v['sustained']['speedup_vs_best_baseline']:.3f}"
                       f" (single {v['single']['speedup_vs_best_baseline']:.3f})"
                       for (model, m), v in pairs.items())
+    passed = [v for v in pairs.values() if not v.get("failed")]
     lower = [1 - v["sustained"]["sm_clock_mhz_coda"] / v["sustained"]["sm_clock_mhz_gemm_only"]
-             for v in pairs.values()
+             for v in passed
              if isinstance(v["sustained"].get("sm_clock_mhz_coda"), (int, float))
              and isinstance(v["sustained"].get("sm_clock_mhz_gemm_only"), (int, float))]
-    clocks = (f" Run back to back, our chain's SM clock ran {clock_range(lower)} the GEMM-only floor's "
-              "(docs/performance-notes.md)." if lower else "")
+    clocks = (f" Run back to back, our chain's median SM clock ran {clock_range(lower)} the GEMM-only "
+              "floor's (NVML samples: few in a 1B batch; docs/performance-notes.md)." if lower else "")
     return [f"- Layer chain forward + backward **under sustained load** (steps back to back at the 700 W "
             f"limit, as in training; {', '.join(f'`{os.path.relpath(p)}`' for p in used)}), speed vs "
             f"the best baseline: {cells}."

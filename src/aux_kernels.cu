@@ -2,6 +2,8 @@
 #include <cuda_bf16.h>
 
 #include <cmath>
+#include <cstdint>
+#include <utility>
 
 #include "coda/kernel/aux_kernels.hpp"
 #include "coda/kernel/cuda_check.hpp"
@@ -346,6 +348,10 @@ void rope_backward(const bf16* y, const bf16* dy, const int32_t* pos, const uint
   CODA_CHECK(m > 0 && width > 0 && width % 2 == 0 && hidden > 0,
              "rope_backward: need m > 0, an even width and hidden > 0, got m ", m, ", width ",
              width, ", hidden ", hidden);
+  // Pairs move as 32-bit words: with an even width every row then starts 4-byte aligned.
+  for (const auto& [name, p] : {std::pair<const char*, const void*>{"y", y}, {"dy", dy}, {"dz", dz}})
+    CODA_CHECK(reinterpret_cast<uintptr_t>(p) % 4 == 0, "rope_backward: ", name,
+               " must be 4-byte aligned (bf16 pairs move as 32-bit words), got address ", p);
   const int warps = 8;
   rope_backward_kernel<<<unsigned((m + warps - 1) / warps), warps * 32, 0, stream>>>(
       y, dy, pos, freq_hi, freq_lo, m, width, 1.0f / float(hidden), dz, zdz);

@@ -161,6 +161,15 @@ class JsonRow {
   std::vector<std::string> fields_;
 };
 
+// The current device's multiprocessor count, as the op layer passes it to choose_config (so a
+// benchmark's "heuristic's pick" is what the ops launch on this device).
+inline int device_sms() {
+  int device = 0, sms = 0;
+  CODA_CUDA_CHECK(cudaGetDevice(&device));
+  CODA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return sms;
+}
+
 inline std::string device_description() {
   cudaDeviceProp p{};
   CODA_CUDA_CHECK(cudaGetDeviceProperties(&p, 0));

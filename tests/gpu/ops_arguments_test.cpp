@@ -7,6 +7,7 @@
 #include <functional>
 #include <string>
 
+#include "coda/kernel/aux_kernels.hpp"
 #include "coda/ops.hpp"
 
 namespace coda::ops {
@@ -53,6 +54,18 @@ TEST(OpArguments, NullAndMisalignedPointersAreNamed) {
                               fake_mut(768), nullptr, nullptr);
               }),
               HasSubstr("pos is null"));
+}
+
+TEST(OpArguments, TheRopeBackwardKernelRefusesRowsItCannotReadAsWords) {
+  // The kernel layer under ops::rope_backward (which asks for 16-byte alignment) reads bf16 pairs
+  // as 32-bit words: an odd-element pointer is an error, not a misaligned-address fault.
+  const uint32_t* words = reinterpret_cast<const uint32_t*>(uintptr_t(1024));
+  EXPECT_THAT(error_of([&] {
+                kernel::rope_backward(fake(256), fake(512 + 2), reinterpret_cast<const int32_t*>(1024),
+                                      words, words, 4, 16, 64, fake_mut(768),
+                                      reinterpret_cast<float*>(1024), nullptr);
+              }),
+              AllOf(HasSubstr("dy must be 4-byte aligned"), HasSubstr("0x202")));
 }
 
 TEST(OpArguments, TableAndWidthMismatchesAreNamed) {

@@ -161,17 +161,18 @@ def test_readme_line_gives_sustained_and_single_speedups(tmp_path):
     line = "\n".join(report.sustained_readme_line(path))
     assert "1B/8192: 1.022 (single 1.200)" in line
     assert "8B/8192" not in line  # no sustained row for it
-    assert "lower SM clock" not in line  # the floor's clock is missing: no clock claim
+    assert "SM clock" not in line  # the floor's clock is missing: no clock claim
     d = json.load(open(path))
     d["rows"][1]["sm_clock_mhz_gemm_only"] = 1500
     open(path, "w").write(json.dumps(d))
-    assert "SM clock ran 6-6% below the GEMM-only" in "\n".join(report.sustained_readme_line(path))
+    assert "SM clock ran 6% below the GEMM-only" in "\n".join(report.sustained_readme_line(path))
 
 
 def test_clock_range_names_shapes_that_ran_above_the_floor():
     assert report.clock_range([0.02, 0.09]) == "2-9% below"
     assert report.clock_range([-0.029, 0.07]) == "from 3% above to 7% below"  # run 127's 1B / 8192
     assert report.clock_range([-0.05, -0.01]) == "1-5% above"
+    assert report.clock_range([0.061, 0.064]) == "6% below"  # one value where both round alike
 
 
 def test_latest_sustained_skips_other_benchmarks_files(tmp_path):
@@ -207,3 +208,25 @@ def test_a_later_partial_run_keeps_the_earlier_runs_other_shapes(tmp_path):
     assert "Rows: llama3-1B 8192." in table and "Rows: llama3-1B 16384." in table
     line = "\n".join(report.sustained_readme_line(files))
     assert "1B/8192: 1.100 (single 1.600)" in line and "1B/16384: 1.022 (single 1.200)" in line
+
+
+def test_a_failed_shape_is_shown_not_replaced_by_an_older_pass(tmp_path):
+    earlier = sustained_file(tmp_path, "2026-01-01-run7-sustained.json")  # 1B / 8192 passes
+    d = json.load(open(earlier))
+    later_rows = [dict(d["rows"][0], check="FAIL"), dict(d["rows"][1])]
+    (tmp_path / "2026-01-01-run8-sustained.json").write_text(json.dumps(dict(d, rows=later_rows)))
+    files = report.sustained_files(str(tmp_path))
+    pairs = report.sustained_rows(files)
+    assert pairs[("llama3-1B", 8192)].get("failed")
+    table = "\n".join(report.sustained_table(files))
+    assert "| llama3-1B | 8192 | FAIL" in table
+    assert "1B/8192: FAIL" in "\n".join(report.sustained_readme_line(files))
+
+
+def test_an_older_days_run_does_not_fill_in(tmp_path):
+    sustained_file(tmp_path, "2025-12-31-run3-sustained.json")  # 1B / 8192, a day earlier
+    d = json.load(open(tmp_path / "2025-12-31-run3-sustained.json"))
+    later = [dict(r, model="llama3-8B") for r in d["rows"][:2]]
+    (tmp_path / "2026-01-01-run1-sustained.json").write_text(json.dumps(dict(d, rows=later)))
+    pairs = report.sustained_rows(report.sustained_files(str(tmp_path)))
+    assert list(pairs) == [("llama3-8B", 8192)]
