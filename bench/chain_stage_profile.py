@@ -24,11 +24,10 @@ import statistics
 import sys
 
 import torch
-import torch.nn.functional as F
 
 from chain_bench import (ALL_MODELS, MODELS, Coda, EnergyCounter, bench_sustained, chain_inputs,
                          flush_l2, progress_printer, results_file, write_json)
-from chain_train_bench import ours_chain
+from chain_train_bench import ours_chain, ours_floor_gemms
 
 # Our stage -> the floor's GEMM of the same shape (B3 has none).
 FLOOR_OF = {
@@ -63,13 +62,7 @@ def profile_shape(coda, model, m, rounds, progress, energy=None):
     dx2_up, dqkv_up = t.rnd(m, t.hidden, scale=0.1), t.rnd(m, t.qkv_w, scale=0.1)
     o = ours_chain(coda, t, m, dx2_up, dqkv_up)
     ours = o.named_calls
-    names = ["out-proj", "gate/up", "down-proj", "qkv"]
-    gemms = [(t.y, t.wo, o.x1), (o.h1, t.wgu_split, o.z), (o.act, t.wd, o.x2), (o.h2, t.wqkv_hf, o.qkv)]
-    floor_gemm = {}
-    for n, (a, w, out) in zip(names, gemms):  # as the suite's gemm_only: `out` stands in for the gradient
-        floor_gemm[f"fwd {n}"] = lambda a=a, w=w: F.linear(a, w)
-        floor_gemm[f"dX {n}"] = lambda a=a, w=w, out=out: torch.matmul(out, w)
-        floor_gemm[f"dW {n}"] = lambda a=a, w=w, out=out: torch.matmul(out.t(), a)
+    floor_gemm = ours_floor_gemms(t, o)
     # The floor's GEMMs in our stages' order, so each pair sits after the same predecessors.
     order = list(dict.fromkeys(FLOOR_OF[s] for s, _ in ours if s in FLOOR_OF))
     assert sorted(order) == sorted(floor_gemm), (order, list(floor_gemm))

@@ -145,6 +145,27 @@ def ours_chain(coda, t, m, dx2_up, dqkv_up):
                            named_calls=fwd_named + bwd_named)
 
 
+PROJECTIONS = ("out-proj", "gate/up", "down-proj", "qkv")
+
+
+def floor_gemms(gemms):
+    """The GEMM-only floor's 12 cuBLAS GEMMs, {name: call} in the suite's order: the 4 forward
+    GEMMs ("fwd out-proj", ...), then per projection its data and weight gradient ("dX ...",
+    "dW ..."). gemms: (input, weight, output) per projection, in PROJECTIONS' order; the output
+    stands in for its gradient (same shape)."""
+    calls = {f"fwd {n}": (lambda a=a, w=w: F.linear(a, w)) for n, (a, w, _) in zip(PROJECTIONS, gemms)}
+    for n, (a, w, out) in zip(PROJECTIONS, gemms):
+        calls[f"dX {n}"] = lambda w=w, out=out: torch.matmul(out, w)
+        calls[f"dW {n}"] = lambda a=a, out=out: torch.matmul(out.t(), a)
+    return calls
+
+
+def ours_floor_gemms(t, o):
+    """floor_gemms of the tensors of ours_chain's run `o` on chain_inputs `t`."""
+    return floor_gemms([(t.y, t.wo, o.x1), (o.h1, t.wgu_split, o.z), (o.act, t.wd, o.x2),
+                        (o.h2, t.wqkv_hf, o.qkv)])
+
+
 def run_shape(coda, model, m, results, progress, profile=False, backward_only=False, sustained=0):
     """One shape: checks every gradient, times fwd+bwd of every variant; `profile`: also every
     op of ours alone; `backward_only`: also the backward pass alone; `sustained`: also every
@@ -214,14 +235,11 @@ def run_shape(coda, model, m, results, progress, profile=False, backward_only=Fa
         return step
 
     # GEMM-only floor: the same 12 GEMMs (4 forward, 4 data gradients, 4 weight gradients).
-    gemms = [(y, wo, x1), (h1, wgu_split, z), (act, wd, x2), (h2, wqkv_hf, qkv)]
+    floor = floor_gemms([(y, wo, x1), (h1, wgu_split, z), (act, wd, x2), (h2, wqkv_hf, qkv)])
 
     def gemm_only():
-        for a_in, w, out in gemms:
-            F.linear(a_in, w)
-        for a_in, w, out in gemms:  # `out` stands in for the output gradient (same shape)
-            torch.matmul(out, w)
-            torch.matmul(out.t(), a_in)
+        for fn in floor.values():
+            fn()
 
     variants["gemm_only"] = gemm_only
     variants["eager"] = autograd_variant(chain)
@@ -282,9 +300,9 @@ def run_shape(coda, model, m, results, progress, profile=False, backward_only=Fa
         # baseline runs its forward untimed before every timed autograd.grad (no retain_graph:
         # torch.compile's donated buffers forbid it).
         def gemm_only_bwd():
-            for a_in, w, out in gemms:
-                torch.matmul(out, w)
-                torch.matmul(out.t(), a_in)
+            for name, fn in floor.items():
+                if not name.startswith("fwd "):
+                    fn()
 
         bwd_variants = {"coda": backward, "gemm_only": gemm_only_bwd}
         for name, fn in (("eager", chain), ("compile", compiled),

@@ -149,10 +149,6 @@ class Cublas {
   std::vector<Plan> plans_;
 };
 
-const char* raster_name(kernel::Raster r) {
-  return r == kernel::Raster::kAlongM ? "M" : r == kernel::Raster::kAlongN ? "N" : "H";
-}
-
 const char* gpu_missing() {
   static std::string why;
   int n = 0;
@@ -172,7 +168,6 @@ int main(int argc, char** argv) {
     return 0;
   }
   const bool sweep = args.count("sweep"), quick = args.count("quick");
-  const int sms = bench::device_sms();  // the heuristic sees what the op layer passes it
   bench::Timer timer;
   Cublas cublas;
   std::vector<bench::JsonRow> rows;
@@ -248,7 +243,7 @@ int main(int argc, char** argv) {
     };
 
     const kernel::KernelChoice pick =
-        kernel::choose_config(kernel::Program::kPlain, ops, s.m, s.n, s.k, sms);
+        kernel::choose_config(kernel::Program::kPlain, ops, s.m, s.n, s.k);
     kernel::Config best_c = pick.config;
     kernel::SchedulerOptions best_s = pick.scheduler;
     double best = NAN, t_pick = NAN;  // sweep: the fastest, and the heuristic's pick
@@ -275,7 +270,7 @@ int main(int argc, char** argv) {
           .set("k", s.k)
           .set("config", kernel::config_name(c))
           .set("swizzle", so.swizzle)
-          .set("raster", raster_name(so.raster))
+          .set("raster", bench::raster_name(so.raster))
           .set("ms", ms)
           .set("cublas_ms", cublas_ms);
     };
@@ -302,11 +297,11 @@ int main(int argc, char** argv) {
     std::printf("%-11s %-9s %6d %6d %6d | %8.3f %7.1f | %8.3f %7.1f %6.3f | %s sw%d %s\n",
                 s.model.c_str(), s.op.c_str(), s.m, s.n, s.k, t_cublas2, flop / t_cublas2 / 1e9,
                 t_ours2, flop / t_ours2 / 1e9, ratio, kernel::config_name(best_c), best_s.swizzle,
-                raster_name(best_s.raster));
+                bench::raster_name(best_s.raster));
     if (sweep)
       std::printf("%-11s %-9s   heuristic %s sw%d %s: %.3f ms in the sweep, %.3f x the fastest\n",
                   s.model.c_str(), s.op.c_str(), kernel::config_name(pick.config),
-                  pick.scheduler.swizzle, raster_name(pick.scheduler.raster), t_pick,
+                  pick.scheduler.swizzle, bench::raster_name(pick.scheduler.raster), t_pick,
                   t_pick / best);
     if (sweep && !swept.empty() && t_check == t_check) {
       // One sequential pass of 7 repeats per option drifts with the clock: the heuristic's pick
@@ -330,7 +325,7 @@ int main(int argc, char** argv) {
       const std::vector<double> med = timer.median_ms_interleaved(fns, 2, 15);
       for (size_t j = 0; j < finalists.size(); ++j) {
         const Swept& f = finalists[j];
-        const char* ra = raster_name(f.so.raster);
+        const char* ra = bench::raster_name(f.so.raster);
         std::printf(
             "%-11s %-9s   round-robin %s %s sw%d %s: %.3f ms, %.3f x the pick, cuBLAS %.3f\n",
             s.model.c_str(), s.op.c_str(), j == 0 ? "pick" : "cand", kernel::config_name(f.c),
@@ -374,7 +369,7 @@ int main(int argc, char** argv) {
         std::printf("%-11s %-9s   %c %-22s sw%d %s: flushed %.3f (%.3f x cuBLAS) sustained %.3f "
                     "(%.3f x cuBLAS)\n",
                     s.model.c_str(), s.op.c_str(), is_pick(o.c, o.so) ? '*' : ' ',
-                    kernel::config_name(o.c), o.so.swizzle, raster_name(o.so.raster),
+                    kernel::config_name(o.c), o.so.swizzle, bench::raster_name(o.so.raster),
                     flushed[j + 1], flushed[j + 1] / flushed[0], sustained[j + 1],
                     sustained[j + 1] / sustained[0]);
         rows.push_back(option_row("sustained", o.c, o.so, sustained[j + 1], sustained[0])
@@ -387,7 +382,7 @@ int main(int argc, char** argv) {
     rows.push_back(option_row("best", best_c, best_s, t_ours2, t_cublas2)
                        .set("heuristic_config", kernel::config_name(pick.config))
                        .set("heuristic_swizzle", pick.scheduler.swizzle)
-                       .set("heuristic_raster", raster_name(pick.scheduler.raster))
+                       .set("heuristic_raster", bench::raster_name(pick.scheduler.raster))
                        .set("heuristic_sweep_ms", t_pick)
                        .set("tflops", flop / t_ours2 / 1e9)
                        .set("cublas_tflops", flop / t_cublas2 / 1e9)

@@ -115,10 +115,6 @@ struct Candidate {
   std::function<void(cudaStream_t)> run;
 };
 
-const char* raster_name(const kernel::SchedulerOptions& o) {
-  return o.raster == kernel::Raster::kAlongN ? "N" : o.raster == kernel::Raster::kAlongM ? "M" : "H";
-}
-
 // The tile orders the sweep times: those the GPU tests cover, and the heuristic's own.
 std::vector<kernel::SchedulerOptions> sweep_orders(const kernel::SchedulerOptions& heuristic) {
   std::vector<kernel::SchedulerOptions> v = {heuristic};
@@ -142,7 +138,6 @@ int main(int argc, char** argv) {
     std::printf("coda_program_bench: no CUDA device; nothing to measure\n");
     return 0;
   }
-  const int sms = bench::device_sms();  // the heuristic sees what the op layer passes it
   bench::Timer timer;
   std::vector<bench::JsonRow> rows;
   bench::JsonRow header;
@@ -271,7 +266,7 @@ int main(int argc, char** argv) {
           .set("k", c.k);
     };
     const bool sweep = args.count("sweep-sustained");
-    const kernel::KernelChoice chosen = kernel::choose_config(c.program, c.operands, c.m, c.n, c.k, sms);
+    const kernel::KernelChoice chosen = kernel::choose_config(c.program, c.operands, c.m, c.n, c.k);
     std::vector<Candidate> candidates;
     for (int ci = 0; ci < int(Config::kCount); ++ci) {
       const Config cfg = Config(ci);
@@ -283,12 +278,12 @@ int main(int argc, char** argv) {
       const kernel::KernelChoice plain_choice =
           kernel::find_kernel(Program::kPlain, cfg, c.operands)
               ? kernel::KernelChoice{cfg, {}}
-              : kernel::choose_config(Program::kPlain, c.operands, c.m, c.n, c.k, sms);
+              : kernel::choose_config(Program::kPlain, c.operands, c.m, c.n, c.k);
       const auto plain_fn = kernel::find_kernel(Program::kPlain, plain_choice.config, c.operands);
       if (!plain_fn) continue;
       // The scheduler options the op layer would use for this program and shape.
       kernel::SchedulerOptions so =
-          kernel::choose_config(c.program, c.operands, c.m, c.n, c.k, sms).scheduler;
+          kernel::choose_config(c.program, c.operands, c.m, c.n, c.k).scheduler;
       kernel::SchedulerOptions plain_so = plain_choice.config == cfg ? so : plain_choice.scheduler;
       // --swizzle N / --raster M|N override them (both timed kernels), to explore.
       for (kernel::SchedulerOptions* o : {&so, &plain_so}) {
@@ -406,7 +401,7 @@ int main(int argc, char** argv) {
                          .set("config", kernel::config_name(cfg))
                          .set("plain_config", kernel::config_name(plain_choice.config))
                          .set("swizzle", so.swizzle)
-                         .set("raster", raster_name(so))
+                         .set("raster", bench::raster_name(so.raster))
                          .set("check", unchecked ? "unchecked" : ok ? "ok" : "FAIL")
                          .set("plain_ms", t_plain)
                          .set("fused_ms", t_fused)
@@ -415,7 +410,7 @@ int main(int argc, char** argv) {
     }
     if (sweep && !candidates.empty()) {
       // Our plain GEMM of the shape, as the op layer runs it, as the reference.
-      const kernel::KernelChoice pc = kernel::choose_config(Program::kPlain, c.operands, c.m, c.n, c.k, sms);
+      const kernel::KernelChoice pc = kernel::choose_config(Program::kPlain, c.operands, c.m, c.n, c.k);
       const auto plain_fn = kernel::find_kernel(Program::kPlain, pc.config, c.operands);
       kernel::PlainArgs plain_args;
       std::vector<std::function<void(cudaStream_t)>> fns;
@@ -429,18 +424,18 @@ int main(int argc, char** argv) {
       const double ref_f = plain_fn ? flushed.back() : NAN, ref_s = plain_fn ? sustained.back() : NAN;
       std::printf("%-11s %-13s %6d %6d %6d | sweep: flushed / sustained ms (ratio to plain %s %d:%s "
                   "%.3f / %.3f ms)\n", c.model.c_str(), c.op.c_str(), c.m, c.n, c.k,
-                  kernel::config_name(pc.config), pc.scheduler.swizzle, raster_name(pc.scheduler),
+                  kernel::config_name(pc.config), pc.scheduler.swizzle, bench::raster_name(pc.scheduler.raster),
                   ref_f, ref_s);
       for (size_t j = 0; j < candidates.size(); ++j) {
         const Candidate& cd = candidates[j];
         std::printf("    %c %-22s %d:%s  %8.3f %8.3f   %6.3f %6.3f\n", cd.chosen ? '*' : ' ',
-                    cd.config, cd.order.swizzle, raster_name(cd.order), flushed[j], sustained[j],
+                    cd.config, cd.order.swizzle, bench::raster_name(cd.order.raster), flushed[j], sustained[j],
                     flushed[j] / ref_f, sustained[j] / ref_s);
         rows.push_back(case_row()
                            .set("mode", "sweep")
                            .set("config", cd.config)
                            .set("swizzle", cd.order.swizzle)
-                           .set("raster", raster_name(cd.order))
+                           .set("raster", bench::raster_name(cd.order.raster))
                            .set("heuristic_pick", cd.chosen ? 1.0 : 0.0)
                            .set("flushed_ms", flushed[j])
                            .set("sustained_ms", sustained[j])

@@ -326,11 +326,6 @@ def sustained_files(results):
     return out
 
 
-def latest_sustained(results):
-    files = sustained_files(results)
-    return files[0] if files else None
-
-
 def sustained_rows(paths):
     """(model, m) -> {"single": fwd+bwd row, "sustained": fwd+bwd sustained row, "path": file}, or
     {"failed": True, "path": file}, per shape. paths are latest first; a shape comes from the first

@@ -29,11 +29,10 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 from chain_bench import (ALL_MODELS, Coda, EnergyCounter, bench_interleaved, bench_sustained,
                          chain_inputs, progress_printer, results_file, write_json)
-from chain_train_bench import ours_chain
+from chain_train_bench import ours_chain, ours_floor_gemms
 
 
 def host_enqueue_ms(step, steps=20, rounds=5):
@@ -106,15 +105,11 @@ def probe(coda, model, m, counter, progress, alts=None, chain_only=False):
         with torch.cuda.graph(graph, stream=side):
             step()
         torch.cuda.synchronize()
-        gemms = [(t.y, t.wo, o.x1), (o.h1, t.wgu_split, o.z), (o.act, t.wd, o.x2),
-                 (o.h2, t.wqkv_hf, o.qkv)]
+        floor_calls = ours_floor_gemms(t, o)
 
         def floor():
-            for a_in, w, _ in gemms:
-                F.linear(a_in, w)
-            for a_in, w, out in gemms:
-                torch.matmul(out, w)
-                torch.matmul(out.t(), a_in)
+            for fn in floor_calls.values():
+                fn()
 
         floor_graph = torch.cuda.CUDAGraph()
         floor()

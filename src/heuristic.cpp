@@ -17,6 +17,9 @@
 #include <memory>
 #include <mutex>
 #include <sstream>
+#include <unordered_map>
+
+#include <cuda_runtime.h>
 
 #include "coda/common/check.hpp"
 
@@ -73,6 +76,24 @@ namespace {
 // 128x128 with 2x the tiles fills it better. The wave fill is the share of the launched waves'
 // tile slots that hold a tile. (The paper's H = 4096 dW down, 0.88x cuBLAS in run 39, fills 95%:
 // its gap is something else.)
+// The current device's multiprocessor count, queried once per device.
+int current_device_sms() {
+  int device = 0;
+  const cudaError_t e = cudaGetDevice(&device);
+  CODA_CHECK(e == cudaSuccess, "choose_config: no current CUDA device to count multiprocessors on (",
+             cudaGetErrorString(e), "); pass the count");
+  static std::mutex mutex;
+  static std::unordered_map<int, int> cached;
+  std::lock_guard<std::mutex> lock(mutex);
+  int& sms = cached[device];
+  if (sms == 0) {
+    const cudaError_t a = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    CODA_CHECK(a == cudaSuccess, "choose_config: cannot read device ", device,
+               "'s multiprocessor count: ", cudaGetErrorString(a));
+  }
+  return sms;
+}
+
 double wave_fill(int m, int n, int tile_m, int tile_n, int sms) {
   const int64_t tiles = int64_t((m + tile_m - 1) / tile_m) * ((n + tile_n - 1) / tile_n);
   return double(tiles) / double((tiles + sms - 1) / sms * sms);
@@ -92,6 +113,7 @@ KernelChoice plain_xty_config(int m, int n, int k, int sms) {
   const SchedulerOptions sched = n >= 100000    ? SchedulerOptions{4, Raster::kAlongN}
                                  : earlier_rule ? SchedulerOptions{1, Raster::kAlongM}
                                                 : SchedulerOptions{8, Raster::kAlongN};
+  if (sms == 0) sms = current_device_sms();
   const double coop = wave_fill(m, n, 128, 256, sms), ping = wave_fill(m, n, 128, 128, sms);
   // Pingpong takes the padding rule of the other pingpong kernels (1B dW qkv: swizzle 8 along M,
   // 1.004x cuBLAS sustained and 0.965x in single runs, against 1.009 / 1.012 at swizzle 1).
@@ -283,7 +305,8 @@ void set_kernel_overrides(const std::string& spec) {
 }
 
 KernelChoice choose_config(Program p, Operands o, int m, int n, int k, int sms) {
-  CODA_CHECK(sms > 0, "choose_config: the multiprocessor count must be positive, got ", sms);
+  CODA_CHECK(sms >= 0, "choose_config: the multiprocessor count must be >= 0 (0: the current "
+             "device's), got ", sms);
   const auto overrides = overrides_snapshot();
   // An entry for this K wins over one for every K, wherever either stands in the list.
   const KernelOverride* match = nullptr;

@@ -4,9 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <initializer_list>
-#include <mutex>
 #include <string>
-#include <unordered_map>
 #include <utility>
 
 #include "coda/common/check.hpp"
@@ -58,29 +56,9 @@ void check_logits_stride(const char* op, int vocab, int ld_logits) {
              ld_logits);
 }
 
-// The current device's multiprocessor count, queried once per device, for the one choice that
-// weighs it (the weight-gradient GEMM's wave fill); every other choice gets kDefaultSms, so the
-// partial-buffer layouts stay host-only computations. (The launcher sizes the persistent grid with
-// its own query.)
-int current_sms() {
-  int device = 0;
-  CODA_CUDA_CHECK(cudaGetDevice(&device));
-  static std::mutex mutex;
-  static std::unordered_map<int, int> cached;
-  std::lock_guard<std::mutex> lock(mutex);
-  int& sms = cached[device];
-  if (sms == 0)
-    CODA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  return sms;
-}
-
-int sms_for(Program p, Operands o) {
-  return p == Program::kPlain && o == Operands::kXtY ? current_sms() : kernel::kDefaultSms;
-}
-
 void launch(const char* op, Program p, int m, int n, int k, const kernel::GemmProblem& prob,
             const void* args, cudaStream_t stream, Operands o = Operands::kXWt) {
-  const kernel::KernelChoice c = kernel::choose_config(p, o, m, n, k, sms_for(p, o));
+  const kernel::KernelChoice c = kernel::choose_config(p, o, m, n, k);
   const kernel::LaunchFn fn = kernel::find_kernel(p, c.config, o);
   CODA_CHECK(fn != nullptr, op,
              ": no compiled kernel for this program (build with CODA_KERNELS=all)");
@@ -91,7 +69,7 @@ void launch(const char* op, Program p, int m, int n, int k, const kernel::GemmPr
 
 epilogue::PartialLayout partial_layout(Program p, int m, int n, int k,
                                        Operands o = Operands::kXWt) {
-  const auto c = kernel::choose_config(p, o, m, n, k, sms_for(p, o));  // as launch() chooses
+  const auto c = kernel::choose_config(p, o, m, n, k);
   const auto t = kernel::tile_shape(c.config);
   return p == Program::kRmsnormBackward ? epilogue::PartialLayout::per_column(m, n, t.m, t.n)
                                         : epilogue::PartialLayout::per_row(m, n, t.m, t.n);

@@ -15,6 +15,8 @@
 #include <utility>
 #include <vector>
 
+#include "coda/kernel/args.hpp"
+
 #include "coda/kernel/cuda_check.hpp"
 
 namespace coda::bench {
@@ -81,18 +83,8 @@ class Timer {
       const std::vector<std::function<void(cudaStream_t)>>& fns, double batch_ms = 120.0,
       int rounds = 5, cudaStream_t stream = nullptr) {
     rounds = std::max(rounds, 1);
-    std::vector<int> runs(fns.size());
-    for (size_t j = 0; j < fns.size(); ++j) {  // calibrate: runs per batch from a warm run
-      fns[j](stream);
-      CODA_CUDA_CHECK(cudaEventRecord(start_, stream));
-      fns[j](stream);
-      CODA_CUDA_CHECK(cudaEventRecord(stop_, stream));
-      CODA_CUDA_CHECK(cudaEventSynchronize(stop_));
-      float ms = 0;
-      CODA_CUDA_CHECK(cudaEventElapsedTime(&ms, start_, stop_));
-      runs[j] = std::max(3, int(batch_ms / std::max(ms, 1e-3f)));
-    }
-    auto batch = [&](size_t j) {
+    std::vector<int> runs(fns.size(), 1);
+    auto batch = [&](size_t j) {  // ms per run over runs[j] back-to-back runs
       CODA_CUDA_CHECK(cudaEventRecord(start_, stream));
       for (int r = 0; r < runs[j]; ++r) fns[j](stream);
       CODA_CUDA_CHECK(cudaEventRecord(stop_, stream));
@@ -101,6 +93,10 @@ class Timer {
       CODA_CUDA_CHECK(cudaEventElapsedTime(&ms, start_, stop_));
       return ms / runs[j];
     };
+    for (size_t j = 0; j < fns.size(); ++j) {  // calibrate: runs per batch from a warm run
+      fns[j](stream);
+      runs[j] = std::max(3, int(batch_ms / std::max(batch(j), 1e-3f)));
+    }
     for (size_t j = 0; j < fns.size(); ++j) batch(j);  // one untimed batch each: reach the limit
     std::vector<std::vector<float>> t(fns.size());
     for (int r = 0; r < rounds; ++r)
@@ -161,15 +157,6 @@ class JsonRow {
   std::vector<std::string> fields_;
 };
 
-// The current device's multiprocessor count, as the op layer passes it to choose_config (so a
-// benchmark's "heuristic's pick" is what the ops launch on this device).
-inline int device_sms() {
-  int device = 0, sms = 0;
-  CODA_CUDA_CHECK(cudaGetDevice(&device));
-  CODA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  return sms;
-}
-
 inline std::string device_description() {
   cudaDeviceProp p{};
   CODA_CUDA_CHECK(cudaGetDeviceProperties(&p, 0));
@@ -207,6 +194,11 @@ inline std::map<std::string, std::string> parse_args(int argc, char** argv) {
       a[k] = "1";
   }
   return a;
+}
+
+// A tile order's raster as the benches' rows write it: M, N, or H (the scheduler's heuristic).
+inline const char* raster_name(kernel::Raster r) {
+  return r == kernel::Raster::kAlongM ? "M" : r == kernel::Raster::kAlongN ? "N" : "H";
 }
 
 }  // namespace coda::bench

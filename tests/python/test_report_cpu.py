@@ -175,12 +175,12 @@ def test_clock_range_names_shapes_that_ran_above_the_floor():
     assert report.clock_range([0.061, 0.064]) == "6% below"  # one value where both round alike
 
 
-def test_latest_sustained_skips_other_benchmarks_files(tmp_path):
+def test_sustained_files_skip_other_benchmarks_files(tmp_path):
     chain = sustained_file(tmp_path, "2026-01-01-run7-sustained.json")
     # A later coda_gemm_bench --sustained file has the same ending and no chain rows.
     (tmp_path / "2026-01-01-run8-xty-sustained.json").write_text(
         json.dumps({"rows": [{"kind": "sustained", "ms": 1.0}]}))
-    assert report.latest_sustained(str(tmp_path)) == chain
+    assert report.sustained_files(str(tmp_path)) == [chain]
 
 
 def test_a_later_partial_run_keeps_the_earlier_runs_other_shapes(tmp_path):

@@ -18,15 +18,14 @@ struct KernelChoice {
 // Plain GEMM D = X · Wᵀ.
 KernelChoice plain_gemm_config(int m, int n, int k);
 
-// The multiprocessor count of an H100 / H200 SXM, which the heuristic's tables were measured on.
-constexpr int kDefaultSms = 132;
-
 // Any program; falls back to a compiled configuration of that program. The environment variable
 // CODA_KERNEL_OVERRIDE, read at the first launch, or set_kernel_overrides replaces the choice for
 // program / operand pairs (for tuning and benchmarks only; see parse_kernel_overrides). sms is the
-// launching device's multiprocessor count: the weight-gradient rule weighs how full the last wave
-// of tiles is (an H100 PCIe has 114, an H20 78).
-KernelChoice choose_config(Program p, Operands o, int m, int n, int k, int sms = kDefaultSms);
+// device's multiprocessor count, which the weight-gradient rule weighs (how full the last wave of
+// tiles is; an H100 / H200 SXM has 132, an H100 PCIe 114); 0, the default, means the current
+// device's, queried once per device and only by that rule, so every other choice (and the
+// partial-buffer layouts that follow it) stays a host-only computation.
+KernelChoice choose_config(Program p, Operands o, int m, int n, int k, int sms = 0);
 
 // One CODA_KERNEL_OVERRIDE entry: every launch of `program` with `operands` (and, where k > 0,
 // that inner dimension K) takes `choice`.
