@@ -59,8 +59,6 @@ std::vector<Case> cases(bool quick) {
           {md.name, "down_proj+F1", Program::kResidualRmsnormPartial, m, md.hidden, md.ffn});
       out.push_back({md.name, "qkv+F3", Program::kRmsnormRope, m, md.qkv_width(), md.hidden,
                      md.q_heads, md.kv_heads, md.head_dim});
-      out.push_back({md.name, "qkv+F3cache", Program::kRmsnormRopeCached, m, md.qkv_width(),
-                     md.hidden, md.q_heads, md.kv_heads, md.head_dim});
       out.push_back(
           {md.name, "lm_head+F4", Program::kRmsnormLse, m, bench::kLlama3Vocab, md.hidden});
       // The LM head's three-GEMM path runs per chunk of 2048 tokens (the default 1 GiB budget at
@@ -168,8 +166,6 @@ int main(int argc, char** argv) {
     int32_t* pos = nullptr;
     int64_t* tgt = nullptr;
     uint32_t *fhi = nullptr, *flo = nullptr;
-    float* cos_sin = nullptr;
-    constexpr int kCachedPositions = 8192;  // positions below are i % 8192
     CODA_CUDA_CHECK(cudaMalloc(&a, na * 2));
     CODA_CUDA_CHECK(cudaMalloc(&w, nw * 2));
     CODA_CUDA_CHECK(cudaMalloc(&d, nd * 2));
@@ -213,8 +209,7 @@ int main(int argc, char** argv) {
       CODA_CUDA_CHECK(cudaMalloc(&h, nd));  // (M, N/2) bf16
       f2 = {r, h, c.n / 2};
       fargs = &f2;
-    } else if (c.program == Program::kRmsnormRope ||
-               c.program == Program::kRmsnormRopeCached) {
+    } else if (c.program == Program::kRmsnormRope) {
       table = programs::rope_column_table(
           {c.heads, c.kv_heads, c.head_dim},
           programs::rope_inv_freq(c.head_dim, 500000.0, {.enabled = true}));
@@ -227,17 +222,6 @@ int main(int argc, char** argv) {
       CODA_CUDA_CHECK(cudaMemcpy(fhi, hi.data(), c.n * 4, cudaMemcpyHostToDevice));
       CODA_CUDA_CHECK(cudaMemcpy(flo, lo.data(), c.n * 4, cudaMemcpyHostToDevice));
       f3 = {r, pos, fhi, flo};
-      if (c.program == Program::kRmsnormRopeCached) {
-        const auto cache = programs::rope_cos_sin_cache(
-            programs::rope_inv_freq(c.head_dim, 500000.0, {.enabled = true}), kCachedPositions);
-        CODA_CUDA_CHECK(cudaMalloc(&cos_sin, cache.size() * 4));
-        CODA_CUDA_CHECK(
-            cudaMemcpy(cos_sin, cache.data(), cache.size() * 4, cudaMemcpyHostToDevice));
-        f3.cos_sin = cos_sin;
-        f3.positions = kCachedPositions;
-        f3.head_dim = c.head_dim;
-        f3.rotated = (c.heads + c.kv_heads) * c.head_dim;
-      }
       fargs = &f3;
     } else if (c.program == Program::kSwigluBackward) {  // z, dz: (M, N) bf16 pairs
       CODA_CUDA_CHECK(cudaMalloc(&zpair, nd * 4));
@@ -333,8 +317,7 @@ int main(int argc, char** argv) {
           const double got_z = bf(download(d, size_t(mi) * c.n + ni, 1)[0]);
           const double got_a = bf(download(h, size_t(mi) * (c.n / 2) + ni / 2, 1)[0]);
           ok = close(got_z, zg) && close(got_a, zg / (1 + std::exp(-zg)) * zu);
-        } else if (c.program == Program::kRmsnormRope ||
-                   c.program == Program::kRmsnormRopeCached) {
+        } else if (c.program == Program::kRmsnormRope) {
           const double x0 = r_host[mi] * dot_row(a, w, mi, ni, c.k);
           const double x1 = r_host[mi] * dot_row(a, w, mi, ni + 1, c.k);
           double cs, sn;
@@ -466,7 +449,7 @@ int main(int argc, char** argv) {
     for (void* p :
          {(void*)a, (void*)w, (void*)d, (void*)res, (void*)h, (void*)gamma, (void*)r, (void*)part,
           (void*)part2, (void*)tl, (void*)pos, (void*)tgt, (void*)fhi, (void*)flo, (void*)x,
-          (void*)zdz, (void*)zpair, (void*)dzpair, (void*)cos_sin})
+          (void*)zdz, (void*)zpair, (void*)dzpair})
       if (p) cudaFree(p);
   }
   return 0;

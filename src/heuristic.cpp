@@ -196,7 +196,6 @@ KernelChoice program_config(Program p, int m, int n, int k) {
         return {Config::kCoop128x256x64_2x1, plain_gemm_config(m, n, k).scheduler};
       return plain_gemm_config(m, n, k);
     case Program::kRmsnormRope:
-    case Program::kRmsnormRopeCached:
       // The plain GEMM's choice (F1: out/down-proj, F3: QKV have N <= 10240): pingpong 128x128
       // below 6144 columns, cooperative 256x128 above, both compiled for these programs.
       return plain_gemm_config(m, n, k);

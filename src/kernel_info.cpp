@@ -53,8 +53,6 @@ const char* program_name(Program p) {
       return "gemm_rmsnorm_swiglu";
     case Program::kRmsnormRope:
       return "gemm_rmsnorm_rope";
-    case Program::kRmsnormRopeCached:
-      return "gemm_rmsnorm_rope_cached";
     case Program::kRmsnormLse:
       return "gemm_rmsnorm_lse";
     case Program::kRmsnormLseLogits:

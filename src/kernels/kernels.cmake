@@ -21,8 +21,6 @@ set(CODA_ALL_KERNELS
   "RmsnormRope:Ping128x128x64_1x2:XWt"
   "RmsnormRope:Coop128x256x64_2x1:XWt"
   "RmsnormRope:Coop256x128x64_1x2:XWt"
-  "RmsnormRopeCached:Ping128x128x64_1x2:XWt"
-  "RmsnormRopeCached:Coop256x128x64_1x2:XWt"
   "RmsnormLse:Coop128x256x64_2x1:XWt"
   "RmsnormLse:Ping128x192x64_2x1:XWt"
   "RmsnormLseLogits:Coop128x256x64_2x1:XWt"
@@ -49,7 +47,6 @@ set(CODA_FUSION_HEADER_Plain plain.cuh)
 set(CODA_FUSION_HEADER_ResidualRmsnormPartial residual_rmsnorm.cuh)
 set(CODA_FUSION_HEADER_RmsnormSwiglu rmsnorm_swiglu.cuh)
 set(CODA_FUSION_HEADER_RmsnormRope rmsnorm_rope.cuh)
-set(CODA_FUSION_HEADER_RmsnormRopeCached rmsnorm_rope.cuh)
 set(CODA_FUSION_HEADER_RmsnormLse rmsnorm_lse.cuh)
 set(CODA_FUSION_HEADER_RmsnormLseLogits rmsnorm_lse.cuh)
 set(CODA_FUSION_HEADER_PairLayoutProbe pair_layout_probe.cuh)

@@ -182,89 +182,66 @@ TEST_F(GpuKernelTest, RmsnormSwigluMatchesReference) {
 }
 
 TEST_F(GpuKernelTest, RmsnormRopeMatchesReferenceWithGqaAndLongPositions) {
+  const auto configs = compiled_configs(Program::kRmsnormRope);
+  ASSERT_FALSE(configs.empty());
   testing::Rng rng(5);
   // N = 320, 1024 and 192; head_dim 48 puts heads across the epilogue's 32-column subtiles.
   const programs::QkvLayout layouts[] = {{3, 1, 64}, {4, 2, 128}, {2, 1, 48}};
-  // F3 computes every angle. F3 with a cos / sin cache of 2^16 positions runs twice: every
-  // position cached, and positions up to 2^17, so that about half the rows compute their angle
-  // and the rest read the cache, in one launch.
-  constexpr int kCached = 1 << 16;
-  struct Variant {
-    Program program;
-    int max_position;
-  };
-  const Variant variants[] = {{Program::kRmsnormRope, 1 << 17},
-                              {Program::kRmsnormRopeCached, kCached},
-                              {Program::kRmsnormRopeCached, 1 << 17}};
-  for (const auto& ql : layouts) {
-    const auto inv = programs::rope_inv_freq(ql.head_dim, 500000.0, {.enabled = true});
-    const auto table = programs::rope_column_table(ql, inv);
-    std::vector<uint32_t> hi, lo;
-    ops::split_rope_table(table, hi, lo);
-    DeviceBuffer<uint32_t> dhi(hi), dlo(lo);
-    DeviceBuffer<float> dcache(programs::rope_cos_sin_cache(inv, kCached));
-    for (const Variant& var : variants) {
-      const auto configs = compiled_configs(var.program);
-      ASSERT_FALSE(configs.empty()) << program_name(var.program);
-      for (Config c : configs)
-        for (int m : {1, 111, 4097}) {
-          const Shape s{m, ql.width(), 136};
-          if (skip_large(s)) continue;
-          const size_t mn = size_t(s.m) * s.n;
-          const V h = testing::bf16_uniform(size_t(s.m) * s.k, -1, 1, rng);
-          const V w = testing::bf16_uniform(size_t(s.n) * s.k, -0.3, 0.3, rng);
-          std::vector<float> r(s.m);
-          std::vector<int32_t> pos(s.m);
-          for (int i = 0; i < s.m; ++i) {
-            r[i] = static_cast<float>(rng.uniform(0.3, 3));
-            pos[i] = static_cast<int32_t>(rng.integer(0, var.max_position - 1));
-          }
-          auto dh = upload_bf16(h), dw = upload_bf16(w);
-          DeviceBuffer<float> dr(r);
-          DeviceBuffer<int32_t> dpos(pos);
-          DeviceBuffer<bf16> dq(mn);
-          dq.poison();
-          RmsnormRopeArgs args{dr.get(), dpos.get(), dhi.get(), dlo.get()};
-          if (var.program == Program::kRmsnormRopeCached) {
-            args.cos_sin = dcache.get();
-            args.positions = kCached;
-            args.head_dim = ql.head_dim;
-            args.rotated = ql.q_width() + ql.kv_width();
-          }
-          run(var.program, c,
-              {s.m, s.n, s.k, dh.get(), s.k, dw.get(), s.k, nullptr, 0, dq.get(), s.n}, &args);
-
-          const V rd = as_double(r);
-          programs::RmsnormRope<double> p;
-          V q(mn);
-          p.r = {rd.data(), s.m};
-          p.pos = {pos.data(), s.m};
-          p.freq = {table.data(), s.n};
-          p.qkv = {q.data(), s.m, s.n, s.n};
-          reference::execute<double>(MatrixRef<double>::row_major(h.data(), s.m, s.k),
-                                     MatrixRef<double>::row_major(w.data(), s.n, s.k), p,
-                                     reference_tiles(c));
-          // PyTorch (HF eager): q = bf16(bf16(y) r); cos, sin cast to bf16; q·cos and rot(q)·sin
-          // each rounded, then their sum.
-          const V y = gemm_ref(h, w, s);
-          V q_pt(mn);
-          for (int i = 0; i < s.m; ++i)
-            for (int j = 0; j < s.n; j += 2) {
-              const size_t e = size_t(i) * s.n + j;
-              const double x0 = round_bf16(round_bf16(y[e]) * rd[i]);
-              const double x1 = round_bf16(round_bf16(y[e + 1]) * rd[i]);
-              const bool rotated = j < ql.q_width() + ql.kv_width();
-              const double th = rotated ? double(pos[i]) * inv[(j % ql.head_dim) / 2] : 0.0;
-              const double cs = round_bf16(std::cos(th)), sn = round_bf16(std::sin(th));
-              q_pt[e] = round_bf16(round_bf16(x0 * cs) - round_bf16(x1 * sn));
-              q_pt[e + 1] = round_bf16(round_bf16(x1 * cs) + round_bf16(x0 * sn));
-            }
-          expect_rule(std::string("F3 qkv ") + program_name(var.program) + " positions < " +
-                          std::to_string(var.max_position) + " " + label(c, s),
-                      download_bf16(dq), q, q_pt);
+  for (Config c : configs)
+    for (const auto& ql : layouts)
+      for (int m : {1, 111, 4097}) {
+        const Shape s{m, ql.width(), 136};
+        if (skip_large(s)) continue;
+        const size_t mn = size_t(s.m) * s.n;
+        const V h = testing::bf16_uniform(size_t(s.m) * s.k, -1, 1, rng);
+        const V w = testing::bf16_uniform(size_t(s.n) * s.k, -0.3, 0.3, rng);
+        std::vector<float> r(s.m);
+        std::vector<int32_t> pos(s.m);
+        for (int i = 0; i < s.m; ++i) {
+          r[i] = static_cast<float>(rng.uniform(0.3, 3));
+          pos[i] = static_cast<int32_t>(rng.integer(0, 1 << 17));
         }
-    }
-  }
+        const auto inv = programs::rope_inv_freq(ql.head_dim, 500000.0, {.enabled = true});
+        const auto table = programs::rope_column_table(ql, inv);
+        std::vector<uint32_t> hi, lo;
+        ops::split_rope_table(table, hi, lo);
+        auto dh = upload_bf16(h), dw = upload_bf16(w);
+        DeviceBuffer<float> dr(r);
+        DeviceBuffer<int32_t> dpos(pos);
+        DeviceBuffer<uint32_t> dhi(hi), dlo(lo);
+        DeviceBuffer<bf16> dq(mn);
+        dq.poison();
+        RmsnormRopeArgs args{dr.get(), dpos.get(), dhi.get(), dlo.get()};
+        run(Program::kRmsnormRope, c,
+            {s.m, s.n, s.k, dh.get(), s.k, dw.get(), s.k, nullptr, 0, dq.get(), s.n}, &args);
+
+        const V rd = as_double(r);
+        programs::RmsnormRope<double> p;
+        V q(mn);
+        p.r = {rd.data(), s.m};
+        p.pos = {pos.data(), s.m};
+        p.freq = {table.data(), s.n};
+        p.qkv = {q.data(), s.m, s.n, s.n};
+        reference::execute<double>(MatrixRef<double>::row_major(h.data(), s.m, s.k),
+                                   MatrixRef<double>::row_major(w.data(), s.n, s.k), p,
+                                   reference_tiles(c));
+        // PyTorch (HF eager): q = bf16(bf16(y) r); cos, sin cast to bf16; q·cos and rot(q)·sin
+        // each rounded, then their sum.
+        const V y = gemm_ref(h, w, s);
+        V q_pt(mn);
+        for (int i = 0; i < s.m; ++i)
+          for (int j = 0; j < s.n; j += 2) {
+            const size_t e = size_t(i) * s.n + j;
+            const double x0 = round_bf16(round_bf16(y[e]) * rd[i]);
+            const double x1 = round_bf16(round_bf16(y[e + 1]) * rd[i]);
+            const bool rotated = j < ql.q_width() + ql.kv_width();
+            const double th = rotated ? double(pos[i]) * inv[(j % ql.head_dim) / 2] : 0.0;
+            const double cs = round_bf16(std::cos(th)), sn = round_bf16(std::sin(th));
+            q_pt[e] = round_bf16(round_bf16(x0 * cs) - round_bf16(x1 * sn));
+            q_pt[e + 1] = round_bf16(round_bf16(x1 * cs) + round_bf16(x0 * sn));
+          }
+        expect_rule("F3 qkv " + label(c, s), download_bf16(dq), q, q_pt);
+      }
 }
 
 void check_lse(Program prog) {

@@ -42,7 +42,6 @@ enum class Program : int {
   kRmsnormBackward = 7,         // B1 (operands kXW)
   kRmsnormCrossEntropyBackward = 8,  // B4 (operands kXWt, ℓ recomputed)
   kSwigluBackward = 9,               // B2 (operands kXW)
-  kRmsnormRopeCached = 10,           // F3 reading cos / sin from a cache
   kCount
 };
 
@@ -95,12 +94,6 @@ struct RmsnormRopeArgs {              // F3: D = qkv
   const int32_t* pos = nullptr;       // (M)
   const uint32_t* freq_hi = nullptr;  // (N) programs::RopeFrequency split in two vectors
   const uint32_t* freq_lo = nullptr;  // (N)
-  // kRmsnormRopeCached only: a cos / sin cache (programs::rope_cos_sin_cache). Rows whose
-  // position is below `positions` read (cos, sin) from it; other rows compute them as F3 does.
-  const float* cos_sin = nullptr;  // (positions, head_dim / 2, 2) fp32
-  int32_t positions = 0;
-  int32_t head_dim = 0;  // of the Q and K heads
-  int32_t rotated = 0;   // columns [0, rotated) are Q and K heads, the rest V (not rotated)
 };
 
 struct RmsnormLseArgs {              // F4: D = logits (bf16) only for kRmsnormLseLogits

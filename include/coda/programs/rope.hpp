@@ -110,27 +110,6 @@ inline std::vector<RopeFrequency> rope_column_table(const QkvLayout& layout,
   return table;
 }
 
-// cos / sin of every position in [0, positions) and pair i of inv_freq, as fp32 (cos, sin)
-// pairs, position-major: entry (p, i) at 2 * (p * inv_freq.size() + i). The angle is the one F3
-// computes on the fly (fixed-point turns, rope_angle<double>), so a cached and a computed row
-// differ only by rounding.
-inline std::vector<float> rope_cos_sin_cache(const std::vector<double>& inv_freq, int positions) {
-  CODA_CHECK(!inv_freq.empty(), "rope cos/sin cache: inv_freq is empty");
-  CODA_CHECK(positions > 0, "rope cos/sin cache: positions must be positive, got ", positions);
-  const size_t half = inv_freq.size();
-  std::vector<RopeFrequency> f(half);
-  for (size_t i = 0; i < half; ++i) f[i] = rope_frequency_from_radians(inv_freq[i]);
-  std::vector<float> out(2 * half * static_cast<size_t>(positions));
-  for (int p = 0; p < positions; ++p)
-    for (size_t i = 0; i < half; ++i) {
-      double c, s;
-      rope_cos_sin<double>(p, f[i], c, s);
-      out[2 * (p * half + i)] = static_cast<float>(c);
-      out[2 * (p * half + i) + 1] = static_cast<float>(s);
-    }
-  return out;
-}
-
 // LLaMA-style inverse frequencies theta^(-2i/d), optionally with LLaMA-3.1 scaling.
 struct RopeScaling {
   bool enabled = false;

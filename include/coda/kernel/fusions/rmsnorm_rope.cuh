@@ -1,7 +1,6 @@
 #pragma once
 #include "coda/kernel/fusions/common.cuh"
 #include "coda/kernel/nodes/pairwise_compute.cuh"
-#include "coda/kernel/nodes/rope_cos_sin.cuh"
 #include "coda/programs/rope.hpp"
 
 namespace coda::kernel {
@@ -42,44 +41,6 @@ struct FusionOf<Program::kRmsnormRope> {
                                   ColumnVector<Tile, uint32_t>, ColumnVector<Tile, uint32_t>>;
     static typename Callbacks::Arguments arguments(Args const& a) {
       return {{}, {a.r, 0.0f, {}}, {a.pos, 0, {}}, {a.freq_hi, 0u, {}}, {a.freq_lo, 0u, {}}, {}};
-    }
-  };
-};
-
-// F3 with a cos / sin cache: (q, k) = rotate(r[m] · acc, cos, sin), the pair's (cos, sin) from
-// RopeCosSin (cached rows read them, others compute them; V columns get (1, 0)).
-struct RopeRotateFragment {
-  struct Arguments {};
-  template <int F>
-  CUTLASS_DEVICE cutlass::Array<float, F> operator()(Arguments const&,
-                                                     cutlass::Array<float, F> const& acc,
-                                                     cutlass::Array<float, F> const& r,
-                                                     cutlass::Array<float, F> const& cs) const {
-    cutlass::Array<float, F> out;
-    CUTLASS_PRAGMA_UNROLL
-    for (int j = 0; j < F / 2; ++j)
-      epilogue::RopeRotate{}(acc[2 * j] * r[2 * j], acc[2 * j + 1] * r[2 * j], cs[2 * j],
-                             cs[2 * j + 1], out[2 * j], out[2 * j + 1]);
-    return out;
-  }
-};
-
-template <>
-struct FusionOf<Program::kRmsnormRopeCached> {
-  using ElementC = void;
-  using ElementD = bfloat16_t;
-  using Args = RmsnormRopeArgs;
-  template <class EpilogueDesc>
-  struct Build {
-    using Tile = typename EpilogueDesc::TileShape;
-    using Callbacks = cf::Sm90EVT<PairwiseCompute<RopeRotateFragment, float>, cf::Sm90AccFetch,
-                                  RowVector<Tile, float>, RopeCosSin<Tile>>;
-    static typename Callbacks::Arguments arguments(Args const& a) {
-      return {{},
-              {a.r, 0.0f, {}},
-              {a.pos, a.freq_hi, a.freq_lo, reinterpret_cast<const float2*>(a.cos_sin),
-               a.positions, a.head_dim, a.rotated},
-              {}};
     }
   };
 };
