@@ -185,7 +185,7 @@ TEST_F(GpuKernelTest, RmsnormRopeMatchesReferenceWithGqaAndLongPositions) {
   const auto configs = compiled_configs(Program::kRmsnormRope);
   ASSERT_FALSE(configs.empty());
   testing::Rng rng(5);
-  // N = 320, 1024 and 192; head_dim 48 puts heads across the epilogue's 32-column subtiles.
+  // N = 320, 1024 and 192 (head_dim 48: not a power of two; the last N tile is ragged).
   const programs::QkvLayout layouts[] = {{3, 1, 64}, {4, 2, 128}, {2, 1, 48}};
   for (Config c : configs)
     for (const auto& ql : layouts)
