@@ -292,7 +292,7 @@ def run_shape(coda, model, m, results, progress, profile=False, backward_only=Fa
                                 "speedup_vs_best_baseline": min(base) / ms["coda"] if base else float("nan")})
         print(f"{model:11s} M={m:5d} sustained: "
               + " ".join(f"{k}={v['ms']:.3f}" + (f" ({v['sm_clock_mhz']} MHz, {v['power_w']} W)"
-                                                   if "joules" in v else "")
+                                                   if "sm_clock_mhz" in v else "")
                          for k, v in st.items())
               + (f" | speedup {min(base) / ms['coda']:.3f}x" if base else ""), flush=True)
     if ok and backward_only:

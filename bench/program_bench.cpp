@@ -424,13 +424,13 @@ int main(int argc, char** argv) {
       const double ref_f = plain_fn ? flushed.back() : NAN, ref_s = plain_fn ? sustained.back() : NAN;
       std::printf("%-11s %-13s %6d %6d %6d | sweep: flushed / sustained ms (ratio to plain %s %d:%s "
                   "%.3f / %.3f ms)\n", c.model.c_str(), c.op.c_str(), c.m, c.n, c.k,
-                  kernel::config_name(pc.config), pc.scheduler.swizzle, bench::raster_name(pc.scheduler.raster),
-                  ref_f, ref_s);
+                  kernel::config_name(pc.config), pc.scheduler.swizzle,
+                  bench::raster_name(pc.scheduler.raster), ref_f, ref_s);
       for (size_t j = 0; j < candidates.size(); ++j) {
         const Candidate& cd = candidates[j];
         std::printf("    %c %-22s %d:%s  %8.3f %8.3f   %6.3f %6.3f\n", cd.chosen ? '*' : ' ',
-                    cd.config, cd.order.swizzle, bench::raster_name(cd.order.raster), flushed[j], sustained[j],
-                    flushed[j] / ref_f, sustained[j] / ref_s);
+                    cd.config, cd.order.swizzle, bench::raster_name(cd.order.raster), flushed[j],
+                    sustained[j], flushed[j] / ref_f, sustained[j] / ref_s);
         rows.push_back(case_row()
                            .set("mode", "sweep")
                            .set("config", cd.config)

@@ -60,6 +60,22 @@ SchedulerOptions ping_128x128_1x2_order(int m, int n) {
 
 }  // namespace
 
+cudaError_t device_multiprocessors(int device, int* count) {
+  static std::mutex mutex;
+  static std::unordered_map<int, int> cached;
+  std::lock_guard<std::mutex> lock(mutex);
+  int& sms = cached[device];
+  if (sms == 0) {
+    const cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (e != cudaSuccess) {
+      sms = 0;
+      return e;
+    }
+  }
+  *count = sms;
+  return cudaSuccess;
+}
+
 KernelChoice plain_gemm_config(int m, int n, int k) {
   if (n >= 100000) return {Config::kPing128x192x64_2x1, {4, Raster::kAlongN}};
   if (n <= 6144 || k <= 2048) return {Config::kPing128x128x64_1x2, ping_128x128_1x2_order(m, n)};
@@ -69,6 +85,18 @@ KernelChoice plain_gemm_config(int m, int n, int k) {
 
 namespace {
 
+// The current device's multiprocessor count (device_multiprocessors).
+int current_device_sms() {
+  int device = 0, sms = 0;
+  const cudaError_t e = cudaGetDevice(&device);
+  CODA_CHECK(e == cudaSuccess, "choose_config: no current CUDA device to count multiprocessors on (",
+             cudaGetErrorString(e), "); pass the count");
+  const cudaError_t a = device_multiprocessors(device, &sms);
+  CODA_CHECK(a == cudaSuccess, "choose_config: cannot read device ", device,
+             "'s multiprocessor count: ", cudaGetErrorString(a));
+  return sms;
+}
+
 // The weight-gradient GEMM D = Xᵀ·Y (M, N = the weight's shape, K = tokens). Cooperative 128x256
 // is at cuBLAS parity (0.99-1.03, run 29) wherever its tile grid fills the last wave. Where it
 // fills less than 93% of it (1B dW QKV 3072 x 2048: 192 tiles = 1.45 waves of 132 SMs, 0.77-0.79x
@@ -76,24 +104,6 @@ namespace {
 // 128x128 with 2x the tiles fills it better. The wave fill is the share of the launched waves'
 // tile slots that hold a tile. (The paper's H = 4096 dW down, 0.88x cuBLAS in run 39, fills 95%:
 // its gap is something else.)
-// The current device's multiprocessor count, queried once per device.
-int current_device_sms() {
-  int device = 0;
-  const cudaError_t e = cudaGetDevice(&device);
-  CODA_CHECK(e == cudaSuccess, "choose_config: no current CUDA device to count multiprocessors on (",
-             cudaGetErrorString(e), "); pass the count");
-  static std::mutex mutex;
-  static std::unordered_map<int, int> cached;
-  std::lock_guard<std::mutex> lock(mutex);
-  int& sms = cached[device];
-  if (sms == 0) {
-    const cudaError_t a = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    CODA_CHECK(a == cudaSuccess, "choose_config: cannot read device ", device,
-               "'s multiprocessor count: ", cudaGetErrorString(a));
-  }
-  return sms;
-}
-
 double wave_fill(int m, int n, int tile_m, int tile_n, int sms) {
   const int64_t tiles = int64_t((m + tile_m - 1) / tile_m) * ((n + tile_n - 1) / tile_n);
   return double(tiles) / double((tiles + sms - 1) / sms * sms);

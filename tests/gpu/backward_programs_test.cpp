@@ -350,8 +350,8 @@ TEST_F(GpuKernelTest, RopeBackwardAndZdZMatchReference) {
       DeviceBuffer<float> dzdz(M);
       ddz.poison();
       dzdz.poison();
-      rope_backward(dyv.get(), ddy.get() + dy_offset, dpos.get(), dhi.get(), dlo.get(), M, W, H, ddz.get(),
-                    dzdz.get(), nullptr);
+      rope_backward(dyv.get(), ddy.get() + dy_offset, dpos.get(), dhi.get(), dlo.get(), M, W, H,
+                    ddz.get(), dzdz.get(), nullptr);
       CODA_CUDA_CHECK(cudaDeviceSynchronize());
       V dz(size_t(M) * W), zsum(M);
       programs::rope_backward<double>({y.data(), M, W, W}, {dy.data(), M, W, W}, {pos.data(), M},

@@ -119,6 +119,16 @@ TEST(Heuristic, WeightGradientWaveFillCountsTheDevicesMultiprocessors) {
   EXPECT_THROW(choose_config(Program::kPlain, Operands::kXtY, 3072, 2048, 8192, -1), coda::Error);
 }
 
+TEST(Heuristic, AFailedMultiprocessorQueryIsReportedNotCached) {
+  // No such device (on a host without a GPU, no device at all): an error, the count untouched,
+  // and nothing cached, so the next query asks again and fails again.
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    int count = -7;
+    EXPECT_NE(device_multiprocessors(1 << 20, &count), cudaSuccess) << attempt;
+    EXPECT_EQ(count, -7) << attempt;
+  }
+}
+
 TEST(KernelOverride, ParsesEntriesByTheNamesTheLibraryPrints) {
   const auto v = parse_kernel_overrides(
       "gemm_rmsnorm_backward/XW=ping_128x128x64_c1x2:8:M;;gemm/XtY=coop_128x256x64_c2x1:4:N");

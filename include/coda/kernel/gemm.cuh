@@ -12,12 +12,12 @@
 #include <cutlass/gemm/collective/collective_builder.hpp>
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 #include <cutlass/util/packed_stride.hpp>
-#include <mutex>
 #include <type_traits>
 #include <utility>
 
 #include "coda/kernel/args.hpp"
 #include "coda/kernel/fusions/common.cuh"
+#include "coda/kernel/heuristic.hpp"
 
 namespace coda::kernel {
 
@@ -127,17 +127,6 @@ Stride with_leading_dimension(Stride s, int64_t ld) {
   return s;
 }
 
-inline int sm_count(int device) {
-  static std::mutex mutex;
-  static int cached[64] = {};
-  std::lock_guard<std::mutex> lock(mutex);
-  if (device < 0 || device >= 64)
-    return cutlass::KernelHardwareInfo::query_device_multiprocessor_count(device);
-  if (cached[device] == 0)
-    cached[device] = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(device);
-  return cached[device];
-}
-
 // ElementAB: the operand type of the mainloop (bf16 today; fp16 and fp8 operands instantiate the
 // same launcher, with the epilogue programs unchanged since they see fp32 accumulators).
 template <Config C, Program P, Operands O, class ElementAB = cutlass::bfloat16_t>
@@ -198,7 +187,8 @@ struct GemmLauncher {
     if (err != cudaSuccess) return err;
     cutlass::KernelHardwareInfo hw;
     hw.device_id = device;
-    hw.sm_count = sm_count(device);
+    err = device_multiprocessors(device, &hw.sm_count);
+    if (err != cudaSuccess) return err;
 
     const KernelOperands operands = kernel_operands(p, fa);
     const ElementC* c_pointer = nullptr;

@@ -18,6 +18,10 @@ struct KernelChoice {
 // Plain GEMM D = X · Wᵀ.
 KernelChoice plain_gemm_config(int m, int n, int k);
 
+// The multiprocessor count of CUDA device `device` in *count, read once per device: the GEMM
+// launcher's persistent grid and the weight-gradient rule's wave fill both take it from here.
+cudaError_t device_multiprocessors(int device, int* count);
+
 // Any program; falls back to a compiled configuration of that program. The environment variable
 // CODA_KERNEL_OVERRIDE, read at the first launch, or set_kernel_overrides replaces the choice for
 // program / operand pairs (for tuning and benchmarks only; see parse_kernel_overrides). sms is the
@@ -41,8 +45,9 @@ struct KernelOverride {
 // coop_256x128x64_c1x2), SWIZZLE 1/2/4/8 and RASTER M or N; "@K" limits an entry to launches
 // with that K (one projection of a layer), e.g.
 //   gemm_rmsnorm_backward/XW@28672=coop_256x128x64_c1x2:8:M;gemm/XtY=coop_128x256x64_c2x1:4:N
-// An entry for the launch's K wins over one without "@K". Blanks around entries are ignored. Throws coda::Error
-// naming the bad entry and the accepted values; an entry named twice is an error too.
+// An entry for the launch's K wins over one without "@K". Blanks around entries are ignored.
+// Throws coda::Error naming the bad entry and the accepted values; an entry named twice is an
+// error too.
 std::vector<KernelOverride> parse_kernel_overrides(const std::string& spec);
 
 // Replaces the active overrides (CODA_KERNEL_OVERRIDE's, or an earlier call's) from now on, so a
