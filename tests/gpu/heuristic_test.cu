@@ -164,8 +164,15 @@ TEST(KernelOverride, AnEntryCanBeLimitedToOneK) {
   EXPECT_EQ(v[1].k, 0);
 }
 
+// Clears the process-wide overrides when a test ends however it ends, so that an exception
+// thrown mid-test cannot leave them set for the tests after it in this binary.
+struct ClearOverridesAtExit {
+  ~ClearOverridesAtExit() { set_kernel_overrides(""); }
+};
+
 TEST(KernelOverride, AnEntryForTheKWinsOverOneForEveryK) {
   // Listed after the general entry, the @K one still applies at its K.
+  const ClearOverridesAtExit clear;
   set_kernel_overrides(
       "gemm_rmsnorm_backward/XW=ping_128x128x64_c1x2:4:M;"
       "gemm_rmsnorm_backward/XW@28672=coop_256x128x64_c1x2:2:N");
@@ -183,6 +190,7 @@ TEST(KernelOverride, AnEntryForTheKWinsOverOneForEveryK) {
 TEST(KernelOverride, SetReplacesTheActiveOverridesAndKeepsThemOnABadSpec) {
   // 8B B1: gate/up (K = 28672) and QKV (K = 6144) share the program; the entry for one K leaves
   // the other to the heuristic.
+  const ClearOverridesAtExit clear;
   const KernelChoice qkv = choose_config(Program::kRmsnormBackward, Operands::kXW, 8192, 4096, 6144);
   set_kernel_overrides("gemm_rmsnorm_backward/XW@28672=coop_256x128x64_c1x2:2:N");
   const KernelChoice gu = choose_config(Program::kRmsnormBackward, Operands::kXW, 8192, 4096, 28672);
