@@ -166,10 +166,12 @@ def ours_floor_gemms(t, o):
                         (o.h2, t.wqkv_hf, o.qkv)])
 
 
-def run_shape(coda, model, m, results, progress, profile=False, backward_only=False, sustained=0):
+def run_shape(coda, model, m, results, progress, profile=False, backward_only=False, sustained=0,
+              pdl_ab=False):
     """One shape: checks every gradient, times fwd+bwd of every variant; `profile`: also every
     op of ours alone; `backward_only`: also the backward pass alone; `sustained`: also every
-    variant in batches of that many back-to-back steps (bench_sustained)."""
+    variant in batches of that many back-to-back steps (bench_sustained); `pdl_ab`: also ours
+    with programmatic dependent launch off (variant coda_no_pdl), its gradients checked too."""
     t = chain_inputs(model, m, 7 * m + ALL_MODELS[model][0])
     hidden, hq, hkv, d, inter, qkv_w = t.hidden, t.hq, t.hkv, t.d, t.inter, t.qkv_w
     y, x0, wo, wd, wqkv_hf, g_ffn, g_attn = t.y, t.x0, t.wo, t.wd, t.wqkv_hf, t.g_ffn, t.g_attn
@@ -226,6 +228,25 @@ def run_shape(coda, model, m, results, progress, profile=False, backward_only=Fa
     ok = all(v["ours"] <= 2 * v["eager"] + 1e-6 for v in acc.values())
 
     variants = {"coda": coda_step}
+    if pdl_ab:
+        def coda_no_pdl_step():
+            coda("coda_set_programmatic_launch", 0)
+            try:
+                coda_step()
+            finally:
+                coda("coda_set_programmatic_launch", 1)
+
+        # Without PDL every buffer of ours (outputs, gradients, partials) must come out bit for
+        # bit as with it.
+        buffers = {k: v for k, v in vars(o).items() if isinstance(v, torch.Tensor)}
+        before = {k: v.clone() for k, v in buffers.items()}
+        coda_no_pdl_step()
+        torch.cuda.synchronize()
+        bits = lambda v: v.reshape(-1).view(torch.uint8)  # noqa: E731 - NaN padding compares too
+        same = all(torch.equal(bits(before[k]), bits(v)) for k, v in buffers.items())
+        results.setdefault("pdl_ab_identical", []).append({"model": model, "m": m, "identical": same})
+        ok = ok and same
+        variants["coda_no_pdl"] = coda_no_pdl_step
     fwd_in = [a.detach().requires_grad_() for a in leaves]
 
     def autograd_variant(fn):
@@ -330,12 +351,15 @@ def main():
                     help="also time every variant in batches of RUNS back-to-back steps (no L2 "
                          "clearing), the variants alternating batch by batch")
     ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--pdl-ab", action="store_true",
+                    help="also time our chain with programmatic dependent launch off (coda_no_pdl)")
     a = ap.parse_args()
     coda = Coda(a.lib)
     results, progress = results_file("chain_fwd_bwd", a.commit), progress_printer()
     for model in a.models.split(","):
         for m in ((8192,) if a.quick else (8192, 16384)):
-            run_shape(coda, model, m, results, progress, profile=a.profile, sustained=a.sustained)
+            run_shape(coda, model, m, results, progress, profile=a.profile, sustained=a.sustained,
+                      pdl_ab=a.pdl_ab)
             write_json(a.json, results)
 
 

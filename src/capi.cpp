@@ -37,6 +37,12 @@ int coda_set_kernel_overrides(const char* spec) {
   return guarded([&] { coda::kernel::set_kernel_overrides(spec ? spec : ""); });
 }
 
+// Benchmarks only: GEMMs with (1) or without (0) programmatic dependent launch
+// (coda::kernel::set_programmatic_launch).
+int coda_set_programmatic_launch(int on) {
+  return guarded([&] { coda::kernel::set_programmatic_launch(on != 0); });
+}
+
 int coda_gemm(const void* x, const void* w, void* d, int m, int n, int k, void* stream) {
   return guarded([&] { coda::ops::gemm(B(x), B(w), Bm(d), m, n, k, S(stream)); });
 }

@@ -17,6 +17,7 @@
 #include <memory>
 #include <mutex>
 #include <sstream>
+#include <string>
 #include <unordered_map>
 
 #include <cuda_runtime.h>
@@ -306,6 +307,39 @@ std::shared_ptr<const std::vector<KernelOverride>> overrides_snapshot() {
   return a.list;
 }
 }  // namespace
+
+namespace {
+// Whether GEMMs launch with PDL: -1 until the environment is read at the first launch.
+struct LaunchMode {
+  std::mutex mutex;
+  int programmatic = -1;
+};
+LaunchMode& launch_mode() {
+  static LaunchMode l;
+  return l;
+}
+}  // namespace
+
+bool parse_programmatic_launch(const char* value) {
+  const std::string v = value ? value : "";
+  CODA_CHECK(v.empty() || v == "0" || v == "1",
+             "CODA_PROGRAMMATIC_LAUNCH: expected 0 (off) or 1 (on, the default), got '", v, "'");
+  return v != "0";
+}
+
+bool programmatic_launch() {
+  LaunchMode& l = launch_mode();
+  std::lock_guard<std::mutex> lock(l.mutex);
+  if (l.programmatic < 0)
+    l.programmatic = parse_programmatic_launch(std::getenv("CODA_PROGRAMMATIC_LAUNCH")) ? 1 : 0;
+  return l.programmatic == 1;
+}
+
+void set_programmatic_launch(bool on) {
+  LaunchMode& l = launch_mode();
+  std::lock_guard<std::mutex> lock(l.mutex);
+  l.programmatic = on ? 1 : 0;
+}
 
 void set_kernel_overrides(const std::string& spec) {
   auto parsed = std::make_shared<const std::vector<KernelOverride>>(parse_kernel_overrides(spec));

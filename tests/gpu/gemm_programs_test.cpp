@@ -14,6 +14,7 @@
 
 #include "coda/kernel/args.hpp"
 #include "coda/kernel/aux_kernels.hpp"
+#include "coda/kernel/heuristic.hpp"
 #include "coda/ops.hpp"
 #include "coda/programs/forward.hpp"
 #include "coda/reference/executor.hpp"
@@ -67,6 +68,81 @@ TEST_F(GpuKernelTest, PlainGemmMatchesReference) {
       for (size_t i = 0; i < ref.size(); ++i) pt[i] = round_bf16(ref[i]);
       expect_rule("gemm " + label(c, s), download_bf16(d), ref, pt);
     }
+}
+
+// Programmatic dependent launch (kernel::programmatic_launch, on by default): a GEMM may start
+// while the one before it in the stream drains, and must not read before that one has written.
+// Each round launches three dependent kernels on one stream with no synchronization between them:
+//   D1 = A·W1ᵀ       (K = 960; 40 tiles, so most SMs are free once it lets its dependents launch,
+//                     after its last tile's mainloop, before its epilogue has stored D1)
+//   D2 = D1·W2ᵀ      reads D1 in its mainloop (the mainloop producer's wait)
+//   x  = A3·W3ᵀ + D2 (F1) reads D2 as its residual (the epilogue producer's wait)
+// D1 and D2 are reused by every round while A changes, so a read that ran ahead of its producer
+// would see the previous round's values (or the poison of the first). Every round's x is checked.
+TEST_F(GpuKernelTest, DependentLaunchesReadWhatTheLaunchBeforeThemWrote) {
+  const Config c = Config::kPing128x128x64_1x2;
+  if (!find_kernel(Program::kPlain, c, Operands::kXWt) ||
+      !find_kernel(Program::kResidualRmsnormPartial, c, Operands::kXWt))
+    GTEST_SKIP() << "needs plain and F1 on " << config_name(c) << " (subset build)";
+  const bool was = programmatic_launch();
+  set_programmatic_launch(true);
+  testing::Rng rng(11);
+  const int m = 960, k1 = 960, n1 = 520, n2 = 264, k3 = 136, rounds = 3;
+  const Shape s1{m, n1, k1}, s2{m, n2, n1}, s3{m, n2, k3};
+  const V w1 = testing::bf16_uniform(size_t(n1) * k1, -0.1, 0.1, rng);
+  const V w2 = testing::bf16_uniform(size_t(n2) * n1, -0.1, 0.1, rng);
+  const V a3 = testing::bf16_uniform(size_t(m) * k3, -1, 1, rng);
+  const V w3 = testing::bf16_uniform(size_t(n2) * k3, -0.2, 0.2, rng);
+  const V ones(n2, 1.0);
+  auto dw1 = upload_bf16(w1), dw2 = upload_bf16(w2), da3 = upload_bf16(a3),
+       dw3 = upload_bf16(w3), dgamma = upload_bf16(ones);
+  std::vector<V> a(rounds);
+  std::vector<DeviceBuffer<bf16>> da, dx;
+  for (int r = 0; r < rounds; ++r) {
+    a[r] = testing::bf16_uniform(size_t(m) * k1, -1, 1, rng);
+    da.push_back(upload_bf16(a[r]));
+    dx.emplace_back(size_t(m) * n2);
+    dx.back().poison();
+  }
+  DeviceBuffer<bf16> d1(size_t(m) * n1), d2(size_t(m) * n2), h(size_t(m) * n2);
+  d1.poison();
+  d2.poison();
+  const auto tiles = reference_tiles(c);
+  const auto layout = epilogue::PartialLayout::per_row(m, n2, tiles.tile_m, tiles.tile_n);
+  DeviceBuffer<float> part(layout.elements());
+  cudaStream_t stream;
+  CODA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const SchedulerOptions so = test_schedule();
+  const LaunchFn plain = find_kernel(Program::kPlain, c, Operands::kXWt);
+  const LaunchFn f1 = find_kernel(Program::kResidualRmsnormPartial, c, Operands::kXWt);
+  PlainArgs none;
+  ResidualRmsnormPartialArgs f1_args{dgamma.get(), h.get(), n2, part.get()};
+  for (int r = 0; r < rounds; ++r) {
+    CODA_CUDA_CHECK(plain({m, n1, k1, da[r].get(), k1, dw1.get(), k1, nullptr, 0, d1.get(), n1},
+                          &none, so, stream));
+    CODA_CUDA_CHECK(plain({m, n2, n1, d1.get(), n1, dw2.get(), n1, nullptr, 0, d2.get(), n2},
+                          &none, so, stream));
+    CODA_CUDA_CHECK(f1({m, n2, k3, da3.get(), k3, dw3.get(), k3, d2.get(), n2, dx[r].get(), n2},
+                       &f1_args, so, stream));
+  }
+  CODA_CUDA_CHECK(cudaStreamSynchronize(stream));
+  CODA_CUDA_CHECK(cudaStreamDestroy(stream));
+  set_programmatic_launch(was);
+  // fp64 reference, and PyTorch's bf16 path (each GEMM's output rounded to bf16).
+  const V y3 = gemm_ref(a3, w3, s3);
+  for (int r = 0; r < rounds; ++r) {
+    const V y1 = gemm_ref(a[r], w1, s1);
+    V y1_pt(y1.size());
+    for (size_t i = 0; i < y1.size(); ++i) y1_pt[i] = round_bf16(y1[i]);
+    const V y2 = gemm_ref(y1, w2, s2), y2_pt = gemm_ref(y1_pt, w2, s2);
+    V x(y2.size()), x_pt(y2.size());
+    for (size_t i = 0; i < y2.size(); ++i) {
+      x[i] = y3[i] + y2[i];
+      x_pt[i] = round_bf16(round_bf16(y3[i]) + round_bf16(y2_pt[i]));
+    }
+    expect_rule("round " + std::to_string(r) + " x = A3·W3ᵀ + (A·W1ᵀ)·W2ᵀ",
+                download_bf16(dx[r]), x, x_pt);
+  }
 }
 
 TEST_F(GpuKernelTest, ResidualRmsnormPartialMatchesReference) {

@@ -129,6 +129,29 @@ TEST(Heuristic, AFailedMultiprocessorQueryIsReportedNotCached) {
   }
 }
 
+TEST(ProgrammaticLaunch, TheSwitchAndItsEnvironmentValue) {
+  const bool was = programmatic_launch();
+  set_programmatic_launch(false);
+  EXPECT_FALSE(programmatic_launch());
+  set_programmatic_launch(true);
+  EXPECT_TRUE(programmatic_launch());
+  set_programmatic_launch(was);
+  EXPECT_TRUE(parse_programmatic_launch(nullptr));
+  EXPECT_TRUE(parse_programmatic_launch(""));
+  EXPECT_TRUE(parse_programmatic_launch("1"));
+  EXPECT_FALSE(parse_programmatic_launch("0"));
+  for (const char* bad : {"yes", "01", " 1", "off"}) {
+    try {
+      parse_programmatic_launch(bad);
+      ADD_FAILURE() << "'" << bad << "' accepted";
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("CODA_PROGRAMMATIC_LAUNCH"), std::string::npos) << what;
+      EXPECT_NE(what.find(std::string("'") + bad + "'"), std::string::npos) << what;
+    }
+  }
+}
+
 TEST(KernelOverride, ParsesEntriesByTheNamesTheLibraryPrints) {
   const auto v = parse_kernel_overrides(
       "gemm_rmsnorm_backward/XW=ping_128x128x64_c1x2:8:M;;gemm/XtY=coop_128x256x64_c2x1:4:N");

@@ -226,7 +226,8 @@ struct GemmLauncher {
       if (err != cudaSuccess) return err;
     }
     cutlass::Status status = gemm.initialize(args, workspace, stream);
-    if (status == cutlass::Status::kSuccess) status = gemm.run(stream);
+    if (status == cutlass::Status::kSuccess)
+      status = gemm.run(stream, /*cuda_adapter=*/nullptr, programmatic_launch());
     if (workspace) cudaFreeAsync(workspace, stream);
     if (status != cutlass::Status::kSuccess) return cudaErrorLaunchFailure;
     return cudaGetLastError();

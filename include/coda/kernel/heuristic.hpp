@@ -22,6 +22,19 @@ KernelChoice plain_gemm_config(int m, int n, int k);
 // launcher's persistent grid and the weight-gradient rule's wave fill both take it from here.
 cudaError_t device_multiprocessors(int device, int* count);
 
+// Programmatic dependent launch (PDL) of the GEMM kernels; on unless turned off. A GEMM launched
+// so may start its CTAs (barrier set-up, descriptor prefetch) while the kernel before it in the
+// stream drains. Every CUDA translation unit is compiled with CUTLASS_ENABLE_GDC_FOR_SM90, so
+// CUTLASS's producer warps wait for that kernel (griddepcontrol.wait) before their first global
+// access, and its consumer warps let the next kernel launch after their last tile's mainloop.
+// The environment variable CODA_PROGRAMMATIC_LAUNCH (0 or 1), read at the first launch, or
+// set_programmatic_launch sets it; any other value throws coda::Error naming it. Benchmarks turn
+// it off to time both ways in one process.
+bool programmatic_launch();
+void set_programmatic_launch(bool on);
+// CODA_PROGRAMMATIC_LAUNCH's value as on / off: unset (null), "" and "1" are on, "0" off.
+bool parse_programmatic_launch(const char* value);
+
 // Any program; falls back to a compiled configuration of that program. The environment variable
 // CODA_KERNEL_OVERRIDE, read at the first launch, or set_kernel_overrides replaces the choice for
 // program / operand pairs (for tuning and benchmarks only; see parse_kernel_overrides). sms is the
