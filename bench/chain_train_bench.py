@@ -229,12 +229,15 @@ def run_shape(coda, model, m, results, progress, profile=False, backward_only=Fa
 
     variants = {"coda": coda_step}
     if pdl_ab:
+        pdl_was = ctypes.c_int()
+        coda("coda_programmatic_launch", ctypes.byref(pdl_was))
+
         def coda_no_pdl_step():
             coda("coda_set_programmatic_launch", 0)
             try:
                 coda_step()
             finally:
-                coda("coda_set_programmatic_launch", 1)
+                coda("coda_set_programmatic_launch", pdl_was.value)
 
         # Without PDL every buffer of ours (outputs, gradients, partials) must come out bit for
         # bit as with it.
@@ -243,9 +246,14 @@ def run_shape(coda, model, m, results, progress, profile=False, backward_only=Fa
         coda_no_pdl_step()
         torch.cuda.synchronize()
         bits = lambda v: v.reshape(-1).view(torch.uint8)  # noqa: E731 - NaN padding compares too
-        same = all(torch.equal(bits(before[k]), bits(v)) for k, v in buffers.items())
-        results.setdefault("pdl_ab_identical", []).append({"model": model, "m": m, "identical": same})
-        ok = ok and same
+        differ = [k for k, v in buffers.items() if not torch.equal(bits(before[k]), bits(v))]
+        results.setdefault("pdl_ab_identical", []).append(
+            {"model": model, "m": m, "identical": not differ, "differ": differ,
+             "programmatic_launch_before": pdl_was.value})
+        if differ:
+            print(f"{model:11s} M={m:5d} with programmatic dependent launch off, these buffers "
+                  f"differ: {', '.join(differ)}", flush=True)
+        ok = ok and not differ
         variants["coda_no_pdl"] = coda_no_pdl_step
     fwd_in = [a.detach().requires_grad_() for a in leaves]
 

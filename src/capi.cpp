@@ -5,6 +5,7 @@
 #include <cstring>
 #include <string>
 
+#include "coda/common/check.hpp"
 #include "coda/kernel/heuristic.hpp"
 #include "coda/ops.hpp"
 
@@ -38,9 +39,15 @@ int coda_set_kernel_overrides(const char* spec) {
 }
 
 // Benchmarks only: GEMMs with (1) or without (0) programmatic dependent launch
-// (coda::kernel::set_programmatic_launch).
+// (coda::kernel::set_programmatic_launch); *on receives the current setting.
 int coda_set_programmatic_launch(int on) {
   return guarded([&] { coda::kernel::set_programmatic_launch(on != 0); });
+}
+int coda_programmatic_launch(int* on) {
+  return guarded([&] {
+    CODA_CHECK(on != nullptr, "coda_programmatic_launch: on must point to an int");
+    *on = coda::kernel::programmatic_launch() ? 1 : 0;
+  });
 }
 
 int coda_gemm(const void* x, const void* w, void* d, int m, int n, int k, void* stream) {

@@ -71,29 +71,36 @@ TEST_F(GpuKernelTest, PlainGemmMatchesReference) {
 }
 
 // Programmatic dependent launch (kernel::programmatic_launch, on by default): a GEMM may start
-// while the one before it in the stream drains, and must not read before that one has written.
-// Each round launches three dependent kernels on one stream with no synchronization between them:
-//   D1 = A·W1ᵀ       (K = 960; 40 tiles, so most SMs are free once it lets its dependents launch,
-//                     after its last tile's mainloop, before its epilogue has stored D1)
-//   D2 = D1·W2ᵀ      reads D1 in its mainloop (the mainloop producer's wait)
-//   x  = A3·W3ᵀ + D2 (F1) reads D2 as its residual (the epilogue producer's wait)
-// D1 and D2 are reused by every round while A changes, so a read that ran ahead of its producer
-// would see the previous round's values (or the poison of the first). Every round's x is checked.
+// while the one before it in the stream drains, and must neither read what that one has not
+// written yet nor overwrite what it is still reading. Each round launches three dependent kernels
+// on one stream with no synchronization between them, on two (M, N) buffers P and Q that swap
+// roles every round:
+//   P  = A·W1ᵀ       (K = 960; 24 tiles, so most SMs are free once it lets its dependents launch,
+//                     after its last tile's mainloop, before its epilogue has stored P)
+//   Q  = P·W2ᵀ       reads P in its mainloop
+//   x  = A3·W3ᵀ + Q  (F1) reads Q as its residual, in its epilogue
+// The next round's first launch writes Q (then P = Q·W2ᵀ, x = … + P), the buffer the launch
+// before it is reading. A read that ran ahead of its producer would see the previous round's
+// values (or the poison of the first); a write that ran ahead would change the residual under
+// F1. A changes every round, and every round's x is checked.
 TEST_F(GpuKernelTest, DependentLaunchesReadWhatTheLaunchBeforeThemWrote) {
   const Config c = Config::kPing128x128x64_1x2;
   if (!find_kernel(Program::kPlain, c, Operands::kXWt) ||
       !find_kernel(Program::kResidualRmsnormPartial, c, Operands::kXWt))
     GTEST_SKIP() << "needs plain and F1 on " << config_name(c) << " (subset build)";
-  const bool was = programmatic_launch();
+  struct RestoreLaunchMode {
+    bool was = programmatic_launch();
+    ~RestoreLaunchMode() { set_programmatic_launch(was); }
+  } restore;
   set_programmatic_launch(true);
   testing::Rng rng(11);
-  const int m = 960, k1 = 960, n1 = 520, n2 = 264, k3 = 136, rounds = 3;
-  const Shape s1{m, n1, k1}, s2{m, n2, n1}, s3{m, n2, k3};
-  const V w1 = testing::bf16_uniform(size_t(n1) * k1, -0.1, 0.1, rng);
-  const V w2 = testing::bf16_uniform(size_t(n2) * n1, -0.1, 0.1, rng);
+  const int m = 960, k1 = 960, n = 264, k3 = 136, rounds = 4;
+  const Shape s1{m, n, k1}, s2{m, n, n}, s3{m, n, k3};
+  const V w1 = testing::bf16_uniform(size_t(n) * k1, -0.1, 0.1, rng);
+  const V w2 = testing::bf16_uniform(size_t(n) * n, -0.15, 0.15, rng);
   const V a3 = testing::bf16_uniform(size_t(m) * k3, -1, 1, rng);
-  const V w3 = testing::bf16_uniform(size_t(n2) * k3, -0.2, 0.2, rng);
-  const V ones(n2, 1.0);
+  const V w3 = testing::bf16_uniform(size_t(n) * k3, -0.2, 0.2, rng);
+  const V ones(n, 1.0);
   auto dw1 = upload_bf16(w1), dw2 = upload_bf16(w2), da3 = upload_bf16(a3),
        dw3 = upload_bf16(w3), dgamma = upload_bf16(ones);
   std::vector<V> a(rounds);
@@ -101,33 +108,41 @@ TEST_F(GpuKernelTest, DependentLaunchesReadWhatTheLaunchBeforeThemWrote) {
   for (int r = 0; r < rounds; ++r) {
     a[r] = testing::bf16_uniform(size_t(m) * k1, -1, 1, rng);
     da.push_back(upload_bf16(a[r]));
-    dx.emplace_back(size_t(m) * n2);
+    dx.emplace_back(size_t(m) * n);
     dx.back().poison();
   }
-  DeviceBuffer<bf16> d1(size_t(m) * n1), d2(size_t(m) * n2), h(size_t(m) * n2);
-  d1.poison();
-  d2.poison();
+  DeviceBuffer<bf16> pq[2] = {DeviceBuffer<bf16>(size_t(m) * n), DeviceBuffer<bf16>(size_t(m) * n)};
+  DeviceBuffer<bf16> h(size_t(m) * n);
+  pq[0].poison();
+  pq[1].poison();
   const auto tiles = reference_tiles(c);
-  const auto layout = epilogue::PartialLayout::per_row(m, n2, tiles.tile_m, tiles.tile_n);
+  const auto layout = epilogue::PartialLayout::per_row(m, n, tiles.tile_m, tiles.tile_n);
   DeviceBuffer<float> part(layout.elements());
+  // The uploads and poisons above ran on the legacy default stream, which the non-blocking
+  // stream below does not wait for.
+  CODA_CUDA_CHECK(cudaDeviceSynchronize());
   cudaStream_t stream;
   CODA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const SchedulerOptions so = test_schedule();
   const LaunchFn plain = find_kernel(Program::kPlain, c, Operands::kXWt);
   const LaunchFn f1 = find_kernel(Program::kResidualRmsnormPartial, c, Operands::kXWt);
   PlainArgs none;
-  ResidualRmsnormPartialArgs f1_args{dgamma.get(), h.get(), n2, part.get()};
-  for (int r = 0; r < rounds; ++r) {
-    CODA_CUDA_CHECK(plain({m, n1, k1, da[r].get(), k1, dw1.get(), k1, nullptr, 0, d1.get(), n1},
-                          &none, so, stream));
-    CODA_CUDA_CHECK(plain({m, n2, n1, d1.get(), n1, dw2.get(), n1, nullptr, 0, d2.get(), n2},
-                          &none, so, stream));
-    CODA_CUDA_CHECK(f1({m, n2, k3, da3.get(), k3, dw3.get(), k3, d2.get(), n2, dx[r].get(), n2},
-                       &f1_args, so, stream));
+  ResidualRmsnormPartialArgs f1_args{dgamma.get(), h.get(), n, part.get()};
+  cudaError_t err = cudaSuccess;
+  for (int r = 0; r < rounds && err == cudaSuccess; ++r) {
+    bf16* first = pq[r % 2].get();  // P this round: Q of the round before
+    bf16* second = pq[(r + 1) % 2].get();
+    err = plain({m, n, k1, da[r].get(), k1, dw1.get(), k1, nullptr, 0, first, n}, &none, so, stream);
+    if (err == cudaSuccess)
+      err = plain({m, n, n, first, n, dw2.get(), n, nullptr, 0, second, n}, &none, so, stream);
+    if (err == cudaSuccess)
+      err = f1({m, n, k3, da3.get(), k3, dw3.get(), k3, second, n, dx[r].get(), n}, &f1_args, so,
+               stream);
   }
-  CODA_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const cudaError_t sync = cudaStreamSynchronize(stream);
   CODA_CUDA_CHECK(cudaStreamDestroy(stream));
-  set_programmatic_launch(was);
+  CODA_CUDA_CHECK(err);
+  CODA_CUDA_CHECK(sync);
   // fp64 reference, and PyTorch's bf16 path (each GEMM's output rounded to bf16).
   const V y3 = gemm_ref(a3, w3, s3);
   for (int r = 0; r < rounds; ++r) {

@@ -174,8 +174,19 @@ struct GemmLauncher {
                                            CollectiveEpilogue, cutlass::gemm::PersistentScheduler>;
   using Adapter = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
+  // Programmatic dependent launch needs the kernels' waits (griddepcontrol.wait), which CUTLASS
+  // compiles in only under CUTLASS_ENABLE_GDC_FOR_SM90 (CMakeLists.txt sets it for every CUDA
+  // unit): a unit built without it launches without PDL rather than with PDL and no waits.
+#ifdef CUTLASS_ENABLE_GDC_FOR_SM90
+  static constexpr bool kWaitsCompiled = true;
+#else
+  static constexpr bool kWaitsCompiled = false;
+#endif
+
   static cudaError_t run(const GemmProblem& p, const void* fusion_args,
                          const SchedulerOptions& sched, cudaStream_t stream) {
+    // First: it may throw (a bad CODA_PROGRAMMATIC_LAUNCH) before anything is allocated.
+    const bool pdl = kWaitsCompiled && programmatic_launch();
     using StrideA = typename Kernel::StrideA;
     using StrideB = typename Kernel::StrideB;
     using StrideC = typename Kernel::StrideC;
@@ -227,7 +238,7 @@ struct GemmLauncher {
     }
     cutlass::Status status = gemm.initialize(args, workspace, stream);
     if (status == cutlass::Status::kSuccess)
-      status = gemm.run(stream, /*cuda_adapter=*/nullptr, programmatic_launch());
+      status = gemm.run(stream, /*cuda_adapter=*/nullptr, pdl);
     if (workspace) cudaFreeAsync(workspace, stream);
     if (status != cutlass::Status::kSuccess) return cudaErrorLaunchFailure;
     return cudaGetLastError();
