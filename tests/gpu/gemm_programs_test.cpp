@@ -83,6 +83,9 @@ TEST_F(GpuKernelTest, PlainGemmMatchesReference) {
 // before it is reading. A read that ran ahead of its producer would see the previous round's
 // values (or the poison of the first); a write that ran ahead would change the residual under
 // F1. A changes every round, and every round's x is checked.
+// What this shows is that results stay right under PDL, not that the waits are needed: kernels
+// built with CUTLASS's wait compiled out (the early release kept) passed it 10 times of 10 on the
+// H200 (run 143). The dependent grid starts later than the last epilogue it could race with.
 TEST_F(GpuKernelTest, DependentLaunchesReadWhatTheLaunchBeforeThemWrote) {
   const Config c = Config::kPing128x128x64_1x2;
   if (!find_kernel(Program::kPlain, c, Operands::kXWt) ||
