@@ -171,7 +171,8 @@ def run_shape(coda, model, m, results, progress, profile=False, backward_only=Fa
     """One shape: checks every gradient, times fwd+bwd of every variant; `profile`: also every
     op of ours alone; `backward_only`: also the backward pass alone; `sustained`: also every
     variant in batches of that many back-to-back steps (bench_sustained); `pdl_ab`: also ours
-    with programmatic dependent launch off (variant coda_no_pdl), its gradients checked too."""
+    with programmatic dependent launch off (variant coda_no_pdl), after checking that every
+    buffer of ours comes out bit for bit as with it."""
     t = chain_inputs(model, m, 7 * m + ALL_MODELS[model][0])
     hidden, hq, hkv, d, inter, qkv_w = t.hidden, t.hq, t.hkv, t.d, t.inter, t.qkv_w
     y, x0, wo, wd, wqkv_hf, g_ffn, g_attn = t.y, t.x0, t.wo, t.wd, t.wqkv_hf, t.g_ffn, t.g_attn

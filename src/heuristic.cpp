@@ -12,6 +12,7 @@
 #include "coda/kernel/heuristic.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
@@ -309,15 +310,9 @@ std::shared_ptr<const std::vector<KernelOverride>> overrides_snapshot() {
 }  // namespace
 
 namespace {
-// Whether GEMMs launch with PDL: -1 until the environment is read at the first launch.
-struct LaunchMode {
-  std::mutex mutex;
-  int programmatic = -1;
-};
-LaunchMode& launch_mode() {
-  static LaunchMode l;
-  return l;
-}
+// Whether GEMMs launch with PDL: 1 / 0, or -1 until the environment is read at the first launch.
+// Read on every launch, so an atomic rather than a lock.
+std::atomic<int> g_programmatic_launch{-1};
 }  // namespace
 
 bool parse_programmatic_launch(const char* value) {
@@ -328,17 +323,17 @@ bool parse_programmatic_launch(const char* value) {
 }
 
 bool programmatic_launch() {
-  LaunchMode& l = launch_mode();
-  std::lock_guard<std::mutex> lock(l.mutex);
-  if (l.programmatic < 0)
-    l.programmatic = parse_programmatic_launch(std::getenv("CODA_PROGRAMMATIC_LAUNCH")) ? 1 : 0;
-  return l.programmatic == 1;
+  int v = g_programmatic_launch.load(std::memory_order_relaxed);
+  if (v < 0) {
+    // Parsed first (it may throw); a setting made meanwhile by set_programmatic_launch wins.
+    const int env = parse_programmatic_launch(std::getenv("CODA_PROGRAMMATIC_LAUNCH")) ? 1 : 0;
+    if (g_programmatic_launch.compare_exchange_strong(v, env, std::memory_order_relaxed)) v = env;
+  }
+  return v == 1;
 }
 
 void set_programmatic_launch(bool on) {
-  LaunchMode& l = launch_mode();
-  std::lock_guard<std::mutex> lock(l.mutex);
-  l.programmatic = on ? 1 : 0;
+  g_programmatic_launch.store(on ? 1 : 0, std::memory_order_relaxed);
 }
 
 void set_kernel_overrides(const std::string& spec) {

@@ -16,7 +16,6 @@
 #include <vector>
 
 #include "coda/kernel/args.hpp"
-
 #include "coda/kernel/cuda_check.hpp"
 
 namespace coda::bench {
