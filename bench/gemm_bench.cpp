@@ -26,7 +26,7 @@
 
 #include "coda/kernel/args.hpp"
 #include "coda/kernel/aux_kernels.hpp"
-#include "coda/kernel/heuristic.hpp"
+#include "coda/kernel/runtime.hpp"
 #include "support/harness.hpp"
 #include "support/shapes.hpp"
 
@@ -243,7 +243,7 @@ int main(int argc, char** argv) {
     };
 
     const kernel::KernelChoice pick =
-        kernel::choose_config(kernel::Program::kPlain, ops, s.m, s.n, s.k);
+        kernel::select_kernel(kernel::Program::kPlain, ops, {s.m, s.n, s.k});
     kernel::Config best_c = pick.config;
     kernel::SchedulerOptions best_s = pick.scheduler;
     double best = NAN, t_pick = NAN;  // sweep: the fastest, and the heuristic's pick

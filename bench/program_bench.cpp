@@ -25,7 +25,7 @@
 
 #include "coda/kernel/args.hpp"
 #include "coda/kernel/aux_kernels.hpp"
-#include "coda/kernel/heuristic.hpp"
+#include "coda/kernel/runtime.hpp"
 #include "coda/ops.hpp"
 #include "coda/programs/rope.hpp"
 #include "support/harness.hpp"
@@ -266,7 +266,7 @@ int main(int argc, char** argv) {
           .set("k", c.k);
     };
     const bool sweep = args.count("sweep-sustained");
-    const kernel::KernelChoice chosen = kernel::choose_config(c.program, c.operands, c.m, c.n, c.k);
+    const kernel::KernelChoice chosen = kernel::select_kernel(c.program, c.operands, {c.m, c.n, c.k});
     std::vector<Candidate> candidates;
     for (int ci = 0; ci < int(Config::kCount); ++ci) {
       const Config cfg = Config(ci);
@@ -278,12 +278,12 @@ int main(int argc, char** argv) {
       const kernel::KernelChoice plain_choice =
           kernel::find_kernel(Program::kPlain, cfg, c.operands)
               ? kernel::KernelChoice{cfg, {}}
-              : kernel::choose_config(Program::kPlain, c.operands, c.m, c.n, c.k);
+              : kernel::select_kernel(Program::kPlain, c.operands, {c.m, c.n, c.k});
       const auto plain_fn = kernel::find_kernel(Program::kPlain, plain_choice.config, c.operands);
       if (!plain_fn) continue;
       // The scheduler options the op layer would use for this program and shape.
       kernel::SchedulerOptions so =
-          kernel::choose_config(c.program, c.operands, c.m, c.n, c.k).scheduler;
+          kernel::select_kernel(c.program, c.operands, {c.m, c.n, c.k}).scheduler;
       kernel::SchedulerOptions plain_so = plain_choice.config == cfg ? so : plain_choice.scheduler;
       // --swizzle N / --raster M|N override them (both timed kernels), to explore.
       for (kernel::SchedulerOptions* o : {&so, &plain_so}) {
@@ -410,7 +410,7 @@ int main(int argc, char** argv) {
     }
     if (sweep && !candidates.empty()) {
       // Our plain GEMM of the shape, as the op layer runs it, as the reference.
-      const kernel::KernelChoice pc = kernel::choose_config(Program::kPlain, c.operands, c.m, c.n, c.k);
+      const kernel::KernelChoice pc = kernel::select_kernel(Program::kPlain, c.operands, {c.m, c.n, c.k});
       const auto plain_fn = kernel::find_kernel(Program::kPlain, pc.config, c.operands);
       kernel::PlainArgs plain_args;
       std::vector<std::function<void(cudaStream_t)>> fns;

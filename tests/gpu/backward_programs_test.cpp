@@ -1,7 +1,7 @@
 // The backward-pass kernels against the CPU reference executor: the plain GEMM in the transposed
 // operand layouts (D = dz · W and D = Xᵀ · Y) and B1, the RMSNorm backward in the epilogue of
 // g = dz · W (tile load of x, accumulate-into store of dx, aux store of h_out, per-column dγ
-// partials). Same rules as gemm_programs_test: poisoned outputs, ragged shapes, OPS.md §5.
+// partials). Same rules as gemm_programs_test: poisoned outputs, ragged shapes, docs/math.md §5.
 
 #include <gtest/gtest.h>
 
@@ -41,8 +41,8 @@ TEST_F(GpuKernelTest, PlainGemmWithUntransposedWeightMatchesReference) {  // D =
       DeviceBuffer<bf16> d(size_t(s.m) * s.n);
       d.poison();
       PlainArgs args;
-      run(Program::kPlain, c,
-          {s.m, s.n, s.k, dx.get(), s.k, dw.get(), s.n, nullptr, 0, d.get(), s.n}, &args,
+      run<Program::kPlain>(c,
+          {s.m, s.n, s.k, dx.get(), s.k, dw.get(), s.n, nullptr, 0, d.get(), s.n}, args,
           Operands::kXW);
       const V ref = reference::gemm<double>(MatrixRef<double>::row_major(x.data(), s.m, s.k),
                                             MatrixRef<double>::transposed(w.data(), s.n, s.k));
@@ -67,8 +67,8 @@ TEST_F(GpuKernelTest, PlainGemmTransposedActivationMatchesReference) {  // D = X
       DeviceBuffer<bf16> d(size_t(s.m) * s.n);
       d.poison();
       PlainArgs args;
-      run(Program::kPlain, c,
-          {s.m, s.n, s.k, dx.get(), s.m, dy.get(), s.n, nullptr, 0, d.get(), s.n}, &args,
+      run<Program::kPlain>(c,
+          {s.m, s.n, s.k, dx.get(), s.m, dy.get(), s.n, nullptr, 0, d.get(), s.n}, args,
           Operands::kXtY);
       const V ref = reference::gemm<double>(MatrixRef<double>::transposed(x.data(), s.m, s.k),
                                             MatrixRef<double>::transposed(y.data(), s.n, s.k));
@@ -112,8 +112,8 @@ void check_rmsnorm_backward(bool in_place) {
       bf16* out = in_place ? ddres.get() : ddx.get();
       RmsnormBackwardArgs args{dxs.get(),  H,        dr.get(), dg.get(),
                                dzdz.get(), dh.get(), ldh,      dpart.get()};
-      run(Program::kRmsnormBackward, c,
-          {M, H, Nout, ddz.get(), Nout, dw.get(), H, ddres.get(), H, out, H}, &args, Operands::kXW);
+      run<Program::kRmsnormBackward>(c,
+          {M, H, Nout, ddz.get(), Nout, dw.get(), H, ddres.get(), H, out, H}, args, Operands::kXW);
 
       const V rd(r.begin(), r.end()), zd(zdz.begin(), zdz.end());
       programs::RmsnormBackward<double> p;
@@ -209,8 +209,8 @@ TEST_F(GpuKernelTest, CrossEntropyBackwardMatchesReferenceWithIgnoredTokensAndZL
       dpart.poison();
       RmsnormCrossEntropyBackwardArgs args{dr.get(), dlse.get(),  dscale.get(),
                                            dt.get(), dpart.get(), z_loss};
-      run(Program::kRmsnormCrossEntropyBackward, c,
-          {M, Nv, H, dh.get(), H, dw.get(), H, nullptr, 0, dl.get(), Nv}, &args);
+      run<Program::kRmsnormCrossEntropyBackward>(c,
+          {M, Nv, H, dh.get(), H, dw.get(), H, nullptr, 0, dl.get(), Nv}, args);
 
       const V rd(r.begin(), r.end()), lsed(lse.begin(), lse.end()), sd(scale.begin(), scale.end());
       programs::RmsnormCrossEntropyBackward<double> p;
@@ -222,7 +222,7 @@ TEST_F(GpuKernelTest, CrossEntropyBackwardMatchesReferenceWithIgnoredTokensAndZL
       p.vocab = Nv;
       p.z_loss = z_loss;
       p.dlogits = {dlog.data(), M, Nv, Nv};
-      p.zdz_partials = part.data();
+      p.partials = part.data();
       p.layout = layout;
       reference::execute<double>(MatrixRef<double>::row_major(h.data(), M, H),
                                  MatrixRef<double>::row_major(w.data(), Nv, H), p, tiles);
@@ -255,7 +255,7 @@ TEST_F(GpuKernelTest, SwigluBackwardMatchesReference) {
   ASSERT_FALSE(configs.empty());
   testing::Rng rng(26);
   // Beyond kShapes, one whose tile grid (65 x 9 tiles of 128x128) gives every CTA of a 132-SM
-  // H200 four or five tiles: z's shared-memory ring, which dz reuses (run 67), then wraps across
+  // H200 four or five tiles: z's shared-memory ring, which dz reuses, then wraps across
   // tiles and both pingpong warpgroups start later tiles from advanced pipeline states.
   std::vector<Shape> shapes(std::begin(kShapes), std::end(kShapes));
   shapes.push_back({8193, 1032, 72});
@@ -278,8 +278,8 @@ TEST_F(GpuKernelTest, SwigluBackwardMatchesReference) {
       // (g, u) bf16 pairs are read and written as one 32-bit element each.
       SwigluBackwardArgs args{reinterpret_cast<const uint32_t*>(dzin.get()), I,
                               reinterpret_cast<uint32_t*>(ddz.get()), I, dpart.get()};
-      run(Program::kSwigluBackward, c,
-          {M, I, H, ddxo.get(), H, dwd.get(), I, nullptr, 0, da_out.get(), I}, &args,
+      run<Program::kSwigluBackward>(c,
+          {M, I, H, ddxo.get(), H, dwd.get(), I, nullptr, 0, da_out.get(), I}, args,
           Operands::kXW);
 
       programs::SwigluBackward<double> p;
@@ -287,7 +287,7 @@ TEST_F(GpuKernelTest, SwigluBackwardMatchesReference) {
       p.z = {z.data(), M, 2 * I, 2 * I};
       p.dz = {dz.data(), M, 2 * I, 2 * I};
       p.a = {a.data(), M, I, I};
-      p.zdz_partials = part.data();
+      p.partials = part.data();
       p.layout = layout;
       reference::execute<double>(MatrixRef<double>::row_major(dxo.data(), M, H),
                                  MatrixRef<double>::transposed(wd.data(), I, H), p, tiles);
@@ -324,7 +324,7 @@ TEST_F(GpuKernelTest, SwigluBackwardMatchesReference) {
 TEST_F(GpuKernelTest, RopeBackwardAndZdZMatchReference) {
   testing::Rng rng(27);
   // Also a dy that starts 8 bytes past a 16-byte boundary and a width (18) that is not a
-  // multiple of 8 (a 16-byte-access variant of the kernel needed both; it was slower, run 128).
+  // multiple of 8 (a 16-byte-access variant of the kernel needed both; it was slower).
   struct Case {
     programs::QkvLayout ql;
     int dy_offset;  // elements

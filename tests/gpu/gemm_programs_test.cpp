@@ -1,6 +1,6 @@
 // Every compiled Hopper kernel against the CPU reference executor on fresh random inputs, ragged
 // shapes included (M = 1, 19, 111, 4097; N, K multiples of 8 but not of the tile). Outputs are
-// poisoned (NaN) before each run, so an unwritten element fails. Tolerance (OPS.md §5):
+// poisoned (NaN) before each run, so an unwritten element fails. Tolerance (docs/math.md §5):
 //   max|out − ref| <= 2 · max|out_pt − ref| + 1e-6,
 // with ref the fp64 reference and out_pt PyTorch's unfused bf16 path, emulated on the host (each
 // eager op rounds its output to bf16). Skipped with a message when no Hopper GPU is present.
@@ -14,7 +14,7 @@
 
 #include "coda/kernel/args.hpp"
 #include "coda/kernel/aux_kernels.hpp"
-#include "coda/kernel/heuristic.hpp"
+#include "coda/kernel/runtime.hpp"
 #include "coda/ops.hpp"
 #include "coda/programs/forward.hpp"
 #include "coda/reference/executor.hpp"
@@ -42,8 +42,8 @@ TEST_F(GpuKernelTest, AccumulatorPairsAreAdjacentColumnsOfOneThread) {
       DeviceBuffer<bf16> d(size_t(s.m) * s.n);
       d.poison();
       PlainArgs args;
-      run(Program::kPairLayoutProbe, c,
-          {s.m, s.n, s.k, a.get(), s.k, w.get(), s.k, nullptr, 0, d.get(), s.n}, &args);
+      run<Program::kPairLayoutProbe>(c,
+          {s.m, s.n, s.k, a.get(), s.k, w.get(), s.k, nullptr, 0, d.get(), s.n}, args);
       for (double v : download_bf16(d)) ASSERT_EQ(v, 1.0) << label(c, s);
     }
 }
@@ -61,8 +61,8 @@ TEST_F(GpuKernelTest, PlainGemmMatchesReference) {
       DeviceBuffer<bf16> d(size_t(s.m) * s.n);
       d.poison();
       PlainArgs args;
-      run(Program::kPlain, c,
-          {s.m, s.n, s.k, da.get(), s.k, dw.get(), s.k, nullptr, 0, d.get(), s.n}, &args);
+      run<Program::kPlain>(c,
+          {s.m, s.n, s.k, da.get(), s.k, dw.get(), s.k, nullptr, 0, d.get(), s.n}, args);
       const V ref = gemm_ref(a, w, s);
       V pt(ref.size());
       for (size_t i = 0; i < ref.size(); ++i) pt[i] = round_bf16(ref[i]);
@@ -85,7 +85,7 @@ TEST_F(GpuKernelTest, PlainGemmMatchesReference) {
 // F1. A changes every round, and every round's x is checked.
 // What this shows is that results stay right under PDL, not that the waits are needed: kernels
 // built with CUTLASS's wait compiled out (the early release kept) passed it 10 times of 10 on the
-// H200 (run 143). The dependent grid starts later than the last epilogue it could race with.
+// H200. The dependent grid starts later than the last epilogue it could race with.
 TEST_F(GpuKernelTest, DependentLaunchesReadWhatTheLaunchBeforeThemWrote) {
   const Config c = Config::kPing128x128x64_1x2;
   if (!find_kernel(Program::kPlain, c, Operands::kXWt) ||
@@ -190,8 +190,8 @@ TEST_F(GpuKernelTest, ResidualRmsnormPartialMatchesReference) {
       dh.poison();
       dpart.poison();
       ResidualRmsnormPartialArgs args{dg.get(), dh.get(), s.n, dpart.get()};
-      run(Program::kResidualRmsnormPartial, c,
-          {s.m, s.n, s.k, da.get(), s.k, dw.get(), s.k, dres.get(), s.n, dx.get(), s.n}, &args);
+      run<Program::kResidualRmsnormPartial>(c,
+          {s.m, s.n, s.k, da.get(), s.k, dw.get(), s.k, dres.get(), s.n, dx.get(), s.n}, args);
 
       programs::ResidualRmsnormPartial<double> p;
       V x(mn), h(mn), part(layout.elements(), 0.0);
@@ -199,7 +199,7 @@ TEST_F(GpuKernelTest, ResidualRmsnormPartialMatchesReference) {
       p.gamma = {gamma.data(), s.n};
       p.x = {x.data(), s.m, s.n, s.n};
       p.h = {h.data(), s.m, s.n, s.n};
-      p.sumsq_partials = part.data();
+      p.partials = part.data();
       p.layout = layout;
       reference::execute<double>(MatrixRef<double>::row_major(a.data(), s.m, s.k),
                                  MatrixRef<double>::row_major(w.data(), s.n, s.k), p, tiles);
@@ -247,8 +247,8 @@ TEST_F(GpuKernelTest, RmsnormSwigluMatchesReference) {
       dz.poison();
       dact.poison();
       RmsnormSwigluArgs args{dr.get(), dact.get(), s.n / 2};
-      run(Program::kRmsnormSwiglu, c,
-          {s.m, s.n, s.k, dh.get(), s.k, dw.get(), s.k, nullptr, 0, dz.get(), s.n}, &args);
+      run<Program::kRmsnormSwiglu>(c,
+          {s.m, s.n, s.k, dh.get(), s.k, dw.get(), s.k, nullptr, 0, dz.get(), s.n}, args);
 
       const V rd = as_double(r);
       programs::RmsnormSwiglu<double> p;
@@ -306,8 +306,8 @@ TEST_F(GpuKernelTest, RmsnormRopeMatchesReferenceWithGqaAndLongPositions) {
         DeviceBuffer<bf16> dq(mn);
         dq.poison();
         RmsnormRopeArgs args{dr.get(), dpos.get(), dhi.get(), dlo.get()};
-        run(Program::kRmsnormRope, c,
-            {s.m, s.n, s.k, dh.get(), s.k, dw.get(), s.k, nullptr, 0, dq.get(), s.n}, &args);
+        run<Program::kRmsnormRope>(c,
+            {s.m, s.n, s.k, dh.get(), s.k, dw.get(), s.k, nullptr, 0, dq.get(), s.n}, args);
 
         const V rd = as_double(r);
         programs::RmsnormRope<double> p;
@@ -338,7 +338,8 @@ TEST_F(GpuKernelTest, RmsnormRopeMatchesReferenceWithGqaAndLongPositions) {
       }
 }
 
-void check_lse(Program prog) {
+template <Program prog>
+void check_lse() {
   const auto configs = compiled_configs(prog);
   ASSERT_FALSE(configs.empty());
   testing::Rng rng(6);
@@ -366,8 +367,8 @@ void check_lse(Program prog) {
       dtl.poison();
       dlog.poison();
       RmsnormLseArgs args{dr.get(), dt.get(), dmax.get(), dsum.get(), dtl.get()};
-      run(prog, c, {s.m, s.n, s.k, dh.get(), s.k, dw.get(), s.k, nullptr, 0, dlog.get(), s.n},
-          &args);
+      run<prog>(c, {s.m, s.n, s.k, dh.get(), s.k, dw.get(), s.k, nullptr, 0, dlog.get(), s.n},
+                args);
 
       const V rd = as_double(r);
       programs::RmsnormLse<double> p;
@@ -495,9 +496,9 @@ TEST_F(GpuKernelTest, FirstLayerRmsnormAndRstdFoldMatchReference) {
 }
 
 TEST_F(GpuKernelTest, RmsnormLseMatchesReferenceWithRaggedVocab) {
-  check_lse(Program::kRmsnormLse);
+  check_lse<Program::kRmsnormLse>();
 }
-TEST_F(GpuKernelTest, RmsnormLseLogitsMatchesReference) { check_lse(Program::kRmsnormLseLogits); }
+TEST_F(GpuKernelTest, RmsnormLseLogitsMatchesReference) { check_lse<Program::kRmsnormLseLogits>(); }
 
 }  // namespace
 }  // namespace coda::kernel

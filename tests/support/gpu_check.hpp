@@ -1,6 +1,6 @@
 #pragma once
 // Shared pieces of the GPU tests: the skip-without-GPU fixture, kernel lookup and launch, bf16
-// upload/download, and the OPS.md §5 tolerance rule.
+// upload/download, and the docs/math.md §5 tolerance rule.
 
 #include <gtest/gtest.h>
 
@@ -68,11 +68,10 @@ inline SchedulerOptions test_schedule() {
   return so;
 }
 
-inline void run(Program p, Config c, const GemmProblem& prob, const void* args,
-                Operands o = Operands::kXWt) {
-  const LaunchFn fn = find_kernel(p, c, o);
-  ASSERT_NE(fn, nullptr);
-  CODA_CUDA_CHECK(fn(prob, args, test_schedule(), nullptr));
+template <Program P>
+void run(Config c, const GemmProblem& prob, const ArgsOf<P>& args, Operands o = Operands::kXWt) {
+  ASSERT_TRUE(compiled(P, c, o)) << program_name(P) << " on " << config_name(c);
+  CODA_CUDA_CHECK(launch<P>(c, o, prob, args, test_schedule(), nullptr));
   CODA_CUDA_CHECK(cudaDeviceSynchronize());
 }
 

@@ -19,31 +19,6 @@ enum class Operands : int {
   kXtY = 2,  // A = Xᵀ with X (K, M) row-major, B (K, N) row-major: D = Xᵀ · Y (weight gradient)
 };
 
-// Kernel configurations (tile M x N x K, cluster, schedule). The list is closed: each one is
-// compiled once per program that uses it (src/kernels/kernels.cmake).
-enum class Config : int {
-  kCoop128x256x64_2x1 = 0,
-  kCoop256x128x64_1x2 = 1,
-  kPing128x128x64_1x2 = 2,
-  kPing128x128x64_2x1 = 3,
-  kPing128x192x64_2x1 = 4,
-  kCoop128x128x64_1x1 = 5,
-  kCount
-};
-
-enum class Program : int {
-  kPlain = 0,                   // D = acc
-  kResidualRmsnormPartial = 1,  // F1
-  kRmsnormSwiglu = 2,           // F2
-  kRmsnormRope = 3,             // F3
-  kRmsnormLse = 4,              // F4 (logits not stored)
-  kRmsnormLseLogits = 5,        // F4 + bf16 logits in D
-  kPairLayoutProbe = 6,         // test: D = 1 where the fragment pairing holds
-  kRmsnormBackward = 7,         // B1 (operands kXW)
-  kRmsnormCrossEntropyBackward = 8,  // B4 (operands kXWt, ℓ recomputed)
-  kSwigluBackward = 9,               // B2 (operands kXW)
-  kCount
-};
 
 struct GemmProblem {
   int m = 0, n = 0, k = 0;
@@ -134,20 +109,76 @@ struct SwigluBackwardArgs {
   float* zdz_partials = nullptr;     // PartialLayout::per_row(M, I, tile_m, tile_n): Σ g·dg + u·du
 };
 
-// Type-erased launch entry: `args` points to the program's *Args struct.
-using LaunchFn = cudaError_t (*)(const GemmProblem&, const void* args, const SchedulerOptions&,
-                                 cudaStream_t);
+// ---- the program / configuration table (kernel/table.def) ----------------------------------
+enum class Program : int {
+#define CODA_PROGRAM(name, str, args, header) k##name,
+#include "coda/kernel/table.def"
+  kCount
+};
 
-// Tile shape of a configuration (partial buffers depend on it).
+enum class Config : int {
+#define CODA_CONFIG(name, str, tile_m, tile_n, tile_k, cluster_m, cluster_n, cooperative) k##name,
+#include "coda/kernel/table.def"
+  kCount
+};
+
+// The operand struct of each program: launch<P> takes exactly ArgsOf<P>.
+template <Program P>
+struct ArgsOfProgram;
+#define CODA_PROGRAM(name, str, args, header) \
+  template <>                                 \
+  struct ArgsOfProgram<Program::k##name> {    \
+    using type = args;                        \
+  };
+#include "coda/kernel/table.def"
+template <Program P>
+using ArgsOf = typename ArgsOfProgram<P>::type;
+
 struct TileShapeMN {
   int m, n;
 };
-TileShapeMN tile_shape(Config c);
+// Tile shape of a configuration (partial buffers depend on it).
+constexpr TileShapeMN tile_shape(Config c) {
+  switch (c) {
+#define CODA_CONFIG(name, str, tile_m, tile_n, tile_k, cluster_m, cluster_n, cooperative) \
+  case Config::k##name:                                                               \
+    return {tile_m, tile_n};
+#include "coda/kernel/table.def"
+    case Config::kCount:
+      break;
+  }
+  return {0, 0};
+}
+// Whether the table lists the kernel (program, config, operands): what a full build compiles.
+constexpr bool in_table(Program p, Config c, Operands o) {
+#define CODA_KERNEL(program, config, operands)                                        \
+  if (p == Program::k##program && c == Config::k##config && o == Operands::k##operands) \
+    return true;
+#include "coda/kernel/table.def"
+  return false;
+}
 const char* config_name(Config c);
 const char* program_name(Program p);
 const char* operands_name(Operands o);
 
-// The compiled kernel for (program, config, operands), or nullptr if it was not built.
+// Type-erased entry of one compiled kernel; `args` points to the program's ArgsOf<P>. Only the
+// registry (src/kernels/registry.cpp.in) and launch<P> below handle it.
+using LaunchFn = cudaError_t (*)(const GemmProblem&, const void* args, const SchedulerOptions&,
+                                 cudaStream_t);
+
+// The compiled kernel for (program, config, operands), or nullptr where this build does not
+// have it (a CODA_KERNELS subset).
 LaunchFn find_kernel(Program p, Config c, Operands o);
+inline bool compiled(Program p, Config c, Operands o) { return find_kernel(p, c, o) != nullptr; }
+
+// Launches program P's kernel for (config, operands): cudaErrorInvalidDeviceFunction where the
+// build lacks it. A wrong operand struct for P does not compile.
+template <Program P>
+cudaError_t launch(Config c, Operands o, const GemmProblem& problem, const ArgsOf<P>& args,
+                   const SchedulerOptions& schedule, cudaStream_t stream) {
+  const LaunchFn fn = find_kernel(P, c, o);
+  if (!fn) return cudaErrorInvalidDeviceFunction;
+  return fn(problem, &args, schedule, stream);
+}
 
 }  // namespace coda::kernel

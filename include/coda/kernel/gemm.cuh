@@ -17,7 +17,7 @@
 
 #include "coda/kernel/args.hpp"
 #include "coda/kernel/fusions/common.cuh"
-#include "coda/kernel/heuristic.hpp"
+#include "coda/kernel/runtime.hpp"
 
 namespace coda::kernel {
 
@@ -40,30 +40,12 @@ struct KernelConfig {
 
 template <Config C>
 struct ConfigOf;
-template <>
-struct ConfigOf<Config::kCoop128x256x64_2x1> {
-  using type = KernelConfig<128, 256, 64, 2, 1, true>;
-};
-template <>
-struct ConfigOf<Config::kCoop256x128x64_1x2> {
-  using type = KernelConfig<256, 128, 64, 1, 2, true>;
-};
-template <>
-struct ConfigOf<Config::kPing128x128x64_1x2> {
-  using type = KernelConfig<128, 128, 64, 1, 2, false>;
-};
-template <>
-struct ConfigOf<Config::kPing128x128x64_2x1> {
-  using type = KernelConfig<128, 128, 64, 2, 1, false>;
-};
-template <>
-struct ConfigOf<Config::kPing128x192x64_2x1> {
-  using type = KernelConfig<128, 192, 64, 2, 1, false>;
-};
-template <>
-struct ConfigOf<Config::kCoop128x128x64_1x1> {
-  using type = KernelConfig<128, 128, 64, 1, 1, true>;
-};
+#define CODA_CONFIG(name, str, tile_m, tile_n, tile_k, cluster_m, cluster_n, cooperative) \
+  template <>                                                                         \
+  struct ConfigOf<Config::k##name> {                                                  \
+    using type = KernelConfig<tile_m, tile_n, tile_k, cluster_m, cluster_n, cooperative>; \
+  };
+#include "coda/kernel/table.def"
 
 // A fusion may set C's stage count (kStagesC; 0 keeps the builder's): B2 keeps three so its
 // mainloop gets six stages (fusions/swiglu_backward.cuh). The count reaches both the collective's
@@ -198,8 +180,10 @@ struct GemmLauncher {
     if (err != cudaSuccess) return err;
     cutlass::KernelHardwareInfo hw;
     hw.device_id = device;
-    err = device_multiprocessors(device, &hw.sm_count);
+    DeviceProps props;
+    err = device_props(device, &props);
     if (err != cudaSuccess) return err;
+    hw.sm_count = props.multiprocessors;
 
     const KernelOperands operands = kernel_operands(p, fa);
     const ElementC* c_pointer = nullptr;
@@ -245,16 +229,18 @@ struct GemmLauncher {
   }
 
  private:
+  // Whether Op<F> is well-formed (C++17 detection; the CUDA units compile as C++17).
+  template <template <class> class Op, class F, class = void>
+  struct Detected : std::false_type {};
+  template <template <class> class Op, class F>
+  struct Detected<Op, F, std::void_t<Op<F>>> : std::true_type {};
   // The visitor tree's arguments from the program's Args, or from Args and the problem for a
   // fusion whose tree loads a problem operand itself (F1 reads p.c through Sm90AuxLoad).
-  template <class B, class = void>
-  struct TakesProblem : std::false_type {};
   template <class B>
-  struct TakesProblem<B, std::void_t<decltype(B::arguments(
-                             std::declval<typename Fusion::Args const&>(),
-                             std::declval<GemmProblem const&>()))>> : std::true_type {};
+  using ArgumentsWithProblem = decltype(B::arguments(std::declval<typename Fusion::Args const&>(),
+                                                     std::declval<GemmProblem const&>()));
   static auto build_arguments(typename Fusion::Args const& fa, const GemmProblem& p) {
-    if constexpr (TakesProblem<Build>::value) {
+    if constexpr (Detected<ArgumentsWithProblem, Build>::value) {
       return Build::arguments(fa, p);
     } else {
       return Build::arguments(fa);
@@ -263,14 +249,11 @@ struct GemmLauncher {
   // C and D are the problem's p.c and p.d, or, for a fusion that defines
   // operands(Args, GemmProblem), its own (B2: z as C, loaded by the epilogue's producer warp, and
   // dz as D; the problem's p.d, a, then leaves through an aux store its tree holds).
-  template <class F, class = void>
-  struct HasOwnOperands : std::false_type {};
   template <class F>
-  struct HasOwnOperands<F, std::void_t<decltype(F::operands(
-                               std::declval<typename F::Args const&>(),
-                               std::declval<GemmProblem const&>()))>> : std::true_type {};
+  using OwnOperands = decltype(F::operands(std::declval<typename F::Args const&>(),
+                                           std::declval<GemmProblem const&>()));
   static KernelOperands kernel_operands(const GemmProblem& p, typename Fusion::Args const& fa) {
-    if constexpr (HasOwnOperands<Fusion>::value) {
+    if constexpr (Detected<OwnOperands, Fusion>::value) {
       return Fusion::operands(fa, p);
     } else {
       return {p.c, p.ldc, p.d, p.ldd};

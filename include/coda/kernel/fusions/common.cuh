@@ -1,5 +1,5 @@
 #pragma once
-// The programs of OPS.md as CUTLASS sm90 epilogue visitor trees, one header per program in
+// The programs of docs/math.md as CUTLASS sm90 epilogue visitor trees, one header per program in
 // include/coda/kernel/fusions/ (so a change to one program recompiles only its kernels). Every
 // formula comes from the shared functors in coda/epilogue and coda/programs (the CPU reference
 // executor runs the same ones); these files only wire operands to nodes. One Fusion per Program:
@@ -97,5 +97,13 @@ struct AuxLoadNode {
 
 template <Program P>
 struct FusionOf;
+
+// The source (C) and destination (D) element types of a fusion (void: none) and its operand struct.
+template <class ElementC_, class ElementD_, class Args_>
+struct FusionTypes {
+  using ElementC = ElementC_;
+  using ElementD = ElementD_;
+  using Args = Args_;
+};
 
 }  // namespace coda::kernel

@@ -5,10 +5,7 @@
 namespace coda::kernel {
 
 template <>
-struct FusionOf<Program::kPairLayoutProbe> {
-  using ElementC = void;
-  using ElementD = bfloat16_t;
-  using Args = PlainArgs;
+struct FusionOf<Program::kPairLayoutProbe> : FusionTypes<void, bfloat16_t, PlainArgs> {
   template <class EpilogueDesc>
   struct Build {
     using Callbacks = PairLayoutProbe;

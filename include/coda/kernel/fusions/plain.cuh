@@ -5,10 +5,7 @@ namespace coda::kernel {
 
 // D = acc
 template <>
-struct FusionOf<Program::kPlain> {
-  using ElementC = void;
-  using ElementD = bfloat16_t;
-  using Args = PlainArgs;
+struct FusionOf<Program::kPlain> : FusionTypes<void, bfloat16_t, PlainArgs> {
   template <class EpilogueDesc>
   struct Build {
     using Callbacks = cf::Sm90AccFetch;

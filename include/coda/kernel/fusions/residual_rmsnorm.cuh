@@ -7,13 +7,11 @@ namespace coda::kernel {
 // F1: x = acc + residual;  h = x ⊙ γ (aux store);  S = Σ_tile x² (per-row partials);  D = x
 // The residual (the problem's p.c) is an Sm90AuxLoad, not the source C. With a bf16 C the builder
 // reuses C's shared memory for D, so a C stage is not freed until the TMA store of D from it is
-// done, and it turns off the delayed TMA store. Avoiding both changed nothing measurable (run 48
-// against run 47, within 2% at the configurations the heuristic picks; docs/performance-notes-early.md).
+// done, and it turns off the delayed TMA store. Avoiding both changed nothing measurable (within
+// 2% at the configurations the heuristic picks; docs/experiments.md).
 template <>
-struct FusionOf<Program::kResidualRmsnormPartial> {
-  using ElementC = void;
-  using ElementD = bfloat16_t;
-  using Args = ResidualRmsnormPartialArgs;
+struct FusionOf<Program::kResidualRmsnormPartial>
+    : FusionTypes<void, bfloat16_t, ResidualRmsnormPartialArgs> {
   template <class EpilogueDesc>
   struct Build {
     using Tile = typename EpilogueDesc::TileShape;

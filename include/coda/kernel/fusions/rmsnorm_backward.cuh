@@ -14,18 +14,16 @@ namespace coda::kernel {
 //   - pingpong (64-row epilogue subtiles): x by Sm90AuxLoad, TMA from the epilogue's producer
 //     warp on C's pipeline, StagesC subtiles ahead; h by a stock bf16 aux store held in the node
 //     (TMA, in step with D's stores). Three C stages keep the epilogue at 32 KB, so the mainloop
-//     keeps its six stages. h stored from registers (until run 73) left B1 QKV at 1B 1.11-1.13x
-//     its GEMM under ncu, 1.08-1.09 now; the consumer reading x itself (until run 47) 1.2x;
+//     keeps its six stages. B1 QKV at 1B runs 1.08-1.09x its GEMM under ncu so, 1.11-1.13x with h
+//     stored from registers and 1.2x with the consumer reading x itself (docs/experiments.md);
 //   - cooperative 256x128: x by LoadAhead (nodes/load_ahead.cuh), the consumer's own loads one
-//     subtile ahead, and h from registers: neither takes shared memory. An x ring's 32 KB cost
-//     that configuration one of its four 48 KB mainloop stages, and it ran 1-4% slower (run 47,
-//     docs/performance-notes-early.md). kStagesC is per fusion, so its C ring has three stages too
-//     (24 KB; four mainloop stages either way); run 75 timed it so.
+//     subtile ahead, and h from registers: neither takes shared memory. An x ring's 32 KB would
+//     cost that configuration one of its four 48 KB mainloop stages (1-4% slower, measured).
+//     kStagesC is per fusion, so its C ring has three stages too (24 KB; four mainloop stages
+//     either way).
 template <>
-struct FusionOf<Program::kRmsnormBackward> {
-  using ElementC = bfloat16_t;
-  using ElementD = bfloat16_t;
-  using Args = RmsnormBackwardArgs;
+struct FusionOf<Program::kRmsnormBackward>
+    : FusionTypes<bfloat16_t, bfloat16_t, RmsnormBackwardArgs> {
   static constexpr int kStagesC = 3;
   template <class EpilogueDesc>
   struct Build {

@@ -9,10 +9,8 @@ namespace coda::kernel {
 //   ZdZ partial[m, n-tile] = Σ ℓ·dℓ                              -> per-row partials (not / H)
 // A fp32 DAG: ℓ is computed once and feeds the gradient and the reduction.
 template <>
-struct FusionOf<Program::kRmsnormCrossEntropyBackward> {
-  using ElementC = void;
-  using ElementD = bfloat16_t;
-  using Args = RmsnormCrossEntropyBackwardArgs;
+struct FusionOf<Program::kRmsnormCrossEntropyBackward>
+    : FusionTypes<void, bfloat16_t, RmsnormCrossEntropyBackwardArgs> {
   template <class EpilogueDesc>
   struct Build {
     using Tile = typename EpilogueDesc::TileShape;

@@ -29,10 +29,7 @@ struct RopeFragment {
 };
 
 template <>
-struct FusionOf<Program::kRmsnormRope> {
-  using ElementC = void;
-  using ElementD = bfloat16_t;
-  using Args = RmsnormRopeArgs;
+struct FusionOf<Program::kRmsnormRope> : FusionTypes<void, bfloat16_t, RmsnormRopeArgs> {
   template <class EpilogueDesc>
   struct Build {
     using Tile = typename EpilogueDesc::TileShape;

@@ -6,10 +6,7 @@ namespace coda::kernel {
 
 // F2: z = r[m] · acc (D, interleaved g,u);  a = silu(z_g) · z_u (half width, own TMA store)
 template <>
-struct FusionOf<Program::kRmsnormSwiglu> {
-  using ElementC = void;
-  using ElementD = bfloat16_t;
-  using Args = RmsnormSwigluArgs;
+struct FusionOf<Program::kRmsnormSwiglu> : FusionTypes<void, bfloat16_t, RmsnormSwigluArgs> {
   template <class EpilogueDesc>
   struct Build {
     using Tile = typename EpilogueDesc::TileShape;

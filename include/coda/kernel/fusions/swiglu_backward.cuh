@@ -12,16 +12,12 @@ namespace coda::kernel {
 // the same shared-memory buffer (the builder reuses C's buffers for D when both have the same
 // width); a leaves through a stock aux store of bf16 held in the node
 // (nodes/swiglu_backward.cuh). Three C stages keep the epilogue at 32 KB of shared memory, so
-// the mainloop gets six stages like the plain GEMM: run 66 had B2 1.07x slower with four
-// mainloop stages than with five, and run 65 1.04x its GEMM with z (and its 32 KB) taken away.
-// Until run 67, dz had its own ring (an aux store) and the mainloop five stages; until run 47
-// the node read z itself, one subtile ahead, and B2 was latency-bound at K = 2048 (1.5x its GEMM,
-// docs/performance-notes-early.md).
+// the mainloop gets six stages like the plain GEMM: B2 runs 1.07x slower with four mainloop
+// stages than with five, and 1.04x its GEMM with z (and its 32 KB) taken away. With the node
+// reading z itself, one subtile ahead, B2 was latency-bound at K = 2048 (1.5x its GEMM;
+// docs/experiments.md).
 template <>
-struct FusionOf<Program::kSwigluBackward> {
-  using ElementC = uint32_t;
-  using ElementD = uint32_t;
-  using Args = SwigluBackwardArgs;
+struct FusionOf<Program::kSwigluBackward> : FusionTypes<uint32_t, uint32_t, SwigluBackwardArgs> {
   static constexpr int kStagesC = 3;
   static KernelOperands operands(Args const& a, GemmProblem const&) {
     return {a.z, a.ldz, a.dz, a.lddz};

@@ -1,6 +1,6 @@
 #pragma once
 // Shared plumbing of our epilogue visitor nodes (nodes/*.cuh): the nodes the stock CUTLASS sm90 set
-// lacks (HOPPER_NOTES.md), written to the same node protocol (Arguments -> to_underlying_arguments
+// lacks, written to the same node protocol (Arguments -> to_underlying_arguments
 // -> Params, SharedStorage, per-tile consumer callbacks: begin / visit / reduce / postreduce /
 // tma_store / end):
 //   - PairwiseCompute: an n-ary map over raw (unconverted) child fragments, so integer inputs such
@@ -58,8 +58,9 @@ struct NoWorkspaceNoProducerLoads {
   }
 };
 
-// A node whose Params are its Arguments and that has no shared memory either: it adds a
-// constructor, its Params member and get_consumer_store_callbacks.
+// A node whose Params are its Arguments and that has no shared memory either. A node derives
+// from it, takes its constructors (`using ConsumerOnlyNode<Args>::ConsumerOnlyNode;`) and adds
+// get_consumer_store_callbacks.
 template <class Args>
 struct ConsumerOnlyNode : NoWorkspaceNoProducerLoads {
   struct SharedStorage {};
@@ -74,6 +75,9 @@ struct ConsumerOnlyNode : NoWorkspaceNoProducerLoads {
   static bool can_implement(ProblemShape const&, Arguments const&) {
     return true;
   }
+  CUTLASS_HOST_DEVICE ConsumerOnlyNode() {}
+  CUTLASS_HOST_DEVICE ConsumerOnlyNode(Params const& p, SharedStorage const&) : params(p) {}
+  Params params;
 };
 
 // Params of a stock bf16 Sm90AuxStore that a node holds for one of its outputs (B1's h, B2's a):

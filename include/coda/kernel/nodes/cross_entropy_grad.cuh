@@ -21,9 +21,7 @@ struct CrossEntropyGradNode : ConsumerOnlyNode<CrossEntropyGradArguments> {
   using Params = CrossEntropyGradArguments;
   using Arguments = Params;
 
-  CUTLASS_HOST_DEVICE CrossEntropyGradNode() {}
-  CUTLASS_HOST_DEVICE CrossEntropyGradNode(Params const& p, SharedStorage const&) : params(p) {}
-  Params params;
+  using ConsumerOnlyNode<CrossEntropyGradArguments>::ConsumerOnlyNode;
 
   template <class CoordTensor, class Residue>
   struct ConsumerStoreCallbacks : cf::EmptyConsumerStoreCallbacks {

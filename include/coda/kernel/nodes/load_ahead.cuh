@@ -14,7 +14,7 @@ namespace coda::kernel {
 // N % 2 == 0, so a pair is wholly inside or outside; rows past M read as 0). It costs no shared
 // memory, where Sm90AuxLoad (TMA from the producer warp, up to four subtiles ahead) costs a ring
 // of four subtiles: B1 on cooperative 256x128 uses this one, because there the ring took one of the
-// mainloop's four stages and B1 ran 1-4% slower (run 47, docs/performance-notes-early.md).
+// mainloop's four stages and B1 ran 1-4% slower (docs/experiments.md).
 // ---------------------------------------------------------------------------------------------
 struct LoadAheadArgs {
   const cutlass::bfloat16_t* ptr = nullptr;
@@ -32,9 +32,7 @@ struct LoadAhead : ConsumerOnlyNode<LoadAheadArgs> {
     return a.ptr && N % 2 == 0 && a.ld % 2 == 0;
   }
 
-  CUTLASS_HOST_DEVICE LoadAhead() {}
-  CUTLASS_HOST_DEVICE LoadAhead(Params const& p, SharedStorage const&) : params(p) {}
-  Params params;
+  using ConsumerOnlyNode<LoadAheadArgs>::ConsumerOnlyNode;
 
   template <class GTensor, class CTensor, class RTensor, class ShapeMNL>
   struct ConsumerStoreCallbacks : cf::EmptyConsumerStoreCallbacks {

@@ -37,9 +37,7 @@ struct OnlineLseReduction : ConsumerOnlyNode<OnlineLseArguments> {
     return a.max_partials && a.sum_partials && a.target_logit;
   }
 
-  CUTLASS_HOST_DEVICE OnlineLseReduction() {}
-  CUTLASS_HOST_DEVICE OnlineLseReduction(Params const& p, SharedStorage const&) : params(p) {}
-  Params params;
+  using ConsumerOnlyNode<OnlineLseArguments>::ConsumerOnlyNode;
 
   template <class RowState, class CoordTensor, class Residue, class Lanes>
   struct ConsumerStoreCallbacks : cf::EmptyConsumerStoreCallbacks {
@@ -68,15 +66,7 @@ struct OnlineLseReduction : ConsumerOnlyNode<OnlineLseArguments> {
         const auto c = cD_mn(epi_v * F + i);
         if (!cute::elem_less(c, residue)) continue;
         const float x = static_cast<float>(logits[i]);
-        float& mx = rMax_mn(epi_v * F + i);
-        float& sm = rSum_mn(epi_v * F + i);
-        // One exp per element: the running sum is rescaled only when the max moves.
-        if (x > mx) {
-          sm = sm * epilogue::OnlineMaxSumExp<float>::scaled(mx, x) + 1.0f;
-          mx = x;
-        } else {
-          sm += epilogue::exp_approx(x - mx);
-        }
+        epilogue::OnlineMaxSumExp<float>::add(rMax_mn(epi_v * F + i), rSum_mn(epi_v * F + i), x);
         // Targets are vocabulary indices (< 2^31) or ignore_index: a 32-bit compare suffices.
         if (static_cast<int>(targets[i]) == col0 + int(cute::get<1>(c))) {
           params.target_logit[M - int(cute::get<0>(residue)) + int(cute::get<0>(c))] = x;

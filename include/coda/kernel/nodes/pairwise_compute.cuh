@@ -19,9 +19,7 @@ struct PairwiseCompute : ConsumerOnlyNode<typename Fn::Arguments> {
   using Arguments = Params;
   using SharedStorage = typename ConsumerOnlyNode<Params>::SharedStorage;
 
-  CUTLASS_HOST_DEVICE PairwiseCompute() {}
-  CUTLASS_HOST_DEVICE PairwiseCompute(Params const& p, SharedStorage const&) : params(p) {}
-  Params params;
+  using ConsumerOnlyNode<typename Fn::Arguments>::ConsumerOnlyNode;
 
   struct ConsumerStoreCallbacks : cf::EmptyConsumerStoreCallbacks {
     CUTLASS_DEVICE explicit ConsumerStoreCallbacks(Params const& p) : params(p) {}
@@ -43,7 +41,7 @@ struct PairwiseCompute : ConsumerOnlyNode<typename Fn::Arguments> {
 
   template <bool ReferenceSrc, class... Args>
   CUTLASS_DEVICE auto get_consumer_store_callbacks(cf::ConsumerStoreArgs<Args...> const&) {
-    return ConsumerStoreCallbacks(params);
+    return ConsumerStoreCallbacks(this->params);
   }
 };
 

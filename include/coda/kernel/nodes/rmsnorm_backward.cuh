@@ -25,8 +25,7 @@ namespace coda::kernel {
 // across the warps through the collective's store buffer (fixed order, so the result is
 // deterministic), and written once per (column, M-tile) as PartialLayout::per_column.
 // Replaces a topological visitor whose fp32 fragments lived in a 1040-byte stack frame and whose
-// stock column reduction had 205-way shared-memory bank conflicts
-// (docs/performance-notes-early.md).
+// stock column reduction had 205-way shared-memory bank conflicts (docs/experiments.md).
 // ---------------------------------------------------------------------------------------------
 // Stands in for HStore when h is stored from registers.
 struct NoAuxStore {

@@ -11,7 +11,7 @@ namespace coda::kernel {
 // SwigluBackwardNode's ZdZ. It takes the place of CUTLASS's Sm90ColReduction, whose visit tests
 // every element's coordinates against the residue: F1 on pingpong 128x128 had 261 ISETP and 413
 // IMAD per thread and tile with it, 69 and 313 with this node (the plain GEMM: 46 and 191;
-// docs/performance-notes-10-12.md, twelfth session). (Sm90ColReduction's VisitCheckOOB = false
+// docs/experiments.md). (Sm90ColReduction's VisitCheckOOB = false
 // would drop the same tests; this node is what was measured.)
 // No test is needed here: an element past M or N is 0 + 0 (TMA fills the operands' and the
 // residual's out-of-bounds elements with zeros) and adds exactly 0; rows past M land in the

@@ -3,6 +3,7 @@
 #include <cutlass/numeric_conversion.h>
 
 #include "coda/epilogue/elementwise.hpp"
+#include "coda/programs/formulas.hpp"
 #include "coda/kernel/args.hpp"
 #include "coda/kernel/nodes/common.cuh"
 #include "coda/kernel/nodes/global_access.cuh"  // bf16 pair packing
@@ -81,7 +82,7 @@ struct SwigluBackwardNode : NoWorkspaceNoProducerLoads {
         float dg, du;
         epilogue::SwiGluBackward{}(gu.x, gu.y, static_cast<float>(da[i]), dg, du, a[i]);
         dz[i] = pack_bf16_pair(dg, du);
-        zdz_mn(epi_v * F + i) += gu.x * dg + gu.y * du;
+        zdz_mn(epi_v * F + i) += programs::PairDot{}(gu.x, gu.y, dg, du);
       }
       a_cb.visit(acc, epi_v, epi_m, epi_n, a);
       return dz;
