@@ -1,145 +1,257 @@
-// The C++ op API (include/coda/ops.hpp): argument checks, the config heuristic, the launch.
+// The C++ op API (include/coda/ops.hpp): argument checks, the kernel choice, the launch.
 #include "coda/ops.hpp"
 
 #include <cuda_runtime.h>
 
-#include <initializer_list>
 #include <string>
-#include <utility>
 
 #include "coda/common/check.hpp"
+#include "coda/kernel/args.hpp"
 #include "coda/kernel/aux_kernels.hpp"
 #include "coda/kernel/cuda_check.hpp"
-#include "coda/kernel/heuristic.hpp"
+#include "coda/kernel/runtime.hpp"
 
 namespace coda::ops {
 namespace {
 
+using kernel::bf16;
+using kernel::GemmShape;
 using kernel::Operands;
 using kernel::Program;
 
-// Device pointer arguments: non-null, 16-byte aligned, on the current device. The host-side
-// checks run for every argument before any device query, so a null or misaligned argument is
-// reported as such (and is reported on a machine without a GPU too).
-void check_device_pointers(const char* op,
-                           std::initializer_list<std::pair<const char*, const void*>> pointers) {
-  for (const auto& [name, p] : pointers) {
-    CODA_CHECK(p != nullptr, op, ": ", name, " is null");
-    CODA_CHECK(reinterpret_cast<uintptr_t>(p) % 16 == 0, op, ": ", name,
-               " must be 16-byte aligned, got address ", p);
+// The checks of one op call. Each argument is checked on the host as it is named; on_device()
+// then compares every view's device with the current one (one cudaGetDevice, no pointer query).
+class Args {
+ public:
+  explicit Args(const char* op) : op_(op) {}
+
+  // A row-major matrix: non-null, `dtype`, (rows, cols), row stride >= cols, start and row stride
+  // 16-byte aligned (TMA rows; the row kernels' vector accesses).
+  const TensorView& matrix(const char* name, const TensorView& t, DType dtype, int64_t rows,
+                           int64_t cols) {
+    common(name, t, dtype);
+    CODA_CHECK(t.dims == 2, op_, ": ", name, " must be a matrix, got a vector of ", t.rows);
+    CODA_CHECK(t.rows == rows && t.cols == cols, op_, ": ", name, " must have shape (", rows, ", ",
+               cols, "), got (", t.rows, ", ", t.cols, ")");
+    CODA_CHECK(t.ld >= t.cols && (t.ld * dtype_bytes(dtype)) % 16 == 0, op_, ": ", name,
+               " needs a row stride >= ", t.cols, " of a multiple of 16 bytes, got ", t.ld,
+               " elements");
+    return t;
   }
-  int device = 0;
-  CODA_CUDA_CHECK(cudaGetDevice(&device));
-  for (const auto& [name, p] : pointers) {
-    cudaPointerAttributes attr{};
-    const cudaError_t e = cudaPointerGetAttributes(&attr, p);
-    CODA_CHECK(e == cudaSuccess, op, ": cannot query ", name, ": ", cudaGetErrorString(e));
-    CODA_CHECK(attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged, op, ": ",
-               name, " is not device memory (pointer type ", int(attr.type), ")");
-    CODA_CHECK(attr.device == device, op, ": ", name, " is on device ", attr.device,
-               " but the current device is ", device);
+  // A vector of n elements (start 16-byte aligned: per-column vectors load 16 bytes at a time).
+  const TensorView& vector(const char* name, const TensorView& t, DType dtype, int64_t n) {
+    common(name, t, dtype);
+    CODA_CHECK(t.dims == 1, op_, ": ", name, " must be a vector of ", n, " elements, got (", t.rows,
+               ", ", t.cols, ")");
+    CODA_CHECK(t.rows == n, op_, ": ", name, " must have ", n, " elements, got ", t.rows);
+    return t;
   }
+  // A partial buffer: an fp32 matrix of exactly `layout`'s (tiles, extent).
+  const TensorView& partials(const char* name, const TensorView& t, const PartialLayout& layout) {
+    return matrix(name, t, DType::kF32, layout.tiles, layout.extent);
+  }
+  // A fold's input and output: an fp32 vector `out` of the logical entries, and a (tiles,
+  // extent) fp32 partial buffer whose extent covers them.
+  void fold(const char* name, const TensorView& partials, const char* out_name,
+            const TensorView& out) {
+    vector(out_name, out, DType::kF32, out.rows);
+    matrix(name, partials, DType::kF32, partials.rows, partials.cols);
+    CODA_CHECK(partials.cols >= out.rows && partials.rows > 0, op_, ": ", name, " (", partials.rows,
+               ", ", partials.cols, ") must be (tiles, extent) with extent >= ", out_name, "'s ",
+               out.rows, " entries");
+  }
+  // GEMM sizes: positive, N and K multiples of 8 (CUTLASS's 16-byte operand alignment).
+  void gemm_sizes(int64_t m, int64_t n, int64_t k) const {
+    CODA_CHECK(m > 0 && n > 0 && k > 0, op_, ": sizes must be positive, got M=", m, " N=", n,
+               " K=", k);
+    CODA_CHECK(m < (int64_t(1) << 31) && n < (int64_t(1) << 31) && k < (int64_t(1) << 31), op_,
+               ": sizes must be below 2^31, got M=", m, " N=", n, " K=", k);
+    CODA_CHECK(n % 8 == 0, op_, ": N must be a multiple of 8 (16-byte rows for TMA), got ", n);
+    CODA_CHECK(k % 8 == 0, op_, ": K must be a multiple of 8 (16-byte rows for TMA), got ", k);
+  }
+  // A GEMM's operands A and B in layout `o`, checked with their sizes; returns (M, N, K).
+  //   X·Wᵀ: A (M, K), B (N, K);  X·W: A (M, K), B (K, N);  Xᵀ·Y: A (K, M), B (K, N).
+  struct Sizes {
+    int64_t m, n, k;
+  };
+  Sizes gemm_operands(const char* a_name, const TensorView& a, const char* b_name,
+                      const TensorView& b, kernel::Operands o) {
+    const bool xty = o == kernel::Operands::kXtY;
+    const Sizes s{xty ? a.cols : a.rows, o == kernel::Operands::kXWt ? b.rows : b.cols,
+                  xty ? a.rows : a.cols};
+    if (xty) {
+      CODA_CHECK(s.m > 0 && s.n > 0 && s.k > 0, op_, ": sizes must be positive, got M=", s.m,
+                 " N=", s.n, " K=", s.k);
+      CODA_CHECK(s.m % 8 == 0 && s.n % 8 == 0, op_,
+                 ": M and N must be multiples of 8 (16-byte rows of X and Y), got M=", s.m,
+                 " N=", s.n);
+    } else {
+      gemm_sizes(s.m, s.n, s.k);
+    }
+    matrix(a_name, a, DType::kBF16, xty ? s.k : s.m, xty ? s.m : s.k);
+    matrix(b_name, b, DType::kBF16, o == kernel::Operands::kXWt ? s.n : s.k,
+           o == kernel::Operands::kXWt ? s.k : s.n);
+    return s;
+  }
+  void distinct(const char* a, const TensorView& ta, const char* b, const TensorView& tb) const {
+    CODA_CHECK(ta.data != tb.data, op_, ": ", a, " must not alias ", b);
+  }
+  // Every view named so far is on the current CUDA device.
+  void on_device() const {
+    int current = -1;
+    const cudaError_t e = cudaGetDevice(&current);
+    CODA_CHECK(e == cudaSuccess, op_, ": no current CUDA device: ", cudaGetErrorString(e));
+    for (int i = 0; i < count_; ++i)
+      CODA_CHECK(devices_[i] == current, op_, ": ", names_[i],
+                 devices_[i] < 0 ? " is host memory" : " is on CUDA device ",
+                 devices_[i] < 0 ? "" : std::to_string(devices_[i]), ", but the current device is ",
+                 current);
+  }
+  const char* op() const { return op_; }
+
+ private:
+  void common(const char* name, const TensorView& t, DType dtype) {
+    CODA_CHECK(t.data != nullptr, op_, ": ", name, " is null");
+    CODA_CHECK(t.dtype == dtype, op_, ": ", name, " must be ", dtype_name(dtype), ", got ",
+               dtype_name(t.dtype));
+    CODA_CHECK(reinterpret_cast<uintptr_t>(t.data) % 16 == 0, op_, ": ", name,
+               " must be 16-byte aligned, got address ", t.data);
+    CODA_CHECK(count_ < kMax, op_, ": too many arguments");
+    names_[count_] = name;
+    devices_[count_++] = t.device;
+  }
+  static constexpr int kMax = 16;
+  const char* op_;
+  const char* names_[kMax] = {};
+  int devices_[kMax] = {};
+  int count_ = 0;
+};
+
+constexpr DType kBf = DType::kBF16, kF = DType::kF32;
+
+template <Program P>
+void launch(const Args& c, Operands o, const kernel::GemmProblem& prob, const kernel::ArgsOf<P>& a,
+            cudaStream_t stream) {
+  const kernel::KernelChoice k = kernel::select_kernel(P, o, {prob.m, prob.n, prob.k});
+  const cudaError_t e = kernel::launch<P>(k.config, o, prob, a, k.scheduler, stream);
+  CODA_CHECK(e == cudaSuccess, c.op(), ": launch failed (", kernel::config_name(k.config),
+             ", M=", prob.m, " N=", prob.n, " K=", prob.k, "): ", cudaGetErrorString(e));
 }
 
-void check_gemm_sizes(const char* op, int m, int n, int k) {
-  CODA_CHECK(m > 0 && n > 0 && k > 0, op, ": sizes must be positive, got M=", m, " N=", n,
-             " K=", k);
-  CODA_CHECK(n % 8 == 0, op, ": N must be a multiple of 8 (16-byte rows for TMA), got ", n);
-  CODA_CHECK(k % 8 == 0, op, ": K must be a multiple of 8 (16-byte rows for TMA), got ", k);
+PartialLayout layout_of(Program p, Operands o, int64_t m, int64_t n, int64_t k) {
+  const auto t = kernel::tile_shape(kernel::select_kernel(p, o, {int(m), int(n), int(k)}).config);
+  return p == Program::kRmsnormBackward ? PartialLayout::per_column(m, n, t.m, t.n)
+                                        : PartialLayout::per_row(m, n, t.m, t.n);
+}
+// layout_of after the GEMM size checks of `op`, for the public *_partials_layout functions.
+struct GemmSizes {
+  int64_t m, n, k;
+};
+PartialLayout checked_layout(const char* op, Program p, Operands o, GemmSizes s) {
+  Args(op).gemm_sizes(s.m, s.n, s.k);
+  return layout_of(p, o, s.m, s.n, s.k);
 }
 
-// Stored logits (M rows of V bf16 at row stride ld_logits): rows at least V long and 4-byte
-// aligned for the row kernels' bf16-pair accesses (V % 8 == 0 comes with check_gemm_sizes).
-void check_logits_stride(const char* op, int vocab, int ld_logits) {
-  CODA_CHECK(ld_logits >= vocab && ld_logits % 2 == 0, op,
-             ": ld_logits must be even and >= vocab, got vocab ", vocab, ", ld_logits ",
-             ld_logits);
-}
-
-void launch(const char* op, Program p, int m, int n, int k, const kernel::GemmProblem& prob,
-            const void* args, cudaStream_t stream, Operands o = Operands::kXWt) {
-  const kernel::KernelChoice c = kernel::choose_config(p, o, m, n, k);
-  const kernel::LaunchFn fn = kernel::find_kernel(p, c.config, o);
-  CODA_CHECK(fn != nullptr, op,
-             ": no compiled kernel for this program (build with CODA_KERNELS=all)");
-  const cudaError_t e = fn(prob, args, c.scheduler, stream);
-  CODA_CHECK(e == cudaSuccess, op, ": launch failed (", kernel::config_name(c.config), ", M=", m,
-             " N=", n, " K=", k, "): ", cudaGetErrorString(e));
-}
-
-epilogue::PartialLayout partial_layout(Program p, int m, int n, int k,
-                                       Operands o = Operands::kXWt) {
-  const auto c = kernel::choose_config(p, o, m, n, k);
-  const auto t = kernel::tile_shape(c.config);
-  return p == Program::kRmsnormBackward ? epilogue::PartialLayout::per_column(m, n, t.m, t.n)
-                                        : epilogue::PartialLayout::per_row(m, n, t.m, t.n);
+const bf16* bf(const TensorView& t) { return t.as<const bf16>(); }
+bf16* bf_out(const TensorView& t) { return t.as<bf16>(); }
+const float* f32(const TensorView& t) { return t.as<const float>(); }
+float* f32_out(const TensorView& t) { return t.as<float>(); }
+const uint32_t* words(const TensorView& table, int row) {  // a rope_table row, as uint32
+  return table.as<const uint32_t>() + row * table.ld;
 }
 
 }  // namespace
 
-void gemm(const bf16* x, const bf16* w, bf16* d, int m, int n, int k, cudaStream_t stream) {
-  const char* op = "coda::ops::gemm";
-  check_gemm_sizes(op, m, n, k);
-  check_device_pointers(op, {{"x", x}, {"w", w}, {"d", d}});
-  kernel::PlainArgs args;
-  launch(op, Program::kPlain, m, n, k, {m, n, k, x, k, w, k, nullptr, 0, d, n}, &args, stream);
+namespace {
+// The plain GEMM D (M, N) = op(x) · op(y) in layout `o`.
+void plain_gemm(const char* op, Operands o, View x, const char* y_name, View y, View d,
+                cudaStream_t stream) {
+  Args c(op);
+  const auto [m, n, k] = c.gemm_operands("x", x, y_name, y, o);
+  c.matrix("d", d, kBf, m, n);
+  c.on_device();
+  launch<Program::kPlain>(
+      c, o, {int(m), int(n), int(k), bf(x), x.ld, bf(y), y.ld, nullptr, 0, bf_out(d), d.ld}, {},
+      stream);
+}
+}  // namespace
+
+void gemm(View x, View w, View d, cudaStream_t stream) {
+  plain_gemm("coda::ops::gemm", Operands::kXWt, x, "w", w, d, stream);
+}
+void gemm_xw(View x, View w, View d, cudaStream_t stream) {
+  plain_gemm("coda::ops::gemm_xw", Operands::kXW, x, "w", w, d, stream);
+}
+void gemm_xty(View x, View y, View d, cudaStream_t stream) {
+  plain_gemm("coda::ops::gemm_xty", Operands::kXtY, x, "y", y, d, stream);
 }
 
-epilogue::PartialLayout residual_rmsnorm_partials_layout(int m, int n, int k) {
-  check_gemm_sizes("coda::ops::residual_rmsnorm_partials_layout", m, n, k);
-  return partial_layout(Program::kResidualRmsnormPartial, m, n, k);
+PartialLayout residual_rmsnorm_partials_layout(int64_t m, int64_t n, int64_t k) {
+  return checked_layout("coda::ops::residual_rmsnorm_partials_layout",
+                        Program::kResidualRmsnormPartial, Operands::kXWt, {m, n, k});
 }
 
-void gemm_residual_rmsnorm_partial(const bf16* a, const bf16* w, const bf16* residual,
-                                   const bf16* gamma, bf16* x, bf16* h, float* sumsq_partials,
-                                   int m, int n, int k, cudaStream_t stream) {
-  const char* op = "coda::ops::gemm_residual_rmsnorm_partial";
-  check_gemm_sizes(op, m, n, k);
-  check_device_pointers(op, {{"a", a},
-                             {"w", w},
-                             {"residual", residual},
-                             {"gamma", gamma},
-                             {"x", x},
-                             {"h", h},
-                             {"sumsq_partials", sumsq_partials}});
-  CODA_CHECK(static_cast<const void*>(h) != x && static_cast<const void*>(h) != residual, op,
-             ": h must not alias x or residual");
-  kernel::ResidualRmsnormPartialArgs args{gamma, h, n, sumsq_partials};
-  launch(op, Program::kResidualRmsnormPartial, m, n, k, {m, n, k, a, k, w, k, residual, n, x, n},
-         &args, stream);
+void gemm_residual_rmsnorm_partial(View a, View w, View residual, View gamma, View x, View h,
+                                   View sumsq_partials, cudaStream_t stream) {
+  Args c("coda::ops::gemm_residual_rmsnorm_partial");
+  const auto [m, n, k] = c.gemm_operands("a", a, "w", w, Operands::kXWt);
+  c.matrix("residual", residual, kBf, m, n);
+  c.vector("gamma", gamma, kBf, n);
+  c.matrix("x", x, kBf, m, n);
+  c.matrix("h", h, kBf, m, n);
+  c.distinct("h", h, "x", x);
+  c.distinct("h", h, "residual", residual);
+  c.partials("sumsq_partials", sumsq_partials, residual_rmsnorm_partials_layout(m, n, k));
+  c.on_device();
+  const kernel::ResidualRmsnormPartialArgs args{bf(gamma), bf_out(h), h.ld,
+                                                f32_out(sumsq_partials)};
+  launch<Program::kResidualRmsnormPartial>(c, Operands::kXWt,
+                                           {int(m), int(n), int(k), bf(a), a.ld, bf(w), w.ld,
+                                            bf(residual), residual.ld, bf_out(x), x.ld},
+                                           args, stream);
 }
 
-void rmsnorm_fold(const float* sumsq_partials, const epilogue::PartialLayout& layout, int hidden,
-                  float eps, float* r, cudaStream_t stream) {
-  const char* op = "coda::ops::rmsnorm_fold";
-  check_device_pointers(op, {{"sumsq_partials", sumsq_partials}, {"r", r}});
-  CODA_CHECK(hidden > 0, op, ": hidden must be positive, got ", hidden);
-  CODA_CHECK(eps >= 0.f, op, ": eps must be >= 0, got ", eps);
-  kernel::fold_rstd(sumsq_partials, layout.logical, layout.extent, layout.tiles, hidden, eps, r,
-                    stream);
+void rmsnorm_fold(View sumsq_partials, int64_t hidden, float eps, View r, cudaStream_t stream) {
+  Args c("coda::ops::rmsnorm_fold");
+  CODA_CHECK(hidden > 0, c.op(), ": hidden must be positive, got ", hidden);
+  CODA_CHECK(eps >= 0.f, c.op(), ": eps must be >= 0, got ", eps);
+  c.fold("sumsq_partials", sumsq_partials, "r", r);
+  c.on_device();
+  kernel::fold_rstd(f32(sumsq_partials), r.rows, sumsq_partials.ld, sumsq_partials.rows, hidden,
+                    eps, f32_out(r), stream);
 }
 
-void first_layer_rmsnorm(const bf16* x, const bf16* gamma, int m, int hidden, float eps, bf16* h,
-                         float* r, cudaStream_t stream) {
-  const char* op = "coda::ops::first_layer_rmsnorm";
-  CODA_CHECK(m > 0 && hidden > 0 && hidden % 8 == 0, op,
-             ": need M > 0 and hidden a positive multiple of 8, got M=", m, " hidden=", hidden);
-  check_device_pointers(op, {{"x", x}, {"gamma", gamma}, {"h", h}, {"r", r}});
-  kernel::first_layer_rmsnorm(x, gamma, m, hidden, eps, h, r, stream);
+void first_layer_rmsnorm(View x, View gamma, float eps, View h, View r, cudaStream_t stream) {
+  Args c("coda::ops::first_layer_rmsnorm");
+  const int64_t m = x.rows, hidden = x.cols;
+  CODA_CHECK(m > 0 && hidden > 0 && hidden % 8 == 0, c.op(),
+             ": need M > 0 and H a positive multiple of 8, got M=", m, " H=", hidden);
+  CODA_CHECK(eps >= 0.f, c.op(), ": eps must be >= 0, got ", eps);
+  c.matrix("x", x, kBf, m, hidden);
+  c.vector("gamma", gamma, kBf, hidden);
+  c.matrix("h", h, kBf, m, hidden);
+  c.vector("r", r, kF, m);
+  CODA_CHECK(x.ld == hidden && h.ld == hidden, c.op(), ": x and h must be contiguous (row stride ",
+             hidden, "), got ", x.ld, " and ", h.ld);
+  c.on_device();
+  kernel::first_layer_rmsnorm(bf(x), bf(gamma), m, hidden, eps, bf_out(h), f32_out(r), stream);
 }
 
-void gemm_rmsnorm_swiglu(const bf16* h, const bf16* w_gu, const float* r, bf16* z, bf16* a, int m,
-                         int two_i, int k, cudaStream_t stream) {
-  const char* op = "coda::ops::gemm_rmsnorm_swiglu";
-  check_gemm_sizes(op, m, two_i, k);
-  CODA_CHECK(two_i % 16 == 0, op,
-             ": 2I must be a multiple of 16 (a's rows of I are 16-byte "
-             "aligned), got ",
+void gemm_rmsnorm_swiglu(View h, View w_gu, View r, View z, View a, cudaStream_t stream) {
+  Args c("coda::ops::gemm_rmsnorm_swiglu");
+  const auto [m, two_i, k] = c.gemm_operands("h", h, "w_gu", w_gu, Operands::kXWt);
+  CODA_CHECK(two_i % 16 == 0, c.op(),
+             ": 2I (w_gu's rows) must be a multiple of 16 (a's rows of I are 16-byte aligned), "
+             "got ",
              two_i);
-  check_device_pointers(op, {{"h", h}, {"w_gu", w_gu}, {"r", r}, {"z", z}, {"a", a}});
-  kernel::RmsnormSwigluArgs args{r, a, two_i / 2};
-  launch(op, Program::kRmsnormSwiglu, m, two_i, k,
-         {m, two_i, k, h, k, w_gu, k, nullptr, 0, z, two_i}, &args, stream);
+  c.vector("r", r, kF, m);
+  c.matrix("z", z, kBf, m, two_i);
+  c.matrix("a", a, kBf, m, two_i / 2);
+  c.on_device();
+  launch<Program::kRmsnormSwiglu>(
+      c, Operands::kXWt,
+      {int(m), int(two_i), int(k), bf(h), h.ld, bf(w_gu), w_gu.ld, nullptr, 0, bf_out(z), z.ld},
+      {f32(r), bf_out(a), a.ld}, stream);
 }
 
 void split_rope_table(const std::vector<programs::RopeFrequency>& table, std::vector<uint32_t>& hi,
@@ -152,268 +264,265 @@ void split_rope_table(const std::vector<programs::RopeFrequency>& table, std::ve
   }
 }
 
-void gemm_rmsnorm_rope(const bf16* h, const bf16* w_qkv, const float* r, const int32_t* pos,
-                       const RopeTableDevice& freq, bf16* qkv, int m, int n, int k,
+void gemm_rmsnorm_rope(View h, View w_qkv, View r, View pos, View rope_table, View qkv,
                        cudaStream_t stream) {
-  const char* op = "coda::ops::gemm_rmsnorm_rope";
-  check_gemm_sizes(op, m, n, k);
-  check_device_pointers(op, {{"h", h},
-                             {"w_qkv", w_qkv},
-                             {"r", r},
-                             {"pos", pos},
-                             {"freq.hi", freq.hi},
-                             {"freq.lo", freq.lo},
-                             {"qkv", qkv}});
-  CODA_CHECK(freq.columns == n, op, ": freq table has ", freq.columns, " columns, expected N=", n);
-  kernel::RmsnormRopeArgs args{r, pos, freq.hi, freq.lo};
-  launch(op, Program::kRmsnormRope, m, n, k, {m, n, k, h, k, w_qkv, k, nullptr, 0, qkv, n}, &args,
-         stream);
+  Args c("coda::ops::gemm_rmsnorm_rope");
+  const auto [m, n, k] = c.gemm_operands("h", h, "w_qkv", w_qkv, Operands::kXWt);
+  c.vector("r", r, kF, m);
+  c.vector("pos", pos, DType::kI32, m);
+  c.matrix("rope_table", rope_table, DType::kI32, 2, n);
+  c.matrix("qkv", qkv, kBf, m, n);
+  c.on_device();
+  const kernel::RmsnormRopeArgs args{f32(r), pos.as<const int32_t>(), words(rope_table, 0),
+                                     words(rope_table, 1)};
+  launch<Program::kRmsnormRope>(
+      c, Operands::kXWt,
+      {int(m), int(n), int(k), bf(h), h.ld, bf(w_qkv), w_qkv.ld, nullptr, 0, bf_out(qkv), qkv.ld},
+      args, stream);
 }
 
-epilogue::PartialLayout rmsnorm_backward_partials_layout(int m, int hidden, int n_out) {
-  check_gemm_sizes("coda::ops::rmsnorm_backward_partials_layout", m, hidden, n_out);
-  return partial_layout(Program::kRmsnormBackward, m, hidden, n_out, Operands::kXW);
+PartialLayout rmsnorm_backward_partials_layout(int64_t m, int64_t hidden, int64_t n_out) {
+  return checked_layout("coda::ops::rmsnorm_backward_partials_layout", Program::kRmsnormBackward,
+                        Operands::kXW, {m, hidden, n_out});
 }
 
-void gemm_rmsnorm_backward(const bf16* dz, const bf16* w, const bf16* x, const float* r,
-                           const bf16* gamma, const float* zdz, const bf16* dres, bf16* dx,
-                           bf16* h_out, float* dgamma_partials, int m, int hidden, int n_out,
-                           cudaStream_t stream) {
-  const char* op = "coda::ops::gemm_rmsnorm_backward";
-  check_gemm_sizes(op, m, hidden, n_out);
-  check_device_pointers(op, {{"dz", dz},
-                             {"w", w},
-                             {"x", x},
-                             {"r", r},
-                             {"gamma", gamma},
-                             {"zdz", zdz},
-                             {"dres", dres},
-                             {"dx", dx},
-                             {"h_out", h_out},
-                             {"dgamma_partials", dgamma_partials}});
-  CODA_CHECK(static_cast<const void*>(h_out) != dx && static_cast<const void*>(h_out) != dres &&
-                 static_cast<const void*>(h_out) != x,
-             op, ": h_out must not alias dx, dres or x");
-  kernel::RmsnormBackwardArgs args{x, hidden, r, gamma, zdz, h_out, hidden, dgamma_partials};
-  launch(op, Program::kRmsnormBackward, m, hidden, n_out,
-         {m, hidden, n_out, dz, n_out, w, hidden, dres, hidden, dx, hidden}, &args, stream,
-         Operands::kXW);
+void gemm_rmsnorm_backward(View dz, View w, View x, View r, View gamma, View zdz, View dres,
+                           View dx, View h_out, View dgamma_partials, cudaStream_t stream) {
+  Args c("coda::ops::gemm_rmsnorm_backward");
+  const auto [m, hidden, n_out] = c.gemm_operands("dz", dz, "w", w, Operands::kXW);
+  c.matrix("x", x, kBf, m, hidden);
+  c.vector("r", r, kF, m);
+  c.vector("gamma", gamma, kBf, hidden);
+  c.vector("zdz", zdz, kF, m);
+  c.matrix("dres", dres, kBf, m, hidden);
+  c.matrix("dx", dx, kBf, m, hidden);
+  c.matrix("h_out", h_out, kBf, m, hidden);
+  c.distinct("h_out", h_out, "dx", dx);
+  c.distinct("h_out", h_out, "dres", dres);
+  c.distinct("h_out", h_out, "x", x);
+  c.partials("dgamma_partials", dgamma_partials,
+             rmsnorm_backward_partials_layout(m, hidden, n_out));
+  c.on_device();
+  const kernel::RmsnormBackwardArgs args{
+      bf(x), x.ld, f32(r), bf(gamma), f32(zdz), bf_out(h_out), h_out.ld, f32_out(dgamma_partials)};
+  launch<Program::kRmsnormBackward>(c, Operands::kXW,
+                                    {int(m), int(hidden), int(n_out), bf(dz), dz.ld, bf(w), w.ld,
+                                     bf(dres), dres.ld, bf_out(dx), dx.ld},
+                                    args, stream);
 }
 
-void gemm_xw(const bf16* x, const bf16* w, bf16* d, int m, int n, int k, cudaStream_t stream) {
-  const char* op = "coda::ops::gemm_xw";
-  check_gemm_sizes(op, m, n, k);
-  check_device_pointers(op, {{"x", x}, {"w", w}, {"d", d}});
-  kernel::PlainArgs args;
-  launch(op, Program::kPlain, m, n, k, {m, n, k, x, k, w, n, nullptr, 0, d, n}, &args, stream,
-         Operands::kXW);
+PartialLayout swiglu_backward_partials_layout(int64_t m, int64_t intermediate, int64_t hidden) {
+  return checked_layout("coda::ops::swiglu_backward_partials_layout", Program::kSwigluBackward,
+                        Operands::kXW, {m, intermediate, hidden});
 }
 
-void gemm_xty(const bf16* x, const bf16* y, bf16* d, int m, int n, int k, cudaStream_t stream) {
-  const char* op = "coda::ops::gemm_xty";
-  CODA_CHECK(m > 0 && n > 0 && k > 0, op, ": sizes must be positive, got M=", m, " N=", n,
-             " K=", k);
-  CODA_CHECK(m % 8 == 0 && n % 8 == 0, op,
-             ": M and N must be multiples of 8 (16-byte rows of X and Y), got M=", m, " N=", n);
-  check_device_pointers(op, {{"x", x}, {"y", y}, {"d", d}});
-  kernel::PlainArgs args;
-  launch(op, Program::kPlain, m, n, k, {m, n, k, x, m, y, n, nullptr, 0, d, n}, &args, stream,
-         Operands::kXtY);
-}
-
-epilogue::PartialLayout swiglu_backward_partials_layout(int m, int intermediate, int hidden) {
-  check_gemm_sizes("coda::ops::swiglu_backward_partials_layout", m, intermediate, hidden);
-  return partial_layout(Program::kSwigluBackward, m, intermediate, hidden, Operands::kXW);
-}
-
-void gemm_swiglu_backward(const bf16* dx_out, const bf16* w_down, const bf16* z, bf16* dz, bf16* a,
-                          float* zdz_partials, int m, int intermediate, int hidden,
+void gemm_swiglu_backward(View dx_out, View w_down, View z, View dz, View a, View zdz_partials,
                           cudaStream_t stream) {
-  const char* op = "coda::ops::gemm_swiglu_backward";
-  check_gemm_sizes(op, m, intermediate, hidden);
-  check_device_pointers(op, {{"dx_out", dx_out},
-                             {"w_down", w_down},
-                             {"z", z},
-                             {"dz", dz},
-                             {"a", a},
-                             {"zdz_partials", zdz_partials}});
-  // (g, u) bf16 pairs travel as one 32-bit element each.
-  kernel::SwigluBackwardArgs args{reinterpret_cast<const uint32_t*>(z), intermediate,
-                                  reinterpret_cast<uint32_t*>(dz), intermediate, zdz_partials};
-  launch(
-      op, Program::kSwigluBackward, m, intermediate, hidden,
-      {m, intermediate, hidden, dx_out, hidden, w_down, intermediate, nullptr, 0, a, intermediate},
-      &args, stream, Operands::kXW);
+  Args c("coda::ops::gemm_swiglu_backward");
+  const auto [m, inter, hidden] =
+      c.gemm_operands("dx_out", dx_out, "w_down", w_down, Operands::kXW);
+  c.matrix("z", z, kBf, m, 2 * inter);
+  c.matrix("dz", dz, kBf, m, 2 * inter);
+  c.matrix("a", a, kBf, m, inter);
+  c.partials("zdz_partials", zdz_partials, swiglu_backward_partials_layout(m, inter, hidden));
+  c.on_device();
+  // (g, u) bf16 pairs travel as one 32-bit element each: row strides in pairs.
+  const kernel::SwigluBackwardArgs args{z.as<const uint32_t>(), z.ld / 2, dz.as<uint32_t>(),
+                                        dz.ld / 2, f32_out(zdz_partials)};
+  launch<Program::kSwigluBackward>(c, Operands::kXW,
+                                   {int(m), int(inter), int(hidden), bf(dx_out), dx_out.ld,
+                                    bf(w_down), w_down.ld, nullptr, 0, bf_out(a), a.ld},
+                                   args, stream);
 }
 
-void rope_backward(const bf16* qkv, const bf16* dqkv, const int32_t* pos,
-                   const RopeTableDevice& freq, int m, int width, int hidden, bf16* dqkv_pre,
-                   float* zdz, cudaStream_t stream) {
-  const char* op = "coda::ops::rope_backward";
-  CODA_CHECK(m > 0 && width > 0 && width % 8 == 0 && hidden > 0, op,
+void rope_backward(View qkv, View dqkv, View pos, View rope_table, int64_t hidden, View dqkv_pre,
+                   View zdz, cudaStream_t stream) {
+  Args c("coda::ops::rope_backward");
+  const int64_t m = qkv.rows, width = qkv.cols;
+  CODA_CHECK(m > 0 && width > 0 && width % 8 == 0 && hidden > 0, c.op(),
              ": need M > 0, width a positive multiple of 8 and hidden > 0, got M=", m,
              " width=", width, " hidden=", hidden);
-  CODA_CHECK(freq.columns == width, op, ": freq table has ", freq.columns,
-             " columns, expected width=", width);
-  check_device_pointers(op, {{"qkv", qkv},
-                             {"dqkv", dqkv},
-                             {"pos", pos},
-                             {"freq.hi", freq.hi},
-                             {"freq.lo", freq.lo},
-                             {"dqkv_pre", dqkv_pre},
-                             {"zdz", zdz}});
-  kernel::rope_backward(qkv, dqkv, pos, freq.hi, freq.lo, m, width, hidden, dqkv_pre, zdz, stream);
-}
-
-void zdz_fold(const float* partials, const epilogue::PartialLayout& layout, int hidden, float* zdz,
-              cudaStream_t stream) {
-  const char* op = "coda::ops::zdz_fold";
-  check_device_pointers(op, {{"partials", partials}, {"zdz", zdz}});
-  CODA_CHECK(hidden > 0, op, ": hidden must be positive, got ", hidden);
-  kernel::fold_row_sums(partials, layout.logical, layout.extent, layout.tiles, 1.0f / float(hidden),
-                        zdz, stream);
-}
-
-void dgamma_fold(const float* partials, const epilogue::PartialLayout& layout, float* dgamma,
-                 cudaStream_t stream) {
-  const char* op = "coda::ops::dgamma_fold";
-  check_device_pointers(op, {{"partials", partials}, {"dgamma", dgamma}});
-  kernel::fold_column_sums(partials, layout.logical, layout.extent, layout.tiles, dgamma, stream);
-}
-
-epilogue::PartialLayout lm_head_partials_layout(int m, int vocab, int hidden) {
-  check_gemm_sizes("coda::ops::lm_head_partials_layout", m, vocab, hidden);
-  return partial_layout(Program::kRmsnormLse, m, vocab, hidden);
-}
-
-namespace {
-// F4, with (kRmsnormLseLogits) or without (kRmsnormLse) the logits stored.
-void rmsnorm_lse_program(const char* op, Program p, const bf16* h, const bf16* w_vocab,
-                         const float* r, const int64_t* targets, float* max_partials,
-                         float* sum_partials, float* target_logit, bf16* logits, int ld_logits,
-                         int m, int vocab, int hidden, cudaStream_t stream) {
-  check_gemm_sizes(op, m, vocab, hidden);
-  check_device_pointers(op, {{"h", h},
-                             {"w_vocab", w_vocab},
-                             {"r", r},
-                             {"targets", targets},
-                             {"max_partials", max_partials},
-                             {"sum_partials", sum_partials},
-                             {"target_logit", target_logit}});
-  if (p == Program::kRmsnormLseLogits) {
-    check_device_pointers(op, {{"logits", logits}});
-    check_logits_stride(op, vocab, ld_logits);
-  }
-  kernel::RmsnormLseArgs args{r, targets, max_partials, sum_partials, target_logit};
-  launch(op, p, m, vocab, hidden,
-         {m, vocab, hidden, h, hidden, w_vocab, hidden, nullptr, 0, logits, ld_logits}, &args,
-         stream);
-}
-}  // namespace
-
-void gemm_rmsnorm_lse(const bf16* h, const bf16* w_vocab, const float* r, const int64_t* targets,
-                      float* max_partials, float* sum_partials, float* target_logit, int m,
-                      int vocab, int hidden, cudaStream_t stream) {
-  rmsnorm_lse_program("coda::ops::gemm_rmsnorm_lse", Program::kRmsnormLse, h, w_vocab, r, targets,
-                      max_partials, sum_partials, target_logit, nullptr, vocab, m, vocab, hidden,
-                      stream);
-}
-
-epilogue::PartialLayout lm_head_logits_partials_layout(int m, int vocab, int hidden) {
-  check_gemm_sizes("coda::ops::lm_head_logits_partials_layout", m, vocab, hidden);
-  return partial_layout(Program::kRmsnormLseLogits, m, vocab, hidden);
-}
-
-void gemm_rmsnorm_lse_logits(const bf16* h, const bf16* w_vocab, const float* r,
-                             const int64_t* targets, float* max_partials, float* sum_partials,
-                             float* target_logit, bf16* logits, int ld_logits, int m, int vocab,
-                             int hidden, cudaStream_t stream) {
-  rmsnorm_lse_program("coda::ops::gemm_rmsnorm_lse_logits", Program::kRmsnormLseLogits, h,
-                      w_vocab, r, targets, max_partials, sum_partials, target_logit, logits,
-                      ld_logits, m, vocab, hidden, stream);
-}
-
-void cross_entropy_backward_from_logits(bf16* logits, int ld_logits, const float* lse,
-                                        const float* scale, const int64_t* targets,
-                                        const float* target_logit, float z_loss, float* zdz,
-                                        int m, int vocab, int hidden, cudaStream_t stream) {
-  const char* op = "coda::ops::cross_entropy_backward_from_logits";
-  check_gemm_sizes(op, m, vocab, hidden);
-  check_device_pointers(op, {{"logits", logits},
-                             {"lse", lse},
-                             {"scale", scale},
-                             {"targets", targets},
-                             {"target_logit", target_logit},
-                             {"zdz", zdz}});
-  check_logits_stride(op, vocab, ld_logits);
-  kernel::cross_entropy_grad_from_logits(logits, ld_logits, m, vocab, lse, scale, targets,
-                                         target_logit, z_loss, hidden, zdz, stream);
-}
-
-void cross_entropy_from_unscaled_logits(bf16* logits, int ld_logits, const bf16* h,
-                                        const bf16* w_vocab, const float* r,
-                                        const int64_t* targets, int64_t ignore_index,
-                                        float z_loss, const float* scale, float* lse,
-                                        float* token_loss, float* zdz, int m, int vocab,
-                                        int hidden, cudaStream_t stream) {
-  const char* op = "coda::ops::cross_entropy_from_unscaled_logits";
-  check_gemm_sizes(op, m, vocab, hidden);
-  check_device_pointers(op, {{"logits", logits},
-                             {"h", h},
-                             {"w_vocab", w_vocab},
-                             {"r", r},
-                             {"targets", targets},
-                             {"scale", scale},
-                             {"lse", lse},
-                             {"token_loss", token_loss},
-                             {"zdz", zdz}});
-  check_logits_stride(op, vocab, ld_logits);
-  kernel::cross_entropy_from_unscaled_logits(logits, ld_logits, m, vocab, h, w_vocab, hidden, r,
-                                             targets, ignore_index, z_loss, scale, lse, token_loss,
-                                             zdz, stream);
-}
-
-void lse_loss_fold(const float* max_partials, const float* sum_partials,
-                   const epilogue::PartialLayout& layout, const float* target_logit,
-                   const int64_t* targets, int vocab, int64_t ignore_index, float z_loss,
-                   float* lse, float* token_loss, cudaStream_t stream) {
-  const char* op = "coda::ops::lse_loss_fold";
-  check_device_pointers(op, {{"max_partials", max_partials},
-                             {"sum_partials", sum_partials},
-                             {"target_logit", target_logit},
-                             {"targets", targets},
-                             {"lse", lse},
-                             {"token_loss", token_loss}});
-  CODA_CHECK(vocab > 0, op, ": vocab must be positive, got ", vocab);
-  kernel::fold_lse_loss(max_partials, sum_partials, layout.logical, layout.extent, layout.tiles,
-                        target_logit, targets, vocab, ignore_index, z_loss, lse, token_loss,
+  c.matrix("qkv", qkv, kBf, m, width);
+  c.matrix("dqkv", dqkv, kBf, m, width);
+  c.vector("pos", pos, DType::kI32, m);
+  c.matrix("rope_table", rope_table, DType::kI32, 2, width);
+  c.matrix("dqkv_pre", dqkv_pre, kBf, m, width);
+  c.vector("zdz", zdz, kF, m);
+  CODA_CHECK(qkv.ld == width && dqkv.ld == width && dqkv_pre.ld == width, c.op(),
+             ": qkv, dqkv and dqkv_pre must be contiguous (row stride ", width, "), got ", qkv.ld,
+             ", ", dqkv.ld, ", ", dqkv_pre.ld);
+  c.on_device();
+  kernel::rope_backward(bf(qkv), bf(dqkv), pos.as<const int32_t>(), words(rope_table, 0),
+                        words(rope_table, 1), m, width, hidden, bf_out(dqkv_pre), f32_out(zdz),
                         stream);
 }
 
-epilogue::PartialLayout cross_entropy_backward_partials_layout(int m, int vocab, int hidden) {
-  check_gemm_sizes("coda::ops::cross_entropy_backward_partials_layout", m, vocab, hidden);
-  return partial_layout(Program::kRmsnormCrossEntropyBackward, m, vocab, hidden);
+void zdz_fold(View partials, int64_t hidden, View zdz, cudaStream_t stream) {
+  Args c("coda::ops::zdz_fold");
+  CODA_CHECK(hidden > 0, c.op(), ": hidden must be positive, got ", hidden);
+  c.fold("partials", partials, "zdz", zdz);
+  c.on_device();
+  kernel::fold_row_sums(f32(partials), zdz.rows, partials.ld, partials.rows, 1.0f / float(hidden),
+                        f32_out(zdz), stream);
 }
 
-void gemm_rmsnorm_cross_entropy_backward(const bf16* h, const bf16* w_vocab, const float* r,
-                                         const float* lse, const float* scale,
-                                         const int64_t* targets, float z_loss, bf16* dlogits,
-                                         float* zdz_partials, int m, int vocab, int hidden,
-                                         cudaStream_t stream) {
-  const char* op = "coda::ops::gemm_rmsnorm_cross_entropy_backward";
-  check_gemm_sizes(op, m, vocab, hidden);
-  check_device_pointers(op, {{"h", h},
-                             {"w_vocab", w_vocab},
-                             {"r", r},
-                             {"lse", lse},
-                             {"scale", scale},
-                             {"targets", targets},
-                             {"dlogits", dlogits},
-                             {"zdz_partials", zdz_partials}});
-  kernel::RmsnormCrossEntropyBackwardArgs args{r, lse, scale, targets, zdz_partials, z_loss};
-  launch(op, Program::kRmsnormCrossEntropyBackward, m, vocab, hidden,
-         {m, vocab, hidden, h, hidden, w_vocab, hidden, nullptr, 0, dlogits, vocab}, &args,
-         stream);
+void dgamma_fold(View partials, View dgamma, cudaStream_t stream) {
+  Args c("coda::ops::dgamma_fold");
+  c.fold("partials", partials, "dgamma", dgamma);
+  c.on_device();
+  kernel::fold_column_sums(f32(partials), dgamma.rows, partials.ld, partials.rows, f32_out(dgamma),
+                           stream);
+}
+
+PartialLayout lm_head_partials_layout(int64_t m, int64_t vocab, int64_t hidden) {
+  return checked_layout("coda::ops::lm_head_partials_layout", Program::kRmsnormLse, Operands::kXWt,
+                        {m, vocab, hidden});
+}
+
+PartialLayout lm_head_logits_partials_layout(int64_t m, int64_t vocab, int64_t hidden) {
+  return checked_layout("coda::ops::lm_head_logits_partials_layout", Program::kRmsnormLseLogits,
+                        Operands::kXWt, {m, vocab, hidden});
+}
+
+namespace {
+// F4, with (logits non-null) or without the logits stored.
+template <Program P>
+void rmsnorm_lse_program(Args& c, View h, View w_vocab, View r, View targets, View max_partials,
+                         View sum_partials, View target_logit, const TensorView* logits,
+                         cudaStream_t stream) {
+  const auto [m, vocab, hidden] = c.gemm_operands("h", h, "w_vocab", w_vocab, Operands::kXWt);
+  c.vector("r", r, kF, m);
+  c.vector("targets", targets, DType::kI64, m);
+  const PartialLayout layout = layout_of(P, Operands::kXWt, m, vocab, hidden);
+  c.partials("max_partials", max_partials, layout);
+  c.partials("sum_partials", sum_partials, layout);
+  c.vector("target_logit", target_logit, kF, m);
+  if (logits) c.matrix("logits", *logits, kBf, m, vocab);
+  c.on_device();
+  const kernel::RmsnormLseArgs args{f32(r), targets.as<const int64_t>(), f32_out(max_partials),
+                                    f32_out(sum_partials), f32_out(target_logit)};
+  launch<P>(c, Operands::kXWt,
+            {int(m), int(vocab), int(hidden), bf(h), h.ld, bf(w_vocab), w_vocab.ld, nullptr, 0,
+             logits ? bf_out(*logits) : nullptr, logits ? logits->ld : vocab},
+            args, stream);
+}
+}  // namespace
+
+void gemm_rmsnorm_lse(View h, View w_vocab, View r, View targets, View max_partials,
+                      View sum_partials, View target_logit, cudaStream_t stream) {
+  Args c("coda::ops::gemm_rmsnorm_lse");
+  rmsnorm_lse_program<Program::kRmsnormLse>(c, h, w_vocab, r, targets, max_partials, sum_partials,
+                                            target_logit, nullptr, stream);
+}
+
+void gemm_rmsnorm_lse_logits(View h, View w_vocab, View r, View targets, View max_partials,
+                             View sum_partials, View target_logit, View logits,
+                             cudaStream_t stream) {
+  Args c("coda::ops::gemm_rmsnorm_lse_logits");
+  rmsnorm_lse_program<Program::kRmsnormLseLogits>(c, h, w_vocab, r, targets, max_partials,
+                                                  sum_partials, target_logit, &logits, stream);
+}
+
+void cross_entropy_backward_from_logits(View logits, View lse, View scale, View targets,
+                                        View target_logit, float z_loss, int64_t hidden, View zdz,
+                                        cudaStream_t stream) {
+  Args c("coda::ops::cross_entropy_backward_from_logits");
+  const int64_t m = logits.rows, vocab = logits.cols;
+  c.gemm_sizes(m, vocab, hidden);
+  c.matrix("logits", logits, kBf, m, vocab);
+  c.vector("lse", lse, kF, m);
+  c.vector("scale", scale, kF, m);
+  c.vector("targets", targets, DType::kI64, m);
+  c.vector("target_logit", target_logit, kF, m);
+  c.vector("zdz", zdz, kF, m);
+  c.on_device();
+  kernel::cross_entropy_grad_from_logits(bf_out(logits), logits.ld, m, vocab, f32(lse), f32(scale),
+                                         targets.as<const int64_t>(), f32(target_logit), z_loss,
+                                         hidden, f32_out(zdz), stream);
+}
+
+void cross_entropy_from_unscaled_logits(View logits, View h, View w_vocab, View r, View targets,
+                                        int64_t ignore_index, float z_loss, View scale, View lse,
+                                        View token_loss, View zdz, cudaStream_t stream) {
+  Args c("coda::ops::cross_entropy_from_unscaled_logits");
+  const int64_t m = logits.rows, vocab = logits.cols, hidden = h.cols;
+  c.gemm_sizes(m, vocab, hidden);
+  c.matrix("logits", logits, kBf, m, vocab);
+  c.matrix("h", h, kBf, m, hidden);
+  c.matrix("w_vocab", w_vocab, kBf, vocab, hidden);
+  CODA_CHECK(h.ld == hidden && w_vocab.ld == hidden, c.op(),
+             ": h and w_vocab must be contiguous (row stride ", hidden, "), got ", h.ld, " and ",
+             w_vocab.ld);
+  c.vector("r", r, kF, m);
+  c.vector("targets", targets, DType::kI64, m);
+  c.vector("scale", scale, kF, m);
+  c.vector("lse", lse, kF, m);
+  c.vector("token_loss", token_loss, kF, m);
+  c.vector("zdz", zdz, kF, m);
+  c.on_device();
+  kernel::cross_entropy_from_unscaled_logits(
+      bf_out(logits), logits.ld, m, vocab, bf(h), bf(w_vocab), hidden, f32(r),
+      targets.as<const int64_t>(), ignore_index, z_loss, f32(scale), f32_out(lse),
+      f32_out(token_loss), f32_out(zdz), stream);
+}
+
+void lse_loss_fold(View max_partials, View sum_partials, View target_logit, View targets,
+                   int64_t vocab, int64_t ignore_index, float z_loss, View lse, View token_loss,
+                   cudaStream_t stream) {
+  Args c("coda::ops::lse_loss_fold");
+  CODA_CHECK(vocab > 0, c.op(), ": vocab must be positive, got ", vocab);
+  const int64_t m = lse.rows;
+  c.fold("max_partials", max_partials, "lse", lse);
+  c.matrix("sum_partials", sum_partials, kF, max_partials.rows, max_partials.cols);
+  CODA_CHECK(max_partials.ld == sum_partials.ld, c.op(),
+             ": max_partials and sum_partials must have one row stride, got ", max_partials.ld,
+             " and ", sum_partials.ld);
+  c.vector("target_logit", target_logit, kF, m);
+  c.vector("targets", targets, DType::kI64, m);
+  c.vector("token_loss", token_loss, kF, m);
+  c.on_device();
+  kernel::fold_lse_loss(f32(max_partials), f32(sum_partials), m, max_partials.ld, max_partials.rows,
+                        f32(target_logit), targets.as<const int64_t>(), vocab, ignore_index, z_loss,
+                        f32_out(lse), f32_out(token_loss), stream);
+}
+
+PartialLayout cross_entropy_backward_partials_layout(int64_t m, int64_t vocab, int64_t hidden) {
+  return checked_layout("coda::ops::cross_entropy_backward_partials_layout",
+                        Program::kRmsnormCrossEntropyBackward, Operands::kXWt, {m, vocab, hidden});
+}
+
+void gemm_rmsnorm_cross_entropy_backward(View h, View w_vocab, View r, View lse, View scale,
+                                         View targets, float z_loss, View dlogits,
+                                         View zdz_partials, cudaStream_t stream) {
+  Args c("coda::ops::gemm_rmsnorm_cross_entropy_backward");
+  const auto [m, vocab, hidden] = c.gemm_operands("h", h, "w_vocab", w_vocab, Operands::kXWt);
+  c.vector("r", r, kF, m);
+  c.vector("lse", lse, kF, m);
+  c.vector("scale", scale, kF, m);
+  c.vector("targets", targets, DType::kI64, m);
+  c.matrix("dlogits", dlogits, kBf, m, vocab);
+  c.partials("zdz_partials", zdz_partials,
+             cross_entropy_backward_partials_layout(m, vocab, hidden));
+  c.on_device();
+  const kernel::RmsnormCrossEntropyBackwardArgs args{
+      f32(r), f32(lse), f32(scale), targets.as<const int64_t>(), f32_out(zdz_partials), z_loss};
+  launch<Program::kRmsnormCrossEntropyBackward>(
+      c, Operands::kXWt,
+      {int(m), int(vocab), int(hidden), bf(h), h.ld, bf(w_vocab), w_vocab.ld, nullptr, 0,
+       bf_out(dlogits), dlogits.ld},
+      args, stream);
+}
+
+void scale_unless_one(View p, View g, cudaStream_t stream) {
+  Args c("coda::ops::scale_unless_one");
+  // p needs no alignment: the kernel takes 16-byte steps only where the address allows.
+  CODA_CHECK(p.data != nullptr && p.dtype == kBf && p.dims == 1, c.op(),
+             ": p must be a non-null bfloat16 vector, got dtype ", dtype_name(p.dtype), ", ",
+             p.dims, " dimensions");
+  c.vector("g", g, kF, 1);
+  c.on_device();
+  CODA_CHECK(p.device == g.device, c.op(), ": p is on device ", p.device, ", g on ", g.device);
+  kernel::scale_bf16_unless_one(bf_out(p), p.rows, f32(g), stream);
 }
 
 }  // namespace coda::ops

@@ -1,5 +1,6 @@
-// The op API refuses bad arguments with a coda::Error naming the argument, before it touches the
-// device: these checks run (and are tested) on machines without a GPU.
+// The op API refuses bad arguments with a coda::Error naming the argument and the expected vs
+// actual value, before it touches the device: these checks run (and are tested) on machines
+// without a GPU. The views point at addresses that are never dereferenced.
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -26,56 +27,128 @@ std::string error_of(const std::function<void()>& fn) {
   return {};
 }
 
-// Addresses that are never dereferenced: the checks reject them first.
-const bf16* fake(uintptr_t address) { return reinterpret_cast<const bf16*>(address); }
-bf16* fake_mut(uintptr_t address) { return reinterpret_cast<bf16*>(address); }
+TensorView bf16_matrix(uintptr_t address, int64_t rows, int64_t cols, int64_t ld = 0) {
+  return TensorView::matrix(reinterpret_cast<void*>(address), DType::kBF16, rows, cols,
+                            ld ? ld : cols, 0);
+}
+TensorView f32_vector(uintptr_t address, int64_t n) {
+  return TensorView::vector(reinterpret_cast<void*>(address), DType::kF32, n, 0);
+}
 
 TEST(OpArguments, SizesAreCheckedWithTheirValues) {
-  EXPECT_THAT(error_of([] { gemm(fake(256), fake(512), fake_mut(768), 0, 16, 16, nullptr); }),
+  EXPECT_THAT(error_of([] {
+                gemm(bf16_matrix(256, 0, 16), bf16_matrix(512, 16, 16), bf16_matrix(768, 0, 16),
+                     nullptr);
+              }),
               AllOf(HasSubstr("coda::ops::gemm"), HasSubstr("M=0")));
-  EXPECT_THAT(error_of([] { gemm(fake(256), fake(512), fake_mut(768), 4, 12, 16, nullptr); }),
+  EXPECT_THAT(error_of([] {
+                gemm(bf16_matrix(256, 4, 16), bf16_matrix(512, 12, 16), bf16_matrix(768, 4, 12),
+                     nullptr);
+              }),
               AllOf(HasSubstr("N must be a multiple of 8"), HasSubstr("got 12")));
-  EXPECT_THAT(error_of([] { gemm_xty(fake(256), fake(512), fake_mut(768), 12, 16, 5, nullptr); }),
+  EXPECT_THAT(error_of([] {
+                gemm_xty(bf16_matrix(256, 5, 12), bf16_matrix(512, 5, 16), bf16_matrix(768, 12, 16),
+                         nullptr);
+              }),
               HasSubstr("M and N must be multiples of 8"));
   EXPECT_THAT(error_of([] {
-                gemm_rmsnorm_swiglu(fake(256), fake(512), nullptr, fake_mut(768), fake_mut(1024), 4,
-                                    24, 16, nullptr);
+                gemm_rmsnorm_swiglu(bf16_matrix(256, 4, 16), bf16_matrix(512, 24, 16),
+                                    f32_vector(1024, 4), bf16_matrix(768, 4, 24),
+                                    bf16_matrix(1024, 4, 12), nullptr);
               }),
-              AllOf(HasSubstr("2I must be a multiple of 16"), HasSubstr("got 24")));
+              AllOf(HasSubstr("2I (w_gu's rows) must be a multiple of 16"), HasSubstr("got 24")));
+}
+
+TEST(OpArguments, ShapesDtypesAndStridesAreNamedWithExpectedAndActual) {
+  // d has the wrong shape.
+  EXPECT_THAT(error_of([] {
+                gemm(bf16_matrix(256, 4, 16), bf16_matrix(512, 8, 16), bf16_matrix(768, 4, 16),
+                     nullptr);
+              }),
+              AllOf(HasSubstr("d must have shape (4, 8), got (4, 16)")));
+  // w is float32.
+  EXPECT_THAT(error_of([] {
+                gemm(bf16_matrix(256, 4, 16),
+                     TensorView::matrix(reinterpret_cast<void*>(512), DType::kF32, 8, 16, 16, 0),
+                     bf16_matrix(768, 4, 8), nullptr);
+              }),
+              HasSubstr("w must be bfloat16, got float32"));
+  // A row stride that is not 16 bytes: 12 bf16 elements.
+  EXPECT_THAT(
+      error_of([] {
+        gemm(bf16_matrix(256, 4, 8, 12), bf16_matrix(512, 8, 8), bf16_matrix(768, 4, 8), nullptr);
+      }),
+      AllOf(HasSubstr("x needs a row stride >= 8 of a multiple of 16 bytes"), HasSubstr("got 12")));
+  // A vector where a matrix belongs, and a matrix where a vector belongs.
+  EXPECT_THAT(error_of([] {
+                first_layer_rmsnorm(bf16_matrix(256, 4, 16), bf16_matrix(512, 1, 16), 1e-5f,
+                                    bf16_matrix(768, 4, 16), f32_vector(1024, 4), nullptr);
+              }),
+              HasSubstr("gamma must be a vector of 16 elements"));
 }
 
 TEST(OpArguments, NullAndMisalignedPointersAreNamed) {
-  EXPECT_THAT(error_of([] { gemm(fake(256), nullptr, fake_mut(768), 4, 16, 16, nullptr); }),
+  EXPECT_THAT(error_of([] {
+                gemm(bf16_matrix(256, 4, 16), bf16_matrix(0, 16, 16), bf16_matrix(768, 4, 16),
+                     nullptr);
+              }),
               HasSubstr("w is null"));
-  EXPECT_THAT(error_of([] { gemm(fake(256 + 2), fake(512), fake_mut(768), 4, 16, 16, nullptr); }),
+  EXPECT_THAT(error_of([] {
+                gemm(bf16_matrix(256 + 2, 4, 16), bf16_matrix(512, 16, 16), bf16_matrix(768, 4, 16),
+                     nullptr);
+              }),
               AllOf(HasSubstr("x must be 16-byte aligned"), HasSubstr("0x102")));
   EXPECT_THAT(error_of([] {
-                rope_backward(fake(256), fake(512), nullptr, {nullptr, nullptr, 16}, 4, 16, 64,
-                              fake_mut(768), nullptr, nullptr);
+                rope_backward(
+                    bf16_matrix(256, 4, 16), bf16_matrix(512, 4, 16),
+                    TensorView::vector(nullptr, DType::kI32, 4, 0),
+                    TensorView::matrix(reinterpret_cast<void*>(1024), DType::kI32, 2, 16, 16, 0),
+                    64, bf16_matrix(768, 4, 16), f32_vector(1024, 4), nullptr);
               }),
               HasSubstr("pos is null"));
+}
+
+TEST(OpArguments, HostMemoryIsRefusedBeforeAnyLaunch) {
+  // The views say where their memory is; one on the host (device -1) is named. On a machine
+  // without a GPU the current-device query fails first, which is named too.
+  const std::string e = error_of([] {
+    TensorView d = bf16_matrix(768, 4, 16);
+    d.device = -1;
+    gemm(bf16_matrix(256, 4, 16), bf16_matrix(512, 16, 16), d, nullptr);
+  });
+  EXPECT_THAT(e, HasSubstr("coda::ops::gemm"));
+  EXPECT_TRUE(e.find("d is host memory") != std::string::npos ||
+              e.find("no current CUDA device") != std::string::npos)
+      << e;
 }
 
 TEST(OpArguments, TheRopeBackwardKernelRefusesRowsItCannotReadAsWords) {
   // The kernel layer under ops::rope_backward (which asks for 16-byte alignment) reads bf16 pairs
   // as 32-bit words: an odd-element pointer is an error, not a misaligned-address fault.
   const uint32_t* words = reinterpret_cast<const uint32_t*>(uintptr_t(1024));
+  const auto* fake = reinterpret_cast<const kernel::bf16*>(uintptr_t(256));
+  const auto* odd = reinterpret_cast<const kernel::bf16*>(uintptr_t(512 + 2));
   EXPECT_THAT(error_of([&] {
-                kernel::rope_backward(fake(256), fake(512 + 2), reinterpret_cast<const int32_t*>(1024),
-                                      words, words, 4, 16, 64, fake_mut(768),
+                kernel::rope_backward(fake, odd, reinterpret_cast<const int32_t*>(1024), words,
+                                      words, 4, 16, 64,
+                                      reinterpret_cast<kernel::bf16*>(uintptr_t(768)),
                                       reinterpret_cast<float*>(1024), nullptr);
               }),
               AllOf(HasSubstr("dy must be 4-byte aligned"), HasSubstr("0x202")));
 }
 
-TEST(OpArguments, TableAndWidthMismatchesAreNamed) {
+TEST(OpArguments, TableAndPartialShapesAreNamed) {
   EXPECT_THAT(error_of([] {
-                rope_backward(fake(256), fake(512), nullptr, {nullptr, nullptr, 8}, 4, 16, 64,
-                              fake_mut(768), nullptr, nullptr);
+                rope_backward(
+                    bf16_matrix(256, 4, 16), bf16_matrix(512, 4, 16),
+                    TensorView::vector(reinterpret_cast<void*>(1024), DType::kI32, 4, 0),
+                    TensorView::matrix(reinterpret_cast<void*>(1024), DType::kI32, 2, 8, 8, 0), 64,
+                    bf16_matrix(768, 4, 16), f32_vector(1024, 4), nullptr);
               }),
-              AllOf(HasSubstr("freq table has 8 columns"), HasSubstr("width=16")));
+              AllOf(HasSubstr("rope_table must have shape (2, 16), got (2, 8)")));
   EXPECT_THAT(error_of([] {
-                rmsnorm_fold(nullptr, {128, 1, 4}, 64, 1e-5f, nullptr, nullptr);
+                rmsnorm_fold(TensorView::matrix(nullptr, DType::kF32, 1, 128, 128, 0), 64, 1e-5f,
+                             f32_vector(1024, 128), nullptr);
               }),
               HasSubstr("sumsq_partials is null"));
 }
