@@ -9,6 +9,7 @@
 #include "coda/kernel/cuda_check.hpp"
 #include "coda/epilogue/elementwise.hpp"
 #include "coda/epilogue/online_softmax.hpp"
+#include "coda/programs/formulas.hpp"
 #include "coda/programs/rope.hpp"
 
 namespace coda::kernel {
@@ -62,7 +63,7 @@ __global__ void fold_rstd_kernel(const float* partials, int64_t m, int64_t rows_
   if (row >= m) return;
   float s = 0.f;
   for (int64_t t = 0; t < tiles; ++t) s += partials[row + rows_padded * t];
-  r[row] = rsqrtf(s * inv_hidden + eps);
+  r[row] = programs::Rstd{}(s, inv_hidden, eps);
 }
 
 // One warp per row, 8 bf16 (16 bytes) per lane per step; H % 8 == 0 is checked by the caller.
@@ -83,13 +84,13 @@ __global__ void first_layer_rmsnorm_kernel(const bf16* x, const bf16* gamma, int
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const float2 xf = __bfloat1622float2(xp[j]), gf = __bfloat1622float2(gp[j]);
-      s += xf.x * xf.x + xf.y * xf.y;
+      s += programs::PairDot{}(xf.x, xf.y, xf.x, xf.y);
       hp[j] = __floats2bfloat162_rn(xf.x * gf.x, xf.y * gf.y);
     }
     hv[i] = hr;
   }
   for (int o = 16; o > 0; o /= 2) s += __shfl_xor_sync(0xffffffff, s, o);
-  if (lane == 0) r[row] = rsqrtf(s / float(hidden) + eps);
+  if (lane == 0) r[row] = programs::Rstd{}(s, 1.0f / float(hidden), eps);
 }
 
 __global__ void fold_row_sums_kernel(const float* partials, int64_t m, int64_t rows_padded,
@@ -119,7 +120,7 @@ __global__ void rope_backward_kernel(const bf16* y, const bf16* dy, const int32_
     programs::rope_cos_sin<float>(p, programs::RopeFrequency{freq_hi[2 * j], freq_lo[2 * j]}, c, sn);
     epilogue::RopeRotateTranspose{}(g.x, g.y, c, sn, d0, d1);
     dz2[j] = __floats2bfloat162_rn(d0, d1);
-    s += yv.x * g.x + yv.y * g.y;
+    s += programs::PairDot{}(yv.x, yv.y, g.x, g.y);
   }
   for (int o = 16; o > 0; o /= 2) s += __shfl_xor_sync(0xffffffff, s, o);
   if (lane == 0) zdz[row] = s * inv_hidden;
@@ -132,7 +133,7 @@ __device__ float target_loss(float l, int64_t target, int64_t ignore_index, int6
                              float target_logit, float z_loss) {
   if (target == ignore_index) return 0.f;
   if (target < 0 || target >= vocab) return __int_as_float(0x7fc00000);
-  return l - target_logit + z_loss * l * l;
+  return programs::TokenLoss{}(l, target_logit, z_loss);
 }
 
 // Σ v over the block, returned to every thread (warp shuffles, then the warps' sums in a fixed
@@ -176,15 +177,15 @@ __global__ void fold_lse_loss_kernel(const float* max_partials, const float* sum
 __device__ void cross_entropy_grad_row(__nv_bfloat162* v2, int64_t vocab, float row_scale,
                                        float l, float sc, int64_t target, float target_logit,
                                        float z_loss, float inv_hidden, float* zdz) {
-  const float p_scale = (1.f + 2.f * z_loss * l) * sc;
+  const programs::CrossEntropyGrad grad;
   float s = 0.f;
   for (int64_t j = threadIdx.x; j < vocab / 2; j += blockDim.x) {
     const float2 v = __bfloat1622float2(v2[j]);
-    const float l0 = 2 * j == target ? target_logit : row_scale * v.x;
-    const float l1 = 2 * j + 1 == target ? target_logit : row_scale * v.y;
-    const float d0 = __expf(l0 - l) * p_scale - (2 * j == target ? sc : 0.f);
-    const float d1 = __expf(l1 - l) * p_scale - (2 * j + 1 == target ? sc : 0.f);
-    s += l0 * d0 + l1 * d1;
+    const bool t0 = 2 * j == target, t1 = 2 * j + 1 == target;
+    const float l0 = t0 ? target_logit : row_scale * v.x;
+    const float l1 = t1 ? target_logit : row_scale * v.y;
+    const float d0 = grad(l0, l, sc, t0, z_loss), d1 = grad(l1, l, sc, t1, z_loss);
+    s += programs::PairDot{}(l0, l1, d0, d1);
     v2[j] = __floats2bfloat162_rn(d0, d1);
   }
   s = block_sum(s);

@@ -46,7 +46,7 @@ struct F1Fixture {
     p.gamma = {gamma.data(), N};
     p.x = {x.data(), M, N, N};
     p.h = {h.data(), M, N, N};
-    p.sumsq_partials = part.data();
+    p.partials = part.data();
   }
   void run() {
     reference::execute<double>(MatrixRef<double>::row_major(a.data(), M, K),
@@ -99,7 +99,7 @@ TEST(BadInput, NullPointers) {
   f.p.h.data = nullptr;
   EXPECT_THAT(error_of([&] { f.run(); }), HasSubstr("h is null"));
   F1Fixture g;
-  g.p.sumsq_partials = nullptr;
+  g.p.partials = nullptr;
   EXPECT_THAT(error_of([&] { g.run(); }), HasSubstr("sumsq_partials is null"));
   EXPECT_THAT(error_of([&] {
                 reference::execute<double>(MatrixRef<double>{nullptr, 5, 4, 4, 1},

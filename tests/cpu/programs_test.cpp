@@ -1,4 +1,4 @@
-// Every program of OPS.md on the reference executor against the unfused math computed separately in
+// Every program of docs/math.md on the reference executor against the unfused math computed separately in
 // fp64, over several tile sizes and ragged shapes. The rewritten algebra must hold to 1e-12.
 
 #include <gtest/gtest.h>
@@ -67,7 +67,7 @@ TEST_P(ProgramTest, F1ResidualRmsnormPartialAndA1Fold) {
   p.gamma = {gamma.data(), N};
   p.x = {x.data(), M, N, N};
   p.h = {h.data(), M, N, N};
-  p.sumsq_partials = part.data();
+  p.partials = part.data();
   reference::execute<double>(MatrixRef<double>::row_major(a.data(), M, K),
                              MatrixRef<double>::row_major(w.data(), N, K), p, t());
   const V r = fold_rstd<double>(part.data(), p.layout, N, eps);
@@ -269,7 +269,7 @@ TEST_P(ProgramTest, B2SwigluBackwardOnInterleavedPairs) {
   p.z = {z.data(), M, 2 * I, 2 * I};
   p.dz = {dz.data(), M, 2 * I, 2 * I};
   p.a = {a.data(), M, I, I};
-  p.zdz_partials = part.data();
+  p.partials = part.data();
   reference::execute<double>(MatrixRef<double>::row_major(dx.data(), M, K),
                              MatrixRef<double>::transposed(wd.data(), I, K), p, t());
   const V zdz = fold_zdz<double>(part.data(), p.layout, 3);
@@ -318,7 +318,7 @@ TEST_P(ProgramTest, B4CrossEntropyBackwardMatchesSoftmaxMinusOnehot) {
   p.vocab = N;
   p.z_loss = z;
   p.dlogits = {dl.data(), M, N, N};
-  p.zdz_partials = part.data();
+  p.partials = part.data();
   reference::execute<double>(MatrixRef<double>::row_major(h.data(), M, K),
                              MatrixRef<double>::row_major(w.data(), N, K), p, t());
   const V zdz = fold_zdz<double>(part.data(), p.layout, 5);

@@ -43,6 +43,16 @@ CODA_HD T reciprocal(T x) {
   return T(1) / x;
 }
 
+// 1 / sqrt(x): the GPU's rsqrt for fp32 (MUFU.RSQ, within 2 ulp), exact on the host.
+template <class T>
+CODA_HD T rsqrt_approx(T x) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (sizeof(T) == 4) return rsqrtf(x);
+#endif
+  using std::sqrt;
+  return T(1) / sqrt(x);
+}
+
 template <class T>
 CODA_HD T sigmoid(T x) {
   return reciprocal(T(1) + exp_approx(-x));

@@ -27,7 +27,10 @@ struct OnlineMaxSumExp {
     return (a == -std::numeric_limits<T>::infinity()) ? T(0) : exp_approx(a - b);
   }
 
-  CODA_HD void add(T x) {
+  CODA_HD void add(T x) { add(max, sum, x); }
+  // The same on a state held as two separate values (the device keeps them in register arrays).
+  // One exp per element: the running sum is rescaled only when the max moves.
+  CODA_HD static void add(T& max, T& sum, T x) {
     if (x > max) {
       sum = sum * scaled(max, x) + T(1);
       max = x;

@@ -7,7 +7,7 @@
 // e.g. dgamma) live in a (cols_padded, tiles) buffer:   partial[n + cols_padded * tile_m].
 // These are the layouts CUTLASS's Sm90ColReduction / Sm90RowReduction write with
 // FinalReduction=false, so both executors produce the same buffers and share the folds below.
-// Partials are always fp32 on the device (OPS.md: every reduction is fp32).
+// Partials are always fp32 on the device (docs/math.md: every reduction is fp32).
 
 #include <cstdint>
 #include <vector>

@@ -1,5 +1,5 @@
 #pragma once
-// Backward programs B1-B4 and aux A3 of OPS.md.
+// Backward programs B1-B4 and aux A3 of docs/math.md.
 //
 // The identity that keeps RMSNorm backward tile-local: with n = x·r, y = n ⊙ γ the normalized input
 // of a consumer z = r ⊙ (h · Wᵀ), and g = dz · W,
@@ -63,24 +63,18 @@ struct RmsnormBackward : NoSubtileHooks {
 //   du = da·silu(g);  dg = da·u·σ(g)·(1 + g·(1 − σ(g)));  a = silu(g)·u;  ZdZ_t += g·dg + u·du
 // Output column n of da owns the interleaved pair (2n, 2n+1) of z and dz.
 template <class Real>
-struct SwigluBackward : NoSubtileHooks {
-  TileIn<Real> z;                // (M, 2I) saved pre-activation, interleaved
-  TileOut<Real> dz;              // (M, 2I) interleaved
-  TileOut<Real> a;               // (M, I) recomputed activation, for dW_down
-  Real* zdz_partials = nullptr;  // per_row(M, I, tile_m, tile_n): Σ (g·dg + u·du), not yet / H
-  PartialLayout layout;
-
-  std::vector<Real> row_acc;
+struct SwigluBackward : RowSums<Real> {  // partials: Σ (g·dg + u·du), not yet / H
+  TileIn<Real> z;    // (M, 2I) saved pre-activation, interleaved
+  TileOut<Real> dz;  // (M, 2I) interleaved
+  TileOut<Real> a;   // (M, I) recomputed activation, for dW_down
 
   void validate(int64_t M, int64_t N, const TileConfig& cfg) const {
     const char* who = "gemm_swiglu_backward";
     z.require(who, "z", M, 2 * N);
     dz.require(who, "dz", M, 2 * N);
     a.require(who, "a", M, N);
-    layout.require(who, "zdz_partials", zdz_partials,
-                   PartialLayout::per_row(M, N, cfg.tile_m, cfg.tile_n));
+    this->require_partials(who, "zdz_partials", M, N, cfg);
   }
-  void begin_tile(const TileInfo& t) { row_acc.assign(t.rows, Real(0)); }
   void visit(const TileInfo& t, int64_t m, int64_t n, Real da0, Real da1) {
     const Real da[2] = {da0, da1};
     for (int c = 0; c < 2; ++c) {
@@ -91,12 +85,8 @@ struct SwigluBackward : NoSubtileHooks {
       dz.store(m, 2 * col, dg);
       dz.store(m, 2 * col + 1, du);
       a.store(m, col, av);
-      row_acc[m - t.m0] += g * dg + u * du;
+      this->add(t, m, PairDot{}(g, u, dg, du));
     }
-  }
-  void end_tile(const TileInfo& t) {
-    for (int64_t i = 0; i < t.rows; ++i)
-      zdz_partials[layout.index(t.m0 + i, t.tile_n_index)] = row_acc[i];
   }
 };
 
@@ -121,7 +111,7 @@ void rope_backward(const TileIn<Real>& y, const TileIn<Real>& dy, const VectorIn
       epilogue::RopeRotateTranspose{}(dy0, dy1, c, sn, d0, d1);
       dz.store(m, n, d0);
       dz.store(m, n + 1, d1);
-      s += y.load(m, n) * dy0 + y.load(m, n + 1) * dy1;
+      s += PairDot{}(y.load(m, n), y.load(m, n + 1), dy0, dy1);
     }
     zdz_sum[m] = s;
   }
@@ -132,29 +122,21 @@ void rope_backward(const TileIn<Real>& y, const TileIn<Real>& dy, const VectorIn
 // scale[m] is the incoming loss gradient over the token count (mean) or 1 (sum); 0 for ignored
 // tokens. Columns >= V get no gradient.
 template <class Real, class Target = int64_t>
-struct RmsnormCrossEntropyBackward : NoSubtileHooks {
+struct RmsnormCrossEntropyBackward : RowSums<Real> {  // partials: Σ ℓ·dℓ, not yet / H
   VectorIn<Real> r, lse, scale;  // (M)
   VectorIn<Target> targets;      // (M)
   int64_t vocab = 0;
   double z_loss = 0.0;
-  TileOut<Real> dlogits;         // (M, V)
-  Real* zdz_partials = nullptr;  // per_row(M, V, tile_m, tile_n): Σ ℓ·dℓ, not yet / H
-  PartialLayout layout;
-
-  std::vector<Real> row_acc;
+  TileOut<Real> dlogits;  // (M, V)
 
   void validate(int64_t M, int64_t N, const TileConfig& cfg) const {
     const char* who = "gemm_rmsnorm_cross_entropy_backward";
-    CODA_CHECK(vocab > 0 && vocab <= N, who, ": vocab must be in [1, N = ", N, "], got ", vocab);
-    r.require(who, "r", M);
+    require_lm_head(who, vocab, M, N, r, targets);
     lse.require(who, "lse", M);
     scale.require(who, "scale", M);
-    targets.require(who, "targets", M);
     dlogits.require(who, "dlogits", M, vocab);
-    layout.require(who, "zdz_partials", zdz_partials,
-                   PartialLayout::per_row(M, N, cfg.tile_m, cfg.tile_n));
+    this->require_partials(who, "zdz_partials", M, N, cfg);
   }
-  void begin_tile(const TileInfo& t) { row_acc.assign(t.rows, Real(0)); }
   void visit(const TileInfo& t, int64_t m, int64_t n, Real acc0, Real acc1) {
     const Real acc[2] = {acc0, acc1};
     const Real rm = r.load(m), lm = lse.load(m), sm = scale.load(m);
@@ -164,12 +146,8 @@ struct RmsnormCrossEntropyBackward : NoSubtileHooks {
       const Real l = acc[c] * rm;
       const Real d = CrossEntropyGrad{}(l, lm, sm, target == n + c, static_cast<Real>(z_loss));
       dlogits.store(m, n + c, d);
-      row_acc[m - t.m0] += l * d;
+      this->add(t, m, l * d);
     }
-  }
-  void end_tile(const TileInfo& t) {
-    for (int64_t i = 0; i < t.rows; ++i)
-      zdz_partials[layout.index(t.m0 + i, t.tile_n_index)] = row_acc[i];
   }
 };
 

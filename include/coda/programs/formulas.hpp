@@ -7,6 +7,31 @@
 
 namespace coda::programs {
 
+// r = 1 / sqrt(Σx² / H + eps): the reciprocal RMS from a row's sum of squares (A1, F0).
+struct Rstd {
+  template <class T>
+  CODA_HD T operator()(T sum_squares, T inv_hidden, T eps) const {
+    return epilogue::rsqrt_approx(sum_squares * inv_hidden + eps);
+  }
+};
+
+// a0·b0 + a1·b1 for an adjacent pair: the ZdZ terms Σ dz·z of B2 (g·dg + u·du) and B3 (y·dy)
+// and the cross-entropy's Σ ℓ·dℓ over a pair of logits.
+struct PairDot {
+  template <class T>
+  CODA_HD T operator()(T a0, T a1, T b0, T b1) const {
+    return a0 * b0 + a1 * b1;
+  }
+};
+
+// A2's per-token loss lse − ℓ_target + z_loss·lse² (the caller masks ignored tokens).
+struct TokenLoss {
+  template <class T>
+  CODA_HD T operator()(T lse, T target_logit, T z_loss) const {
+    return lse - target_logit + z_loss * lse * lse;
+  }
+};
+
 // B1's per-element formulas (both executors call these).
 // dx = dres + r·(g·γ − n·ZdZ) with n = x·r: the RMSNorm input gradient added to the residual's.
 struct RmsnormBackwardDx {

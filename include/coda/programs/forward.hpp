@@ -1,5 +1,5 @@
 #pragma once
-// Forward programs F0-F4 and aux A1-A2 of OPS.md, as compositions of the five primitives.
+// Forward programs F0-F4 and aux A1-A2 of docs/math.md, as compositions of the five primitives.
 //
 // Each program below is the host composition the CPU reference executor runs; the Hopper executor
 // builds the same composition from the same functors (include/coda/kernel/programs.hpp). Per-row
@@ -16,6 +16,7 @@
 #include "coda/epilogue/reduction.hpp"
 #include "coda/epilogue/tile.hpp"
 #include "coda/epilogue/vector.hpp"
+#include "coda/programs/formulas.hpp"
 #include "coda/programs/rope.hpp"
 #include "coda/reference/executor.hpp"
 
@@ -35,17 +36,33 @@ struct NoSubtileHooks {
   void end_subtile(const TileInfo&, int64_t, int64_t) {}
 };
 
+// The host twin of the device's per-row partial reduction: one sum per row over a tile's columns
+// (in registers on the GPU), written at the tile's end into `partials`, PartialLayout::per_row.
+template <class Real>
+struct RowSums : NoSubtileHooks {
+  Real* partials = nullptr;
+  PartialLayout layout;  // per_row(M, N, tile_m, tile_n)
+  std::vector<Real> row_acc;
+
+  void require_partials(const char* who, const char* name, int64_t M, int64_t N,
+                        const TileConfig& cfg) const {
+    layout.require(who, name, partials, PartialLayout::per_row(M, N, cfg.tile_m, cfg.tile_n));
+  }
+  void begin_tile(const TileInfo& t) { row_acc.assign(t.rows, Real(0)); }
+  void add(const TileInfo& t, int64_t m, Real v) { row_acc[m - t.m0] += v; }
+  void end_tile(const TileInfo& t) {
+    for (int64_t i = 0; i < t.rows; ++i)
+      partials[layout.index(t.m0 + i, t.tile_n_index)] = row_acc[i];
+  }
+};
+
 // F1 (out-proj, down-proj): x = acc + residual;  h = x ⊙ γ;  S[m, t] = Σ_{n in tile t} x²
 template <class Real>
-struct ResidualRmsnormPartial : NoSubtileHooks {
+struct ResidualRmsnormPartial : RowSums<Real> {  // partials: Σx²
   TileIn<Real> residual;  // (M, N), may be empty (data == nullptr) for "no residual"
   VectorIn<Real> gamma;   // (N)
   TileOut<Real> x;        // (M, N) new residual stream
   TileOut<Real> h;        // (M, N) x ⊙ γ, the next GEMM's input
-  Real* sumsq_partials = nullptr;
-  PartialLayout layout;  // per_row(M, N, tile_m, tile_n)
-
-  std::vector<Real> row_acc;
 
   void validate(int64_t M, int64_t N, const TileConfig& cfg) const {
     const char* who = "gemm_residual_rmsnorm_partial";
@@ -53,22 +70,16 @@ struct ResidualRmsnormPartial : NoSubtileHooks {
     gamma.require(who, "gamma", N);
     x.require(who, "x", M, N);
     h.require(who, "h", M, N);
-    layout.require(who, "sumsq_partials", sumsq_partials,
-                   PartialLayout::per_row(M, N, cfg.tile_m, cfg.tile_n));
+    this->require_partials(who, "sumsq_partials", M, N, cfg);
   }
-  void begin_tile(const TileInfo& t) { row_acc.assign(t.rows, Real(0)); }
   void visit(const TileInfo& t, int64_t m, int64_t n, Real acc0, Real acc1) {
     const Real acc[2] = {acc0, acc1};
     for (int c = 0; c < 2; ++c) {
       const Real xv = residual.data ? epilogue::Plus{}(acc[c], residual.load(m, n + c)) : acc[c];
       x.store(m, n + c, xv);
       h.store(m, n + c, epilogue::Multiplies{}(xv, gamma.load(n + c)));
-      row_acc[m - t.m0] += epilogue::Square{}(xv);
+      this->add(t, m, epilogue::Square{}(xv));
     }
-  }
-  void end_tile(const TileInfo& t) {
-    for (int64_t i = 0; i < t.rows; ++i)
-      sumsq_partials[layout.index(t.m0 + i, t.tile_n_index)] = row_acc[i];
   }
 };
 
@@ -80,7 +91,7 @@ std::vector<Real> fold_rstd(const In* sumsq_partials, const PartialLayout& layou
   CODA_CHECK(eps >= 0, "fold_rstd: eps must be >= 0, got ", eps);
   std::vector<Real> r =
       epilogue::fold_partials<Real>(sumsq_partials, layout, Real(0), epilogue::Plus{});
-  for (auto& v : r) v = Real(1) / std::sqrt(v / static_cast<Real>(hidden) + static_cast<Real>(eps));
+  for (auto& v : r) v = Rstd{}(v, Real(1) / static_cast<Real>(hidden), static_cast<Real>(eps));
   return r;
 }
 
@@ -98,7 +109,7 @@ void first_layer_rmsnorm(const TileIn<Real>& x, const VectorIn<Real>& gamma, dou
       s += epilogue::Square{}(v);
       h.store(m, n, epilogue::Multiplies{}(v, gamma.load(n)));
     }
-    r[m] = Real(1) / std::sqrt(s / static_cast<Real>(x.cols) + static_cast<Real>(eps));
+    r[m] = Rstd{}(s, Real(1) / static_cast<Real>(x.cols), static_cast<Real>(eps));
   }
 }
 
@@ -153,6 +164,16 @@ struct RmsnormRope : NoSubtileHooks {
   void end_tile(const TileInfo&) {}
 };
 
+// The arguments the LM head's programs (F4, B4) share: the vocabulary (columns >= V never count),
+// the per-row r and targets.
+template <class Real, class Target>
+void require_lm_head(const char* who, int64_t vocab, int64_t M, int64_t N, const VectorIn<Real>& r,
+                     const VectorIn<Target>& targets) {
+  CODA_CHECK(vocab > 0 && vocab <= N, who, ": vocab must be in [1, N = ", N, "], got ", vocab);
+  r.require(who, "r", M);
+  targets.require(who, "targets", M);
+}
+
 // F4 (LM head): ℓ = r[m] · acc;  per-tile online (max, sumexp) over n < V;  pick ℓ[m, target[m]]
 template <class Real, class Target = int64_t>
 struct RmsnormLse {
@@ -169,9 +190,7 @@ struct RmsnormLse {
 
   void validate(int64_t M, int64_t N, const TileConfig& cfg) const {
     const char* who = "gemm_rmsnorm_lse";
-    CODA_CHECK(vocab > 0 && vocab <= N, who, ": vocab must be in [1, N = ", N, "], got ", vocab);
-    r.require(who, "r", M);
-    targets.require(who, "targets", M);
+    require_lm_head(who, vocab, M, N, r, targets);
     target_logit.require(who, "target_logit", M);
     const auto expect = PartialLayout::per_row(M, N, cfg.tile_m, cfg.tile_n);
     layout.require(who, "max_partials", max_partials, expect);
@@ -237,7 +256,7 @@ LossResult<Real> fold_lse_loss(const In* max_partials, const In* sumexp_partials
     CODA_CHECK(target >= 0 && target < vocab, "fold_lse_loss: targets[", m, "] = ", target,
                " is outside [0, ", vocab, ") and is not ignore_index (", opt.ignore_index, ")");
     const Real lse = out.lse[m];
-    out.token_loss[m] = lse - target_logit[m] + static_cast<Real>(opt.z_loss) * lse * lse;
+    out.token_loss[m] = TokenLoss{}(lse, target_logit[m], static_cast<Real>(opt.z_loss));
     total += out.token_loss[m];
     ++out.counted;
   }

@@ -1,6 +1,6 @@
 #pragma once
 // Weight-layout converters between the layouts checkpoints use and the ones that keep the
-// epilogue's pairwise maps thread-local (OPS.md §2). All weights are row-major (out, in);
+// epilogue's pairwise maps thread-local (docs/math.md §2). All weights are row-major (out, in);
 // converters permute rows only, so they apply unchanged to gradients.
 //   - SwiGLU: split [W_gate; W_up] (each (I, H))  <->  interleaved W_gu (2I, H), rows [g0, u0, g1,
 //   ...]
@@ -53,36 +53,41 @@ void split_gate_up(const std::vector<T>& w_gu, int64_t intermediate, int64_t hid
   }
 }
 
-// Rows of one projection with `heads` heads of `head_dim` rows each: HF half-split -> adjacent
-// pairs.
+namespace detail {
+// The RoPE row permutation of one projection with `heads` heads of `head_dim` rows each: within a
+// head, half-split row i is adjacent-pair row 2i and half-split row i + head_dim / 2 is row 2i + 1.
 template <class T>
-std::vector<T> rope_rows_half_to_interleaved(const std::vector<T>& w, int64_t heads,
-                                             int64_t head_dim, int64_t cols) {
-  CODA_CHECK(head_dim > 0 && head_dim % 2 == 0,
-             "rope_rows_half_to_interleaved: head_dim must be positive and even, got ", head_dim);
-  detail::check_rows("rope_rows_half_to_interleaved", "w", w.size(), heads * head_dim, cols);
+std::vector<T> permute_rope_rows(const char* who, const std::vector<T>& w, int64_t heads,
+                                 int64_t head_dim, int64_t cols, bool half_to_interleaved) {
+  CODA_CHECK(head_dim > 0 && head_dim % 2 == 0, who,
+             ": head_dim must be positive and even, got ", head_dim);
+  check_rows(who, "w", w.size(), heads * head_dim, cols);
   std::vector<T> out(w.size());
   for (int64_t h = 0; h < heads; ++h)
-    for (int64_t i = 0; i < head_dim / 2; ++i) {
-      detail::copy_row(w, h * head_dim + i, out, h * head_dim + 2 * i, cols);
-      detail::copy_row(w, h * head_dim + i + head_dim / 2, out, h * head_dim + 2 * i + 1, cols);
+    for (int64_t i = 0; i < head_dim; ++i) {
+      const int64_t half = h * head_dim + i;
+      const int64_t pair = h * head_dim + (i < head_dim / 2 ? 2 * i : 2 * (i - head_dim / 2) + 1);
+      if (half_to_interleaved)
+        copy_row(w, half, out, pair, cols);
+      else
+        copy_row(w, pair, out, half, cols);
     }
   return out;
 }
+}  // namespace detail
 
+// Rows of one projection: HF half-split -> adjacent pairs, and back.
+template <class T>
+std::vector<T> rope_rows_half_to_interleaved(const std::vector<T>& w, int64_t heads,
+                                             int64_t head_dim, int64_t cols) {
+  return detail::permute_rope_rows("rope_rows_half_to_interleaved", w, heads, head_dim, cols,
+                                   true);
+}
 template <class T>
 std::vector<T> rope_rows_interleaved_to_half(const std::vector<T>& w, int64_t heads,
                                              int64_t head_dim, int64_t cols) {
-  CODA_CHECK(head_dim > 0 && head_dim % 2 == 0,
-             "rope_rows_interleaved_to_half: head_dim must be positive and even, got ", head_dim);
-  detail::check_rows("rope_rows_interleaved_to_half", "w", w.size(), heads * head_dim, cols);
-  std::vector<T> out(w.size());
-  for (int64_t h = 0; h < heads; ++h)
-    for (int64_t i = 0; i < head_dim / 2; ++i) {
-      detail::copy_row(w, h * head_dim + 2 * i, out, h * head_dim + i, cols);
-      detail::copy_row(w, h * head_dim + 2 * i + 1, out, h * head_dim + i + head_dim / 2, cols);
-    }
-  return out;
+  return detail::permute_rope_rows("rope_rows_interleaved_to_half", w, heads, head_dim, cols,
+                                   false);
 }
 
 // Stacks row blocks: [a; b; c].

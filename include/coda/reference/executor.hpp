@@ -57,7 +57,7 @@ struct TileInfo {
   int64_t rows = 0, cols = 0;  // valid extent (<= tile size on the ragged edge)
 };
 
-// The program protocol (host side of ARCHITECTURE.md's lifecycle):
+// The program protocol (the host side of the primitive lifecycle, docs/design.md):
 //   void begin_tile(const TileInfo&);
 //   void visit(const TileInfo&, int64_t m, int64_t n, Real acc_n, Real acc_n_plus_1);  // pair
 //   void end_subtile(const TileInfo&, int64_t epi_m, int64_t epi_n);
