@@ -30,7 +30,7 @@ int main() {
   reference::FusedGrads<double> g_raw;
   const double loss_fused = reference::fused_llama_loss(
       testing::fused_shape(cfg), testing::to_fused(cfg, weights), x0, targets,
-      programs::CrossEntropyOptions{}, reference::TileConfig{128, 128, 64, 32}, &g_raw);
+      block::LossOptions{}, reference::TileConfig{128, 128, 64, 32}, &g_raw);
   const auto g = testing::from_fused(cfg, g_raw);
 
   std::printf("%-28s %14s\n", "output", "max rel error");

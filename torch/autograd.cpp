@@ -1,5 +1,5 @@
 // Autograd kernels of the differentiable coda ops (torch::autograd::Function). Each forward runs
-// the op below autograd and saves only what its backward program reads (OPS.md §3); each backward
+// the op below autograd and saves only what its backward program reads (docs/math.md §3); each backward
 // calls the matching *_backward op, so torch.compile traces both as ordinary op calls.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>

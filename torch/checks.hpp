@@ -10,6 +10,8 @@
 #include <sstream>
 #include <string>
 
+#include "coda/programs/forward.hpp"
+
 namespace coda::torch_ext {
 
 inline std::string shape_string(c10::IntArrayRef s) {
@@ -146,7 +148,7 @@ CODA_KERNEL_OPS(CODA_OP_NAME)
 #define CODA_REGISTER_KERNEL(op) m.impl(#op, CODA_GUARDED(::coda::torch_ext::op_names::op, op));
 #define CODA_REGISTER_KERNELS(m) CODA_KERNEL_OPS(CODA_REGISTER_KERNEL)
 
-enum class LossReduction : int { kMean = 0, kSum = 1, kNone = 2 };
+using LossReduction = programs::Reduction;
 
 inline LossReduction parse_reduction(const char* op, c10::string_view s) {
   if (s == "mean") return LossReduction::kMean;

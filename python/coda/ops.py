@@ -2,7 +2,7 @@
 
 Every op works on flattened tokens: activations are contiguous 2-D ``(M, width)`` tensors. Turning
 ``(batch, seq, ...)`` into ``(M, ...)`` and back is the caller's job (``coda.nn`` does it). The math
-of each op is in ``docs/torch-ops.md`` and ``OPS.md``; the C++ side checks every argument.
+of each op is in ``docs/torch-ops.md`` and ``docs/math.md``; the C++ side checks every argument.
 
 Norm caches (``h = x * gamma`` and the reciprocal RMS ``r``) are never autograd edges: the op
 that consumes a norm differentiates through it with respect to ``x`` and ``gamma`` itself.

@@ -1,6 +1,9 @@
 // The whole reparameterized decoder (first layer, middle blocks, last layer + LM head + CE) forward
-// and backward against the independent, unfused fp64 model: loss and the gradient of every input
-// and weight, both RMSNorm gammas included, within 1e-10 relative.
+// and backward, through the block compositions (block/compose.hpp) on the reference executor,
+// against the independent, unfused fp64 model: loss and the gradient of every input and weight,
+// both RMSNorm gammas included, within 1e-10 relative. Each case runs every LM head path: the
+// loss with its gradient in token chunks (row kernel or F4 storing logits), and the loss, then
+// its backward recomputing the logits in vocabulary slices.
 
 #include <gtest/gtest.h>
 
@@ -32,10 +35,15 @@ std::vector<Case> cases() {
       {"ThreeLayersMean", three, {16, 24, 8, 8}, {.mean = true}},
       {"ThreeLayersSumZLoss", three, {128, 128, 64, 32}, {.mean = false, .z_loss = 1e-2}},
       {"HeadDim64", d64, {64, 64, 32, 16}, {.mean = true, .z_loss = 1e-3}},
+      // An ignore_index inside the vocabulary: the ignored rows' targets are valid columns.
+      {"IgnoreIndexInVocabulary", three, {16, 24, 8, 8}, {.ignore_index = 3, .mean = true}},
   };
 }
 
 class LlamaBlockTest : public ::testing::TestWithParam<Case> {};
+
+void expect_all(const Case& c, double loss_fused, double loss_std, const ModelGrads& g,
+                const ModelGrads& g_std);
 
 void expect_close(const std::vector<double>& fused, const std::vector<double>& standard,
                   const std::string& what) {
@@ -56,14 +64,40 @@ TEST_P(LlamaBlockTest, FusedMatchesStandardForwardAndBackward) {
   ModelGrads g_std;
   const double loss_std = llama_loss(c.cfg, w, x0, targets, c.loss, &g_std);
 
-  reference::FusedGrads<double> g_fused_raw;
   const programs::CrossEntropyOptions ce{
       .ignore_index = c.loss.ignore_index,
       .reduction = c.loss.mean ? programs::Reduction::kMean : programs::Reduction::kSum,
       .z_loss = c.loss.z_loss};
-  const double loss_fused = reference::fused_llama_loss(fused_shape(c.cfg), to_fused(c.cfg, w), x0,
-                                                        targets, ce, c.tiles, &g_fused_raw);
-  const ModelGrads g = from_fused(c.cfg, g_fused_raw);
+  // Budgets that split the LM head: chunks of 8 tokens (the logits and h_out of 8 rows, (V + H)
+  // values each in fp64), and vocabulary slices (a budget below M x V fp64 logits; one below the
+  // sliced path's own scratch gives the smallest slice, 8 columns).
+  const int64_t V = c.cfg.vocab, H = c.cfg.hidden;
+  struct Path {
+    const char* name;
+    reference::LmHeadPath path;
+    block::LossOptions loss;
+  };
+  const Path paths[] = {
+      {"loss+grad, row kernel, chunks", reference::LmHeadPath::kLossGrad,
+       {.ce = ce, .max_chunk_bytes = 8 * (V + H) * 8}},
+      {"loss+grad, F4 logits", reference::LmHeadPath::kLossGrad,
+       {.ce = ce, .row_kernel_max_hidden = 0}},
+      {"loss, then backward in slices", reference::LmHeadPath::kRecompute,
+       {.ce = ce, .max_chunk_bytes = M * V * 8 - 1}},
+  };
+  for (const Path& path : paths) {
+    SCOPED_TRACE(path.name);
+    reference::FusedGrads<double> g_fused_raw;
+    const double loss_fused =
+        reference::fused_llama_loss(fused_shape(c.cfg), to_fused(c.cfg, w), x0, targets,
+                                    path.loss, c.tiles, &g_fused_raw, path.path);
+    const ModelGrads g = from_fused(c.cfg, g_fused_raw);
+    expect_all(c, loss_fused, loss_std, g, g_std);
+  }
+}
+
+void expect_all(const Case& c, double loss_fused, double loss_std, const ModelGrads& g,
+                const ModelGrads& g_std) {
 
   EXPECT_NEAR(loss_fused, loss_std, kTol * std::abs(loss_std));
   expect_close(g.dx0, g_std.dx0, "dx0");
@@ -83,6 +117,7 @@ TEST_P(LlamaBlockTest, FusedMatchesStandardForwardAndBackward) {
     expect_close(a.w_up, b.w_up, p + "w_up");
     expect_close(a.w_down, b.w_down, p + "w_down");
   }
+  (void)c;
 }
 
 INSTANTIATE_TEST_SUITE_P(Configs, LlamaBlockTest, ::testing::ValuesIn(cases()),
@@ -98,7 +133,7 @@ TEST(LlamaBlockSanity, PerturbedWeightIsDetected) {
   auto fused = to_fused(cfg, w);
   fused.layers[0].gamma_ffn[3] *= 1.0 + 1e-7;
   const double loss_fused = reference::fused_llama_loss(
-      fused_shape(cfg), fused, x0, targets, programs::CrossEntropyOptions{},
+      fused_shape(cfg), fused, x0, targets, block::LossOptions{},
       reference::TileConfig{}, static_cast<reference::FusedGrads<double>*>(nullptr));
   EXPECT_GT(std::abs(loss_fused - loss_std), kTol * std::abs(loss_std));
 }

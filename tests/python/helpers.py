@@ -1,4 +1,4 @@
-"""Shared assertions for the Python tests (tolerances of OPS.md §5)."""
+"""Shared assertions for the Python tests (tolerances of docs/math.md §5)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def max_abs(t: Tensor) -> float:
 
 
 def assert_rel(actual: Tensor, expected: Tensor, rel: float = 1e-9, what: str = "") -> None:
-    """max|actual - expected| <= rel * max|expected| (fp64 algebra check, OPS.md §5: the rewritten
+    """max|actual - expected| <= rel * max|expected| (fp64 algebra check, docs/math.md §5: the rewritten
     algebra must match the standard computation to ~1e-12 relative in fp64)."""
     assert actual.shape == expected.shape, f"{what}: shape {actual.shape} vs {expected.shape}"
     err = max_abs(actual.double() - expected.double())
@@ -25,7 +25,7 @@ def assert_rel(actual: Tensor, expected: Tensor, rel: float = 1e-9, what: str = 
 
 
 def assert_ops_rule(actual: Tensor, ref64: Tensor, plain: Tensor, what: str = "") -> None:
-    """OPS.md §5: max|out - ref| <= 2 * max|out_pt - ref| + 1e-6, with ref the fp64 unfused result
+    """docs/math.md §5: max|out - ref| <= 2 * max|out_pt - ref| + 1e-6, with ref the fp64 unfused result
     and out_pt the plain PyTorch result in the op's own dtype."""
     assert actual.shape == ref64.shape, f"{what}: shape {actual.shape} vs {ref64.shape}"
     err = max_abs(actual.double() - ref64)

@@ -1,5 +1,5 @@
 """The torch.ops.coda ops and coda.nn on a Hopper GPU (bf16): registration (opcheck), accuracy of
-every op and of a whole converted Hugging Face model against fp64 references by the OPS.md §5 rule,
+every op and of a whole converted Hugging Face model against fp64 references by the docs/math.md §5 rule,
 torch.compile(fullgraph=True) with inductor, and a CUDA-graph capture of a training step.
 Skipped without an sm_90 GPU (CI has none; scripts/gpu-check runs these on the H200)."""
 
@@ -31,7 +31,8 @@ EPS = 1e-5
 BF16 = torch.bfloat16
 # Ragged M (77 is not a multiple of any tile); widths multiples of 8 (16 for 2I) as TMA needs.
 S = dict(M=77, H=256, I=344, hq=4, hkv=2, d=64, V=1000)
-# K > 2048 switches the scheduler options the heuristic picks (run 14 found NaNs there for F4/B4).
+# K > 2048 switches the scheduler options the heuristic picks (padded tile grids: NaNs in F4 / B4
+# once wrote past their partial buffers there).
 S_WIDE = dict(M=300, H=4096, I=1536, hq=32, hkv=8, d=128, V=4000)
 OP_SHAPES = pytest.mark.parametrize("s", [S, S_WIDE], ids=["H256", "H4096"])
 
@@ -213,7 +214,7 @@ def test_lm_head_loss_three_gemm_path_at_hidden_2048():
 
 @pytest.mark.parametrize("hidden", [2048, 4096, 8192])
 def test_lm_head_loss_at_llama_hidden_sizes(hidden):
-    """K > 2048 runs other scheduler options than the small shapes above (run 14 found NaNs)."""
+    """K > 2048 runs other scheduler options than the small shapes above (padded tile grids)."""
     gen = torch.Generator().manual_seed(10)
     M, V = 300, 4000
     x = rand(M, hidden, gen=gen).requires_grad_()

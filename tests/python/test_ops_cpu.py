@@ -1,5 +1,5 @@
 """The torch.ops.coda ops on the CPU: registration (opcheck), values and gradients against a
-plain PyTorch implementation of OPS.md's math, and argument checks."""
+plain PyTorch implementation of docs/math.md's math, and argument checks."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ SHAPES = {
 
 
 # ---------------------------------------------------------------------------------------------
-# Plain PyTorch reference (unfused, differentiable by autograd), from OPS.md
+# Plain PyTorch reference (unfused, differentiable by autograd), from docs/math.md
 
 
 def ref_r(x, eps=EPS):
@@ -192,7 +192,7 @@ def to64(inputs):
 
 def check_against_reference(op, ref, inputs, diff, grad_outs, dtype, out_names, extra=None,
                             ref_extra=None):
-    """Values and gradients of `op` vs the fp64 reference (fp64: 1e-9 relative; fp32: OPS.md §5
+    """Values and gradients of `op` vs the fp64 reference (fp64: 1e-9 relative; fp32: docs/math.md §5
     rule against the same reference run in fp32)."""
     got_out, got_grad = run(op, inputs, diff, grad_outs, extra)
     ref_out, ref_grad = run(ref, to64(inputs), diff, grad_outs, ref_extra)

@@ -1,0 +1,102 @@
+#pragma once
+// The CUDA backend of the block compositions: the Hopper programs of include/coda/ops.hpp on
+// PyTorch's current stream, buffers from PyTorch's caching allocator. Nothing here waits on the
+// device (no .item(), no host copies), so the ops capture into CUDA graphs.
+
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "backends.hpp"
+#include "coda/ops.hpp"
+
+namespace coda::torch_ext {
+
+class CudaBackend : public TorchTensors {
+ public:
+  explicit CudaBackend(c10::Device device)
+      : TorchTensors(device, at::kBFloat16, at::kFloat),
+        guard_(device),
+        stream_(c10::cuda::getCurrentCUDAStream(device.index()).stream()) {}
+
+  // The op layer's view of a CUDA tensor (2-D, or 1-D as a vector).
+  static TensorView view(const at::Tensor& t) {
+    const DType d = t.scalar_type() == at::kBFloat16 ? DType::kBF16
+                    : t.scalar_type() == at::kFloat  ? DType::kF32
+                    : t.scalar_type() == at::kInt    ? DType::kI32
+                                                     : DType::kI64;
+    TORCH_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat ||
+                    t.scalar_type() == at::kInt || t.scalar_type() == at::kLong,
+                "coda: no kernel takes ", t.scalar_type(), " tensors");
+    const int device = t.device().index();
+    if (t.dim() == 1) return TensorView::vector(t.data_ptr(), d, t.size(0), device);
+    TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, "coda: expected a row-major matrix, got sizes ",
+                t.sizes(), " strides ", t.strides());
+    return TensorView::matrix(t.data_ptr(), d, t.size(0), t.size(1), t.stride(0), device);
+  }
+
+  Tensor partials(block::PartialsOf of, int64_t m, int64_t n, int64_t k) const {
+    using block::PartialsOf;
+    const epilogue::PartialLayout l =
+        of == PartialsOf::kResidualRmsnorm   ? ops::residual_rmsnorm_partials_layout(m, n, k)
+        : of == PartialsOf::kRmsnormBackward ? ops::rmsnorm_backward_partials_layout(m, n, k)
+        : of == PartialsOf::kSwigluBackward  ? ops::swiglu_backward_partials_layout(m, n, k)
+        : of == PartialsOf::kLmHead          ? ops::lm_head_partials_layout(m, n, k)
+        : of == PartialsOf::kLmHeadLogits    ? ops::lm_head_logits_partials_layout(m, n, k)
+                                             : ops::cross_entropy_backward_partials_layout(m, n, k);
+    return stat(l.tiles * l.extent).view({l.tiles, l.extent});
+  }
+
+  // The programs and folds: ops.hpp's functions of the same names and arguments, each tensor as
+  // its view, on the current stream.
+  void gemm(const auto&... a) const { run(ops::gemm, a...); }
+  void gemm_xw(const auto&... a) const { run(ops::gemm_xw, a...); }
+  void first_layer_rmsnorm(const auto&... a) const { run(ops::first_layer_rmsnorm, a...); }
+  void gemm_residual_rmsnorm_partial(const auto&... a) const {
+    run(ops::gemm_residual_rmsnorm_partial, a...);
+  }
+  void rmsnorm_fold(const auto&... a) const { run(ops::rmsnorm_fold, a...); }
+  void gemm_rmsnorm_swiglu(const auto&... a) const { run(ops::gemm_rmsnorm_swiglu, a...); }
+  void gemm_rmsnorm_rope(const auto&... a) const { run(ops::gemm_rmsnorm_rope, a...); }
+  void gemm_rmsnorm_lse(const auto&... a) const { run(ops::gemm_rmsnorm_lse, a...); }
+  void gemm_rmsnorm_lse_logits(const auto&... a) const { run(ops::gemm_rmsnorm_lse_logits, a...); }
+  void lse_loss_fold(const auto&... a) const { run(ops::lse_loss_fold, a...); }
+  void cross_entropy_backward_from_logits(const auto&... a) const {
+    run(ops::cross_entropy_backward_from_logits, a...);
+  }
+  void cross_entropy_from_unscaled_logits(const auto&... a) const {
+    run(ops::cross_entropy_from_unscaled_logits, a...);
+  }
+  void gemm_rmsnorm_backward(const auto&... a) const { run(ops::gemm_rmsnorm_backward, a...); }
+  void dgamma_fold(const auto&... a) const { run(ops::dgamma_fold, a...); }
+  void gemm_swiglu_backward(const auto&... a) const { run(ops::gemm_swiglu_backward, a...); }
+  void zdz_fold(const auto&... a) const { run(ops::zdz_fold, a...); }
+  void rope_backward(const auto&... a) const { run(ops::rope_backward, a...); }
+  void gemm_rmsnorm_cross_entropy_backward(const auto&... a) const {
+    run(ops::gemm_rmsnorm_cross_entropy_backward, a...);
+  }
+  // dW (+)= dzᵀ · h: our Xᵀ·Y mainloop, or cuBLAS with β = 1 to accumulate (bf16 dW, fp32
+  // accumulation inside one call).
+  void weight_grad(const Tensor& dz, const Tensor& h, Tensor& dw, bool accumulate) const {
+    if (accumulate)
+      dw.addmm_(dz.t(), h);
+    else
+      ops::gemm_xty(view(dz), view(h), view(dw), stream_);
+  }
+  cudaStream_t stream() const { return stream_; }
+
+ private:
+  static TensorView arg(const at::Tensor& t) { return view(t); }
+  template <class Scalar>
+  static Scalar arg(Scalar s) {
+    return s;
+  }
+  template <class Fn, class... A>
+  void run(Fn fn, const A&... a) const {
+    fn(arg(a)..., stream_);
+  }
+
+  c10::cuda::CUDAGuard guard_;
+  cudaStream_t stream_;
+};
+
+}  // namespace coda::torch_ext

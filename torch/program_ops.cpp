@@ -1,0 +1,246 @@
+// The program-level ops: one GEMM-epilogue program or fold each, on either backend
+// (torch/backends.hpp), for benchmarks and tests that time or check a program on its own. The
+// block ops (block_ops.cpp) compose the same backend calls; these have no autograd and no Meta
+// kernels (eager only). Partial buffers travel as fp32 (tiles, extent) tensors: their layout
+// follows the kernel configuration of the launch that wrote them.
+#include <torch/library.h>
+
+#include <tuple>
+
+#include "checks.hpp"
+#include "on_backend.hpp"
+
+namespace coda::torch_ext {
+namespace {
+
+using at::Tensor;
+using block::PartialsOf;
+
+// Every tensor argument on the op's device, activations in its activation dtype, statistics in
+// its statistic dtype, integer operands as int32; all contiguous.
+struct ProgramArgs {
+  OpContext c;
+  ProgramArgs(const char* op, const Tensor& first)
+      : c(OpContext::from(op, "first argument", first)) {}
+  const ProgramArgs& act(const char* name, const Tensor& t) const {
+    c.same_device(name, t);
+    c.dtype(name, t, c.act);
+    c.contiguous(name, t);
+    return *this;
+  }
+  const ProgramArgs& stat(const char* name, const Tensor& t) const {
+    c.same_device(name, t);
+    c.dtype(name, t, c.stat);
+    c.contiguous(name, t);
+    return *this;
+  }
+  const ProgramArgs& int32(const char* name, const Tensor& t) const {
+    c.same_device(name, t);
+    c.dtype(name, t, at::kInt);
+    c.contiguous(name, t);
+    return *this;
+  }
+  // 2-D operands whose sizes the programs read: non-empty, and K of `a` equal to `b`'s.
+  void operand_pair(const char* a, const Tensor& ta, int da, const char* b, const Tensor& tb,
+                    int db) const {
+    TORCH_CHECK(ta.dim() == 2 && tb.dim() == 2, c.op, ": ", a, " and ", b, " must be 2-D, got ",
+                shape_string(ta.sizes()), " and ", shape_string(tb.sizes()));
+    TORCH_CHECK(ta.size(da) == tb.size(db), c.op, ": ", a, ".size(", da, ") = ", ta.size(da),
+                " must equal ", b, ".size(", db, ") = ", tb.size(db));
+  }
+};
+
+Tensor gemm(const Tensor& x, const Tensor& w) {
+  ProgramArgs p("coda::gemm", x);
+  p.act("x", x).act("w", w).operand_pair("x", x, 1, "w", w, 1);
+  return on_backend(x, [&](auto& b) {
+    Tensor d = b.act(x.size(0), w.size(0));
+    b.gemm(x, w, d);
+    return d;
+  });
+}
+
+Tensor gemm_xw(const Tensor& x, const Tensor& w) {
+  ProgramArgs p("coda::gemm_xw", x);
+  p.act("x", x).act("w", w).operand_pair("x", x, 1, "w", w, 0);
+  return on_backend(x, [&](auto& b) {
+    Tensor d = b.act(x.size(0), w.size(1));
+    b.gemm_xw(x, w, d);
+    return d;
+  });
+}
+
+Tensor gemm_xty(const Tensor& x, const Tensor& y) {
+  ProgramArgs p("coda::gemm_xty", x);
+  p.act("x", x).act("y", y).operand_pair("x", x, 0, "y", y, 0);
+  return on_backend(x, [&](auto& b) { return block::weight_grad(b, x, y); });
+}
+
+std::tuple<Tensor, Tensor, Tensor> gemm_residual_rmsnorm_partial(const Tensor& a, const Tensor& w,
+                                                                 const Tensor& residual,
+                                                                 const Tensor& gamma) {
+  ProgramArgs p("coda::gemm_residual_rmsnorm_partial", a);
+  p.act("a", a).act("w", w).act("residual", residual).act("gamma", gamma);
+  p.operand_pair("a", a, 1, "w", w, 1);
+  return on_backend(a, [&](auto& b) {
+    const int64_t m = a.size(0), n = w.size(0);
+    Tensor x = b.act(m, n), h = b.act(m, n);
+    const Tensor s = b.partials(PartialsOf::kResidualRmsnorm, m, n, a.size(1));
+    b.gemm_residual_rmsnorm_partial(a, w, residual, gamma, x, h, s);
+    return std::make_tuple(x, h, s);
+  });
+}
+
+Tensor rmsnorm_fold(const Tensor& partials, int64_t m, int64_t hidden, double eps) {
+  ProgramArgs p("coda::rmsnorm_fold", partials);
+  p.stat("partials", partials);
+  TORCH_CHECK(partials.dim() == 2 && m > 0 && m <= partials.size(1), p.c.op,
+              ": partials must be (tiles, extent) with extent >= m = ", m, ", got ",
+              shape_string(partials.sizes()));
+  return on_backend(partials, [&](auto& b) {
+    Tensor r = b.stat(m);
+    b.rmsnorm_fold(partials, hidden, eps, r);
+    return r;
+  });
+}
+
+std::tuple<Tensor, Tensor> gemm_rmsnorm_swiglu(const Tensor& h, const Tensor& w_gu,
+                                               const Tensor& r) {
+  ProgramArgs p("coda::gemm_rmsnorm_swiglu", h);
+  p.act("h", h).act("w_gu", w_gu).stat("r", r).operand_pair("h", h, 1, "w_gu", w_gu, 1);
+  return on_backend(h, [&](auto& b) {
+    const auto o = block::rmsnorm_swiglu(b, h, r, w_gu);
+    return std::make_tuple(o.z, o.a);
+  });
+}
+
+Tensor gemm_rmsnorm_rope(const Tensor& h, const Tensor& w_qkv, const Tensor& r, const Tensor& pos,
+                         const Tensor& rope_table) {
+  ProgramArgs p("coda::gemm_rmsnorm_rope", h);
+  p.act("h", h).act("w_qkv", w_qkv).stat("r", r).int32("pos", pos).int32("rope_table", rope_table);
+  p.operand_pair("h", h, 1, "w_qkv", w_qkv, 1);
+  return on_backend(h, [&](auto& b) { return block::norm_qkv(b, h, r, w_qkv, pos, rope_table); });
+}
+
+std::tuple<Tensor, Tensor, Tensor> gemm_rmsnorm_backward(const Tensor& dz, const Tensor& w,
+                                                         const Tensor& x, const Tensor& r,
+                                                         const Tensor& gamma, const Tensor& zdz,
+                                                         const Tensor& dres) {
+  ProgramArgs p("coda::gemm_rmsnorm_backward", dz);
+  p.act("dz", dz).act("w", w).act("x", x).stat("r", r).act("gamma", gamma).stat("zdz", zdz);
+  p.act("dres", dres).operand_pair("dz", dz, 1, "w", w, 0);
+  return on_backend(x, [&](auto& b) {
+    const int64_t m = x.size(0), hidden = x.size(1);
+    Tensor dx = b.act(m, hidden), h_out = b.act(m, hidden);
+    const Tensor s = b.partials(PartialsOf::kRmsnormBackward, m, hidden, dz.size(1));
+    b.gemm_rmsnorm_backward(dz, w, x, r, gamma, zdz, dres, dx, h_out, s);
+    return std::make_tuple(dx, h_out, s);
+  });
+}
+
+Tensor dgamma_fold(const Tensor& partials, int64_t hidden) {
+  ProgramArgs p("coda::dgamma_fold", partials);
+  p.stat("partials", partials);
+  TORCH_CHECK(partials.dim() == 2 && hidden > 0 && hidden <= partials.size(1), p.c.op,
+              ": partials must be (tiles, extent) with extent >= hidden = ", hidden, ", got ",
+              shape_string(partials.sizes()));
+  return on_backend(partials, [&](auto& b) {
+    Tensor dgamma = b.stat(hidden);
+    b.dgamma_fold(partials, dgamma);
+    return dgamma;
+  });
+}
+
+std::tuple<Tensor, Tensor, Tensor> gemm_swiglu_backward(const Tensor& dx_out, const Tensor& w_down,
+                                                        const Tensor& z) {
+  ProgramArgs p("coda::gemm_swiglu_backward", dx_out);
+  p.act("dx_out", dx_out).act("w_down", w_down).act("z", z);
+  p.operand_pair("dx_out", dx_out, 1, "w_down", w_down, 0);
+  return on_backend(dx_out, [&](auto& b) {
+    const int64_t m = dx_out.size(0), inter = w_down.size(1);
+    Tensor dz = b.act(m, 2 * inter), a = b.act(m, inter);
+    const Tensor s = b.partials(PartialsOf::kSwigluBackward, m, inter, dx_out.size(1));
+    b.gemm_swiglu_backward(dx_out, w_down, z, dz, a, s);
+    return std::make_tuple(dz, a, s);
+  });
+}
+
+Tensor zdz_fold(const Tensor& partials, int64_t m, int64_t hidden) {
+  ProgramArgs p("coda::zdz_fold", partials);
+  p.stat("partials", partials);
+  TORCH_CHECK(partials.dim() == 2 && m > 0 && m <= partials.size(1), p.c.op,
+              ": partials must be (tiles, extent) with extent >= m = ", m, ", got ",
+              shape_string(partials.sizes()));
+  return on_backend(partials, [&](auto& b) {
+    Tensor zdz = b.stat(m);
+    b.zdz_fold(partials, hidden, zdz);
+    return zdz;
+  });
+}
+
+std::tuple<Tensor, Tensor> rope_backward(const Tensor& qkv, const Tensor& dqkv, const Tensor& pos,
+                                         const Tensor& rope_table, int64_t hidden) {
+  ProgramArgs p("coda::rope_backward", qkv);
+  p.act("qkv", qkv).act("dqkv", dqkv).int32("pos", pos).int32("rope_table", rope_table);
+  return on_backend(qkv, [&](auto& b) {
+    Tensor dpre = b.act(qkv.size(0), qkv.size(1)), zdz = b.stat(qkv.size(0));
+    b.rope_backward(qkv, dqkv, pos, rope_table, hidden, dpre, zdz);
+    return std::make_tuple(dpre, zdz);
+  });
+}
+
+constexpr char k_gemm[] = "coda::gemm", k_gemm_xw[] = "coda::gemm_xw",
+               k_gemm_xty[] = "coda::gemm_xty", k_f1[] = "coda::gemm_residual_rmsnorm_partial",
+               k_a1[] = "coda::rmsnorm_fold", k_f2[] = "coda::gemm_rmsnorm_swiglu",
+               k_f3[] = "coda::gemm_rmsnorm_rope", k_b1[] = "coda::gemm_rmsnorm_backward",
+               k_dgamma[] = "coda::dgamma_fold", k_b2[] = "coda::gemm_swiglu_backward",
+               k_zdz[] = "coda::zdz_fold", k_b3[] = "coda::rope_backward";
+
+void register_programs(torch::Library& m) {
+  m.impl("gemm", CODA_GUARDED(k_gemm, gemm));
+  m.impl("gemm_xw", CODA_GUARDED(k_gemm_xw, gemm_xw));
+  m.impl("gemm_xty", CODA_GUARDED(k_gemm_xty, gemm_xty));
+  m.impl("gemm_residual_rmsnorm_partial", CODA_GUARDED(k_f1, gemm_residual_rmsnorm_partial));
+  m.impl("rmsnorm_fold", CODA_GUARDED(k_a1, rmsnorm_fold));
+  m.impl("gemm_rmsnorm_swiglu", CODA_GUARDED(k_f2, gemm_rmsnorm_swiglu));
+  m.impl("gemm_rmsnorm_rope", CODA_GUARDED(k_f3, gemm_rmsnorm_rope));
+  m.impl("gemm_rmsnorm_backward", CODA_GUARDED(k_b1, gemm_rmsnorm_backward));
+  m.impl("dgamma_fold", CODA_GUARDED(k_dgamma, dgamma_fold));
+  m.impl("gemm_swiglu_backward", CODA_GUARDED(k_b2, gemm_swiglu_backward));
+  m.impl("zdz_fold", CODA_GUARDED(k_zdz, zdz_fold));
+  m.impl("rope_backward", CODA_GUARDED(k_b3, rope_backward));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(coda, m) {
+  m.def("gemm(Tensor x, Tensor w) -> Tensor");
+  m.def("gemm_xw(Tensor x, Tensor w) -> Tensor");
+  m.def("gemm_xty(Tensor x, Tensor y) -> Tensor");
+  m.def(
+      "gemm_residual_rmsnorm_partial(Tensor a, Tensor w, Tensor residual, Tensor gamma) "
+      "-> (Tensor x, Tensor h, Tensor partials)");
+  m.def("rmsnorm_fold(Tensor partials, int m, int hidden, float eps) -> Tensor");
+  m.def("gemm_rmsnorm_swiglu(Tensor h, Tensor w_gu, Tensor r) -> (Tensor z, Tensor a)");
+  m.def(
+      "gemm_rmsnorm_rope(Tensor h, Tensor w_qkv, Tensor r, Tensor pos, Tensor rope_table) "
+      "-> Tensor");
+  m.def(
+      "gemm_rmsnorm_backward(Tensor dz, Tensor w, Tensor x, Tensor r, Tensor gamma, Tensor zdz, "
+      "Tensor dres) -> (Tensor dx, Tensor h_out, Tensor partials)");
+  m.def("dgamma_fold(Tensor partials, int hidden) -> Tensor");
+  m.def(
+      "gemm_swiglu_backward(Tensor dx_out, Tensor w_down, Tensor z) "
+      "-> (Tensor dz, Tensor a, Tensor partials)");
+  m.def("zdz_fold(Tensor partials, int m, int hidden) -> Tensor");
+  m.def(
+      "rope_backward(Tensor qkv, Tensor dqkv, Tensor pos, Tensor rope_table, int hidden) "
+      "-> (Tensor dqkv_pre, Tensor zdz)");
+}
+
+TORCH_LIBRARY_IMPL(coda, CPU, m) { register_programs(m); }
+#if CODA_TORCH_CUDA
+TORCH_LIBRARY_IMPL(coda, CUDA, m) { register_programs(m); }
+#endif
+
+}  // namespace coda::torch_ext
