@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.join(here, "..", "python"))
 sys.path.insert(0, here)
 import coda  # noqa: E402
 from coda.nn import CodaLlamaForCausalLM, LlamaConfig  # noqa: E402
-from train_compare import token_stream  # noqa: E402
+from suite_train import token_stream  # noqa: E402
 
 
 MODELS = {

@@ -47,6 +47,17 @@ def latest(results, pattern):
     return files[-1] if files else None
 
 
+def load(path, section):
+    """A results file as one benchmark's: {"rows": ..., the run's metadata}. bench/suite.py's
+    files keep each section under "sections" (`section`, e.g. "chain_fwd"); the earlier
+    one-benchmark files have their rows at the top."""
+    d = json.load(open(path))
+    if "sections" not in d:
+        return d
+    meta = {k: v for k, v in d.items() if k != "sections"}
+    return {"rows": [], **meta, **d["sections"].get(section, {})}
+
+
 def header(path, d):
     return (f"Source: `{os.path.relpath(path)}` — commit `{d.get('commit', '?')}`, "
             f"{d.get('device', '?')}; command: `{d.get('command', '?')}`.\n")
@@ -128,7 +139,7 @@ def program_plot(d, path):
 
 
 def chain_table(path):
-    d = json.load(open(path))
+    d = load(path, "chain_fwd")
     out = ["## Forward layer chain (out-proj+residual+RMSNorm → gate/up+SwiGLU → down+residual+RMSNorm → QKV+RoPE)\n",
            header(path, d) + f"torch {d.get('torch')}, CUDA {d.get('cuda')}. `triton.testing.do_bench` medians.\n",
            "| model | M | ours ms | GEMM-only | eager | torch.compile | Liger | speedup vs best baseline | max err x2 ours / eager | max err qkv ours / eager |",
@@ -151,12 +162,14 @@ def chain_table(path):
 
 def train_table(path):
     d = json.load(open(path))
+    d = load(path, "chain_profile" if "chain_profile" in d.get("sections", {}) else "chain")
     out = ["## Layer chain forward + backward (given the upstream gradients of x2 and qkv)\n",
            header(path, d) + f"torch {d.get('torch')}, CUDA {d.get('cuda')}. `triton.testing.do_bench` medians.\n",
            "| model | M | ours ms | GEMM-only | eager | torch.compile | Liger | speedup vs best baseline | gradients vs fp32 (ours ≤ 2 × eager) |",
            "|---|---|---|---|---|---|---|---|---|"]
-    for r in d["rows"]:
-        worst = max((v["ours"] / max(v["eager"], 1e-12) for v in r["grad_errors"].values()), default=float("nan"))
+    for r in (r for r in d["rows"] if r.get("pass", "fwd+bwd") == "fwd+bwd"):
+        worst = max((v["ours"] / max(v["eager"], 1e-12) for v in r.get("grad_errors", {}).values()),
+                    default=float("nan"))
         out.append(f"| {r['model']} | {r['m']} | {r.get('ms_coda', float('nan')):.3f} | {r.get('ms_gemm_only', float('nan')):.3f} | "
                    f"{r.get('ms_eager', float('nan')):.3f} | {r.get('ms_compile', float('nan')):.3f} | {r.get('ms_liger', float('nan')):.3f} | "
                    f"{r['speedup_vs_best_baseline']:.3f} | {r['check']} (worst ours/eager error ratio {worst:.2f}) |")
@@ -170,9 +183,10 @@ def train_table(path):
 
 
 def lm_head_table(path):
-    d = json.load(open(path))
+    d = load(path, "lm_head")
     methods = ["coda_chunked", "coda_one_chunk", "eager", "compile", "liger", "gemm_floor"]
-    out = [f"## LM head + cross-entropy, forward + backward (V = {d['V']})\n", header(path, d),
+    vocab = d["V"] if "V" in d else ", ".join(sorted({str(r["V"]) for r in d["rows"]}))
+    out = [f"## LM head + cross-entropy, forward + backward (V = {vocab})\n", header(path, d),
            "Medians of interleaved rounds (CUDA events); every method's loss and gradients checked "
            "against eager first. Peak extra memory: max_memory_allocated during one forward + "
            f"backward minus what was held before (gradients included); coda's backward scratch budget "
@@ -228,7 +242,7 @@ def lm_head_plot(d, path):
 
 
 def train_compare_table(path):
-    d = json.load(open(path))
+    d = load(path, "train")
     c = d["config"]
     out = ["## Training: coda.nn vs Hugging Face eager, same initialization and data\n", header(path, d),
            f"{c['layers']} layers, H = {c['hidden']}, GQA {c['heads']}/{c['kv_heads']}, "
@@ -274,14 +288,17 @@ def summary(results):
         path = latest(results, pattern)
         if not path:
             continue
-        for r in json.load(open(path))["rows"]:
+        section = "chain_fwd" if label.startswith("forward") else "chain"
+        for r in load(path, section)["rows"]:
+            if r.get("pass", "fwd+bwd") not in ("fwd", "fwd+bwd"):
+                continue
             ours = r.get("ms_coda")
             rows.append(f"| {label} ({os.path.basename(path)}) | {r['model']} M={r['m']} | "
                         f"{cell(r.get('ms_eager'), ours)} | {cell(r.get('ms_compile'), ours)} | "
                         f"{cell(r.get('ms_liger'), ours)} | {cell(r.get('ms_gemm_only'), ours)} |")
     path = latest(results, "*-lm-head.json")
     if path:
-        for r in json.load(open(path))["rows"]:
+        for r in load(path, "lm_head")["rows"]:
             ms = r["ms"]
             ours = ms.get("coda_chunked")
             rows.append(f"| LM head + CE fwd + bwd, sliced ({os.path.basename(path)}) | H={r['H']} M={r['M']} | "
@@ -313,12 +330,13 @@ def summary(results):
 
 
 def sustained_files(results):
-    """The chain_train_bench --sustained files, latest first: those with "fwd+bwd sustained" rows
-    (other benchmarks' files also end in -sustained.json)."""
+    """The sustained chain files (the suite's sustained section, or the earlier
+    chain_train_bench --sustained runs), latest first: those with "fwd+bwd sustained" rows (other
+    benchmarks' files also end in -sustained.json)."""
     out = []
     for path in reversed(sorted(glob.glob(os.path.join(results, "*-sustained.json")), key=run_key)):
         try:
-            rows = json.load(open(path)).get("rows", [])
+            rows = load(path, "sustained").get("rows", [])
         except (OSError, ValueError):
             continue
         if any(isinstance(r, dict) and r.get("pass") == "fwd+bwd sustained" for r in rows):
@@ -342,7 +360,7 @@ def sustained_rows(paths):
         if run_key(path)[0] != day:
             continue
         found, failed = {}, set()
-        for r in json.load(open(path))["rows"]:
+        for r in load(path, "sustained")["rows"]:
             if r.get("pass") not in ("fwd+bwd", "fwd+bwd sustained"):
                 continue
             shape = (r["model"], r["m"])
@@ -363,7 +381,7 @@ def sustained_rows(paths):
 
 
 def sustained_table(paths):
-    """The layer chain fwd + bwd as a training loop runs it (chain_train_bench --sustained), next
+    """The layer chain fwd + bwd as a training loop runs it (the suite's sustained section), next
     to the same file's single runs after an L2 clear."""
     pairs = sustained_rows(paths)
     used = sorted({v["path"] for v in pairs.values()}, key=run_key, reverse=True)
@@ -373,7 +391,7 @@ def sustained_table(paths):
                       for r in (v["sustained"],) if "batch" in r}) or ["?"]
     sources = []
     for path in used:
-        dd = json.load(open(path))
+        dd = load(path, "sustained")
         sources.append(header(path, dd) + f"torch {dd.get('torch')}, CUDA {dd.get('cuda')}." +
                        (f" Rows: {', '.join(f'{mo} {m}' for (mo, m), v in pairs.items() if v['path'] == path)}."
                         if len(used) > 1 else ""))
@@ -430,7 +448,8 @@ def sustained_readme_line(paths):
              if isinstance(v["sustained"].get("sm_clock_mhz_coda"), (int, float))
              and isinstance(v["sustained"].get("sm_clock_mhz_gemm_only"), (int, float))]
     clocks = (f" Run back to back, our chain's median SM clock ran {clock_range(lower)} the GEMM-only "
-              "floor's (NVML samples: few in a 1B batch; docs/performance-notes.md)." if lower else "")
+              "floor's (NVML samples: few in a 1B batch; docs/experiments.md, \"Sustained load\")."
+              if lower else "")
     return [f"- Layer chain forward + backward **under sustained load** (steps back to back at the 700 W "
             f"limit, as in training; {', '.join(f'`{os.path.relpath(p)}`' for p in used)}), speed vs "
             f"the best baseline: {cells}."
@@ -476,8 +495,8 @@ def main():
         lines += sr.lm_head_table(suite_path, d)
         lines += ["# Earlier focused runs (one benchmark per results file)\n",
                   "The layer-chain tables below timed one variant after another, ours first, which paid "
-                  "for the GPU's clock ramp (6-19% of the speed ratio at the small shapes; docs/performance-notes-early.md, "
-                  "\"The benchmark suite and its method\"); the GEMM, program and LM-head benchmarks "
+                  "for the GPU's clock ramp (6-19% of the speed ratio at the small shapes; docs/experiments.md, "
+                  "\"Measurement method\"); the GEMM, program and LM-head benchmarks "
                   "already alternated their variants.\n"]
         write_readme(sr.readme_section(suite_path, d)
                      + (sustained_readme_line(sustained_paths) if sustained_paths else []))

@@ -3,28 +3,37 @@
 every baseline (BENCHMARKS.md), one results file, then `bench/report.py` turns it into tables and
 plots.
 
-  python3 bench/suite.py --lib .gpubin/libcoda_capi.so [--quick]
+  CODA_TORCH_LIBRARY=.../libcoda_torch.so PYTHONPATH=python python3 bench/suite.py [--quick]
         [--sections ops,chain-fwd,chain,lm-head] [--models llama3-1B,paper-H2048,...]
         [--json bench/results/<date>.json]
 
-Sections (each row is checked against an fp32 evaluation before anything of it is timed; a failed
-check prints FAIL and no time):
+Ours runs through torch.ops.coda (the `coda` package loads the library CODA_TORCH_LIBRARY names):
+the forward chain as the block ops a model calls, each op alone and the chain forward + backward
+as the program ops (one program or fold each). Sections (each row is checked against an fp32
+evaluation before anything of it is timed; a failed check prints FAIL and no time):
   ops        every fused op of the layer at each shape: ours (the fused kernel alone, and with its
              fold), our plain GEMM (empty epilogue), the cuBLAS GEMM, and the same op as cuBLAS +
              eager PyTorch, torch.compile, Liger Kernel and FlashInfer (forward ops). Backward ops
              are timed as the backward of the op's forward sub-graph (its forward untimed before
              each timed autograd.grad), so a baseline does exactly the work autograd would.
-Every section times its variants in interleaved rounds (chain_bench.bench_interleaved).
-  chain-fwd  the forward layer chain (bench/chain_bench.py)
-  chain      the layer chain forward + backward and backward alone (bench/chain_train_bench.py)
+  chain-fwd  the forward layer chain (bench/suite_chain.py)
+  chain      the layer chain forward + backward and backward alone (bench/suite_chain_fwd_bwd.py)
   lm-head    LM head + cross-entropy, forward + backward: time and peak memory
-             (bench/lm_head_bench.py)
+             (bench/suite_lm_head.py)
+Every section above times its variants in interleaved rounds (suite_chain.bench_interleaved).
+Not in the default list:
+  sustained      the chain forward + backward single-step rows, then every variant in batches of
+                 --sustained-runs steps back to back (no L2 clear), with NVML's SM clock, power and
+                 energy (suite_chain.bench_sustained)
+  chain-profile  the chain forward + backward rows plus each op of ours alone next to the cuBLAS
+                 GEMM of its shape (events, no L2 clear; the ops section is the careful version)
+  train          coda.nn vs Hugging Face training loss curves and tokens/s (bench/suite_train.py;
+                 one model, not per shape; the plot goes beside the results file)
 
 Shapes: LLaMA-3 1B / 8B / 70B at M = 8192 and 16384, and the CODA paper's block shapes at
-M = 16384 (V = 32768 for its LM head). --quick: M = 8192, LLaMA-3 shapes, fewer LM-head shapes.
-The lm-head section needs the PyTorch ops (CODA_TORCH_LIBRARY=.../libcoda_torch.so). Liger comes
-from its wheel (pip), FlashInfer from bench/flashinfer_kernels.py; when either cannot be imported
-the results file says why ("absent") and the report prints it.
+M = 16384 (V = 32768 for its LM head). --quick: M = 8192, LLaMA-3 shapes. Liger comes from its
+wheel (pip), FlashInfer from bench/flashinfer_kernels.py; when either cannot be imported the
+results file says why ("absent") and the report prints it.
 """
 
 from __future__ import annotations
@@ -36,23 +45,27 @@ import os
 import sys
 import time
 
-import torch
-import torch.nn.functional as F
+here = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, here)
+sys.path.append(os.path.join(here, "..", "python"))  # a source checkout's coda, unless installed
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import chain_bench as cb  # noqa: E402
-import chain_train_bench as ctb  # noqa: E402
-from chain_bench import (
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import suite_chain as cb  # noqa: E402
+import suite_chain_fwd_bwd as ctb  # noqa: E402
+from suite_chain import (  # noqa: E402
     ALL_MODELS,
     EPS,
     MODELS,
     PAPER_MODELS,
     bench_interleaved,
-    invoke,  # noqa: E402
+    invoke,
     rms_norm,
     rope_hf,
 )
 
+SECTIONS = ("ops", "chain-fwd", "chain", "lm-head", "sustained", "chain-profile", "train")
 PAPER_V = 32768
 
 
@@ -112,16 +125,16 @@ def backward_variant(forward, inputs, grad_out, extra=None):
     return (lambda: forward(*ins)), run
 
 
-def ops_section(coda, model, m, res, progress, liger, fi):
+def ops_section(model, m, res, progress, liger, fi):
     t = cb.chain_inputs(model, m, 11 * m + ALL_MODELS[model][0])
     hidden, hq, hkv, d, qkv_w = t.hidden, t.hq, t.hkv, t.d, t.qkv_w
     dx2_up, dqkv_up = t.rnd(m, hidden, scale=0.1), t.rnd(m, qkv_w, scale=0.1)
-    o = ctb.ours_chain(coda, t, m, dx2_up, dqkv_up)
+    o = ctb.ours_chain(t, m, dx2_up, dqkv_up)
     o.forward()
     o.backward()
     torch.cuda.synchronize()
     ref = evaluate(t, m, torch.float32, dx2_up, dqkv_up)
-    eg = evaluate(t, m, torch.bfloat16, dx2_up, dqkv_up)
+    eg = evaluate(t, m, t.dtype, dx2_up, dqkv_up)  # the eager values: bf16 on the GPU
     torch.cuda.synchronize()
     cos, sin = t.cos, t.sin
 
@@ -411,22 +424,26 @@ def ops_section(coda, model, m, res, progress, liger, fi):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--lib", required=True, help="libcoda_capi.so")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--sections", default="ops,chain-fwd,chain,lm-head")
+    ap.add_argument("--sections", default="ops,chain-fwd,chain,lm-head",
+                    help=f"comma list of {', '.join(SECTIONS)}")
     ap.add_argument(
         "--models", default=None, help="comma list (default: LLaMA-3 and, unless --quick, paper)"
     )
     ap.add_argument("--json", default=None, help="default bench/results/<date>.json")
     ap.add_argument("--commit", default=os.environ.get("CODA_COMMIT", "unknown"))
     ap.add_argument("--lm-head-chunk-bytes", type=int, default=1 << 30)
+    ap.add_argument("--sustained-runs", type=int, default=20, metavar="RUNS",
+                    help="sustained: back-to-back steps per batch")
+    ap.add_argument("--train-steps", type=int, default=200, help="train: AdamW steps")
+    ap.add_argument("--train-compile", action="store_true",
+                    help="train: also torch.compile'd twins of both models")
     a = ap.parse_args()
-    path = a.json or os.path.join(
-        os.path.dirname(os.path.abspath(__file__)),
-        "results",
-        f"{datetime.date.today().isoformat()}.json",
-    )
+    path = a.json or os.path.join(here, "results", f"{datetime.date.today().isoformat()}.json")
     sections = a.sections.split(",")
+    unknown = [s for s in sections if s not in SECTIONS]
+    if unknown:
+        ap.error(f"unknown sections {unknown}; known: {', '.join(SECTIONS)}")
     models = (
         a.models.split(",") if a.models else list(MODELS) + ([] if a.quick else list(PAPER_MODELS))
     )
@@ -471,7 +488,6 @@ def main():
             return (16384,)
         return (8192,) if a.quick else (8192, 16384)
 
-    coda = cb.Coda(a.lib)
     # torch.compile caches per code object and falls back to eager after `recompile_limit` shapes
     # (8): every shape below starts from a reset, so each compile baseline is really compiled.
     torch._dynamo.config.recompile_limit = 64
@@ -494,7 +510,7 @@ def main():
                 save()
 
     def lm_head_shape(model, m, sec):
-        import lm_head_bench as lhb
+        import suite_lm_head as lhb
 
         ms = lhb.methods(a.lm_head_chunk_bytes)  # a new torch.compile wrapper per shape
         if "liger_unavailable" in ms:
@@ -511,21 +527,39 @@ def main():
             flush=True,
         )
 
-    per_shape(
-        "ops", "ops", lambda model, m, sec: ops_section(coda, model, m, sec, progress, liger, fi)
-    )
-    per_shape(
-        "chain-fwd", "chain_fwd", lambda model, m, sec: cb.run_shape(coda, model, m, sec, progress)
-    )
+    per_shape("ops", "ops", lambda model, m, sec: ops_section(model, m, sec, progress, liger, fi))
+    per_shape("chain-fwd", "chain_fwd", lambda model, m, sec: cb.run_shape(model, m, sec, progress))
     per_shape(
         "chain",
         "chain",
-        lambda model, m, sec: ctb.run_shape(coda, model, m, sec, progress, backward_only=True),
+        lambda model, m, sec: ctb.run_shape(model, m, sec, progress, backward_only=True),
     )
-    try:
-        per_shape("lm-head", "lm_head", lm_head_shape, chunk_bytes=a.lm_head_chunk_bytes)
-    except Exception as ex:  # noqa: BLE001 - e.g. the torch ops library not built
-        out["absent"]["lm-head section"] = repr(ex)[:400]
+    per_shape("lm-head", "lm_head", lm_head_shape, chunk_bytes=a.lm_head_chunk_bytes)
+    per_shape(
+        "sustained",
+        "sustained",
+        lambda model, m, sec: ctb.run_shape(model, m, sec, progress, sustained=a.sustained_runs),
+    )
+    per_shape(
+        "chain-profile",
+        "chain_profile",
+        lambda model, m, sec: ctb.run_shape(model, m, sec, progress, profile=True),
+    )
+    if "train" in sections:
+        import suite_train
+
+        fresh()
+        # The loss-curve plot goes beside the results file: <stem>.png.
+        out["sections"]["train"] = suite_train.run(
+            os.path.splitext(path)[0], progress, steps=a.train_steps, compile=a.train_compile
+        )
+        tr = out["sections"]["train"]
+        print(
+            "train: max relative loss difference "
+            f"{tr['max_rel_diff']:.2e} (step {tr['max_rel_diff_step']}); tokens/s "
+            + " ".join(f"{k}={v:.0f}" for k, v in tr["tokens_per_s"].items()),
+            flush=True,
+        )
     save()
     for where, ab in [("", out["absent"])] + [
         (f"{n}: ", sec.get("absent", {})) for n, sec in out["sections"].items()
