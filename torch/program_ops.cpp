@@ -20,8 +20,19 @@ using block::PartialsOf;
 // its statistic dtype, integer operands as int32; all contiguous.
 struct ProgramArgs {
   OpContext c;
+  // The op's device and dtypes from its first activation argument.
   ProgramArgs(const char* op, const Tensor& first)
       : c(OpContext::from(op, "first argument", first)) {}
+  // A fold's: from its partial buffer, a statistic (fp32 on CUDA, the CPU's float dtype).
+  static ProgramArgs of_statistic(const char* op, const Tensor& partials) {
+    TORCH_CHECK(partials.defined(), op, ": partials is undefined");
+    const at::ScalarType want = partials.is_cuda() ? at::kFloat : partials.scalar_type();
+    TORCH_CHECK(partials.scalar_type() == want && (want == at::kFloat || want == at::kDouble), op,
+                ": partials must be float32 (float64 on the CPU), got ", partials.scalar_type());
+    return ProgramArgs(
+        OpContext{op, partials.device(), partials.is_cuda() ? at::kBFloat16 : want, want});
+  }
+  explicit ProgramArgs(OpContext context) : c(context) {}
   const ProgramArgs& act(const char* name, const Tensor& t) const {
     c.same_device(name, t);
     c.dtype(name, t, c.act);
@@ -92,7 +103,7 @@ std::tuple<Tensor, Tensor, Tensor> gemm_residual_rmsnorm_partial(const Tensor& a
 }
 
 Tensor rmsnorm_fold(const Tensor& partials, int64_t m, int64_t hidden, double eps) {
-  ProgramArgs p("coda::rmsnorm_fold", partials);
+  const auto p = ProgramArgs::of_statistic("coda::rmsnorm_fold", partials);
   p.stat("partials", partials);
   TORCH_CHECK(partials.dim() == 2 && m > 0 && m <= partials.size(1), p.c.op,
               ": partials must be (tiles, extent) with extent >= m = ", m, ", got ",
@@ -139,7 +150,7 @@ std::tuple<Tensor, Tensor, Tensor> gemm_rmsnorm_backward(const Tensor& dz, const
 }
 
 Tensor dgamma_fold(const Tensor& partials, int64_t hidden) {
-  ProgramArgs p("coda::dgamma_fold", partials);
+  const auto p = ProgramArgs::of_statistic("coda::dgamma_fold", partials);
   p.stat("partials", partials);
   TORCH_CHECK(partials.dim() == 2 && hidden > 0 && hidden <= partials.size(1), p.c.op,
               ": partials must be (tiles, extent) with extent >= hidden = ", hidden, ", got ",
@@ -166,7 +177,7 @@ std::tuple<Tensor, Tensor, Tensor> gemm_swiglu_backward(const Tensor& dx_out, co
 }
 
 Tensor zdz_fold(const Tensor& partials, int64_t m, int64_t hidden) {
-  ProgramArgs p("coda::zdz_fold", partials);
+  const auto p = ProgramArgs::of_statistic("coda::zdz_fold", partials);
   p.stat("partials", partials);
   TORCH_CHECK(partials.dim() == 2 && m > 0 && m <= partials.size(1), p.c.op,
               ": partials must be (tiles, extent) with extent >= m = ", m, ", got ",
