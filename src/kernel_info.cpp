@@ -1,42 +1,35 @@
 // Names of the table's programs, configurations and operand layouts (host only).
+#include <cstddef>
+
 #include "coda/kernel/args.hpp"
 
 namespace coda::kernel {
+namespace {
 
-const char* config_name(Config c) {
-  switch (c) {
-#define CODA_CONFIG(name, str, tile_m, tile_n, tile_k, cluster_m, cluster_n, cooperative) \
-  case Config::k##name:                                                               \
-    return str;
+constexpr const char* kConfigNames[] = {
+#define CODA_CONFIG(name, str, ...) str,
 #include "coda/kernel/table.def"
-    case Config::kCount:
-      break;
-  }
-  return "?";
+};
+constexpr const char* kProgramNames[] = {
+#define CODA_PROGRAM(name, str, ...) str,
+#include "coda/kernel/table.def"
+};
+
+template <size_t N>
+const char* name_at(const char* const (&names)[N], int i) {
+  return i >= 0 && size_t(i) < N ? names[i] : "?";
 }
 
-const char* program_name(Program p) {
-  switch (p) {
-#define CODA_PROGRAM(name, str, args, header) \
-  case Program::k##name:                      \
-    return str;
-#include "coda/kernel/table.def"
-    case Program::kCount:
-      break;
-  }
-  return "?";
-}
+}  // namespace
+
+const char* config_name(Config c) { return name_at(kConfigNames, int(c)); }
+const char* program_name(Program p) { return name_at(kProgramNames, int(p)); }
 
 const char* operands_name(Operands o) {
-  switch (o) {
-    case Operands::kXWt:
-      return "X*W^T";
-    case Operands::kXW:
-      return "X*W";
-    case Operands::kXtY:
-      return "X^T*Y";
-  }
-  return "?";
+  return o == Operands::kXWt   ? "X*W^T"
+         : o == Operands::kXW  ? "X*W"
+         : o == Operands::kXtY ? "X^T*Y"
+                               : "?";
 }
 
 }  // namespace coda::kernel

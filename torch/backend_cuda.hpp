@@ -46,34 +46,20 @@ class CudaBackend : public TorchTensors {
     return stat(l.tiles * l.extent).view({l.tiles, l.extent});
   }
 
-  // The programs and folds: ops.hpp's functions of the same names and arguments, each tensor as
-  // its view, on the current stream.
-  void gemm(const auto&... a) const { run(ops::gemm, a...); }
-  void gemm_xw(const auto&... a) const { run(ops::gemm_xw, a...); }
-  void first_layer_rmsnorm(const auto&... a) const { run(ops::first_layer_rmsnorm, a...); }
-  void gemm_residual_rmsnorm_partial(const auto&... a) const {
-    run(ops::gemm_residual_rmsnorm_partial, a...);
-  }
-  void rmsnorm_fold(const auto&... a) const { run(ops::rmsnorm_fold, a...); }
-  void gemm_rmsnorm_swiglu(const auto&... a) const { run(ops::gemm_rmsnorm_swiglu, a...); }
-  void gemm_rmsnorm_rope(const auto&... a) const { run(ops::gemm_rmsnorm_rope, a...); }
-  void gemm_rmsnorm_lse(const auto&... a) const { run(ops::gemm_rmsnorm_lse, a...); }
-  void gemm_rmsnorm_lse_logits(const auto&... a) const { run(ops::gemm_rmsnorm_lse_logits, a...); }
-  void lse_loss_fold(const auto&... a) const { run(ops::lse_loss_fold, a...); }
-  void cross_entropy_backward_from_logits(const auto&... a) const {
-    run(ops::cross_entropy_backward_from_logits, a...);
-  }
-  void cross_entropy_from_unscaled_logits(const auto&... a) const {
-    run(ops::cross_entropy_from_unscaled_logits, a...);
-  }
-  void gemm_rmsnorm_backward(const auto&... a) const { run(ops::gemm_rmsnorm_backward, a...); }
-  void dgamma_fold(const auto&... a) const { run(ops::dgamma_fold, a...); }
-  void gemm_swiglu_backward(const auto&... a) const { run(ops::gemm_swiglu_backward, a...); }
-  void zdz_fold(const auto&... a) const { run(ops::zdz_fold, a...); }
-  void rope_backward(const auto&... a) const { run(ops::rope_backward, a...); }
-  void gemm_rmsnorm_cross_entropy_backward(const auto&... a) const {
-    run(ops::gemm_rmsnorm_cross_entropy_backward, a...);
-  }
+  // The programs and folds the compositions call: each method forwards its arguments to the
+  // ops.hpp function of the same name, each tensor as its view, on the current stream.
+#define CODA_CUDA_PROGRAMS(X)                                                                    \
+  X(gemm) X(gemm_xw) X(first_layer_rmsnorm) X(gemm_residual_rmsnorm_partial) X(rmsnorm_fold)    \
+      X(gemm_rmsnorm_swiglu) X(gemm_rmsnorm_rope) X(gemm_rmsnorm_lse) X(gemm_rmsnorm_lse_logits) \
+          X(lse_loss_fold) X(cross_entropy_backward_from_logits)                               \
+              X(cross_entropy_from_unscaled_logits) X(gemm_rmsnorm_backward) X(dgamma_fold)    \
+                  X(gemm_swiglu_backward) X(zdz_fold) X(rope_backward)                         \
+                      X(gemm_rmsnorm_cross_entropy_backward)
+#define CODA_FORWARD_TO_OPS(name) \
+  void name(const auto&... a) const { run(ops::name, a...); }
+  CODA_CUDA_PROGRAMS(CODA_FORWARD_TO_OPS)
+#undef CODA_FORWARD_TO_OPS
+#undef CODA_CUDA_PROGRAMS
   // dW (+)= dzᵀ · h: our Xᵀ·Y mainloop, or cuBLAS with β = 1 to accumulate (bf16 dW, fp32
   // accumulation inside one call).
   void weight_grad(const Tensor& dz, const Tensor& h, Tensor& dw, bool accumulate) const {

@@ -61,25 +61,21 @@ struct ProgramArgs {
   }
 };
 
-Tensor gemm(const Tensor& x, const Tensor& w) {
-  ProgramArgs p("coda::gemm", x);
-  p.act("x", x).act("w", w).operand_pair("x", x, 1, "w", w, 1);
+// D = x · wᵀ (transposed: D = x · w), our plain GEMM in the forward or data-gradient layout.
+Tensor plain_gemm(const char* op, const Tensor& x, const Tensor& w, bool transposed) {
+  ProgramArgs p(op, x);
+  p.act("x", x).act("w", w).operand_pair("x", x, 1, "w", w, transposed ? 0 : 1);
   return on_backend(x, [&](auto& b) {
-    Tensor d = b.act(x.size(0), w.size(0));
-    b.gemm(x, w, d);
+    Tensor d = b.act(x.size(0), w.size(transposed ? 1 : 0));
+    if (transposed)
+      b.gemm_xw(x, w, d);
+    else
+      b.gemm(x, w, d);
     return d;
   });
 }
-
-Tensor gemm_xw(const Tensor& x, const Tensor& w) {
-  ProgramArgs p("coda::gemm_xw", x);
-  p.act("x", x).act("w", w).operand_pair("x", x, 1, "w", w, 0);
-  return on_backend(x, [&](auto& b) {
-    Tensor d = b.act(x.size(0), w.size(1));
-    b.gemm_xw(x, w, d);
-    return d;
-  });
-}
+Tensor gemm(const Tensor& x, const Tensor& w) { return plain_gemm("coda::gemm", x, w, false); }
+Tensor gemm_xw(const Tensor& x, const Tensor& w) { return plain_gemm("coda::gemm_xw", x, w, true); }
 
 Tensor gemm_xty(const Tensor& x, const Tensor& y) {
   ProgramArgs p("coda::gemm_xty", x);
@@ -102,17 +98,24 @@ std::tuple<Tensor, Tensor, Tensor> gemm_residual_rmsnorm_partial(const Tensor& a
   });
 }
 
-Tensor rmsnorm_fold(const Tensor& partials, int64_t m, int64_t hidden, double eps) {
-  const auto p = ProgramArgs::of_statistic("coda::rmsnorm_fold", partials);
+// A fold: the (tiles, extent) partial buffer to an fp32 vector of its n logical entries.
+template <class Fold>
+Tensor fold_op(const char* op, const Tensor& partials, int64_t n, Fold&& fold) {
+  const auto p = ProgramArgs::of_statistic(op, partials);
   p.stat("partials", partials);
-  TORCH_CHECK(partials.dim() == 2 && m > 0 && m <= partials.size(1), p.c.op,
-              ": partials must be (tiles, extent) with extent >= m = ", m, ", got ",
+  TORCH_CHECK(partials.dim() == 2 && n > 0 && n <= partials.size(1), op,
+              ": partials must be (tiles, extent) with extent >= ", n, ", got ",
               shape_string(partials.sizes()));
   return on_backend(partials, [&](auto& b) {
-    Tensor r = b.stat(m);
-    b.rmsnorm_fold(partials, hidden, eps, r);
-    return r;
+    Tensor out = b.stat(n);
+    fold(b, out);
+    return out;
   });
+}
+
+Tensor rmsnorm_fold(const Tensor& partials, int64_t m, int64_t hidden, double eps) {
+  return fold_op("coda::rmsnorm_fold", partials, m,
+                 [&](auto& b, Tensor& r) { b.rmsnorm_fold(partials, hidden, eps, r); });
 }
 
 std::tuple<Tensor, Tensor> gemm_rmsnorm_swiglu(const Tensor& h, const Tensor& w_gu,
@@ -150,16 +153,8 @@ std::tuple<Tensor, Tensor, Tensor> gemm_rmsnorm_backward(const Tensor& dz, const
 }
 
 Tensor dgamma_fold(const Tensor& partials, int64_t hidden) {
-  const auto p = ProgramArgs::of_statistic("coda::dgamma_fold", partials);
-  p.stat("partials", partials);
-  TORCH_CHECK(partials.dim() == 2 && hidden > 0 && hidden <= partials.size(1), p.c.op,
-              ": partials must be (tiles, extent) with extent >= hidden = ", hidden, ", got ",
-              shape_string(partials.sizes()));
-  return on_backend(partials, [&](auto& b) {
-    Tensor dgamma = b.stat(hidden);
-    b.dgamma_fold(partials, dgamma);
-    return dgamma;
-  });
+  return fold_op("coda::dgamma_fold", partials, hidden,
+                 [&](auto& b, Tensor& dgamma) { b.dgamma_fold(partials, dgamma); });
 }
 
 std::tuple<Tensor, Tensor, Tensor> gemm_swiglu_backward(const Tensor& dx_out, const Tensor& w_down,
@@ -177,16 +172,8 @@ std::tuple<Tensor, Tensor, Tensor> gemm_swiglu_backward(const Tensor& dx_out, co
 }
 
 Tensor zdz_fold(const Tensor& partials, int64_t m, int64_t hidden) {
-  const auto p = ProgramArgs::of_statistic("coda::zdz_fold", partials);
-  p.stat("partials", partials);
-  TORCH_CHECK(partials.dim() == 2 && m > 0 && m <= partials.size(1), p.c.op,
-              ": partials must be (tiles, extent) with extent >= m = ", m, ", got ",
-              shape_string(partials.sizes()));
-  return on_backend(partials, [&](auto& b) {
-    Tensor zdz = b.stat(m);
-    b.zdz_fold(partials, hidden, zdz);
-    return zdz;
-  });
+  return fold_op("coda::zdz_fold", partials, m,
+                 [&](auto& b, Tensor& zdz) { b.zdz_fold(partials, hidden, zdz); });
 }
 
 std::tuple<Tensor, Tensor> rope_backward(const Tensor& qkv, const Tensor& dqkv, const Tensor& pos,
@@ -200,26 +187,21 @@ std::tuple<Tensor, Tensor> rope_backward(const Tensor& qkv, const Tensor& dqkv, 
   });
 }
 
-constexpr char k_gemm[] = "coda::gemm", k_gemm_xw[] = "coda::gemm_xw",
-               k_gemm_xty[] = "coda::gemm_xty", k_f1[] = "coda::gemm_residual_rmsnorm_partial",
-               k_a1[] = "coda::rmsnorm_fold", k_f2[] = "coda::gemm_rmsnorm_swiglu",
-               k_f3[] = "coda::gemm_rmsnorm_rope", k_b1[] = "coda::gemm_rmsnorm_backward",
-               k_dgamma[] = "coda::dgamma_fold", k_b2[] = "coda::gemm_swiglu_backward",
-               k_zdz[] = "coda::zdz_fold", k_b3[] = "coda::rope_backward";
+// The program-level ops, in one list: each has a function of the op's name above.
+#define CODA_PROGRAM_OPS(X)                                                                 \
+  X(gemm) X(gemm_xw) X(gemm_xty) X(gemm_residual_rmsnorm_partial) X(rmsnorm_fold)           \
+      X(gemm_rmsnorm_swiglu) X(gemm_rmsnorm_rope) X(gemm_rmsnorm_backward) X(dgamma_fold)   \
+          X(gemm_swiglu_backward) X(zdz_fold) X(rope_backward)
+namespace program_names {
+#define CODA_OP_NAME(op) inline constexpr char op[] = "coda::" #op;
+CODA_PROGRAM_OPS(CODA_OP_NAME)
+#undef CODA_OP_NAME
+}  // namespace program_names
 
 void register_programs(torch::Library& m) {
-  m.impl("gemm", CODA_GUARDED(k_gemm, gemm));
-  m.impl("gemm_xw", CODA_GUARDED(k_gemm_xw, gemm_xw));
-  m.impl("gemm_xty", CODA_GUARDED(k_gemm_xty, gemm_xty));
-  m.impl("gemm_residual_rmsnorm_partial", CODA_GUARDED(k_f1, gemm_residual_rmsnorm_partial));
-  m.impl("rmsnorm_fold", CODA_GUARDED(k_a1, rmsnorm_fold));
-  m.impl("gemm_rmsnorm_swiglu", CODA_GUARDED(k_f2, gemm_rmsnorm_swiglu));
-  m.impl("gemm_rmsnorm_rope", CODA_GUARDED(k_f3, gemm_rmsnorm_rope));
-  m.impl("gemm_rmsnorm_backward", CODA_GUARDED(k_b1, gemm_rmsnorm_backward));
-  m.impl("dgamma_fold", CODA_GUARDED(k_dgamma, dgamma_fold));
-  m.impl("gemm_swiglu_backward", CODA_GUARDED(k_b2, gemm_swiglu_backward));
-  m.impl("zdz_fold", CODA_GUARDED(k_zdz, zdz_fold));
-  m.impl("rope_backward", CODA_GUARDED(k_b3, rope_backward));
+#define CODA_REGISTER_PROGRAM(op) m.impl(#op, CODA_GUARDED(program_names::op, op));
+  CODA_PROGRAM_OPS(CODA_REGISTER_PROGRAM)
+#undef CODA_REGISTER_PROGRAM
 }
 
 }  // namespace
