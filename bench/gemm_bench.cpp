@@ -1,4 +1,4 @@
-// Our plain GEMM (fixed mainloop, empty epilogue) vs cuBLAS on the GEMM shapes of BENCHMARKS.md,
+// Our plain GEMM (fixed mainloop, empty epilogue) vs cuBLAS on the GEMM shapes of docs/math.md §7,
 // side by side in one process. --sweep times every compiled configuration and scheduler option
 // (swizzle x raster) per shape; otherwise the heuristic's pick. Each of our outputs is compared
 // with cuBLAS's before any time is reported. --operands picks the layout: XWt (the forward

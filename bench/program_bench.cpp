@@ -1,6 +1,7 @@
 // Each fused program (forward F1-F4, backward B1-B2) vs our plain GEMM of the same shape,
-// operand layout and configuration (the epilogue's cost), at the LLaMA-3 shapes of BENCHMARKS.md. Every fused output is spot-checked against an fp64
-// host computation at random positions before its time is reported.
+// operand layout and configuration (the epilogue's cost), at the LLaMA-3 shapes of docs/math.md
+// §7. Every fused output is spot-checked against an fp64 host computation at random positions
+// before its time is reported.
 //
 //   coda_program_bench [--quick] [--json results.json] [--commit sha] [--command "..."]
 //                      [--only MODEL:OP] [--op OP] [--m M] [--config NAME] [--swizzle S]
@@ -10,7 +11,7 @@
 // first, at the heuristic's tile order) under the scheduler orders the GPU tests run and check
 // (swizzle 1, 8 along M, 8 along N, 4 along M) and the heuristic's own, plus our plain GEMM as
 // the op layer would run it, all timed two ways in one process: single runs after an L2 flush,
-// round-robin (BENCHMARKS.md), and under sustained load (Timer::median_ms_sustained:
+// round-robin (docs/math.md §7), and under sustained load (Timer::median_ms_sustained:
 // back-to-back batches, alternating). Rows carry "mode": "sweep"; "*" marks the heuristic's pick
 // (its configuration and order, without --swizzle / --raster).
 
@@ -62,7 +63,7 @@ std::vector<Case> cases(bool quick) {
       out.push_back(
           {md.name, "lm_head+F4", Program::kRmsnormLse, m, bench::kLlama3Vocab, md.hidden});
       // The LM head's three-GEMM path runs per chunk of 2048 tokens (the default 1 GiB budget at
-      // V = 128256; torch/ops_cuda.cpp lm_head_loss_grad): F4 storing the logits, and B1 with
+      // V = 128256; block::lm_head_loss_grad): F4 storing the logits, and B1 with
       // K = the vocabulary; once per model, at the chunk's M.
       if (m == bench::kTokenCounts[0])
         out.push_back({md.name, "lm_head+F4logits", Program::kRmsnormLseLogits, kLmHeadChunk,

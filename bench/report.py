@@ -151,7 +151,7 @@ def chain_table(path):
                    f"{r['err_qkv_ours']:.4f} / {r['err_qkv_eager']:.4f} |")
     if d.get("accuracy"):
         out += ["", "Per-op accuracy: max |out − fp32 chain| of each fused op's outputs, ours vs eager bf16 "
-                "(OPS.md §5 asks ours ≤ 2 × eager + 1e-6).", "",
+                "(docs/math.md §5 asks ours ≤ 2 × eager + 1e-6).", "",
                 "| model | M | output | ours | eager bf16 |", "|---|---|---|---|---|"]
         for a in d["accuracy"]:
             out.append(f"| {a['model']} | {a['m']} | {a['output']} | {a['max_err_ours']:.4f} | {a['max_err_eager']:.4f} |")
@@ -331,7 +331,7 @@ def summary(results):
 
 def sustained_files(results):
     """The sustained chain files (the suite's sustained section, or the earlier
-    chain_train_bench --sustained runs), latest first: those with "fwd+bwd sustained" rows (other
+    suite sustained-section runs), latest first: those with "fwd+bwd sustained" rows (other
     benchmarks' files also end in -sustained.json)."""
     out = []
     for path in reversed(sorted(glob.glob(os.path.join(results, "*-sustained.json")), key=run_key)):

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The benchmark suite: one command, one process on the GPU, every op and the layer chain against
-every baseline (BENCHMARKS.md), one results file, then `bench/report.py` turns it into tables and
+every baseline (docs/math.md §7), one results file, then `bench/report.py` turns it into tables and
 plots.
 
   CODA_TORCH_LIBRARY=.../libcoda_torch.so PYTHONPATH=python python3 bench/suite.py [--quick]

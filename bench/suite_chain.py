@@ -1,4 +1,4 @@
-"""The suite's forward layer chain (section chain-fwd, OPS.md §4) and what every chain section
+"""The suite's forward layer chain (section chain-fwd, docs/math.md §4) and what every chain section
 shares: the inputs, the eager chain and its fp32 reference, and the timing methods.
 
 Chain = out-proj + residual + RMSNorm -> gate/up + SwiGLU -> down-proj + residual + RMSNorm ->
@@ -36,7 +36,7 @@ MODELS = {  # name: hidden, q heads, kv heads, head dim, ffn
     "llama3-8B": (4096, 32, 8, 128, 14336),
     "llama3-70B": (8192, 64, 8, 128, 28672),
 }
-# The CODA paper's block shapes (BENCHMARKS.md): multi-head attention with d = 128, its FFN widths.
+# The CODA paper's block shapes (docs/math.md §7): multi-head attention with d = 128, its FFN widths.
 PAPER_MODELS = {
     "paper-H2048": (2048, 16, 16, 128, 5632),
     "paper-H4096": (4096, 32, 32, 128, 11008),

@@ -1,4 +1,4 @@
-"""The suite's layer chain forward + backward (sections chain, sustained, chain-profile; OPS.md §4),
+"""The suite's layer chain forward + backward (sections chain, sustained, chain-profile; docs/math.md §4),
 fused vs every baseline, side by side on the GPU.
 
 The chain of bench/suite_chain.py (out-proj + residual + RMSNorm -> gate/up + SwiGLU -> down +

@@ -1,7 +1,7 @@
 #pragma once
 // Benchmark plumbing: CUDA-event timing with L2 flushes, median of repeats, the JSON results file.
-// Method (BENCHMARKS.md): warm up, time each repeat with events after flushing the 60 MB L2, report
-// the median; random inputs only; every timed result is checked before its time is reported.
+// Method (docs/math.md §7): warm up, time each repeat with events after flushing the 60 MB L2,
+// report the median; random inputs only; every timed result is checked before its time is reported.
 
 #include <cuda_runtime.h>
 

@@ -1,5 +1,5 @@
 #pragma once
-// The LLaMA-3 shapes of BENCHMARKS.md, shared by the benchmarks.
+// The LLaMA-3 shapes of docs/math.md §7, shared by the benchmarks.
 
 namespace coda::bench {
 
