@@ -132,5 +132,25 @@ TEST(E4m3, BlockScaleIsTheSmallestPowerOfTwoThatFitsTheBlock) {
   }
 }
 
+TEST(E4m3, BlockScaleOfATinyBlockStaysANormalFloat) {
+  // Below amax = 448 · 2^-126 the scale stops at 2^-126 rather than underflowing to 0 (which
+  // would turn the block into NaN or infinity); amax / s still fits.
+  const float floor_scale = std::ldexp(1.0f, -126);
+  for (const float amax : {std::ldexp(1.0f, -120), std::ldexp(1.0f, -140),
+                           std::numeric_limits<float>::denorm_min(),
+                           std::numeric_limits<float>::min()}) {
+    const float s = E4m3::scale(amax);
+    EXPECT_GE(s, floor_scale) << amax;
+    EXPECT_TRUE(std::isfinite(1.0f / s)) << amax;
+    EXPECT_LE(double(amax) / s, 448.0) << amax;
+    const float q = E4m3::decode(E4m3::quantize(amax, s)) * s;
+    EXPECT_TRUE(std::isfinite(q)) << amax;
+    EXPECT_LE(std::fabs(double(q) - amax), double(amax) / 16 + double(s) * std::ldexp(1.0, -10))
+        << amax;
+  }
+  EXPECT_EQ(E4m3::scale(std::ldexp(1.0f, -120)), std::ldexp(1.0f, -126));  // 2^-120 / 2^-126 = 64
+  EXPECT_EQ(E4m3::scale(std::ldexp(1.5f, -110)), std::ldexp(1.0f, -118));
+}
+
 }  // namespace
 }  // namespace coda::epilogue

@@ -61,14 +61,17 @@ struct E4m3 {
   }
 
   // The block scale for a block whose largest magnitude is amax: 2^ceil(log2(amax / 448)), the
-  // smallest power of two s with amax <= 448·s, computed exactly (no rounded quotient); 1 for
-  // amax = 0. A NaN or infinite amax gives a NaN scale (the block's values are NaN then).
+  // smallest power of two s with amax <= 448·s, computed exactly (no rounded quotient), and no
+  // smaller than 2^-126; 1 for amax = 0. A NaN or infinite amax gives a NaN scale (the block's values are NaN then).
   CODA_HD static float scale(float amax) {
     if (amax == 0.0f) return 1.0f;
     if (!(amax > 0.0f && amax <= 3.4028235e38f)) return NAN;
     int e;
     const float f = frexpf(amax, &e);  // amax = f · 2^e, f in [0.5, 1); 448 = 0.875 · 2^9
-    return ldexpf(1.0f, f <= 0.875f ? e - 9 : e - 8);
+    // At least 2^-126 (the smallest normal float, with a finite reciprocal): a tinier power of
+    // two underflows to 0 for amax below 2^-140, and amax <= 448 · 2^-126 holds there anyway.
+    const int p = f <= 0.875f ? e - 9 : e - 8;
+    return ldexpf(1.0f, p < -126 ? -126 : p);
   }
 
   // e4m3(v / s): the quantized value of v in a block of scale s.
