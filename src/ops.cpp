@@ -20,7 +20,7 @@ using kernel::Operands;
 using kernel::Program;
 
 // The checks of one op call. Each argument is checked on the host as it is named; on_device()
-// then compares every view's device with the current one (one cudaGetDevice, no pointer query).
+// then compares every view's device with the current one (a cudaGetDevice, no pointer query).
 class Args {
  public:
   explicit Args(const char* op) : op_(op) {}
@@ -47,8 +47,12 @@ class Args {
     return t;
   }
   // A partial buffer: an fp32 matrix of exactly `layout`'s (tiles, extent).
+  // The programs write it densely: its row stride is its extent.
   const TensorView& partials(const char* name, const TensorView& t, const PartialLayout& layout) {
-    return matrix(name, t, DType::kF32, layout.tiles, layout.extent);
+    matrix(name, t, DType::kF32, layout.tiles, layout.extent);
+    CODA_CHECK(t.ld == t.cols, op_, ": ", name, " must be contiguous (row stride ", t.cols,
+               "), got a row stride of ", t.ld);
+    return t;
   }
   // A fold's input and output: an fp32 vector `out` of the logical entries, and a (tiles,
   // extent) fp32 partial buffer whose extent covers them.
@@ -82,6 +86,8 @@ class Args {
     if (xty) {
       CODA_CHECK(s.m > 0 && s.n > 0 && s.k > 0, op_, ": sizes must be positive, got M=", s.m,
                  " N=", s.n, " K=", s.k);
+      CODA_CHECK(s.m < (int64_t(1) << 31) && s.n < (int64_t(1) << 31) && s.k < (int64_t(1) << 31),
+                 op_, ": sizes must be below 2^31, got M=", s.m, " N=", s.n, " K=", s.k);
       CODA_CHECK(s.m % 8 == 0 && s.n % 8 == 0, op_,
                  ": M and N must be multiples of 8 (16-byte rows of X and Y), got M=", s.m,
                  " N=", s.n);
@@ -129,17 +135,28 @@ class Args {
 
 constexpr DType kBf = DType::kBF16, kF = DType::kF32;
 
+// The kernel of one call, chosen once: its tile shape fixes the partial buffers' layout, and the
+// launch runs it.
+kernel::KernelChoice choose(Program p, Operands o, int64_t m, int64_t n, int64_t k) {
+  return kernel::select_kernel(p, o, {int(m), int(n), int(k)});
+}
+
 template <Program P>
-void launch(const Args& c, Operands o, const kernel::GemmProblem& prob, const kernel::ArgsOf<P>& a,
-            cudaStream_t stream) {
-  const kernel::KernelChoice k = kernel::select_kernel(P, o, {prob.m, prob.n, prob.k});
+void launch(const Args& c, Operands o, const kernel::KernelChoice& k,
+            const kernel::GemmProblem& prob, const kernel::ArgsOf<P>& a, cudaStream_t stream) {
   const cudaError_t e = kernel::launch<P>(k.config, o, prob, a, k.scheduler, stream);
   CODA_CHECK(e == cudaSuccess, c.op(), ": launch failed (", kernel::config_name(k.config),
              ", M=", prob.m, " N=", prob.n, " K=", prob.k, "): ", cudaGetErrorString(e));
 }
+// A program that writes no partials: chosen at its launch.
+template <Program P>
+void launch(const Args& c, Operands o, const kernel::GemmProblem& prob, const kernel::ArgsOf<P>& a,
+            cudaStream_t stream) {
+  launch<P>(c, o, choose(P, o, prob.m, prob.n, prob.k), prob, a, stream);
+}
 
-PartialLayout layout_of(Program p, Operands o, int64_t m, int64_t n, int64_t k) {
-  const auto t = kernel::tile_shape(kernel::select_kernel(p, o, {int(m), int(n), int(k)}).config);
+PartialLayout layout_of(Program p, const kernel::KernelChoice& k, int64_t m, int64_t n) {
+  const auto t = kernel::tile_shape(k.config);
   return p == Program::kRmsnormBackward ? PartialLayout::per_column(m, n, t.m, t.n)
                                         : PartialLayout::per_row(m, n, t.m, t.n);
 }
@@ -149,7 +166,7 @@ struct GemmSizes {
 };
 PartialLayout checked_layout(const char* op, Program p, Operands o, GemmSizes s) {
   Args(op).gemm_sizes(s.m, s.n, s.k);
-  return layout_of(p, o, s.m, s.n, s.k);
+  return layout_of(p, choose(p, o, s.m, s.n, s.k), s.m, s.n);
 }
 
 const bf16* bf(const TensorView& t) { return t.as<const bf16>(); }
@@ -201,11 +218,13 @@ void gemm_residual_rmsnorm_partial(View a, View w, View residual, View gamma, Vi
   c.matrix("h", h, kBf, m, n);
   c.distinct("h", h, "x", x);
   c.distinct("h", h, "residual", residual);
-  c.partials("sumsq_partials", sumsq_partials, residual_rmsnorm_partials_layout(m, n, k));
+  const auto kc = choose(Program::kResidualRmsnormPartial, Operands::kXWt, m, n, k);
+  c.partials("sumsq_partials", sumsq_partials,
+             layout_of(Program::kResidualRmsnormPartial, kc, m, n));
   c.on_device();
   const kernel::ResidualRmsnormPartialArgs args{bf(gamma), bf_out(h), h.ld,
                                                 f32_out(sumsq_partials)};
-  launch<Program::kResidualRmsnormPartial>(c, Operands::kXWt,
+  launch<Program::kResidualRmsnormPartial>(c, Operands::kXWt, kc,
                                            {int(m), int(n), int(k), bf(a), a.ld, bf(w), w.ld,
                                             bf(residual), residual.ld, bf_out(x), x.ld},
                                            args, stream);
@@ -300,12 +319,13 @@ void gemm_rmsnorm_backward(View dz, View w, View x, View r, View gamma, View zdz
   c.distinct("h_out", h_out, "dx", dx);
   c.distinct("h_out", h_out, "dres", dres);
   c.distinct("h_out", h_out, "x", x);
+  const auto kc = choose(Program::kRmsnormBackward, Operands::kXW, m, hidden, n_out);
   c.partials("dgamma_partials", dgamma_partials,
-             rmsnorm_backward_partials_layout(m, hidden, n_out));
+             layout_of(Program::kRmsnormBackward, kc, m, hidden));
   c.on_device();
   const kernel::RmsnormBackwardArgs args{
       bf(x), x.ld, f32(r), bf(gamma), f32(zdz), bf_out(h_out), h_out.ld, f32_out(dgamma_partials)};
-  launch<Program::kRmsnormBackward>(c, Operands::kXW,
+  launch<Program::kRmsnormBackward>(c, Operands::kXW, kc,
                                     {int(m), int(hidden), int(n_out), bf(dz), dz.ld, bf(w), w.ld,
                                      bf(dres), dres.ld, bf_out(dx), dx.ld},
                                     args, stream);
@@ -324,12 +344,13 @@ void gemm_swiglu_backward(View dx_out, View w_down, View z, View dz, View a, Vie
   c.matrix("z", z, kBf, m, 2 * inter);
   c.matrix("dz", dz, kBf, m, 2 * inter);
   c.matrix("a", a, kBf, m, inter);
-  c.partials("zdz_partials", zdz_partials, swiglu_backward_partials_layout(m, inter, hidden));
+  const auto kc = choose(Program::kSwigluBackward, Operands::kXW, m, inter, hidden);
+  c.partials("zdz_partials", zdz_partials, layout_of(Program::kSwigluBackward, kc, m, inter));
   c.on_device();
   // (g, u) bf16 pairs travel as one 32-bit element each: row strides in pairs.
   const kernel::SwigluBackwardArgs args{z.as<const uint32_t>(), z.ld / 2, dz.as<uint32_t>(),
                                         dz.ld / 2, f32_out(zdz_partials)};
-  launch<Program::kSwigluBackward>(c, Operands::kXW,
+  launch<Program::kSwigluBackward>(c, Operands::kXW, kc,
                                    {int(m), int(inter), int(hidden), bf(dx_out), dx_out.ld,
                                     bf(w_down), w_down.ld, nullptr, 0, bf_out(a), a.ld},
                                    args, stream);
@@ -393,7 +414,8 @@ void rmsnorm_lse_program(Args& c, View h, View w_vocab, View r, View targets, Vi
   const auto [m, vocab, hidden] = c.gemm_operands("h", h, "w_vocab", w_vocab, Operands::kXWt);
   c.vector("r", r, kF, m);
   c.vector("targets", targets, DType::kI64, m);
-  const PartialLayout layout = layout_of(P, Operands::kXWt, m, vocab, hidden);
+  const auto kc = choose(P, Operands::kXWt, m, vocab, hidden);
+  const PartialLayout layout = layout_of(P, kc, m, vocab);
   c.partials("max_partials", max_partials, layout);
   c.partials("sum_partials", sum_partials, layout);
   c.vector("target_logit", target_logit, kF, m);
@@ -401,7 +423,7 @@ void rmsnorm_lse_program(Args& c, View h, View w_vocab, View r, View targets, Vi
   c.on_device();
   const kernel::RmsnormLseArgs args{f32(r), targets.as<const int64_t>(), f32_out(max_partials),
                                     f32_out(sum_partials), f32_out(target_logit)};
-  launch<P>(c, Operands::kXWt,
+  launch<P>(c, Operands::kXWt, kc,
             {int(m), int(vocab), int(hidden), bf(h), h.ld, bf(w_vocab), w_vocab.ld, nullptr, 0,
              logits ? bf_out(*logits) : nullptr, logits ? logits->ld : vocab},
             args, stream);
@@ -501,13 +523,14 @@ void gemm_rmsnorm_cross_entropy_backward(View h, View w_vocab, View r, View lse,
   c.vector("scale", scale, kF, m);
   c.vector("targets", targets, DType::kI64, m);
   c.matrix("dlogits", dlogits, kBf, m, vocab);
+  const auto kc = choose(Program::kRmsnormCrossEntropyBackward, Operands::kXWt, m, vocab, hidden);
   c.partials("zdz_partials", zdz_partials,
-             cross_entropy_backward_partials_layout(m, vocab, hidden));
+             layout_of(Program::kRmsnormCrossEntropyBackward, kc, m, vocab));
   c.on_device();
   const kernel::RmsnormCrossEntropyBackwardArgs args{
       f32(r), f32(lse), f32(scale), targets.as<const int64_t>(), f32_out(zdz_partials), z_loss};
   launch<Program::kRmsnormCrossEntropyBackward>(
-      c, Operands::kXWt,
+      c, Operands::kXWt, kc,
       {int(m), int(vocab), int(hidden), bf(h), h.ld, bf(w_vocab), w_vocab.ld, nullptr, 0,
        bf_out(dlogits), dlogits.ld},
       args, stream);
