@@ -28,10 +28,17 @@ class CudaBackend : public TorchTensors {
                     t.scalar_type() == at::kInt || t.scalar_type() == at::kLong,
                 "coda: no kernel takes ", t.scalar_type(), " tensors");
     const int device = t.device().index();
-    if (t.dim() == 1) return TensorView::vector(t.data_ptr(), d, t.size(0), device);
-    TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, "coda: expected a row-major matrix, got sizes ",
-                t.sizes(), " strides ", t.strides());
-    return TensorView::matrix(t.data_ptr(), d, t.size(0), t.size(1), t.stride(0), device);
+    if (t.dim() == 1) {
+      TORCH_CHECK(t.size(0) <= 1 || t.stride(0) == 1, "coda: expected a dense vector, got size ",
+                  t.size(0), " stride ", t.stride(0));
+      return TensorView::vector(t.data_ptr(), d, t.size(0), device);
+    }
+    TORCH_CHECK(t.dim() == 2 && (t.size(1) <= 1 || t.stride(1) == 1),
+                "coda: expected a row-major matrix, got sizes ", t.sizes(), " strides ",
+                t.strides());
+    // A single row's stride is arbitrary in PyTorch; the kernels read it as a dense row.
+    const int64_t ld = t.size(0) == 1 ? t.size(1) : t.stride(0);
+    return TensorView::matrix(t.data_ptr(), d, t.size(0), t.size(1), ld, device);
   }
 
   Tensor partials(block::PartialsOf of, int64_t m, int64_t n, int64_t k) const {

@@ -14,13 +14,6 @@ namespace {
 
 using at::Tensor;
 
-// Positions are read on the host on the CPU (the CUDA kernels cannot check them without a sync).
-void check_positions(const OpContext& c, const Tensor& pos) {
-  if (!pos.is_cpu() || pos.numel() == 0) return;
-  const int32_t lowest = pos.min().item<int32_t>();
-  TORCH_CHECK(lowest >= 0, c.op, ": pos must be >= 0, got min ", lowest);
-}
-
 block::LossOptions loss_options(LossReduction reduction, int64_t ignore_index, double z_loss,
                                 int64_t max_chunk_bytes) {
   block::LossOptions o;
@@ -173,10 +166,11 @@ void scale_grad_(const Tensor& t, const Tensor& g) {
 #if CODA_TORCH_CUDA
   if (t.is_cuda() && t.scalar_type() == at::kBFloat16 && t.is_contiguous()) {
     CudaBackend b(t.device());
-    const Tensor g32 = g.reshape({}).to(at::kFloat).contiguous();
+    // A fresh float copy: a view of a larger tensor need not start 16-byte aligned.
+    const Tensor g32 = g.reshape({1}).to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
     ops::scale_unless_one(
         TensorView::vector(t.data_ptr(), DType::kBF16, t.numel(), t.device().index()),
-        CudaBackend::view(g32.reshape({1})), b.stream());
+        CudaBackend::view(g32), b.stream());
     return;
   }
 #endif

@@ -113,6 +113,13 @@ inline at::TensorOptions stat_options(const OpContext& c) {
   return at::TensorOptions().dtype(c.stat).device(c.device);
 }
 
+// Positions are read on the host on the CPU (the CUDA kernels cannot check them without a sync).
+inline void check_positions(const OpContext& c, const at::Tensor& pos) {
+  if (!pos.is_cpu() || pos.numel() == 0) return;
+  const int32_t lowest = pos.min().item<int32_t>();
+  TORCH_CHECK(lowest >= 0, c.op, ": pos must be >= 0, got min ", lowest);
+}
+
 inline void check_eps(const char* op, double eps) {
   TORCH_CHECK(eps >= 0.0, op, ": eps must be >= 0, got ", eps);
 }

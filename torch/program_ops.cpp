@@ -51,11 +51,20 @@ struct ProgramArgs {
     c.contiguous(name, t);
     return *this;
   }
+  // An argument whose shape follows from the operands'.
+  const ProgramArgs& shape(const char* name, const Tensor& t,
+                           std::initializer_list<int64_t> want) const {
+    c.shape(name, t, want);
+    return *this;
+  }
   // 2-D operands whose sizes the programs read: non-empty, and K of `a` equal to `b`'s.
   void operand_pair(const char* a, const Tensor& ta, int da, const char* b, const Tensor& tb,
                     int db) const {
     TORCH_CHECK(ta.dim() == 2 && tb.dim() == 2, c.op, ": ", a, " and ", b, " must be 2-D, got ",
                 shape_string(ta.sizes()), " and ", shape_string(tb.sizes()));
+    TORCH_CHECK(ta.numel() > 0 && tb.numel() > 0, c.op, ": ", a, " and ", b,
+                " must be non-empty, got ", shape_string(ta.sizes()), " and ",
+                shape_string(tb.sizes()));
     TORCH_CHECK(ta.size(da) == tb.size(db), c.op, ": ", a, ".size(", da, ") = ", ta.size(da),
                 " must equal ", b, ".size(", db, ") = ", tb.size(db));
   }
@@ -89,6 +98,7 @@ std::tuple<Tensor, Tensor, Tensor> gemm_residual_rmsnorm_partial(const Tensor& a
   ProgramArgs p("coda::gemm_residual_rmsnorm_partial", a);
   p.act("a", a).act("w", w).act("residual", residual).act("gamma", gamma);
   p.operand_pair("a", a, 1, "w", w, 1);
+  p.shape("residual", residual, {a.size(0), w.size(0)}).shape("gamma", gamma, {w.size(0)});
   return on_backend(a, [&](auto& b) {
     const int64_t m = a.size(0), n = w.size(0);
     Tensor x = b.act(m, n), h = b.act(m, n);
@@ -114,6 +124,8 @@ Tensor fold_op(const char* op, const Tensor& partials, int64_t n, Fold&& fold) {
 }
 
 Tensor rmsnorm_fold(const Tensor& partials, int64_t m, int64_t hidden, double eps) {
+  TORCH_CHECK(hidden > 0, "coda::rmsnorm_fold: hidden must be positive, got ", hidden);
+  check_eps("coda::rmsnorm_fold", eps);
   return fold_op("coda::rmsnorm_fold", partials, m,
                  [&](auto& b, Tensor& r) { b.rmsnorm_fold(partials, hidden, eps, r); });
 }
@@ -122,6 +134,7 @@ std::tuple<Tensor, Tensor> gemm_rmsnorm_swiglu(const Tensor& h, const Tensor& w_
                                                const Tensor& r) {
   ProgramArgs p("coda::gemm_rmsnorm_swiglu", h);
   p.act("h", h).act("w_gu", w_gu).stat("r", r).operand_pair("h", h, 1, "w_gu", w_gu, 1);
+  p.shape("r", r, {h.size(0)});
   return on_backend(h, [&](auto& b) {
     const auto o = block::rmsnorm_swiglu(b, h, r, w_gu);
     return std::make_tuple(o.z, o.a);
@@ -133,6 +146,9 @@ Tensor gemm_rmsnorm_rope(const Tensor& h, const Tensor& w_qkv, const Tensor& r, 
   ProgramArgs p("coda::gemm_rmsnorm_rope", h);
   p.act("h", h).act("w_qkv", w_qkv).stat("r", r).int32("pos", pos).int32("rope_table", rope_table);
   p.operand_pair("h", h, 1, "w_qkv", w_qkv, 1);
+  p.shape("r", r, {h.size(0)}).shape("pos", pos, {h.size(0)});
+  p.shape("rope_table", rope_table, {2, w_qkv.size(0)});
+  check_positions(p.c, pos);
   return on_backend(h, [&](auto& b) { return block::norm_qkv(b, h, r, w_qkv, pos, rope_table); });
 }
 
@@ -143,8 +159,10 @@ std::tuple<Tensor, Tensor, Tensor> gemm_rmsnorm_backward(const Tensor& dz, const
   ProgramArgs p("coda::gemm_rmsnorm_backward", dz);
   p.act("dz", dz).act("w", w).act("x", x).stat("r", r).act("gamma", gamma).stat("zdz", zdz);
   p.act("dres", dres).operand_pair("dz", dz, 1, "w", w, 0);
+  const int64_t m = dz.size(0), hidden = w.size(1);
+  p.shape("x", x, {m, hidden}).shape("dres", dres, {m, hidden}).shape("gamma", gamma, {hidden});
+  p.shape("r", r, {m}).shape("zdz", zdz, {m});
   return on_backend(x, [&](auto& b) {
-    const int64_t m = x.size(0), hidden = x.size(1);
     Tensor dx = b.act(m, hidden), h_out = b.act(m, hidden);
     const Tensor s = b.partials(PartialsOf::kRmsnormBackward, m, hidden, dz.size(1));
     b.gemm_rmsnorm_backward(dz, w, x, r, gamma, zdz, dres, dx, h_out, s);
@@ -162,6 +180,7 @@ std::tuple<Tensor, Tensor, Tensor> gemm_swiglu_backward(const Tensor& dx_out, co
   ProgramArgs p("coda::gemm_swiglu_backward", dx_out);
   p.act("dx_out", dx_out).act("w_down", w_down).act("z", z);
   p.operand_pair("dx_out", dx_out, 1, "w_down", w_down, 0);
+  p.shape("z", z, {dx_out.size(0), 2 * w_down.size(1)});
   return on_backend(dx_out, [&](auto& b) {
     const int64_t m = dx_out.size(0), inter = w_down.size(1);
     Tensor dz = b.act(m, 2 * inter), a = b.act(m, inter);
@@ -172,6 +191,7 @@ std::tuple<Tensor, Tensor, Tensor> gemm_swiglu_backward(const Tensor& dx_out, co
 }
 
 Tensor zdz_fold(const Tensor& partials, int64_t m, int64_t hidden) {
+  TORCH_CHECK(hidden > 0, "coda::zdz_fold: hidden must be positive, got ", hidden);
   return fold_op("coda::zdz_fold", partials, m,
                  [&](auto& b, Tensor& zdz) { b.zdz_fold(partials, hidden, zdz); });
 }
@@ -180,6 +200,13 @@ std::tuple<Tensor, Tensor> rope_backward(const Tensor& qkv, const Tensor& dqkv, 
                                          const Tensor& rope_table, int64_t hidden) {
   ProgramArgs p("coda::rope_backward", qkv);
   p.act("qkv", qkv).act("dqkv", dqkv).int32("pos", pos).int32("rope_table", rope_table);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.numel() > 0, p.c.op,
+              ": qkv must be non-empty 2-D (tokens, QKV width), got ",
+              shape_string(qkv.sizes()));
+  TORCH_CHECK(hidden > 0, p.c.op, ": hidden must be positive, got ", hidden);
+  p.shape("dqkv", dqkv, {qkv.size(0), qkv.size(1)}).shape("pos", pos, {qkv.size(0)});
+  p.shape("rope_table", rope_table, {2, qkv.size(1)});
+  check_positions(p.c, pos);
   return on_backend(qkv, [&](auto& b) {
     Tensor dpre = b.act(qkv.size(0), qkv.size(1)), zdz = b.stat(qkv.size(0));
     b.rope_backward(qkv, dqkv, pos, rope_table, hidden, dpre, zdz);

@@ -37,13 +37,6 @@ struct TensorView {
   T* as() const {
     return static_cast<T*>(data);
   }
-  // Rows [first, first + count) of a matrix, or elements of a vector.
-  TensorView narrow(int64_t first, int64_t count) const {
-    TensorView v = *this;
-    v.data = static_cast<char*>(data) + first * ld * dtype_bytes(dtype);
-    v.rows = count;
-    return v;
-  }
 };
 
 }  // namespace coda

@@ -138,5 +138,19 @@ TEST(LlamaBlockSanity, PerturbedWeightIsDetected) {
   EXPECT_GT(std::abs(loss_fused - loss_std), kTol * std::abs(loss_std));
 }
 
+// The decoder returns one loss: reduction 'none' is refused, not answered with token 0's loss.
+TEST(LlamaBlockSanity, PerTokenReductionIsRefused) {
+  const LlamaConfig cfg{32, 4, 2, 8, 24, 38, 1, 1, 4, 1e-5};
+  const ModelWeights w = random_weights(cfg, 7);
+  const auto x0 = random_vector(cfg.tokens() * cfg.hidden, 1.0, 8);
+  const std::vector<int64_t> targets{1, 2, 3, 4};
+  block::LossOptions none;
+  none.ce.reduction = programs::Reduction::kNone;
+  reference::FusedGrads<double> grads;
+  EXPECT_THROW(reference::fused_llama_loss(fused_shape(cfg), to_fused(cfg, w), x0, targets, none,
+                                           reference::TileConfig{}, &grads),
+               Error);
+}
+
 }  // namespace
 }  // namespace coda::testing

@@ -103,3 +103,39 @@ def test_program_ops_name_bad_arguments(g):
         CODA.gemm_xty(x, rnd(M, 8, g=g).float())
     with pytest.raises(RuntimeError, match="coda::rmsnorm_fold: partials must be"):
         CODA.rmsnorm_fold(torch.zeros(2, 8, dtype=torch.float64), M, H, EPS)
+
+
+def test_program_ops_check_the_shapes_the_operands_imply(g):
+    # Every argument whose shape follows from the GEMM operands is checked against it (on the
+    # CPU the reference executor would otherwise read past the end of a short tensor).
+    y, w_o, x0, gamma = rnd(M, 24, g=g), rnd(H, 24, g=g), rnd(M, H, g=g), rnd(H, g=g)
+    with pytest.raises(RuntimeError, match=r"residual must have shape \(19, 16\), got \(18, 16\)"):
+        CODA.gemm_residual_rmsnorm_partial(y, w_o, x0[:-1].contiguous(), gamma)
+    with pytest.raises(RuntimeError, match=r"gamma must have shape \(16,\), got \(8,\)"):
+        CODA.gemm_residual_rmsnorm_partial(y, w_o, x0, gamma[:8].contiguous())
+    h, r = rnd(M, H, g=g), rnd(M, g=g).abs()
+    with pytest.raises(RuntimeError, match=r"coda::gemm_rmsnorm_swiglu: r must have shape \(19,\)"):
+        CODA.gemm_rmsnorm_swiglu(h, rnd(2 * I, H, g=g), r[:5].contiguous())
+    table = ops.rope_table(ops.rope_inv_freq(D, 10000.0), HQ, HKV, D)
+    w_qkv = rnd((HQ + 2 * HKV) * D, H, g=g)
+    pos = torch.arange(M, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=r"pos must have shape \(19,\), got \(3,\)"):
+        CODA.gemm_rmsnorm_rope(h, w_qkv, r, pos[:3].contiguous(), table)
+    with pytest.raises(RuntimeError, match=r"rope_table must have shape \(2, 32\)"):
+        CODA.gemm_rmsnorm_rope(h, w_qkv, r, pos, table[:, :8].contiguous())
+    with pytest.raises(RuntimeError, match="pos must be >= 0, got min -1"):
+        CODA.gemm_rmsnorm_rope(h, w_qkv, r, pos - 1, table)
+    dz, w = rnd(M, 24, g=g), rnd(24, H, g=g)
+    with pytest.raises(RuntimeError, match=r"coda::gemm_rmsnorm_backward: zdz must have shape"):
+        CODA.gemm_rmsnorm_backward(dz, w, h, r, gamma, r[:4].contiguous(), h)
+    with pytest.raises(RuntimeError, match=r"dres must have shape \(19, 16\), got \(19, 8\)"):
+        CODA.gemm_rmsnorm_backward(dz, w, h, r, gamma, r, h[:, :8].contiguous())
+    with pytest.raises(RuntimeError, match=r"z must have shape \(19, 48\), got \(19, 24\)"):
+        CODA.gemm_swiglu_backward(h, rnd(H, I, g=g), rnd(M, I, g=g))
+    qkv = rnd(M, w_qkv.shape[0], g=g)
+    with pytest.raises(RuntimeError, match=r"dqkv must have shape \(19, 32\)"):
+        CODA.rope_backward(qkv, qkv[:-1].contiguous(), pos, table, H)
+    with pytest.raises(RuntimeError, match="coda::rope_backward: hidden must be positive, got 0"):
+        CODA.rope_backward(qkv, qkv, pos, table, 0)
+    with pytest.raises(RuntimeError, match="coda::zdz_fold: hidden must be positive, got 0"):
+        CODA.zdz_fold(torch.zeros(2, M, dtype=torch.float64), M, 0)

@@ -4,8 +4,9 @@
 // backend B that runs the programs:
 //   - reference::HostBackend (include/coda/reference/host_backend.hpp): the CPU reference
 //     executor on host tensors (the reference decoder, reference/llama.hpp);
-//   - torch_ext::CpuBackend / CudaBackend (torch/backends.hpp): the PyTorch op kernels, on the
-//     reference executor or on the Hopper kernels of include/coda/ops.hpp.
+//   - torch_ext::CpuBackend (torch/backends.hpp), CudaBackend (torch/backend_cuda.hpp): the
+//     PyTorch op kernels, on the reference executor or on the Hopper kernels of
+//     include/coda/ops.hpp.
 //
 // A backend provides
 //   using Tensor;  rows(t), cols(t);  act(rows, cols), stat(n), zeros_act, zeros_stat;
@@ -22,6 +23,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "coda/common/check.hpp"
 #include "coda/programs/forward.hpp"
 
 namespace coda::block {
@@ -238,6 +240,9 @@ LossGrad<B> lm_head_loss_grad(B& b, const T<B>& x, const T<B>& gamma, const T<B>
                               const T<B>& h, const T<B>& r, const auto& targets,
                               const LossOptions& o) {
   const int64_t m = b.rows(x), vocab = b.rows(w_vocab), hidden = b.cols(x);
+  CODA_CHECK(o.ce.reduction != programs::Reduction::kNone,
+             "lm_head_loss_grad: reduction must be mean or sum (with none the gradient depends "
+             "on the incoming per-token gradient: use lm_head_loss and its backward)");
   const T<B> scale = b.token_scale(nullptr, targets, o, m);  // d loss = 1
   // Rows per chunk: the chunk's logits and B1's h_out within max_chunk_bytes; the tokens spread
   // evenly over the fewest chunks, each a multiple of 2048 rows where that fits (8 tiles of 256:

@@ -151,20 +151,6 @@ struct RmsnormCrossEntropyBackward : RowSums<Real> {  // partials: Σ ℓ·dℓ,
   }
 };
 
-// Per-token gradient scale of the loss: grad_loss / counted (mean) or grad_loss (sum/none), 0 if
-// the token is ignored.
-template <class Real, class Target>
-std::vector<Real> cross_entropy_scale(const Target* targets, int64_t m,
-                                      const CrossEntropyOptions& o, Real grad_loss,
-                                      int64_t counted) {
-  std::vector<Real> s(m, Real(0));
-  for (int64_t i = 0; i < m; ++i) {
-    if (static_cast<int64_t>(targets[i]) == o.ignore_index) continue;
-    s[i] = o.reduction == Reduction::kMean ? grad_loss / static_cast<Real>(counted) : grad_loss;
-  }
-  return s;
-}
-
 // A3: ZdZ[m] = Σ_t partial[m, t] / H;  dγ[n] = Σ_t partial[n, t]
 template <class Real, class In>
 std::vector<Real> fold_zdz(const In* partials, const PartialLayout& layout, int64_t hidden) {

@@ -364,6 +364,13 @@ class HostBackend : public HostPrograms<HostBackend<Real>, Real> {
   // divided by the counted tokens for 'mean', 0 for ignored tokens.
   static Tensor token_scale(const Tensor* dloss, const HostTensor<int64_t>& targets,
                             const block::LossOptions& o, int64_t m) {
+    const bool per_token = o.ce.reduction == programs::Reduction::kNone;
+    CODA_CHECK(targets.rows * targets.cols == m, "token_scale: targets has ",
+               targets.rows * targets.cols, " entries, expected ", m);
+    CODA_CHECK(!dloss || dloss->rows * dloss->cols == (per_token ? m : 1),
+               "token_scale: dloss has ", dloss ? dloss->rows * dloss->cols : 0,
+               " entries, expected ", per_token ? m : 1, " (reduction ",
+               per_token ? "none: one per token" : "mean or sum: one", ")");
     const int64_t* t = targets.data();
     const int64_t counted =
         std::count_if(t, t + m, [&](int64_t v) { return v != o.ce.ignore_index; });
@@ -371,8 +378,8 @@ class HostBackend : public HostPrograms<HostBackend<Real>, Real> {
     for (int64_t i = 0; i < m; ++i) {
       if (t[i] == o.ce.ignore_index) continue;
       const Real g = !dloss                                         ? Real(1)
-                     : o.ce.reduction == programs::Reduction::kNone ? dloss->data()[i]
-                                                                    : dloss->data()[0];
+                     : per_token ? dloss->data()[i]
+                                 : dloss->data()[0];
       s.data()[i] = o.ce.reduction == programs::Reduction::kMean ? g / Real(counted) : g;
     }
     return s;

@@ -81,6 +81,8 @@ Real fused_llama_loss(const LlamaShape& s, const FusedModel<Real>& model,
              model.layers.size(), " layers, shape says ", s.n_layers);
   CODA_CHECK(x0.size() == static_cast<size_t>(M * H), "fused_llama_loss: x0 has ", x0.size(),
              " elements, expected (", M, ", ", H, ")");
+  CODA_CHECK(loss.ce.reduction != programs::Reduction::kNone,
+             "fused_llama_loss: reduction must be mean or sum (it returns one loss), got none");
   CODA_CHECK(targets.size() == static_cast<size_t>(M), "fused_llama_loss: targets has ",
              targets.size(), " entries, expected M = ", M);
 
