@@ -168,6 +168,14 @@ PartialLayout checked_layout(const char* op, Program p, Operands o, GemmSizes s)
   Args(op).gemm_sizes(s.m, s.n, s.k);
   return layout_of(p, choose(p, o, s.m, s.n, s.k), s.m, s.n);
 }
+// The kernel of a program that writes a partial buffer, chosen once, with the buffer `name`
+// checked against that kernel's layout.
+kernel::KernelChoice choose_with_partials(Args& c, Program p, Operands o, GemmSizes s,
+                                          const char* name, const TensorView& partials) {
+  const kernel::KernelChoice k = choose(p, o, s.m, s.n, s.k);
+  c.partials(name, partials, layout_of(p, k, s.m, s.n));
+  return k;
+}
 
 const bf16* bf(const TensorView& t) { return t.as<const bf16>(); }
 bf16* bf_out(const TensorView& t) { return t.as<bf16>(); }
@@ -218,9 +226,8 @@ void gemm_residual_rmsnorm_partial(View a, View w, View residual, View gamma, Vi
   c.matrix("h", h, kBf, m, n);
   c.distinct("h", h, "x", x);
   c.distinct("h", h, "residual", residual);
-  const auto kc = choose(Program::kResidualRmsnormPartial, Operands::kXWt, m, n, k);
-  c.partials("sumsq_partials", sumsq_partials,
-             layout_of(Program::kResidualRmsnormPartial, kc, m, n));
+  const auto kc = choose_with_partials(c, Program::kResidualRmsnormPartial, Operands::kXWt,
+                                       {m, n, k}, "sumsq_partials", sumsq_partials);
   c.on_device();
   const kernel::ResidualRmsnormPartialArgs args{bf(gamma), bf_out(h), h.ld,
                                                 f32_out(sumsq_partials)};
@@ -319,9 +326,8 @@ void gemm_rmsnorm_backward(View dz, View w, View x, View r, View gamma, View zdz
   c.distinct("h_out", h_out, "dx", dx);
   c.distinct("h_out", h_out, "dres", dres);
   c.distinct("h_out", h_out, "x", x);
-  const auto kc = choose(Program::kRmsnormBackward, Operands::kXW, m, hidden, n_out);
-  c.partials("dgamma_partials", dgamma_partials,
-             layout_of(Program::kRmsnormBackward, kc, m, hidden));
+  const auto kc = choose_with_partials(c, Program::kRmsnormBackward, Operands::kXW,
+                                       {m, hidden, n_out}, "dgamma_partials", dgamma_partials);
   c.on_device();
   const kernel::RmsnormBackwardArgs args{
       bf(x), x.ld, f32(r), bf(gamma), f32(zdz), bf_out(h_out), h_out.ld, f32_out(dgamma_partials)};
@@ -344,8 +350,8 @@ void gemm_swiglu_backward(View dx_out, View w_down, View z, View dz, View a, Vie
   c.matrix("z", z, kBf, m, 2 * inter);
   c.matrix("dz", dz, kBf, m, 2 * inter);
   c.matrix("a", a, kBf, m, inter);
-  const auto kc = choose(Program::kSwigluBackward, Operands::kXW, m, inter, hidden);
-  c.partials("zdz_partials", zdz_partials, layout_of(Program::kSwigluBackward, kc, m, inter));
+  const auto kc = choose_with_partials(c, Program::kSwigluBackward, Operands::kXW,
+                                       {m, inter, hidden}, "zdz_partials", zdz_partials);
   c.on_device();
   // (g, u) bf16 pairs travel as one 32-bit element each: row strides in pairs.
   const kernel::SwigluBackwardArgs args{z.as<const uint32_t>(), z.ld / 2, dz.as<uint32_t>(),
@@ -414,10 +420,9 @@ void rmsnorm_lse_program(Args& c, View h, View w_vocab, View r, View targets, Vi
   const auto [m, vocab, hidden] = c.gemm_operands("h", h, "w_vocab", w_vocab, Operands::kXWt);
   c.vector("r", r, kF, m);
   c.vector("targets", targets, DType::kI64, m);
-  const auto kc = choose(P, Operands::kXWt, m, vocab, hidden);
-  const PartialLayout layout = layout_of(P, kc, m, vocab);
-  c.partials("max_partials", max_partials, layout);
-  c.partials("sum_partials", sum_partials, layout);
+  const auto kc =
+      choose_with_partials(c, P, Operands::kXWt, {m, vocab, hidden}, "max_partials", max_partials);
+  c.partials("sum_partials", sum_partials, layout_of(P, kc, m, vocab));
   c.vector("target_logit", target_logit, kF, m);
   if (logits) c.matrix("logits", *logits, kBf, m, vocab);
   c.on_device();
@@ -523,9 +528,8 @@ void gemm_rmsnorm_cross_entropy_backward(View h, View w_vocab, View r, View lse,
   c.vector("scale", scale, kF, m);
   c.vector("targets", targets, DType::kI64, m);
   c.matrix("dlogits", dlogits, kBf, m, vocab);
-  const auto kc = choose(Program::kRmsnormCrossEntropyBackward, Operands::kXWt, m, vocab, hidden);
-  c.partials("zdz_partials", zdz_partials,
-             layout_of(Program::kRmsnormCrossEntropyBackward, kc, m, vocab));
+  const auto kc = choose_with_partials(c, Program::kRmsnormCrossEntropyBackward, Operands::kXWt,
+                                       {m, vocab, hidden}, "zdz_partials", zdz_partials);
   c.on_device();
   const kernel::RmsnormCrossEntropyBackwardArgs args{
       f32(r), f32(lse), f32(scale), targets.as<const int64_t>(), f32_out(zdz_partials), z_loss};
