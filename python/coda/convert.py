@@ -24,6 +24,7 @@ from .nn import CodaLlamaForCausalLM, LlamaConfig
 
 __all__ = [
     "rope_half_to_adjacent",
+    "rope_half_to_adjacent_view",
     "rope_adjacent_to_half",
     "interleave_gate_up",
     "split_gate_up",
@@ -47,8 +48,14 @@ __all__ = [
 def rope_half_to_adjacent(w: Tensor, heads: int, head_dim: int) -> Tensor:
     """HF half-split rows of each head -> adjacent RoPE pairs: row ``i`` -> ``2i``,
     row ``i + d/2`` -> ``2i + 1``."""
+    return rope_half_to_adjacent_view(w, heads, head_dim).flatten(0, 2).contiguous()
+
+
+def rope_half_to_adjacent_view(w: Tensor, heads: int, head_dim: int) -> Tensor:
+    """:func:`rope_half_to_adjacent` as a ``(heads, d/2, 2, ...)`` view of ``w`` (no copy), for
+    callers that copy it anyway (e.g. into a packed QKV weight)."""
     _check_rows(w, heads * head_dim, "rope_half_to_adjacent")
-    return w.unflatten(0, (heads, 2, head_dim // 2)).transpose(1, 2).flatten(0, 2).contiguous()
+    return w.unflatten(0, (heads, 2, head_dim // 2)).transpose(1, 2)
 
 
 def rope_adjacent_to_half(w: Tensor, heads: int, head_dim: int) -> Tensor:

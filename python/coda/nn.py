@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from . import ops
 
 __all__ = ["LlamaConfig", "CodaDecoderLayer", "CodaLlamaForCausalLM", "NormLMHeadLoss",
-           "sdpa_causal"]
+           "decoder_layer", "positions", "sdpa_causal"]
 
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -98,6 +98,57 @@ def sdpa_causal(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     )
 
 
+def positions(position_ids: Tensor | None, batch: int, seq: int, device) -> Tensor:
+    """The int32 ``(B * S,)`` positions the RoPE op takes: ``arange(S)`` per sequence, or
+    ``position_ids`` given as ``(S,)``, ``(1, S)`` or ``(B, S)``."""
+    if position_ids is None:
+        pos = torch.arange(seq, dtype=torch.int32, device=device)
+    else:
+        if position_ids.shape not in ((seq,), (batch, seq), (1, seq)):
+            raise ValueError(f"position_ids must be (S,), (1, S) or (B, S) = ({batch}, {seq}), "
+                             f"got {tuple(position_ids.shape)}")
+        pos = position_ids.to(device=device, dtype=torch.int32)
+    return pos.expand(batch, seq).reshape(batch * seq).contiguous()
+
+
+def decoder_layer(
+    c: LlamaConfig,
+    x: Tensor,
+    h: Tensor,
+    r: Tensor,
+    gamma: Tensor,
+    w_qkv: Tensor,
+    w_o: Tensor,
+    gamma_ffn: Tensor,
+    w_gu: Tensor,
+    w_down: Tensor,
+    pos: Tensor,
+    rope_table: Tensor,
+    gamma_next: Tensor,
+    batch: int,
+    attention: Attention,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One decoder layer from the fused ops, on weights in coda's layouts: ``x (M, H)`` with its
+    caches ``(h, r)`` for ``gamma`` (the layer's attention norm) -> ``(x, h, r)`` of the layer
+    output, the caches being for ``gamma_next``."""
+    M = x.shape[0]
+    seq = M // batch
+    qkv = ops.norm_qkv(x, gamma, w_qkv, h, r, pos, rope_table)
+    # (M, W) -> (B, S, heads, d) -> per-part (B, heads, S, d) views; no copy needed.
+    qkv = qkv.view(batch, seq, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
+    q = qkv[:, :, : c.num_heads].transpose(1, 2)
+    k = qkv[:, :, c.num_heads : c.num_heads + c.num_kv_heads].transpose(1, 2)
+    v = qkv[:, :, c.num_heads + c.num_kv_heads :].transpose(1, 2)
+    y = attention(q, k, v)
+    if y.shape != q.shape:
+        raise ValueError(f"attention must return {tuple(q.shape)} (B, Hq, S, d), "
+                         f"got {tuple(y.shape)}")
+    y = y.transpose(1, 2).reshape(M, c.num_heads * c.head_dim).contiguous()
+    x1, h1, r1 = ops.out_proj_residual_norm(y, w_o, x, gamma_ffn, c.rms_norm_eps)
+    x2, h2, r2, _ = ops.mlp(x1, gamma_ffn, w_gu, w_down, h1, r1, gamma_next, c.rms_norm_eps)
+    return x2, h2, r2
+
+
 class CodaDecoderLayer(nn.Module):
     """One LLaMA decoder layer's parameters and its forward composition."""
 
@@ -133,25 +184,8 @@ class CodaDecoderLayer(nn.Module):
     ) -> tuple[Tensor, Tensor, Tensor]:
         """``x (M, H)`` with its caches ``(h, r)`` for ``gamma`` (this layer's attention norm) ->
         ``(x, h, r)`` of the layer output, the caches being for ``gamma_next``."""
-        c = self.config
-        M = x.shape[0]
-        seq = M // batch
-        qkv = ops.norm_qkv(x, gamma, self.w_qkv, h, r, pos, rope_table)
-        # (M, W) -> (B, S, heads, d) -> per-part (B, heads, S, d) views; no copy needed.
-        qkv = qkv.view(batch, seq, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
-        q = qkv[:, :, : c.num_heads].transpose(1, 2)
-        k = qkv[:, :, c.num_heads : c.num_heads + c.num_kv_heads].transpose(1, 2)
-        v = qkv[:, :, c.num_heads + c.num_kv_heads :].transpose(1, 2)
-        y = attention(q, k, v)
-        if y.shape != q.shape:
-            raise ValueError(f"attention must return {tuple(q.shape)} (B, Hq, S, d), "
-                             f"got {tuple(y.shape)}")
-        y = y.transpose(1, 2).reshape(M, c.num_heads * c.head_dim).contiguous()
-        x1, h1, r1 = ops.out_proj_residual_norm(y, self.w_o, x, self.gamma_ffn, c.rms_norm_eps)
-        x2, h2, r2, _ = ops.mlp(
-            x1, self.gamma_ffn, self.w_gu, self.w_down, h1, r1, gamma_next, c.rms_norm_eps
-        )
-        return x2, h2, r2
+        return decoder_layer(self.config, x, h, r, gamma, self.w_qkv, self.w_o, self.gamma_ffn,
+                             self.w_gu, self.w_down, pos, rope_table, gamma_next, batch, attention)
 
 
 class CodaLlamaForCausalLM(nn.Module):
@@ -212,16 +246,6 @@ class CodaLlamaForCausalLM(nn.Module):
         for layer in self.layers:
             layer.reset_parameters(std)
 
-    def _positions(self, position_ids: Tensor | None, batch: int, seq: int, device) -> Tensor:
-        if position_ids is None:
-            pos = torch.arange(seq, dtype=torch.int32, device=device)
-        else:
-            if position_ids.shape not in ((seq,), (batch, seq), (1, seq)):
-                raise ValueError(f"position_ids must be (S,), (1, S) or (B, S) = ({batch}, {seq}), "
-                                 f"got {tuple(position_ids.shape)}")
-            pos = position_ids.to(device=device, dtype=torch.int32)
-        return pos.expand(batch, seq).reshape(batch * seq).contiguous()
-
     def forward(
         self,
         input_ids: Tensor,
@@ -255,7 +279,7 @@ class CodaLlamaForCausalLM(nn.Module):
         batch, seq = input_ids.shape
         M = batch * seq
         attention = sdpa_causal if attention is None else attention
-        pos = self._positions(position_ids, batch, seq, input_ids.device)
+        pos = positions(position_ids, batch, seq, input_ids.device)
 
         x = F.embedding(input_ids.reshape(M), self.embed_tokens.weight)
         h, r = ops.rmsnorm_stats(x, self.gamma_attn[0], c.rms_norm_eps)
