@@ -2,7 +2,8 @@
 
 Importing this package loads ``libcoda_torch.so``, which registers the ``torch.ops.coda.*`` ops
 (see docs/torch-ops.md). ``coda.ops`` wraps them, ``coda.nn`` builds a LLaMA model from them and
-``coda.convert`` maps Hugging Face / TorchTitan checkpoints to and from it.
+``coda.convert`` maps Hugging Face / TorchTitan checkpoints to and from it and
+``coda.integrations.patch_hf`` runs a Hugging Face model on the ops in place.
 """
 
 from __future__ import annotations
@@ -63,6 +64,6 @@ def _load_library() -> Path | None:
 
 library_path = _load_library()
 
-from . import convert, nn, ops  # noqa: E402  (the ops must be registered first)
+from . import convert, integrations, nn, ops  # noqa: E402  (the ops must be registered first)
 
-__all__ = ["ops", "nn", "convert", "library_path", "__version__"]
+__all__ = ["ops", "nn", "convert", "integrations", "library_path", "__version__"]

@@ -1,6 +1,7 @@
 """The torch.ops.coda ops and coda.nn on a Hopper GPU (bf16): registration (opcheck), accuracy of
-every op and of a whole converted Hugging Face model against fp64 references by the docs/math.md §5 rule,
-torch.compile(fullgraph=True) with inductor, and a CUDA-graph capture of a training step.
+every op and of a whole Hugging Face model (converted, or patched in place) against fp64 references
+by the docs/math.md §5 rule, torch.compile(fullgraph=True) with inductor, and a CUDA-graph capture
+of a training step.
 Skipped without an sm_90 GPU (CI has none; scripts/gpu-check runs these on the H200)."""
 
 from __future__ import annotations
@@ -456,6 +457,35 @@ def test_converted_hf_model_loss_and_every_gradient(tie, scaling):
     assert set(g_ours) >= set(g_ref), sorted(set(g_ref) - set(g_ours))
     for n in g_ref:
         assert_ops_rule(g_ours[n].cpu(), g_ref[n], g_pt[n].cpu(), f"d {n}")
+
+
+@pytest.mark.parametrize("params", ["bf16", "fp32-autocast"])
+def test_hf_model_patched_in_place_loss_and_every_gradient(params):
+    """coda.integrations.patch_hf on CUDA: bfloat16 parameters, or float32 ones under bfloat16
+    autocast (Trainer's bf16=True), by the §5 rule against HF run the same way."""
+    from coda.integrations import patch_hf
+
+    ids, labels = batch(2)
+    ids, labels = ids.cuda(), labels.cuda()
+    ref = hf_llama(False, True, torch.float64, "cpu")
+    ref_loss = ref(input_ids=ids.cpu(), labels=labels.cpu()).loss
+    ref_loss.backward()
+    dtype = BF16 if params == "bf16" else torch.float32
+    plain = hf_llama(False, True, dtype, "cuda")
+    ours = patch_hf(hf_llama(False, True, dtype, "cuda"))
+    losses = []
+    for model in (plain, ours):
+        with torch.autocast("cuda", BF16, enabled=params != "bf16"):
+            out = model(input_ids=ids, labels=labels)
+        out.loss.backward()
+        losses.append(out.loss.detach().float().cpu())
+    assert out.logits is None, "the patched model took the fused path"
+    assert_ops_rule(losses[1], ref_loss.detach(), losses[0], "loss")
+    g_ref, g_pt, g_ours = hf_grads(ref), hf_grads(plain), hf_grads(ours)
+    assert set(g_ours) == set(g_ref)
+    for n in g_ref:
+        assert g_ours[n].dtype == dtype, f"d {n} in {g_ours[n].dtype}"
+        assert_ops_rule(g_ours[n].float().cpu(), g_ref[n], g_pt[n].float().cpu(), f"d {n}")
 
 
 def test_torch_compile_fullgraph_inductor_matches_eager():

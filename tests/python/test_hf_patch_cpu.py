@@ -1,0 +1,217 @@
+"""coda.integrations.patch_hf on the CPU in float64: a transformers LlamaForCausalLM patched in
+place trains through coda's ops with HF's loss and every gradient, stays a PreTrainedModel
+(Trainer, save_pretrained / from_pretrained, generate, gradient checkpointing), and hands every
+call it cannot run to the model's own forward."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from coda.integrations import hf as coda_hf
+from coda.integrations import is_patched, patch_hf, unpatch_hf
+from helpers import assert_rel
+from test_hf_cpu import CONFIGS, batch, make_hf, make_hf_exact_fp64
+
+transformers = pytest.importorskip("transformers")
+
+
+def pair(name="untied", seed=0):
+    """(fp64-exact HF reference, a patched copy of the same weights)."""
+    hf = make_hf(name, seed)
+    patched = patch_hf(copy.deepcopy(hf))
+    return make_hf_exact_fp64(hf, name), patched
+
+
+def grads(model):
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def fp64_loss(ref, input_ids, labels, attention_mask=None, shift_labels=None,
+              num_items_in_batch=None):
+    """HF's causal-LM loss, kept in float64 (HF's own loss function computes in float32)."""
+    logits = ref(input_ids=input_ids, attention_mask=attention_mask).logits
+    targets = F.pad(labels[:, 1:], (0, 1), value=-100) if shift_labels is None else shift_labels
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                         ignore_index=-100, reduction="sum")
+    n = (targets != -100).sum() if num_items_in_batch is None else num_items_in_batch
+    return ce / n
+
+
+def expect_same_training_step(ref, patched, rel=1e-9, **inputs):
+    loss_ref = fp64_loss(ref, **inputs)
+    out = patched(**inputs)
+    assert out.logits is None, "the fused path returns no logits"
+    loss_ref.backward()
+    out.loss.backward()
+    assert_rel(out.loss.detach(), loss_ref.detach(), rel, "loss")
+    want, got = grads(ref), grads(patched)
+    assert set(want) == set(got)
+    for n, g in want.items():
+        assert g is not None and got[n] is not None, f"{n} has no gradient"
+        assert_rel(got[n], g, rel, f"grad {n}")
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_loss_and_every_gradient_match_hf(name):
+    ref, patched = pair(name)
+    assert is_patched(patched) and not is_patched(ref)
+    assert isinstance(patched, transformers.PreTrainedModel)
+    ids, labels = batch()
+    expect_same_training_step(ref, patched, input_ids=ids, labels=labels)
+
+
+def test_padding_mask_num_items_and_shift_labels():
+    ref, patched = pair("untied", seed=1)
+    ids, labels = batch(seed=6, B=3, S=10)
+    mask = torch.ones_like(ids)
+    mask[0, -3:] = 0  # right padding
+    mask[1, :4] = 0  # left padding
+    labels = labels.masked_fill(mask == 0, -100)
+    # Trainer's gradient accumulation: a sum over the batch divided by the items of all
+    # micro-batches; and labels already shifted by the caller.
+    # A padded position predicts nothing (its output is not HF's: see coda.integrations.hf).
+    shifted = F.pad(labels[:, 1:], (0, 1), value=-100).masked_fill(mask == 0, -100)
+    expect_same_training_step(ref, patched, input_ids=ids, attention_mask=mask,
+                              shift_labels=shifted, labels=labels,
+                              num_items_in_batch=torch.tensor(40))
+
+
+def test_calls_without_labels_or_with_a_cache_run_the_hf_forward():
+    hf = make_hf("tied", seed=2)
+    patched = patch_hf(copy.deepcopy(hf))
+    ids, labels = batch(seed=7, B=3, S=6)
+    with torch.no_grad():
+        assert torch.equal(patched(input_ids=ids).logits, hf(input_ids=ids).logits)
+        out = patched(input_ids=ids, labels=labels, output_hidden_states=True)
+        assert out.logits is not None and out.hidden_states is not None
+        want = hf.generate(ids, max_new_tokens=5, do_sample=False)
+        assert torch.equal(patched.generate(ids, max_new_tokens=5, do_sample=False), want)
+    assert unpatch_hf(patched) is patched and not is_patched(patched)
+    assert "forward" not in vars(patched)
+
+
+def test_save_pretrained_writes_the_stock_checkpoint(tmp_path):
+    hf = make_hf("untied", seed=3)
+    patched = patch_hf(hf)
+    ids, labels = batch(seed=8)
+    opt = torch.optim.SGD(patched.parameters(), lr=0.1)
+    patched(input_ids=ids, labels=labels).loss.backward()
+    opt.step()  # weights the patched model trained
+    patched.save_pretrained(tmp_path)
+    stock = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float64)
+    assert not is_patched(stock)
+    assert set(stock.state_dict()) == set(patched.state_dict())
+    with torch.no_grad():
+        assert torch.equal(stock(input_ids=ids).logits, patched(input_ids=ids).logits)
+        assert_rel(patched(input_ids=ids, labels=labels).loss,
+                   stock(input_ids=ids, labels=labels).loss, 1e-5, "loss after reload")
+
+
+def test_gradient_checkpointing():
+    ref, patched = pair("llama3", seed=4)
+    patched.gradient_checkpointing_enable()
+    patched.train()
+    ref.train()
+    calls = []
+    for layer in patched.model.layers:
+        def counted(*args, checkpoint=layer._gradient_checkpointing_func, **kw):
+            calls.append(1)
+            return checkpoint(*args, **kw)
+        layer._gradient_checkpointing_func = counted
+    ids, labels = batch(seed=9)
+    expect_same_training_step(ref, patched, input_ids=ids, labels=labels)
+    assert len(calls) == len(patched.model.layers), "each layer runs checkpointed"
+
+
+def test_trainer_trains_the_patched_model_as_it_trains_hf(tmp_path):
+    pytest.importorskip("accelerate")
+    ref, patched = pair("untied", seed=5)
+    ids, labels = batch(seed=10, B=8, S=9)
+    data = [{"input_ids": i, "labels": l} for i, l in zip(ids, labels)]
+    for model in (ref, patched):
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / type(model).__name__), max_steps=3,
+            per_device_train_batch_size=2, gradient_accumulation_steps=2, learning_rate=0.1,
+            optim="sgd", use_cpu=True, report_to="none", save_strategy="no",
+            logging_strategy="no", seed=0,
+            dataloader_num_workers=0)
+        transformers.Trainer(model=model, args=args, train_dataset=data).train()
+    trained = dict(patched.named_parameters())
+    moved = 0
+    for n, p in ref.named_parameters():
+        # HF's loss runs in float32 (so do the reference model's gradients)
+        assert_rel(trained[n].detach(), p.detach(), 1e-6, f"{n} after 3 Trainer steps")
+        moved += 1
+    assert moved == len(trained)
+    fresh = make_hf("untied", seed=5)
+    assert not torch.equal(fresh.lm_head.weight, patched.lm_head.weight), "training moved nothing"
+
+
+def test_rebuilt_weights_are_not_held_between_forward_and_backward(monkeypatch):
+    _, patched = pair("untied", seed=6)
+    derived = []
+    original = coda_hf._RebuiltOnBackward.derive
+
+    def spy(self, build, *params):
+        t = original(self, build, *params)
+        if all(t is not p for p in params):
+            derived.append(weakref.ref(t))
+        return t
+
+    monkeypatch.setattr(coda_hf._RebuiltOnBackward, "derive", spy)
+    ids, labels = batch(seed=11)
+    loss = patched(input_ids=ids, labels=labels).loss
+    gc.collect()
+    # fp64 parameters need no cast: the packed QKV and the interleaved gate/up of each layer
+    assert len(derived) == 2 * len(patched.model.layers)
+    assert all(r() is None for r in derived), "a rebuilt weight outlived the forward"
+    loss.backward()  # rebuilt from the parameters
+    loss2 = patched(input_ids=ids, labels=labels).loss
+    with torch.no_grad():
+        patched.model.layers[0].mlp.up_proj.weight.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified in place between the forward and"):
+        loss2.backward()
+
+
+class WrappedLinear(nn.Linear):
+    """Stands for an adapter: a Linear subclass whose forward is not x @ W.T."""
+
+    def forward(self, x):
+        return super().forward(x) * 2.0
+
+
+def test_models_coda_cannot_run():
+    hf = make_hf("untied", seed=7)
+    bad = copy.deepcopy(hf)
+    q = bad.model.layers[1].self_attn.q_proj
+    bad.model.layers[1].self_attn.q_proj = WrappedLinear(q.in_features, q.out_features,
+                                                         bias=False, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"model.layers.1.self_attn.q_proj is a WrappedLinear"):
+        patch_hf(bad)
+    with pytest.raises(TypeError, match="expected a transformers LlamaForCausalLM"):
+        patch_hf(hf.model)
+    cfg = copy.deepcopy(hf.config)
+    cfg.attention_bias = True
+    with pytest.raises(NotImplementedError, match="attention_bias"):
+        patch_hf(transformers.LlamaForCausalLM(cfg))
+    # An adapter added after patching: the model's own forward runs, with one warning.
+    patched = patch_hf(copy.deepcopy(hf))
+    patched.model.layers[1].self_attn.q_proj = bad.model.layers[1].self_attn.q_proj
+    bad_ref = copy.deepcopy(bad)
+    ids, labels = batch(seed=12)
+    with pytest.warns(UserWarning, match="running the model's own forward: model.layers.1"):
+        out = patched(input_ids=ids, labels=labels)
+    assert out.logits is not None
+    with torch.no_grad():
+        assert torch.equal(out.loss, bad_ref(input_ids=ids, labels=labels).loss)
+    # bfloat16 on the CPU: the reference executor runs float32 / float64 only.
+    cpu_bf16 = patch_hf(copy.deepcopy(hf).to(torch.bfloat16))
+    with pytest.warns(UserWarning, match="CPU reference runs in float32 or float64"):
+        assert cpu_bf16(input_ids=ids, labels=labels).logits is not None
