@@ -462,7 +462,8 @@ def test_converted_hf_model_loss_and_every_gradient(tie, scaling):
 @pytest.mark.parametrize("params", ["bf16", "fp32-autocast"])
 def test_hf_model_patched_in_place_loss_and_every_gradient(params):
     """coda.integrations.patch_hf on CUDA: bfloat16 parameters, or float32 ones under bfloat16
-    autocast (Trainer's bf16=True), by the §5 rule against HF run the same way."""
+    autocast (Trainer's bf16=True), by the §5 rule against HF with bfloat16 parameters (the op's
+    own dtype; HF under autocast keeps a float32 residual stream, which coda does not)."""
     from coda.integrations import patch_hf
 
     ids, labels = batch(2)
@@ -471,11 +472,11 @@ def test_hf_model_patched_in_place_loss_and_every_gradient(params):
     ref_loss = ref(input_ids=ids.cpu(), labels=labels.cpu()).loss
     ref_loss.backward()
     dtype = BF16 if params == "bf16" else torch.float32
-    plain = hf_llama(False, True, dtype, "cuda")
+    plain = hf_llama(False, True, BF16, "cuda")
     ours = patch_hf(hf_llama(False, True, dtype, "cuda"))
     losses = []
     for model in (plain, ours):
-        with torch.autocast("cuda", BF16, enabled=params != "bf16"):
+        with torch.autocast("cuda", BF16, enabled=model is ours and params != "bf16"):
             out = model(input_ids=ids, labels=labels)
         out.loss.backward()
         losses.append(out.loss.detach().float().cpu())

@@ -34,9 +34,9 @@ def grads(model):
 
 
 def fp64_loss(ref, input_ids, labels, attention_mask=None, shift_labels=None,
-              num_items_in_batch=None):
+              num_items_in_batch=None, **model_kwargs):
     """HF's causal-LM loss, kept in float64 (HF's own loss function computes in float32)."""
-    logits = ref(input_ids=input_ids, attention_mask=attention_mask).logits
+    logits = ref(input_ids=input_ids, attention_mask=attention_mask, **model_kwargs).logits
     targets = F.pad(labels[:, 1:], (0, 1), value=-100) if shift_labels is None else shift_labels
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
                          ignore_index=-100, reduction="sum")
@@ -45,6 +45,7 @@ def fp64_loss(ref, input_ids, labels, attention_mask=None, shift_labels=None,
 
 
 def expect_same_training_step(ref, patched, rel=1e-9, **inputs):
+    assert patched.training, "the fused path trains"
     loss_ref = fp64_loss(ref, **inputs)
     out = patched(**inputs)
     assert out.logits is None, "the fused path returns no logits"
@@ -67,30 +68,56 @@ def test_loss_and_every_gradient_match_hf(name):
     expect_same_training_step(ref, patched, input_ids=ids, labels=labels)
 
 
-def test_padding_mask_num_items_and_shift_labels():
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_padding_mask_as_hf(side):
+    # labels = input_ids, as collators often leave them: padded positions' targets count too, so
+    # their outputs must be HF's (a row whose keys are all padding gives 0).
     ref, patched = pair("untied", seed=1)
-    ids, labels = batch(seed=6, B=3, S=10)
+    ids, _ = batch(seed=6, B=3, S=10)
     mask = torch.ones_like(ids)
-    mask[0, -3:] = 0  # right padding
-    mask[1, :4] = 0  # left padding
-    labels = labels.masked_fill(mask == 0, -100)
+    if side == "right":
+        mask[0, -3:] = 0
+        mask[2, -1:] = 0
+    else:
+        mask[1, :4] = 0
+        mask[2, :1] = 0
+    expect_same_training_step(ref, patched, input_ids=ids, attention_mask=mask, labels=ids)
+
+
+def test_all_ones_mask_num_items_and_shift_labels():
     # Trainer's gradient accumulation: a sum over the batch divided by the items of all
     # micro-batches; and labels already shifted by the caller.
-    # A padded position predicts nothing (its output is not HF's: see coda.integrations.hf).
-    shifted = F.pad(labels[:, 1:], (0, 1), value=-100).masked_fill(mask == 0, -100)
-    expect_same_training_step(ref, patched, input_ids=ids, attention_mask=mask,
+    ref, patched = pair("untied", seed=1)
+    ids, labels = batch(seed=6, B=3, S=10)
+    shifted = F.pad(labels[:, 1:], (0, 1), value=-100)
+    shifted[1, 2] = -100
+    expect_same_training_step(ref, patched, input_ids=ids, attention_mask=torch.ones_like(ids),
                               shift_labels=shifted, labels=labels,
                               num_items_in_batch=torch.tensor(40))
 
 
-def test_calls_without_labels_or_with_a_cache_run_the_hf_forward():
+def test_packed_sequences_attend_within_themselves():
+    # Positions that restart without a mask mark packed sequences (transformers'
+    # DataCollatorWithFlattening), when no KV cache is asked for.
+    ref, patched = pair("llama3", seed=2)
+    ids, labels = batch(seed=13, B=3, S=12)
+    pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 0, 1, 2], list(range(12)),
+                        [0, 1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9]])
+    expect_same_training_step(ref, patched, input_ids=ids, labels=labels, position_ids=pos,
+                              use_cache=False)
+
+
+def test_calls_other_than_training_run_the_hf_forward():
     hf = make_hf("tied", seed=2)
     patched = patch_hf(copy.deepcopy(hf))
     ids, labels = batch(seed=7, B=3, S=6)
+    out = patched(input_ids=ids, labels=labels, output_hidden_states=True)
+    assert out.logits is not None and out.hidden_states is not None
+    patched.eval()  # evaluation gets its logits (Trainer's compute_metrics needs them)
+    assert torch.equal(patched(input_ids=ids, labels=labels).logits,
+                       hf.eval()(input_ids=ids, labels=labels).logits)
     with torch.no_grad():
         assert torch.equal(patched(input_ids=ids).logits, hf(input_ids=ids).logits)
-        out = patched(input_ids=ids, labels=labels, output_hidden_states=True)
-        assert out.logits is not None and out.hidden_states is not None
         want = hf.generate(ids, max_new_tokens=5, do_sample=False)
         assert torch.equal(patched.generate(ids, max_new_tokens=5, do_sample=False), want)
     assert unpatch_hf(patched) is patched and not is_patched(patched)
@@ -108,10 +135,25 @@ def test_save_pretrained_writes_the_stock_checkpoint(tmp_path):
     stock = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float64)
     assert not is_patched(stock)
     assert set(stock.state_dict()) == set(patched.state_dict())
+    fused = patched(input_ids=ids, labels=labels)
+    assert fused.logits is None
     with torch.no_grad():
         assert torch.equal(stock(input_ids=ids).logits, patched(input_ids=ids).logits)
-        assert_rel(patched(input_ids=ids, labels=labels).loss,
-                   stock(input_ids=ids, labels=labels).loss, 1e-5, "loss after reload")
+        assert_rel(fused.loss.detach(), stock(input_ids=ids, labels=labels).loss, 1e-5,
+                   "loss after reload")
+
+
+def test_the_patched_model_pickles_and_deep_copies(tmp_path):
+    hf = make_hf("untied", seed=3)
+    patched = patch_hf(copy.deepcopy(hf))
+    ids, labels = batch(seed=8)
+    want = patched(input_ids=ids, labels=labels).loss.detach()
+    torch.save(patched, tmp_path / "model.pt")
+    for other in (torch.load(tmp_path / "model.pt", weights_only=False), copy.deepcopy(patched)):
+        assert is_patched(other) and other.forward.__self__ is other
+        out = other(input_ids=ids, labels=labels)
+        assert out.logits is None
+        assert torch.equal(out.loss.detach(), want)
 
 
 def test_gradient_checkpointing():
@@ -130,11 +172,14 @@ def test_gradient_checkpointing():
     assert len(calls) == len(patched.model.layers), "each layer runs checkpointed"
 
 
-def test_trainer_trains_the_patched_model_as_it_trains_hf(tmp_path):
+def test_trainer_trains_the_patched_model_as_it_trains_hf(tmp_path, monkeypatch):
     pytest.importorskip("accelerate")
     ref, patched = pair("untied", seed=5)
     ids, labels = batch(seed=10, B=8, S=9)
     data = [{"input_ids": i, "labels": l} for i, l in zip(ids, labels)]
+    fused = []
+    real = coda_hf._fused_forward
+    monkeypatch.setattr(coda_hf, "_fused_forward", lambda *a: fused.append(1) or real(*a))
     for model in (ref, patched):
         args = transformers.TrainingArguments(
             output_dir=str(tmp_path / type(model).__name__), max_steps=3,
@@ -150,8 +195,29 @@ def test_trainer_trains_the_patched_model_as_it_trains_hf(tmp_path):
         assert_rel(trained[n].detach(), p.detach(), 1e-6, f"{n} after 3 Trainer steps")
         moved += 1
     assert moved == len(trained)
+    assert len(fused) == 3 * 2, "every micro-batch took the fused path"
     fresh = make_hf("untied", seed=5)
     assert not torch.equal(fresh.lm_head.weight, patched.lm_head.weight), "training moved nothing"
+
+
+def test_saved_tensor_hooks_installed_outside_still_see_the_activations():
+    # e.g. activation offloading: every saved tensor but the rebuilt weights goes through them.
+    ref, patched = pair("untied", seed=8)
+    ids, labels = batch(seed=14)
+    packed = []
+
+    def pack(t):
+        packed.append(t.shape)
+        return ("outside", t.clone())
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda saved: saved[1]):
+        out = patched(input_ids=ids, labels=labels)
+    assert out.logits is None
+    assert len(packed) >= 10 * len(patched.model.layers), len(packed)
+    out.loss.backward()
+    fp64_loss(ref, input_ids=ids, labels=labels).backward()
+    for n, p in ref.named_parameters():
+        assert_rel(dict(patched.named_parameters())[n].grad, p.grad, 1e-9, f"grad {n}")
 
 
 def test_rebuilt_weights_are_not_held_between_forward_and_backward(monkeypatch):
@@ -211,6 +277,17 @@ def test_models_coda_cannot_run():
     assert out.logits is not None
     with torch.no_grad():
         assert torch.equal(out.loss, bad_ref(input_ids=ids, labels=labels).loss)
+    # A forward hook the fused path would skip (pruning, FSDP, offloading and user hooks).
+    hooked = patch_hf(copy.deepcopy(hf))
+    seen = []
+    hooked.model.layers[0].mlp.register_forward_hook(lambda *a: seen.append(1))
+    with pytest.warns(UserWarning, match="model.layers.0.mlp has forward hooks"):
+        assert hooked(input_ids=ids, labels=labels).logits is not None
+    assert seen == [1]
+    with pytest.raises(TypeError, match="already replaced"):
+        other = copy.deepcopy(hf)
+        other.forward = lambda *a, **k: None
+        patch_hf(other)
     # bfloat16 on the CPU: the reference executor runs float32 / float64 only.
     cpu_bf16 = patch_hf(copy.deepcopy(hf).to(torch.bfloat16))
     with pytest.warns(UserWarning, match="CPU reference runs in float32 or float64"):

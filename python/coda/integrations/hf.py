@@ -3,35 +3,37 @@
 :func:`patch_hf` replaces the model instance's ``forward`` and nothing else: the parameters, their
 names and layouts, the config and the module tree stay Hugging Face's. So the model is still a
 ``PreTrainedModel``: ``Trainer`` trains it, ``save_pretrained`` writes the stock checkpoint that
-stock transformers reloads, ``generate`` works, and optimizer state keyed by parameter carries over.
+stock transformers reloads, ``generate`` works, the model pickles, and optimizer state keyed by
+parameter carries over.
 
-A call with ``labels`` (and, as in HF, optionally ``shift_labels``) runs the decoder on coda's
-block ops and the loss on its fused LM head, which never holds the logits: the output has the loss
-and ``logits=None``. Every other call (no labels, a KV cache, ``output_attentions`` /
-``output_hidden_states``) runs the model's own forward, unchanged. So do calls coda cannot run,
-with a warning once per reason: a projection that is no longer a plain ``nn.Linear`` (e.g. a PEFT
-adapter), an unsupported dtype or device, a mask that is not 2-D, or keyword arguments the fused
-path does not know.
+A training call (``model.train()``, gradients enabled) with ``labels`` (and, as in HF, optionally
+``shift_labels``) runs the decoder on coda's block ops and the loss on its fused LM head, which
+never holds the logits: the output has the loss and ``logits=None``. Every other call (evaluation,
+no labels, a KV cache, attentions or hidden states asked for) runs the model's own forward,
+unchanged. So do training calls coda cannot run, with a warning once per reason: a module with
+forward hooks or a projection that is no longer a plain ``nn.Linear`` (PEFT adapters, pruning,
+FSDP and offloading wrappers), sharded or meta parameters, an unsupported dtype, device or CUDA
+width, a mask that is not 2-D, or keyword arguments the fused path does not know.
 
 The fused path rebuilds coda's weight layouts from the HF parameters on every forward: Q and K
 rows permuted so that RoPE pairs are adjacent, ``[Q | K | V]`` packed, gate and up rows
 interleaved, and each weight cast to the compute dtype (bfloat16 under CUDA autocast). That costs
 one copy of each weight per forward and, for the backward, one more: autograd saves the rebuilt
-weights as the recipe to rebuild them (a saved-tensor hook), not as tensors, so the patched model
+weights as the recipe to rebuild them (a saved-tensor hook that hands every other saved tensor to
+the hooks already installed, e.g. activation offloading), not as tensors, so the patched model
 holds no second copy of its weights between forward and backward.
 
-Attention is PyTorch's scaled-dot-product attention, causal, with the 2-D ``attention_mask``
-(1 = token, 0 = padding) applied to the keys; each padded position attends to itself only, which
-keeps its row finite. Its output is therefore not HF's: with left padding, make the target of a
-padded position ignored too (``shift_labels``), or pad on the right, where the shift does it.
-Gradient checkpointing (``gradient_checkpointing_enable``) checkpoints each decoder layer, as HF
-does.
+Attention is PyTorch's scaled-dot-product attention with HF's masks: causal; with a 2-D
+``attention_mask`` (1 = token, 0 = padding) the padded keys masked, and a row with no key left
+giving 0, as HF's SDPA path does; without a mask, position ids that restart mark packed
+sequences, which attend only within themselves (when no KV cache is asked for, as in HF). As in
+HF, an all-ones mask and unpacked positions are detected with one host sync each. Gradient
+checkpointing (``gradient_checkpointing_enable``) checkpoints each decoder layer, as HF does.
 """
 
 from __future__ import annotations
 
 import functools
-import types
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -53,6 +55,7 @@ _ATTR = "_coda_patch"
 _KNOWN_KWARGS = frozenset({"num_items_in_batch", "shift_labels", "return_dict"})
 _OUTPUT_FLAGS = ("output_attentions", "output_hidden_states")
 _IGNORE = -100  # HF's causal-LM loss ignores this label
+_MAX_CUDA_VOCAB = 1 << 24
 
 
 @dataclass
@@ -61,6 +64,7 @@ class _Patch:
     tables: dict[torch.device, Tensor] = field(default_factory=dict)  # RoPE table per device
     warned: set[str] = field(default_factory=set)
 
+    @torch.compiler.disable
     def rope_table(self, device: torch.device) -> Tensor:
         table = self.tables.get(device)
         if table is None:
@@ -71,6 +75,25 @@ class _Patch:
         return table
 
 
+class _PatchedForward:
+    """The patched model's ``forward``: a picklable stand-in for a bound method (``__func__`` and
+    ``__self__`` as accelerate's autocast wrapper expects them), with HF's signature, which
+    ``generate`` and ``Trainer`` inspect."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.__self__ = model
+        self.__func__ = _forward
+
+    def __call__(self, input_ids=None, attention_mask=None, position_ids=None,
+                 past_key_values=None, inputs_embeds=None, labels=None, use_cache=None,
+                 logits_to_keep=0, **kwargs):
+        return _forward(self.__self__, input_ids, attention_mask, position_ids, past_key_values,
+                        inputs_embeds, labels, use_cache, logits_to_keep, **kwargs)
+
+    def __reduce__(self):
+        return _PatchedForward, (self.__self__,)
+
+
 def is_patched(model: nn.Module) -> bool:
     return isinstance(getattr(model, _ATTR, None), _Patch)
 
@@ -78,28 +101,37 @@ def is_patched(model: nn.Module) -> bool:
 def patch_hf(model: nn.Module) -> nn.Module:
     """Make ``model`` (a transformers ``LlamaForCausalLM``) train through coda, in place; returns
     it. Raises ``NotImplementedError`` for configurations coda does not run (biases, another
-    activation or RoPE type) and ``TypeError`` for a model whose projections are not plain
-    ``nn.Linear`` modules."""
+    activation or RoPE type) and ``TypeError`` for another model class, a model whose projections
+    are not plain ``nn.Linear`` modules, or one whose ``forward`` is already wrapped (patch before
+    handing the model to accelerate or Trainer)."""
     import transformers
 
-    if not isinstance(model, transformers.LlamaForCausalLM):
-        raise TypeError(f"patch_hf: expected a transformers LlamaForCausalLM, got "
-                        f"{type(model).__name__}")
+    if not isinstance(model, transformers.LlamaForCausalLM) or (
+            type(model).forward is not transformers.LlamaForCausalLM.forward):
+        raise TypeError(f"patch_hf: expected a transformers LlamaForCausalLM (its own forward), "
+                        f"got {type(model).__name__}")
     if is_patched(model):
         return model
+    if "forward" in vars(model):
+        raise TypeError(f"patch_hf: model.forward is already replaced ({vars(model)['forward']!r});"
+                        " patch the model before wrapping it")
     config = config_from_hf(model.config)
     problem = _foreign_module(model, config)
     if problem:
         raise TypeError(f"patch_hf: {problem}")
-    setattr(model, _ATTR, _Patch(config))
-    model.forward = types.MethodType(_forward, model)
+    patch = _Patch(config)
+    patch.rope_table(model.lm_head.weight.device)  # built eagerly, outside any compiled region
+    setattr(model, _ATTR, patch)
+    model.forward = _PatchedForward(model)
     return model
 
 
 def unpatch_hf(model: nn.Module) -> nn.Module:
-    """Undo :func:`patch_hf`: the model runs its own forward again."""
+    """Undo :func:`patch_hf`: the model runs its own forward again (a wrapper installed around the
+    patched forward since then stays, and reaches HF's forward)."""
     if is_patched(model):
-        del model.forward
+        if isinstance(vars(model).get("forward"), _PatchedForward):
+            del model.forward
         delattr(model, _ATTR)
     return model
 
@@ -124,6 +156,40 @@ def _foreign_module(model: nn.Module, c: LlamaConfig) -> str | None:
     return None
 
 
+def _hooked_or_sharded(model: nn.Module) -> str | None:
+    """A module whose forward (pre-)hooks or parameters the fused path would bypass, or None. The
+    model itself and its embedding are called as modules, so their hooks run."""
+    skip = {id(model), id(model.model.embed_tokens)}
+    for name, m in model.named_modules():
+        if id(m) in skip:
+            continue
+        if m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook"):
+            return (f"{name or 'the model'} has forward hooks (pruning, FSDP, offloading or a "
+                    "user hook), which the fused path would not run")
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        DTensor = ()
+    for name, p in model.named_parameters():
+        if p.is_meta or isinstance(p, DTensor) or hasattr(p, "ds_id"):
+            return f"parameter {name} is sharded or on the meta device"
+    return None
+
+
+def _cuda_widths(c: LlamaConfig) -> str | None:
+    """The CUDA programs' width limits (16-byte rows for TMA), or None when every width fits."""
+    widths = {"hidden_size": (c.hidden_size, 8), "2 x intermediate_size":
+              (2 * c.intermediate_size, 16), "the QKV width": (c.qkv_width, 8),
+              "num_heads x head_dim": (c.num_heads * c.head_dim, 8),
+              "vocab_size": (c.vocab_size, 8)}
+    for what, (width, multiple) in widths.items():
+        if width % multiple:
+            return f"{what} = {width} is not a multiple of {multiple} (CUDA: 16-byte rows)"
+    if c.vocab_size > _MAX_CUDA_VOCAB:
+        return f"vocab_size = {c.vocab_size} exceeds {_MAX_CUDA_VOCAB} on CUDA"
+    return None
+
+
 def _compute_dtype(model: nn.Module, device: torch.device) -> tuple[torch.dtype | None, str]:
     """The dtype the fused ops run in on ``device``, or (None, why not)."""
     params = model.lm_head.weight.dtype
@@ -144,18 +210,15 @@ def _compute_dtype(model: nn.Module, device: torch.device) -> tuple[torch.dtype 
 
 def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
              inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
-    # The same signature as LlamaForCausalLM.forward: generate() and Trainer inspect it.
-    patch: _Patch = getattr(self, _ATTR)
-    shift_labels = kwargs.get("shift_labels")
-    # HF's forward answers these itself: no loss to fuse, a KV cache, outputs only it forms, or
-    # inputs it rejects (neither or both of input_ids and inputs_embeds).
-    quiet = (labels is None or past_key_values is not None
-             or any(kwargs.get(flag) for flag in _OUTPUT_FLAGS)
+    patch = getattr(self, _ATTR, None)
+    # HF's forward answers these itself: not training, no loss to fuse, a KV cache, outputs only
+    # it forms, or inputs it rejects (neither or both of input_ids and inputs_embeds).
+    quiet = (patch is None or not (self.training and torch.is_grad_enabled()) or labels is None
+             or past_key_values is not None
+             or any(kwargs.get(f) or getattr(self.config, f, False) for f in _OUTPUT_FLAGS)
              or (input_ids is None) == (inputs_embeds is None))
-    why = None
-    if not quiet:
-        why = _why_unfused(self, patch, input_ids, inputs_embeds, attention_mask, labels,
-                           shift_labels, kwargs)
+    why = None if quiet else _why_unfused(self, patch, input_ids, inputs_embeds, attention_mask,
+                                          kwargs)
     if quiet or why:
         if why and why not in patch.warned:
             patch.warned.add(why)
@@ -165,35 +228,39 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_
             self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
             past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
             use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
+    use_cache = self.config.use_cache if use_cache is None else use_cache
     return _fused_forward(self, patch, input_ids, inputs_embeds, attention_mask, position_ids,
-                          labels, shift_labels, kwargs)
+                          labels, bool(use_cache), kwargs)
 
 
-def _why_unfused(model, patch, input_ids, inputs_embeds, attention_mask, labels, shift_labels,
-                 kwargs) -> str | None:
+def _why_unfused(model, patch, input_ids, inputs_embeds, attention_mask, kwargs) -> str | None:
     unknown = sorted(k for k in kwargs if k not in _KNOWN_KWARGS and k not in _OUTPUT_FLAGS)
     if unknown:
         return f"the fused path does not take the keyword arguments {unknown}"
     ref = input_ids if input_ids is not None else inputs_embeds
     if attention_mask is not None and attention_mask.dim() != 2:
         return f"attention_mask is {attention_mask.dim()}-D (the fused path takes a 2-D mask)"
-    problem = _foreign_module(model, patch.config)
-    if problem:
-        return problem
-    return _compute_dtype(model, ref.device)[1] or None
+    problem = (_foreign_module(model, patch.config) or _hooked_or_sharded(model)
+               or _compute_dtype(model, ref.device)[1])
+    if not problem and ref.device.type == "cuda":
+        problem = _cuda_widths(patch.config)
+    return problem or None
 
 
 class _RebuiltOnBackward:
     """While active, autograd saves each weight registered by :meth:`derive` as the recipe to
-    rebuild it from its parameters, not as a tensor. The derived tensors stay alive (and their
-    addresses unique) until the context exits."""
+    rebuild it from its parameters, not as a tensor; every other saved tensor goes to the
+    saved-tensor hooks that were active outside (or is saved as is). The derived tensors stay
+    alive (and their addresses unique) until the context exits."""
 
     def __init__(self) -> None:
         self.recipes: dict[int, tuple[Tensor, Callable[[], Tensor], list, list[int]]] = {}
         self.active = False
+        self._outer: tuple[Callable, Callable] | None = None
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def __enter__(self) -> _RebuiltOnBackward:
+        self._outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         self.active = True
         self._hooks.__enter__()
         return self
@@ -212,16 +279,21 @@ class _RebuiltOnBackward:
 
     def _pack(self, t: Tensor) -> Any:
         entry = self.recipes.get(t.data_ptr()) if t.layout == torch.strided else None
-        if entry is None:
+        if entry is not None:
+            derived, rebuild, params, versions = entry
+            # A view of a derived weight (other shape or strides) is saved as any tensor.
+            if (t.shape == derived.shape and t.stride() == derived.stride()
+                    and t.dtype == derived.dtype):
+                return _Recipe(rebuild, params, versions)
+        if self._outer is None:
             return t
-        derived, rebuild, params, versions = entry
-        if t.shape != derived.shape or t.stride() != derived.stride() or t.dtype != derived.dtype:
-            return t  # a view of a derived weight: saved as it is
-        return _Recipe(rebuild, params, versions)
+        return _Outer(self._outer[1], self._outer[0](t))
 
     @staticmethod
     def _unpack(saved: Any) -> Tensor:
-        return saved.rebuild() if isinstance(saved, _Recipe) else saved
+        if isinstance(saved, (_Recipe, _Outer)):
+            return saved.unpack()
+        return saved
 
 
 @dataclass
@@ -230,12 +302,21 @@ class _Recipe:
     params: Sequence[Tensor]
     versions: Sequence[int]
 
-    def rebuild(self) -> Tensor:
+    def unpack(self) -> Tensor:
         if any(p._version != v for p, v in zip(self.params, self.versions)):
             raise RuntimeError("coda.integrations.patch_hf: a parameter was modified in place "
                                "between the forward and the backward")
         with torch.no_grad():
             return self.build()
+
+
+@dataclass
+class _Outer:  # a tensor packed by the saved-tensor hooks active outside the fused forward
+    unpack_hook: Callable[[Any], Tensor]
+    packed: Any
+
+    def unpack(self) -> Tensor:
+        return self.unpack_hook(self.packed)
 
 
 def _qkv(c: LlamaConfig, dtype: torch.dtype, wq: Tensor, wk: Tensor, wv: Tensor) -> Tensor:
@@ -266,32 +347,55 @@ def _layer(c, dtype, layer, gamma_next, pos, table, batch, attention, rebuilt, x
         w(cast, f.down_proj.weight), pos, table, w(cast, gamma_next), batch, attention)
 
 
-def _attention(mask: Tensor | None, batch: int, seq: int, dropout: float) -> Callable:
-    """Causal SDPA; with a 2-D padding mask, keys at padding are masked (each position still
-    attends to itself, so no row is empty)."""
-    allowed = None
+def _attention_mask(mask: Tensor | None, position_ids: Tensor | None, use_cache: bool,
+                    batch: int, seq: int) -> Tensor | None:
+    """HF's SDPA mask as a (B, 1, S, S) bool tensor (True = attend), or None for plain causal:
+    padding from a 2-D mask, else packed sequences from restarting positions."""
     if mask is not None:
         if mask.shape != (batch, seq):
             raise ValueError(f"patch_hf: attention_mask must be (B, S) = ({batch}, {seq}), got "
                              f"{tuple(mask.shape)}")
-        ones = torch.ones(seq, seq, dtype=torch.bool, device=mask.device)
-        causal = torch.tril(ones)
-        allowed = (causal & mask.bool()[:, None, None, :]) | torch.eye(
-            seq, dtype=torch.bool, device=mask.device)
+        if bool(mask.all()):  # HF's SDPA path drops an all-ones mask the same way (a host sync)
+            return None
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=mask.device).tril()
+        return causal & mask.bool()[:, None, None, :]
+    if position_ids is None or use_cache:
+        return None
+    # As transformers' find_packed_sequence_indices: a new sequence wherever the position does
+    # not advance by one.
+    pos = position_ids.reshape(-1, seq).expand(batch, seq)
+    step = torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1)
+    sequence = (step != 1).cumsum(-1)
+    if bool((sequence[:, -1] == 0).all()):  # one sequence per row (a host sync, as in HF)
+        return None
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=pos.device).tril()
+    return causal & (sequence[:, None, :, None] == sequence[:, None, None, :])
+
+
+def _attention(allowed: Tensor | None, dropout: float) -> Callable:
+    """Causal SDPA, or SDPA under ``allowed`` with rows that allow no key giving 0 (as HF)."""
+    nonempty = None if allowed is None else allowed.any(-1, keepdim=True)
+    if allowed is not None:
+        # A row without keys attends to itself (finite), then is zeroed.
+        eye = torch.eye(allowed.shape[-1], dtype=torch.bool, device=allowed.device)
+        allowed = allowed | (eye & ~nonempty)
 
     def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        gqa = q.shape[1] != k.shape[1]
         if allowed is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout,
-                                                  enable_gqa=gqa)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout,
-                                              enable_gqa=gqa)
+                                                  enable_gqa=q.shape[1] != k.shape[1])
+        # K / V heads repeated (HF's repeat_kv): SDPA with a mask and enable_gqa falls back to
+        # its math kernel.
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout)
+        return y * nonempty
 
     return attend
 
 
 def _fused_forward(self, patch, input_ids, inputs_embeds, attention_mask, position_ids, labels,
-                   shift_labels, kwargs):
+                   use_cache, kwargs):
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     c = patch.config
@@ -301,6 +405,7 @@ def _fused_forward(self, patch, input_ids, inputs_embeds, attention_mask, positi
     tokens = batch * seq
     device = ref.device
     dtype, _ = _compute_dtype(self, device)
+    shift_labels = kwargs.get("shift_labels")
     if labels.shape != (batch, seq):
         raise ValueError(f"patch_hf: labels must be (B, S) = ({batch}, {seq}), got "
                          f"{tuple(labels.shape)}")
@@ -310,12 +415,12 @@ def _fused_forward(self, patch, input_ids, inputs_embeds, attention_mask, positi
         raise ValueError(f"patch_hf: shift_labels must be (B, S) = ({batch}, {seq}), got "
                          f"{tuple(targets.shape)}")
     targets = targets.to(device=device, dtype=torch.int64).reshape(tokens).contiguous()
-    dropout = float(getattr(self.config, "attention_dropout", 0.0)) if self.training else 0.0
-    attention = _attention(attention_mask, batch, seq, dropout)
+    dropout = float(getattr(self.config, "attention_dropout", 0.0))
+    attention = _attention(_attention_mask(attention_mask, position_ids, use_cache, batch, seq),
+                           dropout)
     pos = positions(position_ids, batch, seq, device)
     table = patch.rope_table(device)
     cast = functools.partial(_cast, dtype)
-    checkpointing = self.training and any(l.gradient_checkpointing for l in m.layers)
 
     with torch.autocast(device.type, enabled=False):
         x = m.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
@@ -329,7 +434,7 @@ def _fused_forward(self, patch, input_ids, inputs_embeds, attention_mask, positi
             with _RebuiltOnBackward() as rebuilt:
                 run = functools.partial(_layer, c, dtype, layer, gamma_next, pos, table, batch,
                                         attention, rebuilt)
-                if checkpointing and layer.gradient_checkpointing:
+                if layer.gradient_checkpointing:
                     x, h, r = layer._gradient_checkpointing_func(run, x, h, r)
                 else:
                     x, h, r = run(x, h, r)
