@@ -111,22 +111,9 @@ def positions(position_ids: Tensor | None, batch: int, seq: int, device) -> Tens
     return pos.expand(batch, seq).reshape(batch * seq).contiguous()
 
 
-def decoder_layer(
-    c: LlamaConfig,
-    x: Tensor,
-    h: Tensor,
-    r: Tensor,
-    gamma: Tensor,
-    w_qkv: Tensor,
-    w_o: Tensor,
-    gamma_ffn: Tensor,
-    w_gu: Tensor,
-    w_down: Tensor,
-    pos: Tensor,
-    rope_table: Tensor,
-    gamma_next: Tensor,
-    batch: int,
-    attention: Attention,
+def decoder_layer(c: LlamaConfig, x: Tensor, h: Tensor, r: Tensor, gamma: Tensor, w_qkv: Tensor,
+                  w_o: Tensor, gamma_ffn: Tensor, w_gu: Tensor, w_down: Tensor, pos: Tensor,
+                  rope_table: Tensor, gamma_next: Tensor, batch: int, attention: Attention
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One decoder layer from the fused ops, on weights in coda's layouts: ``x (M, H)`` with its
     caches ``(h, r)`` for ``gamma`` (the layer's attention norm) -> ``(x, h, r)`` of the layer
