@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import ops
-from ..convert import config_from_hf, interleave_gate_up, rope_half_to_adjacent_view
+from ..convert import config_from_hf, rope_half_to_adjacent_view
 from ..nn import LlamaConfig, decoder_layer, positions
 
 __all__ = ["patch_hf", "unpatch_hf", "is_patched"]
@@ -320,15 +320,24 @@ class _Outer:  # a tensor packed by the saved-tensor hooks active outside the fu
 
 
 def _qkv(c: LlamaConfig, dtype: torch.dtype, wq: Tensor, wk: Tensor, wv: Tensor) -> Tensor:
-    """HF's q/k/v weights -> coda's packed ``[Q | K | V]`` with RoPE pairs adjacent."""
-    d = c.head_dim
-    q = rope_half_to_adjacent_view(wq.to(dtype), c.num_heads, d).reshape(c.num_heads * d, -1)
-    k = rope_half_to_adjacent_view(wk.to(dtype), c.num_kv_heads, d).reshape(c.num_kv_heads * d, -1)
-    return torch.cat((q, k, wv.to(dtype)))
+    """HF's q/k/v weights -> coda's packed ``[Q | K | V]`` with RoPE pairs adjacent, in ``dtype``:
+    one pass, each part permuted and cast as it is copied into its rows."""
+    d, q, kv = c.head_dim, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    out = wq.new_empty((q + 2 * kv, wq.shape[1]), dtype=dtype)
+    for rows, w, heads in ((out[:q], wq, c.num_heads), (out[q:q + kv], wk, c.num_kv_heads)):
+        rows.view(heads, d // 2, 2, -1).copy_(rope_half_to_adjacent_view(w, heads, d))
+    out[q + kv:].copy_(wv)
+    return out
 
 
 def _gate_up(dtype: torch.dtype, gate: Tensor, up: Tensor) -> Tensor:
-    return interleave_gate_up(gate.to(dtype), up.to(dtype))
+    """HF's gate / up weights -> coda's interleaved rows ``[g0, u0, g1, u1, ...]`` in ``dtype``,
+    in one pass."""
+    out = gate.new_empty((2 * gate.shape[0], gate.shape[1]), dtype=dtype)
+    pairs = out.view(gate.shape[0], 2, -1)
+    pairs[:, 0].copy_(gate)
+    pairs[:, 1].copy_(up)
+    return out
 
 
 def _cast(dtype: torch.dtype, w: Tensor) -> Tensor:
@@ -387,7 +396,8 @@ def _attention(allowed: Tensor | None, dropout: float) -> Callable:
         # K / V heads repeated (HF's repeat_kv): SDPA with a mask and enable_gqa falls back to
         # its math kernel.
         groups = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout)
         return y * nonempty
 
