@@ -28,10 +28,6 @@
 
 namespace coda::block {
 
-// The precision the programs run in. The FP8 path (docs/math.md, FP8) adds a blockwise-scaled
-// variant; the compositions below are where it will choose the quantizing programs.
-enum class Precision { kBf16 };
-
 // The partial buffer of a program: its layout follows the tile the program's kernel runs on.
 enum class PartialsOf {
   kResidualRmsnorm,       // F1 Σx², per row
