@@ -1,7 +1,8 @@
 #pragma once
 // The blockwise FP8 recipe on the host (docs/math.md §6): tensors quantized to e4m3 in blocks with
 // one power-of-two fp32 scale each, and the GEMM over such operands with its partial sums scaled
-// and promoted once per 128-wide block of K. The oracle of the FP8 programs, in CI.
+// and promoted once per 128-wide block of K. The oracle the FP8 programs will be checked against,
+// in CI.
 //
 // In fp64 each K block's partial sum is exact (an e4m3 product has at most 8 significant bits and
 // lies in [2^-18, 448^2], so 128 of them sum without rounding, and the scales are powers of two):
@@ -107,19 +108,6 @@ std::vector<Real> gemm_fp8_blockwise(const BlockQuantized& a, const BlockQuantiz
       d[i * b.rows + j] = sum;
     }
   return d;
-}
-
-// An epilogue program over the blockwise FP8 GEMM's accumulator: the reference executor on the
-// dequantized operands (in Real = double, that accumulator up to fp64 rounding).
-template <class Real, class Program>
-void execute_fp8(const BlockQuantized& a, const BlockQuantized& b, Program& program,
-                 const TileConfig& cfg, int64_t k_block = 128) {
-  CODA_CHECK(a.block_cols == k_block && b.block_cols == k_block,
-             "execute_fp8: A and B must be blocked along K in ", k_block, " columns, got A ",
-             a.block_rows, "x", a.block_cols, ", B ", b.block_rows, "x", b.block_cols);
-  const std::vector<double> da = a.dequantized(), db = b.dequantized();
-  execute<Real>(MatrixRef<double>::row_major(da.data(), a.rows, a.cols),
-                MatrixRef<double>::row_major(db.data(), b.rows, b.cols), program, cfg);
 }
 
 }  // namespace coda::reference
