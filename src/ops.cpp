@@ -19,6 +19,10 @@ using kernel::GemmShape;
 using kernel::Operands;
 using kernel::Program;
 
+struct GemmSizes {
+  int64_t m, n, k;
+};
+
 // The checks of one op call. Each argument is checked on the host as it is named; on_device()
 // then compares every view's device with the current one (a cudaGetDevice, no pointer query).
 class Args {
@@ -64,36 +68,30 @@ class Args {
                ", ", partials.cols, ") must be (tiles, extent) with extent >= ", out_name, "'s ",
                out.rows, " entries");
   }
-  // GEMM sizes: positive, N and K multiples of 8 (CUTLASS's 16-byte operand alignment).
-  void gemm_sizes(int64_t m, int64_t n, int64_t k) const {
-    CODA_CHECK(m > 0 && n > 0 && k > 0, op_, ": sizes must be positive, got M=", m, " N=", n,
-               " K=", k);
-    CODA_CHECK(m < (int64_t(1) << 31) && n < (int64_t(1) << 31) && k < (int64_t(1) << 31), op_,
-               ": sizes must be below 2^31, got M=", m, " N=", n, " K=", k);
-    CODA_CHECK(n % 8 == 0, op_, ": N must be a multiple of 8 (16-byte rows for TMA), got ", n);
-    CODA_CHECK(k % 8 == 0, op_, ": K must be a multiple of 8 (16-byte rows for TMA), got ", k);
-  }
-  // A GEMM's operands A and B in layout `o`, checked with their sizes; returns (M, N, K).
-  //   X·Wᵀ: A (M, K), B (N, K);  X·W: A (M, K), B (K, N);  Xᵀ·Y: A (K, M), B (K, N).
-  struct Sizes {
-    int64_t m, n, k;
-  };
-  Sizes gemm_operands(const char* a_name, const TensorView& a, const char* b_name,
-                      const TensorView& b, kernel::Operands o) {
-    const bool xty = o == kernel::Operands::kXtY;
-    const Sizes s{xty ? a.cols : a.rows, o == kernel::Operands::kXWt ? b.rows : b.cols,
-                  xty ? a.rows : a.cols};
+  // GEMM sizes: positive, below 2^31, and the extents that are operand rows multiples of 8
+  // (CUTLASS's 16-byte operand alignment): N and K, or for Xᵀ·Y (X (K, M), Y (K, N)) M and N.
+  void gemm_sizes(GemmSizes s, bool xty = false) const {
+    CODA_CHECK(s.m > 0 && s.n > 0 && s.k > 0, op_, ": sizes must be positive, got M=", s.m,
+               " N=", s.n, " K=", s.k);
+    CODA_CHECK(s.m < (int64_t(1) << 31) && s.n < (int64_t(1) << 31) && s.k < (int64_t(1) << 31),
+               op_, ": sizes must be below 2^31, got M=", s.m, " N=", s.n, " K=", s.k);
     if (xty) {
-      CODA_CHECK(s.m > 0 && s.n > 0 && s.k > 0, op_, ": sizes must be positive, got M=", s.m,
-                 " N=", s.n, " K=", s.k);
-      CODA_CHECK(s.m < (int64_t(1) << 31) && s.n < (int64_t(1) << 31) && s.k < (int64_t(1) << 31),
-                 op_, ": sizes must be below 2^31, got M=", s.m, " N=", s.n, " K=", s.k);
       CODA_CHECK(s.m % 8 == 0 && s.n % 8 == 0, op_,
                  ": M and N must be multiples of 8 (16-byte rows of X and Y), got M=", s.m,
                  " N=", s.n);
-    } else {
-      gemm_sizes(s.m, s.n, s.k);
+      return;
     }
+    CODA_CHECK(s.n % 8 == 0, op_, ": N must be a multiple of 8 (16-byte rows for TMA), got ", s.n);
+    CODA_CHECK(s.k % 8 == 0, op_, ": K must be a multiple of 8 (16-byte rows for TMA), got ", s.k);
+  }
+  // A GEMM's operands A and B in layout `o`, checked with their sizes; returns (M, N, K).
+  //   X·Wᵀ: A (M, K), B (N, K);  X·W: A (M, K), B (K, N);  Xᵀ·Y: A (K, M), B (K, N).
+  GemmSizes gemm_operands(const char* a_name, const TensorView& a, const char* b_name,
+                          const TensorView& b, kernel::Operands o) {
+    const bool xty = o == kernel::Operands::kXtY;
+    const GemmSizes s{xty ? a.cols : a.rows, o == kernel::Operands::kXWt ? b.rows : b.cols,
+                      xty ? a.rows : a.cols};
+    gemm_sizes(s, xty);
     matrix(a_name, a, DType::kBF16, xty ? s.k : s.m, xty ? s.m : s.k);
     matrix(b_name, b, DType::kBF16, o == kernel::Operands::kXWt ? s.n : s.k,
            o == kernel::Operands::kXWt ? s.k : s.n);
@@ -108,16 +106,16 @@ class Args {
     const cudaError_t e = cudaGetDevice(&current);
     CODA_CHECK(e == cudaSuccess, op_, ": no current CUDA device: ", cudaGetErrorString(e));
     for (int i = 0; i < count_; ++i)
-      CODA_CHECK(devices_[i] == current, op_, ": ", names_[i],
-                 devices_[i] < 0 ? " is host memory" : " is on CUDA device ",
-                 devices_[i] < 0 ? "" : std::to_string(devices_[i]), ", but the current device is ",
-                 current);
+      CODA_CHECK(devices_[i] == current, op_, ": ", names_[i], " is on CUDA device ", devices_[i],
+                 ", but the current device is ", current);
   }
   const char* op() const { return op_; }
 
  private:
   void common(const char* name, const TensorView& t, DType dtype) {
     CODA_CHECK(t.data != nullptr, op_, ": ", name, " is null");
+    CODA_CHECK(t.device >= 0, op_, ": ", name, " is host memory (device ", t.device,
+               "); the op runs on a CUDA device");
     CODA_CHECK(t.dtype == dtype, op_, ": ", name, " must be ", dtype_name(dtype), ", got ",
                dtype_name(t.dtype));
     CODA_CHECK(reinterpret_cast<uintptr_t>(t.data) % 16 == 0, op_, ": ", name,
@@ -161,11 +159,8 @@ PartialLayout layout_of(Program p, const kernel::KernelChoice& k, int64_t m, int
                                         : PartialLayout::per_row(m, n, t.m, t.n);
 }
 // layout_of after the GEMM size checks of `op`, for the public *_partials_layout functions.
-struct GemmSizes {
-  int64_t m, n, k;
-};
 PartialLayout checked_layout(const char* op, Program p, Operands o, GemmSizes s) {
-  Args(op).gemm_sizes(s.m, s.n, s.k);
+  Args(op).gemm_sizes(s);
   return layout_of(p, choose(p, o, s.m, s.n, s.k), s.m, s.n);
 }
 // The kernel of a program that writes a partial buffer, chosen once, with the buffer `name`
@@ -455,7 +450,7 @@ void cross_entropy_backward_from_logits(View logits, View lse, View scale, View 
                                         cudaStream_t stream) {
   Args c("coda::ops::cross_entropy_backward_from_logits");
   const int64_t m = logits.rows, vocab = logits.cols;
-  c.gemm_sizes(m, vocab, hidden);
+  c.gemm_sizes({m, vocab, hidden});
   c.matrix("logits", logits, kBf, m, vocab);
   c.vector("lse", lse, kF, m);
   c.vector("scale", scale, kF, m);
@@ -473,7 +468,7 @@ void cross_entropy_from_unscaled_logits(View logits, View h, View w_vocab, View 
                                         View token_loss, View zdz, cudaStream_t stream) {
   Args c("coda::ops::cross_entropy_from_unscaled_logits");
   const int64_t m = logits.rows, vocab = logits.cols, hidden = h.cols;
-  c.gemm_sizes(m, vocab, hidden);
+  c.gemm_sizes({m, vocab, hidden});
   c.matrix("logits", logits, kBf, m, vocab);
   c.matrix("h", h, kBf, m, hidden);
   c.matrix("w_vocab", w_vocab, kBf, vocab, hidden);
