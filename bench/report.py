@@ -49,7 +49,7 @@ def latest(results, pattern):
 
 def load(path, section):
     """A results file as one benchmark's: {"rows": ..., the run's metadata}. bench/suite.py's
-    files keep each section under "sections" (`section`, e.g. "chain_fwd"); the earlier
+    files keep each section under "sections" (`section`, e.g. "sustained"); the
     one-benchmark files have their rows at the top."""
     d = json.load(open(path))
     if "sections" not in d:
@@ -138,109 +138,6 @@ def program_plot(d, path):
     return name
 
 
-def chain_table(path):
-    d = load(path, "chain_fwd")
-    out = ["## Forward layer chain (out-proj+residual+RMSNorm → gate/up+SwiGLU → down+residual+RMSNorm → QKV+RoPE)\n",
-           header(path, d) + f"torch {d.get('torch')}, CUDA {d.get('cuda')}. `triton.testing.do_bench` medians.\n",
-           "| model | M | ours ms | GEMM-only | eager | torch.compile | Liger | speedup vs best baseline | max err x2 ours / eager | max err qkv ours / eager |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in d["rows"]:
-        out.append(f"| {r['model']} | {r['m']} | {r.get('ms_coda', float('nan')):.3f} | {r.get('ms_gemm_only', float('nan')):.3f} | "
-                   f"{r.get('ms_eager', float('nan')):.3f} | {r.get('ms_compile', float('nan')):.3f} | {r.get('ms_liger', float('nan')):.3f} | "
-                   f"{r['speedup_vs_best_baseline']:.3f} | {r['err_x2_ours']:.4f} / {r['err_x2_eager']:.4f} | "
-                   f"{r['err_qkv_ours']:.4f} / {r['err_qkv_eager']:.4f} |")
-    if d.get("accuracy"):
-        out += ["", "Per-op accuracy: max |out − fp32 chain| of each fused op's outputs, ours vs eager bf16 "
-                "(docs/math.md §5 asks ours ≤ 2 × eager + 1e-6).", "",
-                "| model | M | output | ours | eager bf16 |", "|---|---|---|---|---|"]
-        for a in d["accuracy"]:
-            out.append(f"| {a['model']} | {a['m']} | {a['output']} | {a['max_err_ours']:.4f} | {a['max_err_eager']:.4f} |")
-    if d.get("absent"):
-        out.append(f"\nAbsent baselines: {d['absent']}")
-    return out + [""]
-
-
-def train_table(path):
-    d = json.load(open(path))
-    d = load(path, "chain_profile" if "chain_profile" in d.get("sections", {}) else "chain")
-    out = ["## Layer chain forward + backward (given the upstream gradients of x2 and qkv)\n",
-           header(path, d) + f"torch {d.get('torch')}, CUDA {d.get('cuda')}. `triton.testing.do_bench` medians.\n",
-           "| model | M | ours ms | GEMM-only | eager | torch.compile | Liger | speedup vs best baseline | gradients vs fp32 (ours ≤ 2 × eager) |",
-           "|---|---|---|---|---|---|---|---|---|"]
-    for r in (r for r in d["rows"] if r.get("pass", "fwd+bwd") == "fwd+bwd"):
-        worst = max((v["ours"] / max(v["eager"], 1e-12) for v in r.get("grad_errors", {}).values()),
-                    default=float("nan"))
-        out.append(f"| {r['model']} | {r['m']} | {r.get('ms_coda', float('nan')):.3f} | {r.get('ms_gemm_only', float('nan')):.3f} | "
-                   f"{r.get('ms_eager', float('nan')):.3f} | {r.get('ms_compile', float('nan')):.3f} | {r.get('ms_liger', float('nan')):.3f} | "
-                   f"{r['speedup_vs_best_baseline']:.3f} | {r['check']} (worst ours/eager error ratio {worst:.2f}) |")
-    for p in d.get("profile", []):
-        out += ["", f"Per op, {p['model']} M = {p['m']} (ours alone vs the cuBLAS GEMM of the same shape, ms):", "",
-                "| op | ours | cuBLAS GEMM | ratio |", "|---|---|---|---|"]
-        for name, v in p["ops"].items():
-            ratio = v["ours_ms"] / v["cublas_gemm_ms"] if v["cublas_gemm_ms"] else float("nan")
-            out.append(f"| {name} | {v['ours_ms']:.3f} | {v['cublas_gemm_ms']:.3f} | {ratio:.2f} |")
-    return out + [""]
-
-
-def lm_head_table(path):
-    d = load(path, "lm_head")
-    methods = ["coda_chunked", "coda_one_chunk", "eager", "compile", "liger", "gemm_floor"]
-    vocab = d["V"] if "V" in d else ", ".join(sorted({str(r["V"]) for r in d["rows"]}))
-    out = [f"## LM head + cross-entropy, forward + backward (V = {vocab})\n", header(path, d),
-           "Medians of interleaved rounds (CUDA events); every method's loss and gradients checked "
-           "against eager first. Peak extra memory: max_memory_allocated during one forward + "
-           f"backward minus what was held before (gradients included); coda's backward scratch budget "
-           f"{d['chunk_bytes'] / 2**30:.0f} GiB. Issue 6 asks ≥ 1.12× torch.compile and ≤ 1 GiB.\n",
-           "| H | M | " + " | ".join(f"{m} ms" for m in methods) +
-           " | coda chunked vs compile | peak extra MiB: coda chunked / compile / Liger | of which gradients (MiB) |",
-           "|---|---|" + "---|" * (len(methods) + 3)]
-    for r in d["rows"]:
-        ms = r["ms"]
-        pk = r["peak_extra_MiB"]
-        out.append(f"| {r['H']} | {r['M']} | " +
-                   " | ".join(f"{ms[m]:.2f}" if m in ms else "—" for m in methods) +
-                   f" | {r['coda_chunked_speedup_vs_compile']:.2f} | "
-                   f"{pk['coda_chunked']:.0f} / {pk['compile']:.0f} / {pk.get('liger', float('nan')):.0f} | "
-                   f"{r.get('outputs_MiB', float('nan')):.0f} |")
-    if d.get("skipped"):
-        out.append(f"\nSkipped: {d['skipped']}")
-    if d.get("liger_unavailable"):
-        out.append(f"\nLiger absent: {d['liger_unavailable']}")
-    plot = lm_head_plot(d, path)
-    if plot:
-        out.append(f"\n![LM head time relative to torch.compile]({plot})")
-    return out + [""]
-
-
-def lm_head_plot(d, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    methods = ["coda_chunked", "coda_one_chunk", "eager", "liger", "gemm_floor"]
-    rows = d["rows"]
-    fig, ax = plt.subplots(figsize=(9, 4.2))
-    width = 0.8 / len(methods)
-    for i, m in enumerate(methods):
-        ys = [r["ms"]["compile"] / r["ms"][m] if m in r["ms"] else 0 for r in rows]
-        ax.bar([j + i * width for j in range(len(rows))], ys, width, label=m)
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))])
-    ax.set_xticklabels([f"H={r['H']}\nM={r['M']}" for r in rows])
-    ax.set_ylabel("speed relative to torch.compile")
-    ax.set_title("LM head + cross-entropy, fwd + bwd, V = 128256 (H200)")
-    ax.set_ylim(0, max(1.1, max(r["ms"]["compile"] / r["ms"][m] for r in rows for m in methods
-                                if m in r["ms"])) * 1.08)
-    ax.legend(fontsize=8, ncol=len(methods), loc="upper center", bbox_to_anchor=(0.5, -0.2))
-    fig.tight_layout()
-    name = "img/" + os.path.basename(path).replace(".json", ".png")
-    os.makedirs(os.path.join("docs", "img"), exist_ok=True)
-    fig.savefig(os.path.join("docs", name), dpi=110)
-    return name
-
-
 def train_compare_table(path):
     d = load(path, "train")
     c = d["config"]
@@ -270,41 +167,8 @@ def fsdp_table(path):
 
 
 def summary(results):
-    """Where we beat each baseline and where we do not, from the latest file of each benchmark."""
-    out = ["## Summary: where coda is faster than each baseline, and where it is not\n",
-           "Speed ratio = baseline time / our time (> 1: we are faster), same run, same machine. "
-           "**Bold**: we are faster.\n"]
-
-    def cell(base, ours):
-        if not base or not ours or base != base or ours != ours:
-            return "—"
-        r = base / ours
-        return f"**{r:.2f}**" if r > 1.0 else f"{r:.2f}"
-
-    rows = ["| benchmark (source) | model / shape | vs eager | vs torch.compile | vs Liger | vs GEMM-only floor |",
-            "|---|---|---|---|---|---|"]
-    for pattern, label in (("*-chain-fwd.json", "forward layer chain"),
-                           ("*-chain-fwd-bwd*.json", "layer chain fwd + bwd")):
-        path = latest(results, pattern)
-        if not path:
-            continue
-        section = "chain_fwd" if label.startswith("forward") else "chain"
-        for r in load(path, section)["rows"]:
-            if r.get("pass", "fwd+bwd") not in ("fwd", "fwd+bwd"):
-                continue
-            ours = r.get("ms_coda")
-            rows.append(f"| {label} ({os.path.basename(path)}) | {r['model']} M={r['m']} | "
-                        f"{cell(r.get('ms_eager'), ours)} | {cell(r.get('ms_compile'), ours)} | "
-                        f"{cell(r.get('ms_liger'), ours)} | {cell(r.get('ms_gemm_only'), ours)} |")
-    path = latest(results, "*-lm-head.json")
-    if path:
-        for r in load(path, "lm_head")["rows"]:
-            ms = r["ms"]
-            ours = ms.get("coda_chunked")
-            rows.append(f"| LM head + CE fwd + bwd, sliced ({os.path.basename(path)}) | H={r['H']} M={r['M']} | "
-                        f"{cell(ms.get('eager'), ours)} | {cell(ms.get('compile'), ours)} | "
-                        f"{cell(ms.get('liger'), ours)} | {cell(ms.get('gemm_floor'), ours)} |")
-    out += rows + [""]
+    """The micro-benchmarks in one line each, from the latest file of each."""
+    out = ["## Summary of the micro-benchmarks\n"]
     path = latest(results, "*-gemm.json")
     if path:
         g = [r for r in json.load(open(path))["rows"] if r.get("kind") == "best"]
@@ -493,17 +357,14 @@ def main():
         if sustained_paths:
             lines += sustained_table(sustained_paths)
         lines += sr.lm_head_table(suite_path, d)
-        lines += ["# Earlier focused runs (one benchmark per results file)\n",
-                  "The layer-chain tables below timed one variant after another, ours first, which paid "
-                  "for the GPU's clock ramp (6-19% of the speed ratio at the small shapes; docs/experiments.md, "
-                  "\"Measurement method\"); the GEMM, program and LM-head benchmarks "
-                  "already alternated their variants.\n"]
+        lines += ["# Micro-benchmarks and single-benchmark runs (one results file each)\n",
+                  "The GEMM and program micro-benchmarks time their variants alternately; the "
+                  "training comparison and the multi-GPU record are runs of their own.\n"]
         write_readme(sr.readme_section(suite_path, d)
                      + (sustained_readme_line(sustained_paths) if sustained_paths else []))
     lines += summary(a.results)
     for pattern, fn in (("*-gemm.json", gemm_table), ("*-programs.json", program_table),
-                        ("*-chain-fwd.json", chain_table), ("*-chain-fwd-bwd*.json", train_table),
-                        ("*-lm-head.json", lm_head_table), ("*-train-compare.json", train_compare_table),
+                        ("*-train-compare.json", train_compare_table),
                         ("*-fsdp-fsdp.json", fsdp_table)):
         path = latest(a.results, pattern)
         if path:

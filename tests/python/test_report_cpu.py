@@ -201,19 +201,7 @@ def test_the_suites_sustained_section_reads_like_the_earlier_files(tmp_path):
     assert "commit `def`" in table and "| 3.600 / 4.800 / 3.900 |" in table
 
 
-def test_suite_sections_fill_the_one_benchmark_tables(tmp_path):
-    fwd = {"model": "llama3-1B", "m": 8192, "pass": "fwd", "check": "PASS", "ms_coda": 1.0,
-           "ms_gemm_only": 1.1, "ms_eager": 2.0, "ms_compile": 1.2, "speedup_vs_best_baseline": 1.2,
-           "err_x2_ours": 0.01, "err_x2_eager": 0.02, "err_qkv_ours": 0.01, "err_qkv_eager": 0.02}
-    both = {"model": "llama3-1B", "m": 8192, "pass": "fwd+bwd", "check": "PASS", "ms_coda": 4.0,
-            "ms_compile": 5.0, "speedup_vs_best_baseline": 1.25,
-            "grad_errors": {"y": {"ours": 0.01, "eager": 0.02}}}
-    bwd = {"model": "llama3-1B", "m": 8192, "pass": "bwd", "check": "PASS", "ms_coda": 2.9,
-           "ms_compile": 3.1, "speedup_vs_best_baseline": 1.07}
-    lm = {"H": 2048, "M": 8192, "V": 128256, "model": "llama3-1B",
-          "ms": {"coda_chunked": 2.0, "compile": 1.8}, "peak_extra_MiB": {"coda_chunked": 100.0,
-                                                                          "compile": 200.0},
-          "coda_chunked_speedup_vs_compile": 0.9, "outputs_MiB": 50.0}
+def test_the_training_comparison_table_reads_the_suite_section(tmp_path):
     train = {"config": {"layers": 4, "hidden": 1024, "heads": 16, "kv_heads": 4, "vocab": 32000,
                         "steps": 200}, "tokens_per_step": 8192,
              "median_step_ms": {"hf_eager": 100.0, "coda": 80.0},
@@ -221,22 +209,9 @@ def test_suite_sections_fill_the_one_benchmark_tables(tmp_path):
              "max_rel_diff_step": 7, "mean_rel_diff_last_50": 1e-4}
     meta = {"benchmark": "suite", "commit": "abc", "device": "test", "command": "suite.py",
             "absent": {}}
-    files = {"chain-fwd": ("chain_fwd", {"rows": [fwd], "accuracy": []}),
-             "chain-fwd-bwd": ("chain", {"rows": [both, bwd]}),
-             "lm-head": ("lm_head", {"rows": [lm], "chunk_bytes": 1 << 30}),
-             "train-compare": ("train", train)}
-    for name, (key, sec) in files.items():
-        (tmp_path / f"2026-01-01-run1-{name}.json").write_text(
-            json.dumps(dict(meta, sections={key: sec})))
-    path = lambda name: str(tmp_path / f"2026-01-01-run1-{name}.json")  # noqa: E731
-    assert "| llama3-1B | 8192 | 1.000 | 1.100 | 2.000 |" in "\n".join(report.chain_table(path("chain-fwd")))
-    table = "\n".join(report.train_table(path("chain-fwd-bwd")))
-    assert "| llama3-1B | 8192 | 4.000 |" in table and "2.900" not in table  # fwd+bwd rows only
-    assert "(V = 128256)" in "\n".join(report.lm_head_table(path("lm-head")))
-    assert "| coda | 80.00 | 102400 |" in "\n".join(report.train_compare_table(path("train-compare")))
-    text = "\n".join(report.summary(str(tmp_path)))
-    assert "forward layer chain (2026-01-01-run1-chain-fwd.json) | llama3-1B M=8192 | **2.00**" in text
-    assert text.count("layer chain fwd + bwd (") == 1  # the bwd row is not a fwd + bwd row
+    path = tmp_path / "2026-01-01-run1-train-compare.json"
+    path.write_text(json.dumps(dict(meta, sections={"train": train})))
+    assert "| coda | 80.00 | 102400 |" in "\n".join(report.train_compare_table(str(path)))
 
 
 def test_a_later_partial_run_keeps_the_earlier_runs_other_shapes(tmp_path):
