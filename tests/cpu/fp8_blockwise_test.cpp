@@ -32,7 +32,8 @@ V spread_values(int64_t rows, int64_t cols, uint64_t seed) {
   for (auto& x : col_exp) x = e(rng) / 2;
   V v(rows * cols);
   for (int64_t i = 0; i < rows; ++i)
-    for (int64_t j = 0; j < cols; ++j) v[i * cols + j] = std::ldexp(u(rng), row_exp[i] + col_exp[j]);
+    for (int64_t j = 0; j < cols; ++j)
+      v[i * cols + j] = std::ldexp(u(rng), row_exp[i] + col_exp[j]);
   return v;
 }
 

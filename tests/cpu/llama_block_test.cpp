@@ -42,8 +42,7 @@ std::vector<Case> cases() {
 
 class LlamaBlockTest : public ::testing::TestWithParam<Case> {};
 
-void expect_all(const Case& c, double loss_fused, double loss_std, const ModelGrads& g,
-                const ModelGrads& g_std);
+void expect_all(double loss_fused, double loss_std, const ModelGrads& g, const ModelGrads& g_std);
 
 void expect_close(const std::vector<double>& fused, const std::vector<double>& standard,
                   const std::string& what) {
@@ -92,13 +91,11 @@ TEST_P(LlamaBlockTest, FusedMatchesStandardForwardAndBackward) {
         reference::fused_llama_loss(fused_shape(c.cfg), to_fused(c.cfg, w), x0, targets,
                                     path.loss, c.tiles, &g_fused_raw, path.path);
     const ModelGrads g = from_fused(c.cfg, g_fused_raw);
-    expect_all(c, loss_fused, loss_std, g, g_std);
+    expect_all(loss_fused, loss_std, g, g_std);
   }
 }
 
-void expect_all(const Case& c, double loss_fused, double loss_std, const ModelGrads& g,
-                const ModelGrads& g_std) {
-
+void expect_all(double loss_fused, double loss_std, const ModelGrads& g, const ModelGrads& g_std) {
   EXPECT_NEAR(loss_fused, loss_std, kTol * std::abs(loss_std));
   expect_close(g.dx0, g_std.dx0, "dx0");
   expect_close(g.gamma_final, g_std.gamma_final, "gamma_final");
@@ -117,7 +114,6 @@ void expect_all(const Case& c, double loss_fused, double loss_std, const ModelGr
     expect_close(a.w_up, b.w_up, p + "w_up");
     expect_close(a.w_down, b.w_down, p + "w_down");
   }
-  (void)c;
 }
 
 INSTANTIATE_TEST_SUITE_P(Configs, LlamaBlockTest, ::testing::ValuesIn(cases()),
