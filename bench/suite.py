@@ -29,6 +29,9 @@ Not in the default list:
                  GEMM of its shape (events, no L2 clear; the ops section is the careful version)
   train          coda.nn vs Hugging Face training loss curves and tokens/s (bench/suite_train.py;
                  one model, not per shape; the plot goes beside the results file)
+  fp8            the blockwise FP8 GEMMs of every projection (fprop, dgrad, wgrad) against
+                 cuBLASLt's blockwise GEMM and the bf16 GEMMs, and the cast passes against a copy
+                 (bench/suite_fp8.py; LLaMA-3 shapes only)
 
 Shapes: LLaMA-3 1B / 8B / 70B at M = 8192 and 16384, and the CODA paper's block shapes at
 M = 16384 (V = 32768 for its LM head). --quick: M = 8192, LLaMA-3 shapes. Liger comes from its
@@ -65,7 +68,9 @@ from suite_chain import (  # noqa: E402
     rope_hf,
 )
 
-SECTIONS = ("ops", "chain-fwd", "chain", "lm-head", "sustained", "chain-profile", "train")
+SECTIONS = (
+    "ops", "chain-fwd", "chain", "lm-head", "sustained", "chain-profile", "train", "fp8"
+)
 PAPER_V = 32768
 
 
@@ -545,6 +550,10 @@ def main():
         "chain_profile",
         lambda model, m, sec: ctb.run_shape(model, m, sec, progress, profile=True),
     )
+    if "fp8" in sections:
+        import suite_fp8
+
+        per_shape("fp8", "fp8", lambda model, m, sec: suite_fp8.run_shape(model, m, sec, progress))
     if "train" in sections:
         import suite_train
 

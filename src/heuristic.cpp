@@ -92,6 +92,19 @@ KernelChoice plain_xw(const GemmShape& s) {
   return ping(s);
 }
 
+// Blockwise FP8 (the plain GEMM and the fp32-accumulating weight gradient): cooperative 128x128
+// (two 64-row warpgroups, each with its accumulator and the mainloop's per-block partial sum),
+// in the pingpong programs' tile order; pingpong 64x128 where a 128-row tile grid leaves most of
+// the last wave empty.
+KernelChoice fp8_config(Program p, Operands o, const GemmShape& s, const DeviceProps& props) {
+  const KernelChoice coop{Config::kCoop128x128x128_1x2, ping_order(s)};
+  if (p != Program::kPlain || o != Operands::kFp8XWt) return coop;
+  const double fill = wave_fill(s, 128, 128, props.multiprocessors);
+  if (fill < 0.8 && wave_fill(s, 64, 128, props.multiprocessors) > fill + 0.1)
+    return {Config::kPing64x128x128_1x2, ping_order(s)};
+  return coop;
+}
+
 KernelChoice program_config(Program p, const GemmShape& s) {
   const SchedulerOptions deep{s.k <= 2048 ? 1 : 8, Raster::kAlongM};
   switch (p) {
@@ -137,6 +150,7 @@ KernelChoice program_config(Program p, const GemmShape& s) {
       // cooperative 256x128 was 3-10% slower (its epilogue does not overlap the other
       // warpgroup's MMA).
     case Program::kPairLayoutProbe:
+    case Program::kAccumulateF32:
     case Program::kPlain:
     case Program::kCount:
       break;
@@ -152,6 +166,7 @@ KernelChoice choose_config(Program p, Operands o, const GemmShape& s, const Devi
   CODA_CHECK(props.multiprocessors > 0,
              "choose_config: the device's multiprocessor count must be positive, got ",
              props.multiprocessors);
+  if (is_fp8(o)) return fp8_config(p, o, s, props);
   if (p != Program::kPlain) return program_config(p, s);
   switch (o) {
     case Operands::kXWt:
@@ -160,6 +175,9 @@ KernelChoice choose_config(Program p, Operands o, const GemmShape& s, const Devi
       return plain_xw(s);
     case Operands::kXtY:
       return plain_xty(s, props);
+    case Operands::kFp8XWt:
+    case Operands::kFp8XYt:
+      break;
   }
   return plain_xwt(s);
 }

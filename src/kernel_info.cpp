@@ -26,10 +26,12 @@ const char* config_name(Config c) { return name_at(kConfigNames, int(c)); }
 const char* program_name(Program p) { return name_at(kProgramNames, int(p)); }
 
 const char* operands_name(Operands o) {
-  return o == Operands::kXWt   ? "X*W^T"
-         : o == Operands::kXW  ? "X*W"
-         : o == Operands::kXtY ? "X^T*Y"
-                               : "?";
+  return o == Operands::kXWt      ? "X*W^T"
+         : o == Operands::kXW     ? "X*W"
+         : o == Operands::kXtY    ? "X^T*Y"
+         : o == Operands::kFp8XWt ? "fp8 X*W^T"
+         : o == Operands::kFp8XYt ? "fp8 X*Y^T"
+                                  : "?";
 }
 
 }  // namespace coda::kernel

@@ -9,6 +9,7 @@
 #include "coda/kernel/args.hpp"
 #include "coda/kernel/aux_kernels.hpp"
 #include "coda/kernel/cuda_check.hpp"
+#include "coda/kernel/quantize.hpp"
 #include "coda/kernel/runtime.hpp"
 
 namespace coda::ops {
@@ -96,6 +97,21 @@ class Args {
     matrix(b_name, b, DType::kBF16, o == kernel::Operands::kXWt ? s.n : s.k,
            o == kernel::Operands::kXWt ? s.k : s.n);
     return s;
+  }
+  // Block scales: an fp32 (rows, cols) matrix with row stride >= cols; where `tma_rows` (1x128
+  // scales, which the mainloop loads 16 bytes at a time) a multiple of 4 and >= cols rounded up
+  // to 4, entries the quantizer fills with 1.
+  const TensorView& scales(const char* name, const TensorView& t, int64_t rows, int64_t cols,
+                           bool tma_rows) {
+    common(name, t, DType::kF32);
+    CODA_CHECK(t.dims == 2 && t.rows == rows && t.cols == cols, op_, ": ", name,
+               " must be fp32 scales of shape (", rows, ", ", cols, "), got (", t.rows, ", ",
+               t.dims == 2 ? t.cols : 1, ")");
+    const int64_t least = tma_rows ? (cols + 3) / 4 * 4 : cols;
+    CODA_CHECK(t.ld >= least && (!tma_rows || t.ld % 4 == 0), op_, ": ", name,
+               " needs a row stride >= ", least, tma_rows ? " and a multiple of 4" : "", ", got ",
+               t.ld);
+    return t;
   }
   void distinct(const char* a, const TensorView& ta, const char* b, const TensorView& tb) const {
     CODA_CHECK(ta.data != tb.data, op_, ": ", a, " must not alias ", b);
@@ -533,6 +549,116 @@ void gemm_rmsnorm_cross_entropy_backward(View h, View w_vocab, View r, View lse,
       {int(m), int(vocab), int(hidden), bf(h), h.ld, bf(w_vocab), w_vocab.ld, nullptr, 0,
        bf_out(dlogits), dlogits.ld},
       args, stream);
+}
+
+namespace {
+int64_t blocks(int64_t extent) { return kernel::ScaleLayout::blocks(extent); }
+kernel::Fp8Output fp8_output(const TensorView& codes, const TensorView& scales) {
+  return {codes.as<uint8_t>(), codes.ld, scales.as<float>(), scales.ld};
+}
+// An FP8 GEMM operand (rows, k) of e4m3 codes, K a multiple of 16 (16-byte TMA rows).
+void fp8_operand(Args& c, const char* name, const TensorView& t, int64_t rows, int64_t k) {
+  c.matrix(name, t, DType::kE4M3, rows, k);
+}
+}  // namespace
+
+void quantize_fp8_rows(View x, View codes, View scales, View codes_t, View scales_t,
+                       cudaStream_t stream) {
+  Args c("coda::ops::quantize_fp8_rows");
+  CODA_CHECK(x.dims == 2, c.op(), ": x must be a matrix");
+  const int64_t m = x.rows, k = x.cols;
+  CODA_CHECK(m > 0 && k > 0 && k % 16 == 0 && m < (int64_t(1) << 31) && k < (int64_t(1) << 31),
+             c.op(), ": x must be (M, K) with K a multiple of 16, both positive and below 2^31, ",
+             "got (", m, ", ", k, ")");
+  c.matrix("x", x, kBf, m, k);
+  CODA_CHECK(codes.data || codes_t.data, c.op(), ": neither codes nor codes_t is wanted");
+  if (codes.data) {
+    c.matrix("codes", codes, DType::kE4M3, m, k);
+    c.scales("scales", scales, blocks(k), m, true);
+  }
+  if (codes_t.data) {
+    c.matrix("codes_t", codes_t, DType::kE4M3, k, (m + 15) / 16 * 16);
+    c.scales("scales_t", scales_t, blocks(m), k, true);
+  }
+  c.on_device();
+  kernel::quantize_fp8_rows(
+      bf(x), m, k, x.ld, codes.data ? fp8_output(codes, scales) : kernel::Fp8Output{},
+      codes_t.data ? fp8_output(codes_t, scales_t) : kernel::Fp8Output{}, stream);
+}
+
+void quantize_fp8_blocks(View w, View codes, View scales, View codes_t, View scales_t,
+                         cudaStream_t stream) {
+  Args c("coda::ops::quantize_fp8_blocks");
+  CODA_CHECK(w.dims == 2, c.op(), ": w must be a matrix");
+  const int64_t n = w.rows, k = w.cols;
+  CODA_CHECK(n > 0 && k > 0 && k % 16 == 0 && n < (int64_t(1) << 31) && k < (int64_t(1) << 31),
+             c.op(), ": w must be (N, K) with K a multiple of 16, both positive and below 2^31, ",
+             "got (", n, ", ", k, ")");
+  c.matrix("w", w, kBf, n, k);
+  CODA_CHECK(codes.data || codes_t.data, c.op(), ": neither codes nor codes_t is wanted");
+  if (codes.data) {
+    c.matrix("codes", codes, DType::kE4M3, n, k);
+    c.scales("scales", scales, blocks(n), blocks(k), false);
+  }
+  if (codes_t.data) {
+    CODA_CHECK(n % 16 == 0, c.op(), ": codes_t needs N a multiple of 16 (its rows), got ", n);
+    c.matrix("codes_t", codes_t, DType::kE4M3, k, n);
+    c.scales("scales_t", scales_t, blocks(k), blocks(n), false);
+  }
+  c.on_device();
+  kernel::quantize_fp8_blocks(
+      bf(w), n, k, w.ld, codes.data ? fp8_output(codes, scales) : kernel::Fp8Output{},
+      codes_t.data ? fp8_output(codes_t, scales_t) : kernel::Fp8Output{}, stream);
+}
+
+void gemm_fp8(View x, View x_scales, View w, View w_scales, View d, cudaStream_t stream) {
+  Args c("coda::ops::gemm_fp8");
+  const GemmSizes s{x.rows, w.rows, x.cols};
+  CODA_CHECK(x.dims == 2 && w.dims == 2, c.op(), ": x and w must be matrices");
+  c.gemm_sizes(s);
+  CODA_CHECK(s.k % 16 == 0, c.op(), ": K must be a multiple of 16 (16-byte rows of e4m3), got ",
+             s.k);
+  fp8_operand(c, "x", x, s.m, s.k);
+  fp8_operand(c, "w", w, s.n, s.k);
+  c.scales("x_scales", x_scales, blocks(s.k), s.m, true);
+  c.scales("w_scales", w_scales, blocks(s.n), blocks(s.k), false);
+  c.matrix("d", d, kBf, s.m, s.n);
+  c.on_device();
+  kernel::GemmProblem p{int(s.m), int(s.n), int(s.k), x.data,    x.ld, w.data,
+                        w.ld,     nullptr,  0,        bf_out(d), d.ld};
+  p.scale_a = f32(x_scales);
+  p.ld_scale_a = x_scales.ld;
+  p.scale_b = f32(w_scales);
+  p.ld_scale_b = w_scales.ld;
+  launch<Program::kPlain>(c, Operands::kFp8XWt, p, {}, stream);
+}
+
+void gemm_fp8_xyt(View x, View x_scales, View y, View y_scales, View d, bool accumulate,
+                  cudaStream_t stream) {
+  Args c(accumulate ? "coda::ops::gemm_fp8_xyt (accumulate)" : "coda::ops::gemm_fp8_xyt");
+  const GemmSizes s{x.rows, y.rows, x.cols};
+  CODA_CHECK(x.dims == 2 && y.dims == 2, c.op(), ": x and y must be matrices");
+  c.gemm_sizes(s);
+  CODA_CHECK(s.k % 16 == 0, c.op(), ": K must be a multiple of 16 (16-byte rows of e4m3), got ",
+             s.k);
+  fp8_operand(c, "x", x, s.m, s.k);
+  fp8_operand(c, "y", y, s.n, s.k);
+  c.scales("x_scales", x_scales, blocks(s.k), s.m, true);
+  c.scales("y_scales", y_scales, blocks(s.k), s.n, false);
+  c.matrix("d", d, accumulate ? kF : kBf, s.m, s.n);
+  c.on_device();
+  kernel::GemmProblem p{int(s.m), int(s.n), int(s.k), x.data, x.ld, y.data, y.ld};
+  p.scale_a = f32(x_scales);
+  p.ld_scale_a = x_scales.ld;
+  p.scale_b = f32(y_scales);
+  p.ld_scale_b = y_scales.ld;
+  if (accumulate) {
+    launch<Program::kAccumulateF32>(c, Operands::kFp8XYt, p, {f32_out(d), d.ld}, stream);
+  } else {
+    p.d = bf_out(d);
+    p.ldd = d.ld;
+    launch<Program::kPlain>(c, Operands::kFp8XYt, p, {}, stream);
+  }
 }
 
 void scale_unless_one(View p, View g, cudaStream_t stream) {

@@ -3,6 +3,7 @@
 
 #include <atomic>
 #include <cstdlib>
+#include <iterator>
 #include <memory>
 #include <mutex>
 #include <sstream>
@@ -74,9 +75,14 @@ std::vector<KernelOverride> parse_kernel_overrides(const std::string& spec) {
     CODA_CHECK(v.program != Program::kCount, "CODA_KERNEL_OVERRIDE: unknown program '", prog,
                "' in '", e, "'; expected one of ",
                names(int(Program::kCount), [](int i) { return program_name(Program(i)); }));
-    CODA_CHECK(ops == "XWt" || ops == "XW" || ops == "XtY", "CODA_KERNEL_OVERRIDE: operands '", ops,
-               "' in '", e, "': expected XWt, XW or XtY");
-    v.operands = ops == "XWt" ? Operands::kXWt : ops == "XW" ? Operands::kXW : Operands::kXtY;
+    const char* const kOperandNames[] = {"XWt", "XW", "XtY", "Fp8XWt", "Fp8XYt"};
+    int operands = -1;
+    static_assert(std::size(kOperandNames) == std::size(kAllOperands));
+    for (int i = 0; i < int(std::size(kOperandNames)); ++i)
+      if (ops == kOperandNames[i]) operands = i;
+    CODA_CHECK(operands >= 0, "CODA_KERNEL_OVERRIDE: operands '", ops, "' in '", e,
+               "': expected XWt, XW, XtY, Fp8XWt or Fp8XYt");
+    v.operands = Operands(operands);
     for (int i = 0; i < int(Config::kCount); ++i)
       if (cfg == config_name(Config(i))) v.choice.config = Config(i);
     CODA_CHECK(v.choice.config != Config::kCount, "CODA_KERNEL_OVERRIDE: unknown configuration '",

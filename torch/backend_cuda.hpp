@@ -20,13 +20,15 @@ class CudaBackend : public TorchTensors {
 
   // The op layer's view of a CUDA tensor (2-D, or 1-D as a vector).
   static TensorView view(const at::Tensor& t) {
-    const DType d = t.scalar_type() == at::kBFloat16 ? DType::kBF16
-                    : t.scalar_type() == at::kFloat  ? DType::kF32
-                    : t.scalar_type() == at::kInt    ? DType::kI32
-                                                     : DType::kI64;
-    TORCH_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat ||
-                    t.scalar_type() == at::kInt || t.scalar_type() == at::kLong,
-                "coda: no kernel takes ", t.scalar_type(), " tensors");
+    const auto st = t.scalar_type();
+    const DType d = st == at::kBFloat16          ? DType::kBF16
+                    : st == at::kFloat           ? DType::kF32
+                    : st == at::kInt             ? DType::kI32
+                    : st == at::kFloat8_e4m3fn   ? DType::kE4M3
+                                                 : DType::kI64;
+    TORCH_CHECK(st == at::kBFloat16 || st == at::kFloat || st == at::kInt || st == at::kLong ||
+                    st == at::kFloat8_e4m3fn,
+                "coda: no kernel takes ", st, " tensors");
     const int device = t.device().index();
     if (t.dim() == 1) {
       TORCH_CHECK(t.size(0) <= 1 || t.stride(0) == 1, "coda: expected a dense vector, got size ",

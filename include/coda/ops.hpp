@@ -113,4 +113,30 @@ void gemm_rmsnorm_cross_entropy_backward(View h, View w_vocab, View r, View lse,
 // (any alignment), g one fp32. For gradients formed before their scale is known.
 void scale_unless_one(View p, View g, cudaStream_t stream);
 
+// ---- Blockwise FP8 (docs/math.md §6) --------------------------------------------------------
+// e4m3 codes are kE4M3 matrices; each 1x128 block and each 128x128 block has one fp32 power-of-
+// two scale. A view passed with a null data pointer is an output not wanted.
+//
+// Scales of a 1x128-blocked (rows, cols) operand: an fp32 (ceil(cols / 128), rows) matrix, one
+// row per column block, with a row stride that is a multiple of 4 (its TMA rows); scales of a
+// 128x128-blocked one: (ceil(rows / 128), ceil(cols / 128)), any row stride >= its width.
+
+// x (M, K) bf16, K a multiple of 16, into 1x128 blocks: codes (M, K), scales (ceil(K/128), M);
+// and its transposed 128x1 copy: codes_t (K, M16) with M16 = M rounded up to 16 (columns M..
+// M16-1 are code 0, so a weight gradient contracts over M16 tokens), scales_t (ceil(M/128), K).
+void quantize_fp8_rows(View x, View codes, View scales, View codes_t, View scales_t,
+                       cudaStream_t stream);
+// w (N, K) bf16, K a multiple of 16, into 128x128 blocks: codes (N, K), scales (ceil(N/128),
+// ceil(K/128)); codes_t (K, N) = wᵀ's codes with scales_t (ceil(K/128), ceil(N/128)) the same
+// blocks transposed (N a multiple of 16 then): the data gradient's operand.
+void quantize_fp8_blocks(View w, View codes, View scales, View codes_t, View scales_t,
+                         cudaStream_t stream);
+// d (M, N) bf16 = x · wᵀ: x (M, K) in 1x128 blocks, w (N, K) in 128x128 blocks, K a multiple of
+// 16, N of 8; partial sums promoted to fp32 and scaled once per 128 of K.
+void gemm_fp8(View x, View x_scales, View w, View w_scales, View d, cudaStream_t stream);
+// d (M, N) = x · yᵀ with x (M, K) and y (N, K) both in 1x128 blocks (the weight gradient from
+// the transposed copies, K = tokens): d bf16, or with `accumulate` fp32 d += x · yᵀ.
+void gemm_fp8_xyt(View x, View x_scales, View y, View y_scales, View d, bool accumulate,
+                  cudaStream_t stream);
+
 }  // namespace coda::ops

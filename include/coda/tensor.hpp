@@ -8,14 +8,18 @@
 
 namespace coda {
 
-enum class DType : uint8_t { kBF16, kF32, kI32, kI64 };
+// kE4M3: FP8 e4m3 codes, one byte each (torch.float8_e4m3fn).
+enum class DType : uint8_t { kBF16, kF32, kI32, kI64, kE4M3 };
 
-constexpr int dtype_bytes(DType t) { return t == DType::kBF16 ? 2 : t == DType::kI64 ? 8 : 4; }
+constexpr int dtype_bytes(DType t) {
+  return t == DType::kBF16 ? 2 : t == DType::kI64 ? 8 : t == DType::kE4M3 ? 1 : 4;
+}
 constexpr const char* dtype_name(DType t) {
-  return t == DType::kBF16  ? "bfloat16"
-         : t == DType::kF32 ? "float32"
-         : t == DType::kI32 ? "int32"
-                            : "int64";
+  return t == DType::kBF16   ? "bfloat16"
+         : t == DType::kF32  ? "float32"
+         : t == DType::kI32  ? "int32"
+         : t == DType::kE4M3 ? "float8_e4m3fn"
+                             : "int64";
 }
 
 struct TensorView {

@@ -141,7 +141,7 @@ TEST(Heuristic, EveryChoiceIsAKernelOfTheTable) {
   const int ks[] = {8, 1024, 2048, 4096, 8192, 14336, 28672};
   int checked = 0;
   for (int p = 0; p < int(Program::kCount); ++p)
-    for (Operands o : {Operands::kXWt, Operands::kXW, Operands::kXtY}) {
+    for (Operands o : kAllOperands) {
       bool listed = false;
       for (int c = 0; c < int(Config::kCount); ++c) listed |= in_table(Program(p), Config(c), o);
       if (!listed) continue;
@@ -160,7 +160,7 @@ TEST(Heuristic, EveryChoiceIsAKernelOfTheTable) {
   for (int c = 0; c < int(Config::kCount); ++c) {
     bool used = false;
     for (int p = 0; p < int(Program::kCount); ++p)
-      for (Operands o : {Operands::kXWt, Operands::kXW, Operands::kXtY})
+      for (Operands o : kAllOperands)
         used |= in_table(Program(p), Config(c), o);
     EXPECT_TRUE(used) << config_name(Config(c)) << " is compiled for no program";
   }

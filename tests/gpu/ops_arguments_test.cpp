@@ -158,5 +158,56 @@ TEST(OpArguments, SplitRopeTableKeepsBothWords) {
   EXPECT_EQ(lo, (std::vector<uint32_t>{2, 4, 0}));
 }
 
+TensorView typed(uintptr_t address, DType t, int64_t rows, int64_t cols, int64_t ld = 0) {
+  return TensorView::matrix(reinterpret_cast<void*>(address), t, rows, cols, ld ? ld : cols, 0);
+}
+
+TEST(OpArguments, Fp8OperandsAndScalesAreChecked) {
+  const auto e4 = DType::kE4M3, f = DType::kF32;
+  // K = 40: a multiple of 8 but not of 16 (16-byte rows of e4m3).
+  EXPECT_THAT(error_of([&] {
+                gemm_fp8(typed(256, e4, 4, 40, 48), typed(512, f, 1, 4), typed(768, e4, 8, 40, 48),
+                         typed(1024, f, 1, 1), bf16_matrix(1280, 4, 8), nullptr);
+              }),
+              AllOf(HasSubstr("coda::ops::gemm_fp8"), HasSubstr("K must be a multiple of 16"),
+                    HasSubstr("got 40")));
+  // x in bf16 where e4m3 codes are expected.
+  EXPECT_THAT(error_of([&] {
+                gemm_fp8(bf16_matrix(256, 4, 32), typed(512, f, 1, 4), typed(768, e4, 8, 32),
+                         typed(1024, f, 1, 1), bf16_matrix(1280, 4, 8), nullptr);
+              }),
+              AllOf(HasSubstr("x must be float8_e4m3fn"), HasSubstr("got bfloat16")));
+  // 1x128 scales of 6 rows need a row stride of at least 8 (6 rounded up to 4) for the TMA.
+  EXPECT_THAT(
+      error_of([&] {
+        gemm_fp8(typed(256, e4, 6, 256), typed(512, f, 2, 6, 6), typed(768, e4, 8, 256),
+                 typed(1024, f, 1, 2), bf16_matrix(1280, 6, 8), nullptr);
+      }),
+      AllOf(HasSubstr("x_scales needs a row stride >= 8 and a multiple of 4"), HasSubstr("got 6")));
+  // 128x128 scales of the wrong grid.
+  EXPECT_THAT(error_of([&] {
+                gemm_fp8(typed(256, e4, 4, 256), typed(512, f, 2, 4), typed(768, e4, 136, 256),
+                         typed(1024, f, 1, 2), bf16_matrix(1280, 4, 136), nullptr);
+              }),
+              HasSubstr("w_scales must be fp32 scales of shape (2, 2), got (1, 2)"));
+  // The weight gradient accumulates into fp32.
+  EXPECT_THAT(error_of([&] {
+                gemm_fp8_xyt(typed(256, e4, 8, 32), typed(512, f, 1, 8), typed(768, e4, 8, 32),
+                             typed(1024, f, 1, 8), bf16_matrix(1280, 8, 8), true, nullptr);
+              }),
+              AllOf(HasSubstr("gemm_fp8_xyt (accumulate)"), HasSubstr("d must be float32")));
+  EXPECT_THAT(error_of([&] {
+                quantize_fp8_rows(bf16_matrix(256, 4, 32), TensorView{}, TensorView{}, TensorView{},
+                                  TensorView{}, nullptr);
+              }),
+              HasSubstr("neither codes nor codes_t is wanted"));
+  // The transposed copy's codes cover the tokens padded to 16.
+  EXPECT_THAT(error_of([&] {
+                quantize_fp8_rows(bf16_matrix(256, 20, 32), TensorView{}, TensorView{},
+                                  typed(512, e4, 32, 20, 32), typed(1024, f, 1, 32), nullptr);
+              }),
+              HasSubstr("codes_t must have shape (32, 32), got (32, 20)"));
+}
+
 }  // namespace
 }  // namespace coda::ops

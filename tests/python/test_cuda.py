@@ -580,3 +580,97 @@ def test_scale_grad_skips_one_and_scales_every_element_otherwise():
             assert torch.equal(part, want), f"g={g} view={view}"
             if view == slice(1, None):
                 assert t[0] == base[0], "wrote before the view"
+
+
+# ---- Blockwise FP8 (torch/fp8_ops.cpp): the CUDA kernels against the CPU reference recipe ----
+FP8_SHAPES = [(77, 264, 400), (300, 1032, 2048), (4097, 256, 144)]
+
+
+def wide_bf16(rows, cols, gen):
+    """Values over many binades (each 8x8 patch its own power of two), bf16 on the CPU."""
+    e = torch.randint(-24, 9, ((rows + 7) // 8, (cols + 7) // 8), generator=gen)
+    e = e.repeat_interleave(8, 0)[:rows].repeat_interleave(8, 1)[:, :cols]
+    v = (torch.rand(rows, cols, generator=gen, dtype=torch.float64) * 2 - 1) * torch.exp2(e.double())
+    return v.to(BF16)
+
+
+def same_bits(a, b, what):
+    assert a.shape == b.shape, f"{what}: {a.shape} vs {b.shape}"
+    bits = torch.uint8 if a.dtype == torch.float8_e4m3fn else torch.int32
+    diff = (a.cpu().contiguous().view(bits) != b.contiguous().view(bits)).sum().item()
+    assert diff == 0, f"{what}: {diff} entries differ"
+
+
+@pytest.mark.parametrize("m,n,k", FP8_SHAPES)
+def test_fp8_casts_match_the_cpu_recipe_bit_for_bit(m, n, k):
+    gen = torch.Generator().manual_seed(m + k)
+    x, w = wide_bf16(m, k, gen), wide_bf16(n, k, gen)
+    for name, got, want in zip(
+        ["codes", "scales", "codes_t", "scales_t"],
+        CODA.fp8_quantize_rows(x.cuda(), True, True),
+        CODA.fp8_quantize_rows(x, True, True),
+    ):
+        same_bits(got, want, f"rows {name}")
+    for name, got, want in zip(
+        ["codes", "scales", "codes_t", "scales_t"],
+        CODA.fp8_quantize_blocks(w.cuda(), True, True),
+        CODA.fp8_quantize_blocks(w, True, True),
+    ):
+        same_bits(got, want, f"blocks {name}")
+
+
+@pytest.mark.parametrize("m,n,k", FP8_SHAPES)
+def test_fp8_gemms_match_the_cpu_recipe(m, n, k):
+    """Forward, data and weight gradient on the codes the CUDA casts wrote, against the CPU
+    recipe's fp64 blockwise sum on the same codes: bf16 rounding plus the tensor cores' fp32
+    partial sums per 128 of K."""
+    gen = torch.Generator().manual_seed(m * 3 + n)
+    x, w, dy = wide_bf16(m, k, gen).cuda(), wide_bf16(n, k, gen).cuda(), wide_bf16(m, n, gen).cuda()
+    xc, xs, xtc, xts = CODA.fp8_quantize_rows(x, True, True)
+    wc, ws, wtc, wts = CODA.fp8_quantize_blocks(w, True, True)
+    dyc, dys, dytc, dyts = CODA.fp8_quantize_rows(dy, True, True)
+    dw = torch.zeros(n, k, device="cuda")
+    CODA.fp8_gemm_xyt_accumulate_(dw, dytc, dyts, xtc, xts)
+    runs = {
+        "y": (CODA.fp8_gemm(xc, xs, wc, ws), CODA.fp8_gemm, (xc, xs, wc, ws)),
+        "dx": (CODA.fp8_gemm(dyc, dys, wtc, wts), CODA.fp8_gemm, (dyc, dys, wtc, wts)),
+        "dw bf16": (CODA.fp8_gemm_xyt(dytc, dyts, xtc, xts), CODA.fp8_gemm_xyt, (dytc, dyts, xtc, xts)),
+        "dw fp32 +=": (dw, CODA.fp8_gemm_xyt, (dytc, dyts, xtc, xts)),
+    }
+    for what, (got, op, args) in runs.items():
+        ref = op(*[a.cpu() for a in args])
+        err = (got.double().cpu() - ref).abs()
+        bound = 2.0**-8 * ref.abs() + 2.0**-10 * ref.abs().max()
+        assert torch.isfinite(got).all(), what
+        assert (err <= bound).all(), f"{what}: worst {(err / ref.abs().max()).max().item():.3g}"
+
+
+def test_fp8_gemm_error_against_fp64_within_the_unfused_recipe():
+    """OPS.md §6: the FP8 GEMM's max error against the fp64 product of the unquantized inputs is
+    at most 1.5x that of the same recipe unfused in PyTorch (quantize, dequantize, fp32 matmul,
+    output rounded to bf16 like ours)."""
+    gen = torch.Generator().manual_seed(3)
+    m, n, k = 1000, 1024, 2048
+    x = torch.randn(m, k, generator=gen).to(BF16)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(BF16)
+    exact = x.double() @ w.double().t()
+    xc, xs, _, _ = CODA.fp8_quantize_rows(x.cuda())
+    wc, ws, _, _ = CODA.fp8_quantize_blocks(w.cuda())
+    ours = CODA.fp8_gemm(xc, xs, wc, ws).double().cpu()
+    xd = xc.float() * xs.t().repeat_interleave(128, 1)[:, :k]
+    wd = wc.float() * ws.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+    unfused = (xd @ wd.t()).to(BF16).double().cpu()
+    e_ours, e_unfused = (ours - exact).abs().max().item(), (unfused - exact).abs().max().item()
+    assert e_ours <= 1.5 * e_unfused, f"ours {e_ours:.4g} vs unfused {e_unfused:.4g}"
+
+
+def test_fp8_bad_arguments_on_cuda():
+    x = torch.randn(19, 32, device="cuda").to(BF16)
+    with pytest.raises(RuntimeError, match=r"x must be bfloat16, got Float"):
+        CODA.fp8_quantize_rows(x.float())
+    xc, xs, _, _ = CODA.fp8_quantize_rows(x)
+    with pytest.raises(RuntimeError, match=r"must be on cuda:0, got cuda:0 and cpu"):
+        CODA.fp8_gemm(xc, xs.cpu(), xc, xs)
+    wc, ws, _, _ = CODA.fp8_quantize_blocks(torch.randn(24, 32, device="cuda").to(BF16))
+    with pytest.raises(RuntimeError, match=r"N must be a multiple of 8"):
+        CODA.fp8_gemm(xc, xs, wc[:20], ws)

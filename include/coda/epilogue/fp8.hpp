@@ -16,6 +16,10 @@
 
 #include "coda/common/host_device.hpp"
 
+#if defined(__CUDACC__)
+#include <cuda_fp8.h>
+#endif
+
 namespace coda::epilogue {
 
 struct E4m3 {
@@ -34,6 +38,11 @@ struct E4m3 {
   // The e4m3 pattern nearest to v (ties to even mantissa), |v| > 448 saturating to ±448, NaN to
   // NaN. Exact: the rounding works on v's fp32 bits.
   CODA_HD static uint8_t encode(float v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    // The same rounding in one instruction (cvt.rn.satfinite.e4m3x2.f32); tests/gpu/
+    // fp8_convert_test.cpp checks it against the bit path below over every fp32 class.
+    return uint8_t(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
+#endif
     uint32_t u;
     memcpy(&u, &v, 4);
     const uint8_t sign = uint8_t((u >> 24) & 0x80);
@@ -76,6 +85,9 @@ struct E4m3 {
 
   // e4m3(v / s): the quantized value of v in a block of scale s.
   CODA_HD static uint8_t quantize(float v, float s) { return encode(v / s); }
+  // The same from 1 / s: a power of two in [2^-128, 2^126] whose product with v rounds exactly as
+  // the quotient v / s does (both are v scaled by a power of two, correctly rounded).
+  CODA_HD static uint8_t quantize_by_inverse(float v, float inv_s) { return encode(v * inv_s); }
 };
 
 }  // namespace coda::epilogue

@@ -12,24 +12,52 @@ namespace coda::kernel {
 
 using bf16 = __nv_bfloat16;
 
-// D (M, N) = op(A) · op(B), bf16 in, fp32 accumulate. Names say how each operand is stored.
+// D (M, N) = op(A) · op(B), fp32 accumulate. Names say how each operand is stored; the bf16
+// layouts first, then the blockwise FP8 ones (e4m3 codes, one fp32 power-of-two scale per block,
+// docs/math.md §6), both operands K-major as FP8 wgmma needs.
 enum class Operands : int {
   kXWt = 0,  // A (M, K) row-major, B = W (N, K) row-major: D = X · Wᵀ       (forward)
   kXW = 1,   // A (M, K) row-major, B = W (K, N) row-major: D = dz · W       (data gradient)
   kXtY = 2,  // A = Xᵀ with X (K, M) row-major, B (K, N) row-major: D = Xᵀ · Y (weight gradient)
+  // FP8 A (M, K) in 1x128 blocks, B = W (N, K) in 128x128 blocks: D = X · Wᵀ (forward; the data
+  // gradient with Wᵀ's codes and the same blocks transposed).
+  kFp8XWt = 3,
+  // FP8 A (M, K) and B (N, K), both in 1x128 blocks: D = X · Yᵀ (the weight gradient, from the
+  // transposed 128x1 copies of dy and x, whose rows run along the tokens).
+  kFp8XYt = 4,
 };
+constexpr bool is_fp8(Operands o) { return o == Operands::kFp8XWt || o == Operands::kFp8XYt; }
+constexpr Operands kAllOperands[] = {Operands::kXWt, Operands::kXW, Operands::kXtY,
+                                     Operands::kFp8XWt, Operands::kFp8XYt};
 
 
 struct GemmProblem {
   int m = 0, n = 0, k = 0;
-  const bf16* a = nullptr;
+  const void* a = nullptr;  // bf16, or e4m3 codes for the FP8 operands
   int64_t lda = 0;
-  const bf16* b = nullptr;
+  const void* b = nullptr;
   int64_t ldb = 0;
   const bf16* c = nullptr;  // source tile (residual); only programs that load C read it
   int64_t ldc = 0;
   bf16* d = nullptr;  // may be null for programs without a D output
   int64_t ldd = 0;
+  // The FP8 operands' block scales (ScaleLayout below); unused by the bf16 ones.
+  const float* scale_a = nullptr;
+  int64_t ld_scale_a = 0;
+  const float* scale_b = nullptr;
+  int64_t ld_scale_b = 0;
+};
+
+// Where the FP8 operands' scales live, as the blockwise mainloop reads them (kb = K block):
+//   A, 1x128:         scale of (m, kb) at m + ld · kb, ld >= M and a multiple of 4 (its TMA rows);
+//   B, 128x128:       scale of (nb, kb) at nb · ld + kb, ld >= ceil(K / 128);
+//   B, 1x128 (XYt):   scale of (n, kb) at n + ld · kb, ld >= N.
+// So a 1x128 operand's scales are a (ceil(K / 128), ld) row-major matrix: one row per K block.
+struct ScaleLayout {
+  static constexpr int kBlock = 128;
+  static int64_t blocks(int64_t extent) { return (extent + kBlock - 1) / kBlock; }
+  // The smallest leading dimension of a 1x128 operand's scales for `rows` rows.
+  static int64_t row_scales_ld(int64_t rows) { return (rows + 3) / 4 * 4; }
 };
 
 // The tensors the GEMM kernel itself reads as C and writes as D: the problem's c and d, unless a
@@ -50,6 +78,13 @@ struct SchedulerOptions {
 
 // ---- per-program epilogue operands ----------------------------------------------------------
 struct PlainArgs {};
+
+// D (M, N) fp32 += acc: the kernel's C and D are both `d` (a weight gradient accumulated over
+// micro-batches in fp32).
+struct AccumulateF32Args {
+  float* d = nullptr;
+  int64_t ldd = 0;
+};
 
 struct ResidualRmsnormPartialArgs {  // F1: C = residual, D = x
   const bf16* gamma = nullptr;       // (N)

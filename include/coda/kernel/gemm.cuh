@@ -8,6 +8,7 @@
 #include <cutlass/gemm/device/gemm_universal_adapter.h>
 
 #include <cute/tensor.hpp>
+#include <cutlass/detail/blockwise_scale_layout.hpp>
 #include <cutlass/epilogue/collective/collective_builder.hpp>
 #include <cutlass/gemm/collective/collective_builder.hpp>
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
@@ -80,23 +81,80 @@ struct WithStagesC<
       Rest...>;
 };
 
+// How each operand layout reaches the mainloop: the element type, the CUTLASS layout tags (with
+// the scale layout, for the blockwise FP8 operands) and the kernel schedule.
 template <Operands O>
-struct OperandLayouts;
+struct OperandTraits;
+struct Bf16Operands {
+  using Element = cutlass::bfloat16_t;
+  static constexpr bool kBlockwise = false;
+};
 template <>
-struct OperandLayouts<Operands::kXWt> {
+struct OperandTraits<Operands::kXWt> : Bf16Operands {
   using A = cutlass::layout::RowMajor;
   using B = cutlass::layout::ColumnMajor;  // B(k, n) = W[n, k]: K-major
 };
 template <>
-struct OperandLayouts<Operands::kXW> {
+struct OperandTraits<Operands::kXW> : Bf16Operands {
   using A = cutlass::layout::RowMajor;
   using B = cutlass::layout::RowMajor;  // B(k, n) = W[k, n]: N-major
 };
 template <>
-struct OperandLayouts<Operands::kXtY> {
+struct OperandTraits<Operands::kXtY> : Bf16Operands {
   using A = cutlass::layout::ColumnMajor;  // A(m, k) = X[k, m]: M-major
   using B = cutlass::layout::RowMajor;
 };
+// Blockwise FP8 (CUTLASS 4.2's MainloopSm90TmaGmmaWarpSpecializedBlockwiseFP8): both operands
+// K-major; A's scales per 1x128 block, M-major (TMA-loaded when a tile holds 32+ rows); B's per
+// 128x128 block (K-major) or per 1x128 block (N-major). args.hpp's ScaleLayout says where.
+template <int GranularityN, cute::GMMA::Major MajorSFB>
+struct Fp8Operands {
+  using Element = cutlass::float_e4m3_t;
+  static constexpr bool kBlockwise = true;
+  using Scales =
+      cutlass::detail::Sm90BlockwiseScaleConfig<1, GranularityN, ScaleLayout::kBlock,
+                                                cute::GMMA::Major::MN, MajorSFB>;
+  using LayoutSFA = decltype(Scales::deduce_layoutSFA());
+  using LayoutSFB = decltype(Scales::deduce_layoutSFB());
+  using A = cute::tuple<cutlass::layout::RowMajor, LayoutSFA>;
+  using B = cute::tuple<cutlass::layout::ColumnMajor, LayoutSFB>;
+
+  // ((1, M4), (128, KB), 1) with strides ((0, 1), (0, ld), ld · KB), M4 = M rounded up to 4: TMA
+  // loads of the scales move 16-byte rows (the scales of rows past M scale no stored output).
+  static LayoutSFA layout_sfa(int m, int k, int64_t ld) {
+    using namespace cute;
+    const int kb = int(ScaleLayout::blocks(k));
+    m = (m + 3) / 4 * 4;
+    return make_layout(make_shape(make_shape(Int<1>{}, m), make_shape(Int<ScaleLayout::kBlock>{}, kb), 1),
+                       make_stride(make_stride(_0{}, _1{}), make_stride(_0{}, int(ld)), int(ld) * kb));
+  }
+  static LayoutSFB layout_sfb(int n, int k, int64_t ld) {
+    using namespace cute;
+    const int kb = int(ScaleLayout::blocks(k));
+    if constexpr (MajorSFB == GMMA::Major::K) {  // ((128, NB), (128, KB), 1), ((0, ld), (0, 1), ..)
+      const int nb = int(ScaleLayout::blocks(n));
+      return make_layout(
+          make_shape(make_shape(Int<GranularityN>{}, nb), make_shape(Int<ScaleLayout::kBlock>{}, kb), 1),
+          make_stride(make_stride(_0{}, int(ld)), make_stride(_0{}, _1{}), int(ld) * nb));
+    } else {  // ((1, N), (128, KB), 1), ((0, 1), (0, ld), ..)
+      return make_layout(
+          make_shape(make_shape(Int<GranularityN>{}, n), make_shape(Int<ScaleLayout::kBlock>{}, kb), 1),
+          make_stride(make_stride(_0{}, _1{}), make_stride(_0{}, int(ld)), int(ld) * kb));
+    }
+  }
+};
+template <>
+struct OperandTraits<Operands::kFp8XWt> : Fp8Operands<ScaleLayout::kBlock, cute::GMMA::Major::K> {};
+template <>
+struct OperandTraits<Operands::kFp8XYt> : Fp8Operands<1, cute::GMMA::Major::MN> {};
+
+template <class Cfg, bool Blockwise>
+using MainloopScheduleOf = std::conditional_t<
+    !Blockwise, typename Cfg::MainloopSchedule,
+    std::conditional_t<std::is_same_v<typename Cfg::MainloopSchedule,
+                                      cutlass::gemm::KernelTmaWarpSpecializedCooperative>,
+                       cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8Blockwise,
+                       cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8Blockwise>>;
 
 // Puts the leading dimension into the one dynamic stride of a rank-2(+batch) CuTe stride.
 template <class Stride>
@@ -109,10 +167,12 @@ Stride with_leading_dimension(Stride s, int64_t ld) {
   return s;
 }
 
-// ElementAB: the operand type of the mainloop (bf16 today; fp16 and fp8 operands instantiate the
-// same launcher, with the epilogue programs unchanged since they see fp32 accumulators).
-template <Config C, Program P, Operands O, class ElementAB = cutlass::bfloat16_t>
+// The operands' element type (bf16 or e4m3) comes from the layout; the epilogue programs are the
+// same for both, since they see fp32 accumulators (the FP8 mainloop applies the block scales).
+template <Config C, Program P, Operands O>
 struct GemmLauncher {
+  using Operand = OperandTraits<O>;
+  using ElementAB = typename Operand::Element;
   static constexpr int kAlignAB = 128 / cutlass::sizeof_bits<ElementAB>::value;  // 16-byte TMA rows
   using Cfg = typename ConfigOf<C>::type;
   using Fusion = FusionOf<P>;
@@ -144,12 +204,11 @@ struct GemmLauncher {
       FusionStagesC<Fusion>::value>::type;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, typename OperandLayouts<O>::A,
-      kAlignAB, ElementAB, typename OperandLayouts<O>::B, kAlignAB,
-      float, TileShape, ClusterShape,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, typename Operand::A,
+      kAlignAB, ElementAB, typename Operand::B, kAlignAB, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
-      typename Cfg::MainloopSchedule>::CollectiveOp;
+      MainloopScheduleOf<Cfg, Operand::kBlockwise>>::CollectiveOp;
 
   using Kernel =
       cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, CollectiveMainloop,
@@ -169,8 +228,6 @@ struct GemmLauncher {
                          const SchedulerOptions& sched, cudaStream_t stream) {
     // First: it may throw (a bad CODA_PROGRAMMATIC_LAUNCH) before anything is allocated.
     const bool pdl = kWaitsCompiled && programmatic_launch();
-    using StrideA = typename Kernel::StrideA;
-    using StrideB = typename Kernel::StrideB;
     using StrideC = typename Kernel::StrideC;
     using StrideD = typename Kernel::StrideD;
     const auto& fa = *static_cast<const typename Fusion::Args*>(fusion_args);
@@ -194,10 +251,7 @@ struct GemmLauncher {
     typename Adapter::Arguments args{
         cutlass::gemm::GemmUniversalMode::kGemm,
         {p.m, p.n, p.k, 1},
-        {reinterpret_cast<const ElementAB*>(p.a),
-         with_leading_dimension(cutlass::make_cute_packed_stride(StrideA{}, {p.m, p.k, 1}), p.lda),
-         reinterpret_cast<const ElementAB*>(p.b),
-         with_leading_dimension(cutlass::make_cute_packed_stride(StrideB{}, {p.n, p.k, 1}), p.ldb)},
+        mainloop_arguments(p),
         {build_arguments(fa, p), c_pointer,
          with_leading_dimension(cutlass::make_cute_packed_stride(StrideC{}, {p.m, p.n, 1}),
                                 operands.ldc),
@@ -229,6 +283,24 @@ struct GemmLauncher {
   }
 
  private:
+  static typename CollectiveMainloop::Arguments mainloop_arguments(const GemmProblem& p) {
+    using StrideA = typename Kernel::StrideA;
+    using StrideB = typename Kernel::StrideB;
+    const auto* a = static_cast<const ElementAB*>(p.a);
+    const auto* b = static_cast<const ElementAB*>(p.b);
+    const auto stride_a =
+        with_leading_dimension(cutlass::make_cute_packed_stride(StrideA{}, {p.m, p.k, 1}), p.lda);
+    const auto stride_b =
+        with_leading_dimension(cutlass::make_cute_packed_stride(StrideB{}, {p.n, p.k, 1}), p.ldb);
+    if constexpr (Operand::kBlockwise) {
+      return {a,         stride_a,
+              b,         stride_b,
+              p.scale_a, Operand::layout_sfa(p.m, p.k, p.ld_scale_a),
+              p.scale_b, Operand::layout_sfb(p.n, p.k, p.ld_scale_b)};
+    } else {
+      return {a, stride_a, b, stride_b};
+    }
+  }
   // Whether Op<F> is well-formed (C++17 detection; the CUDA units compile as C++17).
   template <template <class> class Op, class F, class = void>
   struct Detected : std::false_type {};

@@ -45,7 +45,7 @@ struct KernelOverride {
 };
 
 // Parses "PROGRAM/OPERANDS[@K]=CONFIG:SWIZZLE:RASTER" entries separated by ';', with the names of
-// program_name (e.g. gemm_rmsnorm_backward), XWt / XW / XtY and config_name (e.g.
+// program_name (e.g. gemm_rmsnorm_backward), XWt / XW / XtY / Fp8XWt / Fp8XYt and config_name (e.g.
 // coop_256x128x64_c1x2), SWIZZLE 1/2/4/8 and RASTER M or N; "@K" limits an entry to launches
 // with that K (one projection of a layer), e.g.
 //   gemm_rmsnorm_backward/XW@28672=coop_256x128x64_c1x2:8:M;gemm/XtY=coop_128x256x64_c2x1:4:N

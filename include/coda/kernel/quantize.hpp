@@ -1,0 +1,42 @@
+#pragma once
+// The standalone FP8 cast kernels (src/quantize.cu): one pass over a bf16 matrix that writes its
+// blockwise e4m3 codes and scales (docs/math.md §6) in the layouts the FP8 GEMMs read
+// (args.hpp ScaleLayout), for the tensors no GEMM epilogue produces (the attention output, the
+// embedding output, the weights once per optimizer step). Every value goes through
+// epilogue::E4m3, as on the host.
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "coda/kernel/args.hpp"
+
+namespace coda::kernel {
+
+// An FP8 output: codes (row-major, row stride ld) and its scales (row stride ld_scales).
+struct Fp8Output {
+  uint8_t* codes = nullptr;
+  int64_t ld = 0;
+  float* scales = nullptr;
+  int64_t ld_scales = 0;
+};
+
+// x (rows, cols) bf16 row-major (row stride ldx), cols a multiple of 16.
+//   out (if codes is set): codes (rows, cols), 1x128 blocks along cols; the scale of row r's
+//     block cb at cb · ld_scales + r, for r < rows rounded up to 4 (scale 1 past x), so
+//     ld_scales >= that.
+//   out_t (if codes is set): codes (cols, rows) = the 128x1 blocks of xᵀ, i.e. 1x128 blocks along
+//     rows of xᵀ; the scale of xᵀ's row c, block rb at rb · ld_scales + c. Columns rows ..
+//     round_up(rows, 16) - 1 of the codes are written 0, so a GEMM may contract over the padded
+//     extent (16-byte TMA rows).
+void quantize_fp8_rows(const bf16* x, int64_t rows, int64_t cols, int64_t ldx, Fp8Output out,
+                       Fp8Output out_t, cudaStream_t stream);
+
+// x (rows, cols) bf16 in 128x128 blocks (weights), cols a multiple of 16; one scale per block.
+//   out (if codes is set): codes (rows, cols); the scale of block (rb, cb) at rb · ld_scales + cb.
+//   out_t (if codes is set): codes (cols, rows) = xᵀ with the same blocks transposed; block
+//     (cb, rb)'s scale at cb · ld_scales + rb. Rows must be a multiple of 16 when out_t is set.
+void quantize_fp8_blocks(const bf16* x, int64_t rows, int64_t cols, int64_t ldx, Fp8Output out,
+                         Fp8Output out_t, cudaStream_t stream);
+
+}  // namespace coda::kernel

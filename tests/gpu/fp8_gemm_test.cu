@@ -1,0 +1,335 @@
+// The blockwise FP8 kernels against the host recipe (reference/fp8.hpp) on fresh random inputs,
+// ragged shapes included (M = 1, 19, 111, 300, 4097; N, K multiples of 8 / 16 but not of 128):
+//   - E4m3::encode on the device (one cvt instruction) against its host bit path;
+//   - the cast kernels, code for code and scale for scale;
+//   - every compiled FP8 GEMM against the blockwise GEMM in fp64 on the same codes, outputs
+//     poisoned (NaN) first. The GPU sums each 128-wide K block in the tensor cores' fp32 and
+//     rounds D to bf16: |out − ref| <= 2^-8·|ref| + 2^-10·max|ref| per element.
+// Skipped with a message when no Hopper GPU is present.
+
+#include <cuda_bf16.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "coda/epilogue/fp8.hpp"
+#include "coda/kernel/quantize.hpp"
+#include "coda/ops.hpp"
+#include "coda/reference/fp8.hpp"
+#include "support/bf16.hpp"
+#include "support/device.hpp"
+#include "support/gpu_check.hpp"
+#include "support/numeric.hpp"
+
+namespace coda::kernel {
+namespace {
+
+using epilogue::E4m3;
+using reference::BlockQuantized;
+
+__global__ void encode_kernel(const float* v, uint8_t* out, size_t n) {
+  const size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = E4m3::encode(v[i]);
+}
+
+TEST_F(GpuKernelTest, E4m3EncodeOnTheDeviceMatchesTheHostBitPath) {
+  std::vector<float> v;
+  for (uint64_t bits = 0; bits < (uint64_t(1) << 32); bits += 997) {  // every class, both signs
+    float f;
+    const uint32_t b = uint32_t(bits);
+    std::memcpy(&f, &b, 4);
+    v.push_back(f);
+  }
+  for (float f : {0.0f, -0.0f, 448.0f, -448.0f, 464.0f, 480.0f, INFINITY, -INFINITY, NAN, 0x1p-9f,
+                  0x1p-10f, 0x1.8p-10f, 0x1p-6f, 0x1.ep-7f})
+    v.push_back(f);
+  DeviceBuffer<float> dv(v);
+  DeviceBuffer<uint8_t> out(v.size());
+  encode_kernel<<<unsigned((v.size() + 255) / 256), 256>>>(dv.get(), out.get(), v.size());
+  CODA_CUDA_CHECK(cudaDeviceSynchronize());
+  const std::vector<uint8_t> got = out.download();
+  size_t bad = 0;
+  for (size_t i = 0; i < v.size(); ++i) {
+    // The bit path, as the host compiles it (no cvt instruction there).
+    if (got[i] != E4m3::encode(v[i]) && bad++ < 5)
+      ADD_FAILURE() << std::hexfloat << v[i] << ": device " << int(got[i]) << ", host "
+                    << int(E4m3::encode(v[i]));
+  }
+  EXPECT_EQ(bad, 0u) << " of " << v.size();
+}
+
+// Values over many binades: each 8x8 patch scaled by its own power of two, so blocks of one
+// tensor get different scales; a few zeros.
+std::vector<double> wide_values(int64_t rows, int64_t cols, testing::Rng& rng) {
+  std::vector<double> v(size_t(rows * cols));
+  std::vector<int> patch_exp(size_t(((rows + 7) / 8) * ((cols + 7) / 8)));
+  for (int& e : patch_exp) e = int(rng.integer(-24, 8));
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j)
+      v[i * cols + j] = testing::round_bf16(
+          std::ldexp(rng.uniform(-1, 1), patch_exp[(i / 8) * ((cols + 7) / 8) + j / 8]));
+  v[0] = 0.0;
+  return v;
+}
+
+int64_t pad(int64_t n, int64_t q) { return (n + q - 1) / q * q; }
+
+// 1x128 scales of q in the kernels' layout: (kb, r) at kb · ld + r; rows past q up to ld are 1.
+std::vector<float> row_scales(const BlockQuantized& q, int64_t ld) {
+  std::vector<float> s(size_t(q.grid_cols() * ld), 1.0f);
+  for (int64_t kb = 0; kb < q.grid_cols(); ++kb)
+    for (int64_t r = 0; r < q.rows; ++r) s[kb * ld + r] = q.scale_at(r, kb * 128);
+  return s;
+}
+// Codes of q with row stride ld (zero past q's columns).
+std::vector<uint8_t> padded_codes(const BlockQuantized& q, int64_t ld) {
+  std::vector<uint8_t> c(size_t(q.rows * ld), 0);
+  for (int64_t i = 0; i < q.rows; ++i)
+    for (int64_t j = 0; j < q.cols; ++j) c[i * ld + j] = q.code_at(i, j);
+  return c;
+}
+
+void expect_same_bytes(const std::string& what, const std::vector<uint8_t>& got,
+                       const std::vector<uint8_t>& want) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  size_t bad = 0, first = 0;
+  for (size_t i = 0; i < got.size(); ++i)
+    if (got[i] != want[i] && bad++ == 0) first = i;
+  EXPECT_EQ(bad, 0u) << what << ": first at " << first << " (" << int(got[first]) << " vs "
+                     << int(want[first]) << ")";
+}
+void expect_same_floats(const std::string& what, const std::vector<float>& got,
+                        const std::vector<float>& want) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  size_t bad = 0, first = 0;
+  for (size_t i = 0; i < got.size(); ++i)
+    if (std::memcmp(&got[i], &want[i], 4) != 0 && bad++ == 0) first = i;
+  EXPECT_EQ(bad, 0u) << what << ": first at " << first << " (" << got[first] << " vs "
+                     << want[first] << ")";
+}
+
+TensorView dev(const void* p, DType t, int64_t rows, int64_t cols, int64_t ld) {
+  return TensorView::matrix(p, t, rows, cols, ld, 0);
+}
+
+TEST_F(GpuKernelTest, RowCastMatchesTheRecipeCodeForCode) {
+  testing::Rng rng(11);
+  const std::pair<int64_t, int64_t> shapes[] = {
+      {1, 16}, {19, 272}, {300, 272}, {130, 4096}, {4097, 144}};
+  for (const auto& [m, k] : shapes) {
+    const std::string what = "M=" + std::to_string(m) + " K=" + std::to_string(k);
+    std::vector<double> x = wide_values(m, k, rng);
+    if (m > 100) x[size_t(77 * k + 5)] = NAN;  // its row block and column block become NaN
+    const auto q =
+        reference::quantize_blockwise(MatrixRef<double>::row_major(x.data(), m, k), 1, 128);
+    const auto qt =
+        reference::quantize_blockwise(MatrixRef<double>::transposed(x.data(), k, m), 1, 128);
+    auto dx = upload_bf16(x);
+    const int64_t lds = pad(m, 4), ldt = pad(m, 16);
+    DeviceBuffer<uint8_t> codes(size_t(m * k)), codes_t(size_t(k * ldt));
+    DeviceBuffer<float> scales(size_t(q.grid_cols() * lds)), scales_t(size_t(qt.grid_cols() * k));
+    codes.poison();
+    codes_t.poison();
+    scales.poison();
+    scales_t.poison();
+    ops::quantize_fp8_rows(dev(dx.get(), DType::kBF16, m, k, k),
+                           dev(codes.get(), DType::kE4M3, m, k, k),
+                           dev(scales.get(), DType::kF32, q.grid_cols(), m, lds),
+                           dev(codes_t.get(), DType::kE4M3, k, ldt, ldt),
+                           dev(scales_t.get(), DType::kF32, qt.grid_cols(), k, k), nullptr);
+    CODA_CUDA_CHECK(cudaDeviceSynchronize());
+    expect_same_bytes(what + " codes", codes.download(), q.codes);
+    expect_same_floats(what + " scales", scales.download(), row_scales(q, lds));
+    expect_same_bytes(what + " codes_t", codes_t.download(), padded_codes(qt, ldt));
+    expect_same_floats(what + " scales_t", scales_t.download(), row_scales(qt, k));
+  }
+}
+
+TEST_F(GpuKernelTest, BlockCastMatchesTheRecipeCodeForCode) {
+  testing::Rng rng(12);
+  const std::pair<int64_t, int64_t> shapes[] = {{16, 16}, {272, 400}, {128, 128}, {1040, 4096}};
+  for (const auto& [n, k] : shapes) {
+    const std::string what = "N=" + std::to_string(n) + " K=" + std::to_string(k);
+    const std::vector<double> w = wide_values(n, k, rng);
+    const auto q =
+        reference::quantize_blockwise(MatrixRef<double>::row_major(w.data(), n, k), 128, 128);
+    const auto qt =
+        reference::quantize_blockwise(MatrixRef<double>::transposed(w.data(), k, n), 128, 128);
+    auto dw = upload_bf16(w);
+    DeviceBuffer<uint8_t> codes(size_t(n * k)), codes_t(size_t(k * n));
+    DeviceBuffer<float> scales(q.scales.size()), scales_t(qt.scales.size());
+    codes.poison();
+    codes_t.poison();
+    scales.poison();
+    scales_t.poison();
+    ops::quantize_fp8_blocks(
+        dev(dw.get(), DType::kBF16, n, k, k), dev(codes.get(), DType::kE4M3, n, k, k),
+        dev(scales.get(), DType::kF32, q.grid_rows(), q.grid_cols(), q.grid_cols()),
+        dev(codes_t.get(), DType::kE4M3, k, n, n),
+        dev(scales_t.get(), DType::kF32, qt.grid_rows(), qt.grid_cols(), qt.grid_cols()), nullptr);
+    CODA_CUDA_CHECK(cudaDeviceSynchronize());
+    expect_same_bytes(what + " codes", codes.download(), q.codes);
+    expect_same_floats(what + " scales", scales.download(), q.scales);
+    expect_same_bytes(what + " codes_t", codes_t.download(), qt.codes);
+    expect_same_floats(what + " scales_t", scales_t.download(), qt.scales);
+  }
+}
+
+// One FP8 GEMM's operands on the device, in the layouts ScaleLayout describes.
+struct Fp8Operand {
+  DeviceBuffer<uint8_t> codes;
+  DeviceBuffer<float> scales;
+  int64_t ld_scales;
+};
+Fp8Operand upload_rows(const BlockQuantized& q) {
+  const int64_t ld = pad(q.rows, 4);
+  return {DeviceBuffer<uint8_t>(q.codes), DeviceBuffer<float>(row_scales(q, ld)), ld};
+}
+Fp8Operand upload_blocks(const BlockQuantized& q) {
+  return {DeviceBuffer<uint8_t>(q.codes), DeviceBuffer<float>(q.scales), q.grid_cols()};
+}
+
+void expect_close(const std::string& what, const std::vector<double>& out,
+                  const std::vector<double>& ref) {
+  ASSERT_EQ(out.size(), ref.size()) << what;
+  double scale = 0.0;
+  for (double r : ref) scale = std::max(scale, std::fabs(r));
+  size_t bad = 0;
+  double worst = 0.0;
+  for (size_t i = 0; i < out.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(out[i])) << what << ": element " << i << " not written";
+    const double e = std::fabs(out[i] - ref[i]);
+    worst = std::max(worst, e / scale);
+    if (e > 0x1p-8 * std::fabs(ref[i]) + 0x1p-10 * scale) ++bad;
+  }
+  EXPECT_EQ(bad, 0u) << what << ": worst error " << worst << " of max|ref| " << scale;
+}
+
+const Shape kShapes[] = {{1, 200, 144},    {19, 8, 16},      {111, 200, 400},
+                         {300, 264, 1040}, {4097, 264, 272}, {256, 1024, 2048}};
+
+TEST_F(GpuKernelTest, Fp8GemmMatchesTheBlockwiseRecipe) {
+  const auto configs = compiled_configs(Program::kPlain, Operands::kFp8XWt);
+  ASSERT_FALSE(configs.empty());
+  testing::Rng rng(13);
+  for (Config c : configs)
+    for (const Shape& s : kShapes) {
+      if (skip_large(s)) continue;
+      const std::vector<double> x = wide_values(s.m, s.k, rng), w = wide_values(s.n, s.k, rng);
+      const auto qx =
+          reference::quantize_blockwise(MatrixRef<double>::row_major(x.data(), s.m, s.k), 1, 128);
+      const auto qw =
+          reference::quantize_blockwise(MatrixRef<double>::row_major(w.data(), s.n, s.k), 128, 128);
+      const Fp8Operand a = upload_rows(qx), b = upload_blocks(qw);
+      DeviceBuffer<bf16> d(size_t(s.m) * s.n);
+      d.poison();
+      GemmProblem p{s.m, s.n,     s.k, a.codes.get(), s.k, b.codes.get(),
+                    s.k, nullptr, 0,   d.get(),       s.n};
+      p.scale_a = a.scales.get();
+      p.ld_scale_a = a.ld_scales;
+      p.scale_b = b.scales.get();
+      p.ld_scale_b = b.ld_scales;
+      run<Program::kPlain>(c, p, {}, Operands::kFp8XWt);
+      expect_close("fp8 " + label(c, s), download_bf16(d),
+                   reference::gemm_fp8_blockwise<double>(qx, qw));
+    }
+}
+
+TEST_F(GpuKernelTest, Fp8WeightGradientMatchesTheBlockwiseRecipe) {
+  testing::Rng rng(14);
+  for (const Shape& s : kShapes) {
+    if (skip_large(s)) continue;
+    const std::vector<double> x = wide_values(s.m, s.k, rng), y = wide_values(s.n, s.k, rng);
+    const auto qx =
+        reference::quantize_blockwise(MatrixRef<double>::row_major(x.data(), s.m, s.k), 1, 128);
+    const auto qy =
+        reference::quantize_blockwise(MatrixRef<double>::row_major(y.data(), s.n, s.k), 1, 128);
+    const Fp8Operand a = upload_rows(qx), b = upload_rows(qy);
+    const std::vector<double> ref = reference::gemm_fp8_blockwise<double>(qx, qy);
+    GemmProblem p{s.m, s.n, s.k, a.codes.get(), s.k, b.codes.get(), s.k};
+    p.scale_a = a.scales.get();
+    p.ld_scale_a = a.ld_scales;
+    p.scale_b = b.scales.get();
+    p.ld_scale_b = b.ld_scales;
+    for (Config c : compiled_configs(Program::kPlain, Operands::kFp8XYt)) {
+      DeviceBuffer<bf16> d(size_t(s.m) * s.n);
+      d.poison();
+      GemmProblem pb = p;
+      pb.d = d.get();
+      pb.ldd = s.n;
+      run<Program::kPlain>(c, pb, {}, Operands::kFp8XYt);
+      expect_close("fp8 x·yᵀ " + label(c, s), download_bf16(d), ref);
+    }
+    for (Config c : compiled_configs(Program::kAccumulateF32, Operands::kFp8XYt)) {
+      // d += x·yᵀ over a random fp32 start: the result minus the start is the product.
+      std::vector<float> start(size_t(s.m) * s.n);
+      for (float& v : start) v = float(rng.uniform(-1, 1));
+      DeviceBuffer<float> d(start);
+      run<Program::kAccumulateF32>(c, p, {d.get(), s.n}, Operands::kFp8XYt);
+      const std::vector<float> got = d.download();
+      std::vector<double> product(got.size());
+      for (size_t i = 0; i < got.size(); ++i) product[i] = double(got[i]) - double(start[i]);
+      expect_close("fp8 d += x·yᵀ " + label(c, s), product, ref);
+    }
+  }
+}
+
+// The recipe end to end through the op API: cast x, w and dy on the device, then the forward,
+// data-gradient and weight-gradient GEMMs (the latter over the transposed copies, K = tokens
+// padded to 16), each against the recipe on the host's own quantization.
+TEST_F(GpuKernelTest, CastThenGemmThroughTheOps) {
+  testing::Rng rng(15);
+  const int64_t m = 300, n = 264, k = 1040, m16 = pad(m, 16);
+  const std::vector<double> x = wide_values(m, k, rng), w = wide_values(n, k, rng),
+                            dy = wide_values(m, n, rng);
+  auto dx = upload_bf16(x), dw = upload_bf16(w), ddy = upload_bf16(dy);
+  DeviceBuffer<uint8_t> xc(size_t(m * k)), xtc(size_t(k * m16)), wc(size_t(n * k)),
+      wtc(size_t(k * n)), dyc(size_t(m * n)), dytc(size_t(n * m16));
+  const int64_t kb = pad(k, 128) / 128, nb = pad(n, 128) / 128, mb = pad(m, 128) / 128;
+  DeviceBuffer<float> xs(size_t(kb * pad(m, 4))), xts(size_t(mb * k)), ws(size_t(nb * kb)),
+      wts(size_t(kb * nb)), dys(size_t(nb * pad(m, 4))), dyts(size_t(mb * n));
+  const auto e4 = DType::kE4M3, f = DType::kF32;
+  ops::quantize_fp8_rows(dev(dx.get(), DType::kBF16, m, k, k), dev(xc.get(), e4, m, k, k),
+                         dev(xs.get(), f, kb, m, pad(m, 4)), dev(xtc.get(), e4, k, m16, m16),
+                         dev(xts.get(), f, mb, k, k), nullptr);
+  ops::quantize_fp8_blocks(dev(dw.get(), DType::kBF16, n, k, k), dev(wc.get(), e4, n, k, k),
+                           dev(ws.get(), f, nb, kb, kb), dev(wtc.get(), e4, k, n, n),
+                           dev(wts.get(), f, kb, nb, nb), nullptr);
+  ops::quantize_fp8_rows(dev(ddy.get(), DType::kBF16, m, n, n), dev(dyc.get(), e4, m, n, n),
+                         dev(dys.get(), f, nb, m, pad(m, 4)), dev(dytc.get(), e4, n, m16, m16),
+                         dev(dyts.get(), f, mb, n, n), nullptr);
+  DeviceBuffer<bf16> y(size_t(m * n)), dxo(size_t(m * k));
+  DeviceBuffer<float> dwo(size_t(n * k));
+  y.poison();
+  dxo.poison();
+  CODA_CUDA_CHECK(cudaMemset(dwo.get(), 0, dwo.size() * 4));
+  ops::gemm_fp8(dev(xc.get(), e4, m, k, k), dev(xs.get(), f, kb, m, pad(m, 4)),
+                dev(wc.get(), e4, n, k, k), dev(ws.get(), f, nb, kb, kb),
+                dev(y.get(), DType::kBF16, m, n, n), nullptr);
+  ops::gemm_fp8(dev(dyc.get(), e4, m, n, n), dev(dys.get(), f, nb, m, pad(m, 4)),
+                dev(wtc.get(), e4, k, n, n), dev(wts.get(), f, kb, nb, nb),
+                dev(dxo.get(), DType::kBF16, m, k, k), nullptr);
+  ops::gemm_fp8_xyt(dev(dytc.get(), e4, n, m16, m16), dev(dyts.get(), f, mb, n, n),
+                    dev(xtc.get(), e4, k, m16, m16), dev(xts.get(), f, mb, k, k),
+                    dev(dwo.get(), f, n, k, k), true, nullptr);
+  CODA_CUDA_CHECK(cudaDeviceSynchronize());
+
+  using Ref = MatrixRef<double>;
+  const auto qx = reference::quantize_blockwise(Ref::row_major(x.data(), m, k), 1, 128);
+  const auto qw = reference::quantize_blockwise(Ref::row_major(w.data(), n, k), 128, 128);
+  const auto qwt = reference::quantize_blockwise(Ref::transposed(w.data(), k, n), 128, 128);
+  const auto qdy = reference::quantize_blockwise(Ref::row_major(dy.data(), m, n), 1, 128);
+  const auto qdyt = reference::quantize_blockwise(Ref::transposed(dy.data(), n, m), 1, 128);
+  const auto qxt = reference::quantize_blockwise(Ref::transposed(x.data(), k, m), 1, 128);
+  expect_close("y = x·wᵀ", download_bf16(y), reference::gemm_fp8_blockwise<double>(qx, qw));
+  expect_close("dx = dy·w", download_bf16(dxo), reference::gemm_fp8_blockwise<double>(qdy, qwt));
+  const std::vector<float> got = dwo.download();
+  expect_close("dw = dyᵀ·x", std::vector<double>(got.begin(), got.end()),
+               reference::gemm_fp8_blockwise<double>(qdyt, qxt));
+}
+
+}  // namespace
+}  // namespace coda::kernel

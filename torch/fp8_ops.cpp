@@ -1,0 +1,318 @@
+// The blockwise FP8 ops (docs/torch-ops.md, "FP8"): the cast passes and the FP8 GEMMs. On CUDA
+// they run the Hopper kernels through include/coda/ops.hpp; on the CPU the reference recipe
+// (reference/fp8.hpp), which emulates e4m3 exactly and writes the same layouts, so CPU and CUDA
+// results compare code for code. Codes are torch.float8_e4m3fn tensors; scales fp32 as in
+// ops.hpp: a 1x128-blocked (rows, cols) tensor has (ceil(cols / 128), rows) scales whose row
+// stride is rows rounded up to 4 (a view of that storage), a 128x128-blocked one
+// (ceil(rows / 128), ceil(cols / 128)).
+#include <torch/library.h>
+
+#include <tuple>
+#include <vector>
+
+#include "checks.hpp"
+#include "coda/kernel/args.hpp"
+#include "coda/reference/fp8.hpp"
+#if CODA_TORCH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "coda/kernel/runtime.hpp"
+#include "coda/ops.hpp"
+#endif
+
+namespace coda::torch_ext {
+namespace {
+
+using at::Tensor;
+using kernel::ScaleLayout;
+using Quantized = std::tuple<Tensor, Tensor, Tensor, Tensor>;
+
+int64_t blocks(int64_t n) { return ScaleLayout::blocks(n); }
+int64_t round_up(int64_t n, int64_t q) { return (n + q - 1) / q * q; }
+
+// The high-precision input of a cast: bf16 on CUDA; float32, float64 or bf16 on the CPU.
+void check_input(const char* op, const char* name, const Tensor& x) {
+  TORCH_CHECK(x.defined(), op, ": ", name, " is undefined");
+  TORCH_CHECK(x.is_cpu() || x.is_cuda(), op, ": ", name, " is on ", x.device(),
+              "; coda ops run on CPU or CUDA");
+  const auto t = x.scalar_type();
+  TORCH_CHECK(t == at::kBFloat16 || (x.is_cpu() && (t == at::kFloat || t == at::kDouble)), op, ": ",
+              name, " must be bfloat16", x.is_cpu() ? " (or float32 / float64 on the CPU)" : "",
+              ", got ", t);
+  TORCH_CHECK(x.dim() == 2 && x.numel() > 0, op, ": ", name, " must be a non-empty matrix, got ",
+              shape_string(x.sizes()));
+  TORCH_CHECK(x.size(1) % 16 == 0, op, ": ", name,
+              "'s columns must be a multiple of 16 (16-byte rows of e4m3), got ", x.size(1));
+  TORCH_CHECK(x.is_contiguous(), op, ": ", name, " must be contiguous, got strides ",
+              shape_string(x.strides()));
+}
+
+at::TensorOptions codes_options(const Tensor& like) {
+  return at::TensorOptions().dtype(at::kFloat8_e4m3fn).device(like.device());
+}
+at::TensorOptions scale_options(const Tensor& like) {
+  return at::TensorOptions().dtype(at::kFloat).device(like.device());
+}
+// (rows, cols) scales whose storage rows are `ld` wide.
+Tensor scales_with_ld(const Tensor& like, int64_t rows, int64_t cols, int64_t ld) {
+  return at::empty({rows, ld}, scale_options(like)).narrow(1, 0, cols);
+}
+Tensor none(const Tensor& like) { return at::empty({0}, scale_options(like)); }
+
+// ---- the CPU reference: from BlockQuantized to the kernels' layouts and back ----------------
+std::vector<float> as_floats(const Tensor& x) {
+  const Tensor f = x.to(at::kFloat).contiguous();
+  return std::vector<float>(f.data_ptr<float>(), f.data_ptr<float>() + f.numel());
+}
+void put_codes(const reference::BlockQuantized& q, Tensor& codes) {
+  auto* dst = reinterpret_cast<uint8_t*>(codes.data_ptr());
+  for (int64_t i = 0; i < q.rows; ++i)
+    for (int64_t j = 0; j < q.cols; ++j) dst[i * codes.stride(0) + j] = q.code_at(i, j);
+}
+// 1x128 scales of q (rows, cols) into (KB, rows): entry (kb, r) at kb · ld + r; rows past q up to
+// the storage's width get 1, as the CUDA kernel writes them.
+void put_row_scales(const reference::BlockQuantized& q, Tensor& scales) {
+  auto* dst = scales.data_ptr<float>();
+  const int64_t ld = scales.stride(0), width = ld;
+  for (int64_t kb = 0; kb < q.grid_cols(); ++kb)
+    for (int64_t r = 0; r < width; ++r)
+      dst[kb * ld + r] = r < q.rows ? q.scale_at(r, kb * q.block_cols) : 1.0f;
+}
+void put_block_scales(const reference::BlockQuantized& q, Tensor& scales) {
+  auto* dst = scales.data_ptr<float>();
+  for (int64_t i = 0; i < q.grid_rows(); ++i)
+    for (int64_t j = 0; j < q.grid_cols(); ++j)
+      dst[i * scales.stride(0) + j] = q.scales[i * q.grid_cols() + j];
+}
+reference::BlockQuantized read_operand(const Tensor& codes, const Tensor& scales,
+                                       bool block_scales) {
+  reference::BlockQuantized q{codes.size(0), codes.size(1), block_scales ? 128 : 1, 128, {}, {}};
+  q.codes.resize(size_t(q.rows * q.cols));
+  const auto* src = reinterpret_cast<const uint8_t*>(codes.data_ptr());
+  for (int64_t i = 0; i < q.rows; ++i)
+    for (int64_t j = 0; j < q.cols; ++j) q.codes[i * q.cols + j] = src[i * codes.stride(0) + j];
+  q.scales.resize(size_t(q.grid_rows() * q.grid_cols()));
+  const float* sp = scales.data_ptr<float>();
+  const int64_t ld = scales.stride(0);
+  for (int64_t i = 0; i < q.grid_rows(); ++i)
+    for (int64_t kb = 0; kb < q.grid_cols(); ++kb)
+      q.scales[i * q.grid_cols() + kb] = block_scales ? sp[i * ld + kb] : sp[kb * ld + i];
+  return q;
+}
+
+#if CODA_TORCH_CUDA
+TensorView view(const Tensor& t, DType d) {
+  TORCH_CHECK(t.dim() == 2 && (t.size(1) <= 1 || t.stride(1) == 1),
+              "coda: expected a row-major matrix, got sizes ", t.sizes(), " strides ", t.strides());
+  return TensorView::matrix(t.data_ptr(), d, t.size(0), t.size(1), t.stride(0), t.device().index());
+}
+TensorView codes_view(const Tensor& t) { return view(t, DType::kE4M3); }
+TensorView scales_view(const Tensor& t) { return view(t, DType::kF32); }
+cudaStream_t stream_of(const Tensor& t) {
+  return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
+}
+#endif
+
+// The four outputs of a cast; the ones not asked for are empty.
+Quantized quantize(const char* op, const Tensor& x, bool rows, bool transposed, bool tiles) {
+  check_input(op, "x", x);
+  TORCH_CHECK(rows || transposed, op, ": neither rows nor transposed is asked for");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(!(tiles && transposed) || m % 16 == 0, op,
+              ": the transposed copy of a 128x128-blocked tensor needs rows a multiple of 16, got ",
+              m);
+  Tensor codes = none(x), scales = none(x), codes_t = none(x), scales_t = none(x);
+  if (rows) {
+    codes = at::empty({m, k}, codes_options(x));
+    scales = tiles ? at::empty({blocks(m), blocks(k)}, scale_options(x))
+                   : scales_with_ld(x, blocks(k), m, round_up(m, 4));
+  }
+  if (transposed) {
+    codes_t = tiles ? at::empty({k, m}, codes_options(x))
+                    : at::empty({k, round_up(m, 16)}, codes_options(x));
+    scales_t = tiles ? at::empty({blocks(k), blocks(m)}, scale_options(x))
+                     : at::empty({blocks(m), k}, scale_options(x));
+  }
+  if (x.is_cpu()) {
+    const std::vector<float> v = as_floats(x);
+    if (rows) {
+      const auto q = reference::quantize_blockwise(
+          reference::MatrixRef<float>::row_major(v.data(), m, k), tiles ? 128 : 1, 128);
+      put_codes(q, codes);
+      if (tiles)
+        put_block_scales(q, scales);
+      else
+        put_row_scales(q, scales);
+    }
+    if (transposed) {
+      const auto q = reference::quantize_blockwise(
+          reference::MatrixRef<float>::transposed(v.data(), k, m), tiles ? 128 : 1, 128);
+      codes_t.zero_();
+      put_codes(q, codes_t);
+      if (tiles)
+        put_block_scales(q, scales_t);
+      else
+        put_row_scales(q, scales_t);
+    }
+    return {codes, scales, codes_t, scales_t};
+  }
+#if CODA_TORCH_CUDA
+  const c10::cuda::CUDAGuard guard(x.device());
+  const TensorView xv = view(x, DType::kBF16);
+  const TensorView absent{};
+  const TensorView c = rows ? codes_view(codes) : absent, s = rows ? scales_view(scales) : absent;
+  const TensorView ct = transposed ? codes_view(codes_t) : absent,
+                   st = transposed ? scales_view(scales_t) : absent;
+  if (tiles)
+    ops::quantize_fp8_blocks(xv, c, s, ct, st, stream_of(x));
+  else
+    ops::quantize_fp8_rows(xv, c, s, ct, st, stream_of(x));
+  return {codes, scales, codes_t, scales_t};
+#else
+  TORCH_CHECK(false, op, ": this build has no CUDA kernels");
+#endif
+}
+
+Quantized fp8_quantize_rows(const Tensor& x, bool rows, bool transposed) {
+  return quantize("coda::fp8_quantize_rows", x, rows, transposed, false);
+}
+Quantized fp8_quantize_blocks(const Tensor& w, bool rows, bool transposed) {
+  return quantize("coda::fp8_quantize_blocks", w, rows, transposed, true);
+}
+
+// An operand: e4m3 codes (rows, k) with rows-major storage and its fp32 scales, on one device.
+void check_operand(const char* op, const char* name, const Tensor& codes, const char* sname,
+                   const Tensor& scales, const Tensor& first) {
+  TORCH_CHECK(codes.defined() && scales.defined(), op, ": ", name, " or ", sname, " is undefined");
+  TORCH_CHECK(codes.device() == first.device() && scales.device() == first.device(), op, ": ", name,
+              " and ", sname, " must be on ", first.device(), ", got ", codes.device(), " and ",
+              scales.device());
+  TORCH_CHECK(codes.scalar_type() == at::kFloat8_e4m3fn, op, ": ", name,
+              " must be float8_e4m3fn, got ", codes.scalar_type());
+  TORCH_CHECK(scales.scalar_type() == at::kFloat, op, ": ", sname, " must be float32, got ",
+              scales.scalar_type());
+  TORCH_CHECK(codes.dim() == 2 && codes.numel() > 0 && codes.stride(1) == 1, op, ": ", name,
+              " must be a non-empty row-major matrix, got sizes ", shape_string(codes.sizes()),
+              " strides ", shape_string(codes.strides()));
+  TORCH_CHECK(scales.dim() == 2 && scales.stride(1) == 1, op, ": ", sname,
+              " must be a row-major matrix, got sizes ", shape_string(scales.sizes()), " strides ",
+              shape_string(scales.strides()));
+  TORCH_CHECK(codes.is_cpu() || codes.is_cuda(), op, ": ", name, " is on ", codes.device());
+}
+void check_scale_shape(const char* op, const char* name, const Tensor& s, int64_t rows,
+                       int64_t cols) {
+  TORCH_CHECK(s.size(0) == rows && s.size(1) == cols, op, ": ", name, " must have shape (", rows,
+              ", ", cols, "), got ", shape_string(s.sizes()));
+  if (s.is_cpu())  // the reference reads the storage the CUDA kernels would
+    TORCH_CHECK(s.stride(0) >= cols, op, ": ", name, "'s row stride must be >= ", cols);
+}
+
+// x (M, K) 1x128 · w (N, K) (128x128 blocks when `w_blocks`, else 1x128) -> (M, N).
+Tensor gemm(const char* op, const Tensor& x, const Tensor& xs, const Tensor& w, const Tensor& ws,
+            bool w_blocks, const Tensor* accumulate) {
+  check_operand(op, "x", x, "x_scales", xs, x);
+  check_operand(op, "w", w, "w_scales", ws, x);
+  TORCH_CHECK(x.size(1) == w.size(1), op, ": x is ", shape_string(x.sizes()), " and w is ",
+              shape_string(w.sizes()), ": their K differ");
+  const int64_t m = x.size(0), n = w.size(0), k = x.size(1);
+  check_scale_shape(op, "x_scales", xs, blocks(k), m);
+  if (w_blocks)
+    check_scale_shape(op, "w_scales", ws, blocks(n), blocks(k));
+  else
+    check_scale_shape(op, "w_scales", ws, blocks(k), n);
+  if (accumulate) {
+    const Tensor& d = *accumulate;
+    TORCH_CHECK(d.defined() && d.device() == x.device() && d.scalar_type() == at::kFloat &&
+                    d.sizes() == c10::IntArrayRef({m, n}) && d.is_contiguous(),
+                op, ": d must be a contiguous float32 (", m, ", ", n, ") tensor on ", x.device(),
+                ", got ", d.defined() ? shape_string(d.sizes()) : "undefined");
+  }
+  if (x.is_cpu()) {
+    const auto a = read_operand(x, xs, false), b = read_operand(w, ws, w_blocks);
+    const std::vector<double> d = reference::gemm_fp8_blockwise<double>(a, b);
+    const Tensor out = at::from_blob(const_cast<double*>(d.data()), {m, n}, at::kDouble).clone();
+    if (accumulate) {
+      const_cast<Tensor&>(*accumulate).add_(out.to(at::kFloat));
+      return *accumulate;
+    }
+    return out;
+  }
+#if CODA_TORCH_CUDA
+  const c10::cuda::CUDAGuard guard(x.device());
+  const Tensor d = accumulate ? *accumulate : at::empty({m, n}, x.options().dtype(at::kBFloat16));
+  if (w_blocks)
+    ops::gemm_fp8(codes_view(x), scales_view(xs), codes_view(w), scales_view(ws),
+                  view(d, DType::kBF16), stream_of(x));
+  else
+    ops::gemm_fp8_xyt(codes_view(x), scales_view(xs), codes_view(w), scales_view(ws),
+                      view(d, accumulate ? DType::kF32 : DType::kBF16), accumulate != nullptr,
+                      stream_of(x));
+  return d;
+#else
+  TORCH_CHECK(false, op, ": this build has no CUDA kernels");
+#endif
+}
+
+Tensor fp8_gemm(const Tensor& x, const Tensor& x_scales, const Tensor& w, const Tensor& w_scales) {
+  return gemm("coda::fp8_gemm", x, x_scales, w, w_scales, true, nullptr);
+}
+Tensor fp8_gemm_xyt(const Tensor& x, const Tensor& x_scales, const Tensor& y,
+                    const Tensor& y_scales) {
+  return gemm("coda::fp8_gemm_xyt", x, x_scales, y, y_scales, false, nullptr);
+}
+void fp8_gemm_xyt_accumulate_(const Tensor& d, const Tensor& x, const Tensor& x_scales,
+                              const Tensor& y, const Tensor& y_scales) {
+  gemm("coda::fp8_gemm_xyt_accumulate_", x, x_scales, y, y_scales, false, &d);
+}
+
+// Benchmarks' kernel sweeps: kernel::set_kernel_overrides (CODA_KERNEL_OVERRIDE's syntax).
+void set_kernel_overrides(c10::string_view spec) {
+#if CODA_TORCH_CUDA
+  kernel::set_kernel_overrides(std::string(spec));
+#else
+  TORCH_CHECK(false, "coda::set_kernel_overrides: this build has no CUDA kernels");
+#endif
+}
+
+namespace names {
+inline constexpr char overrides[] = "coda::set_kernel_overrides";
+inline constexpr char quantize_rows[] = "coda::fp8_quantize_rows";
+inline constexpr char quantize_blocks[] = "coda::fp8_quantize_blocks";
+inline constexpr char gemm_blocks[] = "coda::fp8_gemm";
+inline constexpr char gemm_xyt[] = "coda::fp8_gemm_xyt";
+inline constexpr char gemm_xyt_acc[] = "coda::fp8_gemm_xyt_accumulate_";
+}  // namespace names
+
+void register_fp8(torch::Library& m) {
+  m.impl("fp8_quantize_rows", CODA_GUARDED(names::quantize_rows, fp8_quantize_rows));
+  m.impl("fp8_quantize_blocks", CODA_GUARDED(names::quantize_blocks, fp8_quantize_blocks));
+  m.impl("fp8_gemm", CODA_GUARDED(names::gemm_blocks, fp8_gemm));
+  m.impl("fp8_gemm_xyt", CODA_GUARDED(names::gemm_xyt, fp8_gemm_xyt));
+  m.impl("fp8_gemm_xyt_accumulate_", CODA_GUARDED(names::gemm_xyt_acc, fp8_gemm_xyt_accumulate_));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(coda, m) {
+  m.def(
+      "fp8_quantize_rows(Tensor x, bool rows=True, bool transposed=False) "
+      "-> (Tensor codes, Tensor scales, Tensor codes_t, Tensor scales_t)");
+  m.def(
+      "fp8_quantize_blocks(Tensor w, bool rows=True, bool transposed=False) "
+      "-> (Tensor codes, Tensor scales, Tensor codes_t, Tensor scales_t)");
+  m.def("fp8_gemm(Tensor x, Tensor x_scales, Tensor w, Tensor w_scales) -> Tensor");
+  m.def("fp8_gemm_xyt(Tensor x, Tensor x_scales, Tensor y, Tensor y_scales) -> Tensor");
+  m.def(
+      "fp8_gemm_xyt_accumulate_(Tensor(a!) d, Tensor x, Tensor x_scales, Tensor y, "
+      "Tensor y_scales) -> ()");
+  m.def("set_kernel_overrides(str spec) -> ()",
+        CODA_GUARDED(names::overrides, set_kernel_overrides));
+}
+
+TORCH_LIBRARY_IMPL(coda, CPU, m) { register_fp8(m); }
+#if CODA_TORCH_CUDA
+TORCH_LIBRARY_IMPL(coda, CUDA, m) { register_fp8(m); }
+#endif
+
+}  // namespace coda::torch_ext
