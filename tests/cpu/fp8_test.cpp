@@ -4,14 +4,14 @@
 // pattern, every tie between neighbours, saturation, zeros, subnormals, NaN and infinities, and
 // the block scale's power-of-two rule.
 
+#include "coda/epilogue/fp8.hpp"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <random>
-
-#include "coda/epilogue/fp8.hpp"
 
 namespace coda::epilogue {
 namespace {
@@ -132,13 +132,25 @@ TEST(E4m3, BlockScaleIsTheSmallestPowerOfTwoThatFitsTheBlock) {
   }
 }
 
+TEST(E4m3, InverseOfEveryScaleIsExact) {
+  // Every power of two a scale can be (2^-126 .. 2^120): inverse(s) · s == 1 exactly, and
+  // quantizing by the inverse equals quantizing by the quotient.
+  for (int p = -126; p <= 120; ++p) {
+    const float s = std::ldexp(1.0f, p), inv = E4m3::inverse(s);
+    EXPECT_EQ(double(inv) * double(s), 1.0) << p;
+    for (float v : {1.0f, -3.0f, 0.3f, 448.0f, 1e-30f, 7e30f})
+      EXPECT_EQ(E4m3::quantize_by_inverse(v, inv), E4m3::quantize(v, s)) << p << " " << v;
+  }
+  EXPECT_TRUE(std::isnan(E4m3::inverse(std::nanf(""))));
+}
+
 TEST(E4m3, BlockScaleOfATinyBlockStaysANormalFloat) {
   // Below amax = 448 · 2^-126 the scale stops at 2^-126 rather than underflowing to 0 (which
   // would turn the block into NaN or infinity); amax / s still fits.
   const float floor_scale = std::ldexp(1.0f, -126);
-  for (const float amax : {std::ldexp(1.0f, -120), std::ldexp(1.0f, -140),
-                           std::numeric_limits<float>::denorm_min(),
-                           std::numeric_limits<float>::min()}) {
+  for (const float amax :
+       {std::ldexp(1.0f, -120), std::ldexp(1.0f, -140), std::numeric_limits<float>::denorm_min(),
+        std::numeric_limits<float>::min()}) {
     const float s = E4m3::scale(amax);
     EXPECT_GE(s, floor_scale) << amax;
     EXPECT_TRUE(std::isfinite(1.0f / s)) << amax;

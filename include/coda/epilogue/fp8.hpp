@@ -46,8 +46,8 @@ struct E4m3 {
     uint32_t u;
     memcpy(&u, &v, 4);
     const uint8_t sign = uint8_t((u >> 24) & 0x80);
-    const uint32_t a = u & 0x7fffffffu;  // |v|'s bits
-    if (a > 0x7f800000u) return kNan;    // NaN
+    const uint32_t a = u & 0x7fffffffu;        // |v|'s bits
+    if (a > 0x7f800000u) return kNan;          // NaN
     if (a >= 0x43e00000u) return sign | 0x7e;  // |v| >= 448 (inf included): saturate
     // |v| < 2^-6: the subnormal range, a multiple of 2^-9 after rounding; else keep 3 mantissa
     // bits of the normal fp32 value.
@@ -71,22 +71,43 @@ struct E4m3 {
 
   // The block scale for a block whose largest magnitude is amax: 2^ceil(log2(amax / 448)), the
   // smallest power of two s with amax <= 448·s, computed exactly (no rounded quotient), and no
-  // smaller than 2^-126; 1 for amax = 0. A NaN or infinite amax gives a NaN scale (the block's values are NaN then).
+  // smaller than 2^-126; 1 for amax = 0. A NaN or infinite amax gives a NaN scale (the block's
+  // values are NaN then).
   CODA_HD static float scale(float amax) {
     if (amax == 0.0f) return 1.0f;
     if (!(amax > 0.0f && amax <= 3.4028235e38f)) return NAN;
-    int e;
-    const float f = frexpf(amax, &e);  // amax = f · 2^e, f in [0.5, 1); 448 = 0.875 · 2^9
-    // At least 2^-126 (the smallest normal float, with a finite reciprocal): a tinier power of
-    // two underflows to 0 for amax below 2^-140, and amax <= 448 · 2^-126 holds there anyway.
-    const int p = f <= 0.875f ? e - 9 : e - 8;
-    return ldexpf(1.0f, p < -126 ? -126 : p);
+    // On the bits (no frexp / ldexp: one integer path for host and device). For a normal amax =
+    // 1.f · 2^e, amax / 448 = (1.f / 1.75) · 2^(e-8), so p = e - 8 when 1.f <= 1.75 (mantissa
+    // bits <= 0x600000) and e - 7 above. A subnormal amax is below 448 · 2^-126 anyway. p is at
+    // least -126 (the smallest normal float, with a finite reciprocal: a tinier power of two would
+    // underflow to 0 for amax below 2^-140).
+    uint32_t bits;
+    memcpy(&bits, &amax, 4);
+    const int e = int(bits >> 23) - 127;
+    int p = (bits >> 23) == 0 ? -126 : (bits & 0x7fffffu) <= 0x600000u ? e - 8 : e - 7;
+    p = p < -126 ? -126 : p;
+    const uint32_t sbits = uint32_t(p + 127) << 23;
+    float out;
+    memcpy(&out, &sbits, 4);
+    return out;
+  }
+
+  // 1 / s for a block scale s (a power of two in [2^-126, 2^120]), exactly, on the bits: the
+  // exponent field goes from f to 254 - f. A NaN scale gives NaN.
+  CODA_HD static float inverse(float s) {
+    uint32_t bits;
+    memcpy(&bits, &s, 4);
+    if ((bits & 0x7f800000u) == 0x7f800000u) return NAN;
+    const uint32_t inv = (254u - (bits >> 23)) << 23;
+    float out;
+    memcpy(&out, &inv, 4);
+    return out;
   }
 
   // e4m3(v / s): the quantized value of v in a block of scale s.
   CODA_HD static uint8_t quantize(float v, float s) { return encode(v / s); }
-  // The same from 1 / s: a power of two in [2^-128, 2^126] whose product with v rounds exactly as
-  // the quotient v / s does (both are v scaled by a power of two, correctly rounded).
+  // The same from inverse(s): a power of two whose product with v rounds exactly as the quotient
+  // v / s does (both are v scaled by a power of two, correctly rounded).
   CODA_HD static uint8_t quantize_by_inverse(float v, float inv_s) { return encode(v * inv_s); }
 };
 

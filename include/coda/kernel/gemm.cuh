@@ -42,8 +42,8 @@ struct KernelConfig {
 template <Config C>
 struct ConfigOf;
 #define CODA_CONFIG(name, str, tile_m, tile_n, tile_k, cluster_m, cluster_n, cooperative) \
-  template <>                                                                         \
-  struct ConfigOf<Config::k##name> {                                                  \
+  template <>                                                                             \
+  struct ConfigOf<Config::k##name> {                                                      \
     using type = KernelConfig<tile_m, tile_n, tile_k, cluster_m, cluster_n, cooperative>; \
   };
 #include "coda/kernel/table.def"
@@ -111,9 +111,8 @@ template <int GranularityN, cute::GMMA::Major MajorSFB>
 struct Fp8Operands {
   using Element = cutlass::float_e4m3_t;
   static constexpr bool kBlockwise = true;
-  using Scales =
-      cutlass::detail::Sm90BlockwiseScaleConfig<1, GranularityN, ScaleLayout::kBlock,
-                                                cute::GMMA::Major::MN, MajorSFB>;
+  using Scales = cutlass::detail::Sm90BlockwiseScaleConfig<1, GranularityN, ScaleLayout::kBlock,
+                                                           cute::GMMA::Major::MN, MajorSFB>;
   using LayoutSFA = decltype(Scales::deduce_layoutSFA());
   using LayoutSFB = decltype(Scales::deduce_layoutSFB());
   using A = cute::tuple<cutlass::layout::RowMajor, LayoutSFA>;
@@ -125,8 +124,9 @@ struct Fp8Operands {
     using namespace cute;
     const int kb = int(ScaleLayout::blocks(k));
     m = (m + 3) / 4 * 4;
-    return make_layout(make_shape(make_shape(Int<1>{}, m), make_shape(Int<ScaleLayout::kBlock>{}, kb), 1),
-                       make_stride(make_stride(_0{}, _1{}), make_stride(_0{}, int(ld)), int(ld) * kb));
+    return make_layout(
+        make_shape(make_shape(Int<1>{}, m), make_shape(Int<ScaleLayout::kBlock>{}, kb), 1),
+        make_stride(make_stride(_0{}, _1{}), make_stride(_0{}, int(ld)), int(ld) * kb));
   }
   static LayoutSFB layout_sfb(int n, int k, int64_t ld) {
     using namespace cute;
@@ -134,11 +134,13 @@ struct Fp8Operands {
     if constexpr (MajorSFB == GMMA::Major::K) {  // ((128, NB), (128, KB), 1), ((0, ld), (0, 1), ..)
       const int nb = int(ScaleLayout::blocks(n));
       return make_layout(
-          make_shape(make_shape(Int<GranularityN>{}, nb), make_shape(Int<ScaleLayout::kBlock>{}, kb), 1),
+          make_shape(make_shape(Int<GranularityN>{}, nb),
+                     make_shape(Int<ScaleLayout::kBlock>{}, kb), 1),
           make_stride(make_stride(_0{}, int(ld)), make_stride(_0{}, _1{}), int(ld) * nb));
     } else {  // ((1, N), (128, KB), 1), ((0, 1), (0, ld), ..)
       return make_layout(
-          make_shape(make_shape(Int<GranularityN>{}, n), make_shape(Int<ScaleLayout::kBlock>{}, kb), 1),
+          make_shape(make_shape(Int<GranularityN>{}, n), make_shape(Int<ScaleLayout::kBlock>{}, kb),
+                     1),
           make_stride(make_stride(_0{}, _1{}), make_stride(_0{}, int(ld)), int(ld) * kb));
     }
   }
@@ -204,8 +206,8 @@ struct GemmLauncher {
       FusionStagesC<Fusion>::value>::type;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, typename Operand::A,
-      kAlignAB, ElementAB, typename Operand::B, kAlignAB, float, TileShape, ClusterShape,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, typename Operand::A, kAlignAB,
+      ElementAB, typename Operand::B, kAlignAB, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       MainloopScheduleOf<Cfg, Operand::kBlockwise>>::CollectiveOp;
