@@ -7,8 +7,6 @@ GEMM rows, per projection (qkv, out, gate_up, down) and pass:
   wgrad  dw (N, K) = dyᵀ · x       both transposed copies, 1x128 along the tokens (K = M)
 Variants (each row checked before timing: ours against cuBLASLt on the same codes and scales):
   coda           our FP8 GEMM (CODA.fp8_gemm / fp8_gemm_xyt, bf16 out), the heuristic's kernel
-  coda_coop128   the same on cooperative 128x128x128 (kernel override)
-  coda_ping64    the same on pingpong 64x128x128 (kernel override)
   coda_acc       wgrad only: ours accumulating into an fp32 dw (CODA.fp8_gemm_xyt_accumulate_)
   cublaslt       torch._scaled_mm with blockwise scales (cuBLASLt's VEC128 / BLK128x128 modes)
   coda_bf16      our bf16 plain GEMM of the same shape (CODA.gemm / gemm_xw / gemm_xty)
@@ -50,19 +48,6 @@ def scaled_mm(a, a_scales, b, b_scales):
     """cuBLASLt's blockwise FP8 GEMM through PyTorch: a (M, K) · b (N, K)ᵀ, bf16 out. The 1x128
     scales go in as (M, K/128) views, outer-dimension-major, as cuBLASLt reads them."""
     return torch._scaled_mm(a, b.t(), scale_a=a_scales, scale_b=b_scales, out_dtype=BF16)
-
-
-def overridden(spec, fn):
-    """fn under the kernel override `spec` (CODA_KERNEL_OVERRIDE's syntax), reset after."""
-
-    def run():
-        CODA.set_kernel_overrides(spec)
-        try:
-            return fn()
-        finally:
-            CODA.set_kernel_overrides("")
-
-    return run
 
 
 def rel_err(a, b):
@@ -117,14 +102,7 @@ def gemm_rows(model, m, sec, progress):
                 print(f"FAIL fp8 {model} M={m} {proj} {name}: {row}", flush=True)
                 sec["rows"].append(row)
                 continue
-            ops = "Fp8XYt" if name == "wgrad" else "Fp8XWt"
-            variants = {
-                "coda": ours,
-                "coda_coop128": overridden(f"gemm/{ops}=coop_128x128x128_c1x2:8:M", ours),
-                "coda_ping64": overridden(f"gemm/{ops}=ping_64x128x128_c1x2:8:M", ours),
-                "coda_bf16": ours16,
-                "cublas_bf16": cublas16,
-            }
+            variants = {"coda": ours, "coda_bf16": ours16, "cublas_bf16": cublas16}
             if have_lt:
                 variants["cublaslt"] = lt
             if name == "wgrad":

@@ -93,16 +93,13 @@ KernelChoice plain_xw(const GemmShape& s) {
 }
 
 // Blockwise FP8 (the plain GEMM and the fp32-accumulating weight gradient): cooperative 128x128
-// (two 64-row warpgroups, each with its accumulator and the mainloop's per-block partial sum),
-// in the pingpong programs' tile order; pingpong 64x128 where a 128-row tile grid leaves most of
-// the last wave empty.
-KernelChoice fp8_config(Program p, Operands o, const GemmShape& s, const DeviceProps& props) {
-  const KernelChoice coop{Config::kCoop128x128x128_1x2, ping_order(s)};
-  if (p != Program::kPlain || o != Operands::kFp8XWt) return coop;
-  const double fill = wave_fill(s, 128, 128, props.multiprocessors);
-  if (fill < 0.8 && wave_fill(s, 64, 128, props.multiprocessors) > fill + 0.1)
-    return {Config::kPing64x128x128_1x2, ping_order(s)};
-  return coop;
+// (two 64-row warpgroups, each with its accumulator and the mainloop's per-block partial sum) in
+// the pingpong programs' tile order. At every LLaMA-3 projection
+// (bench/results/2026-12-01-fp8.json) it ran 0.97-1.03x cuBLASLt's time forward and for the data
+// gradient; pingpong 64x128 ran 0.50-0.76x and is not built; swizzle 8 on 1B's 24-column QKV grid
+// ran 0.74x (ping_order's 4: 0.99x).
+KernelChoice fp8_config(const GemmShape& s) {
+  return {Config::kCoop128x128x128_1x2, ping_order(s)};
 }
 
 KernelChoice program_config(Program p, const GemmShape& s) {
@@ -166,7 +163,7 @@ KernelChoice choose_config(Program p, Operands o, const GemmShape& s, const Devi
   CODA_CHECK(props.multiprocessors > 0,
              "choose_config: the device's multiprocessor count must be positive, got ",
              props.multiprocessors);
-  if (is_fp8(o)) return fp8_config(p, o, s, props);
+  if (is_fp8(o)) return fp8_config(s);
   if (p != Program::kPlain) return program_config(p, s);
   switch (o) {
     case Operands::kXWt:

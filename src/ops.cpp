@@ -560,18 +560,28 @@ kernel::Fp8Output fp8_output(const TensorView& codes, const TensorView& scales) 
 void fp8_operand(Args& c, const char* name, const TensorView& t, int64_t rows, int64_t k) {
   c.matrix(name, t, DType::kE4M3, rows, k);
 }
+// A cast's bf16 input (rows, cols), cols a multiple of 16, and at least one of its outputs.
+struct CastSizes {
+  int64_t rows, cols;
+};
+CastSizes cast_input(Args& c, const char* name, const TensorView& x, const TensorView& codes,
+                     const TensorView& codes_t) {
+  CODA_CHECK(x.dims == 2, c.op(), ": ", name, " must be a matrix");
+  const int64_t rows = x.rows, cols = x.cols;
+  CODA_CHECK(rows > 0 && cols > 0 && cols % 16 == 0 && rows < (int64_t(1) << 31) &&
+                 cols < (int64_t(1) << 31),
+             c.op(), ": ", name, " must be (rows, cols) with cols a multiple of 16, both ",
+             "positive and below 2^31, got (", rows, ", ", cols, ")");
+  c.matrix(name, x, kBf, rows, cols);
+  CODA_CHECK(codes.data || codes_t.data, c.op(), ": neither codes nor codes_t is wanted");
+  return {rows, cols};
+}
 }  // namespace
 
 void quantize_fp8_rows(View x, View codes, View scales, View codes_t, View scales_t,
                        cudaStream_t stream) {
   Args c("coda::ops::quantize_fp8_rows");
-  CODA_CHECK(x.dims == 2, c.op(), ": x must be a matrix");
-  const int64_t m = x.rows, k = x.cols;
-  CODA_CHECK(m > 0 && k > 0 && k % 16 == 0 && m < (int64_t(1) << 31) && k < (int64_t(1) << 31),
-             c.op(), ": x must be (M, K) with K a multiple of 16, both positive and below 2^31, ",
-             "got (", m, ", ", k, ")");
-  c.matrix("x", x, kBf, m, k);
-  CODA_CHECK(codes.data || codes_t.data, c.op(), ": neither codes nor codes_t is wanted");
+  const auto [m, k] = cast_input(c, "x", x, codes, codes_t);
   if (codes.data) {
     c.matrix("codes", codes, DType::kE4M3, m, k);
     c.scales("scales", scales, blocks(k), m, true);
@@ -589,13 +599,7 @@ void quantize_fp8_rows(View x, View codes, View scales, View codes_t, View scale
 void quantize_fp8_blocks(View w, View codes, View scales, View codes_t, View scales_t,
                          cudaStream_t stream) {
   Args c("coda::ops::quantize_fp8_blocks");
-  CODA_CHECK(w.dims == 2, c.op(), ": w must be a matrix");
-  const int64_t n = w.rows, k = w.cols;
-  CODA_CHECK(n > 0 && k > 0 && k % 16 == 0 && n < (int64_t(1) << 31) && k < (int64_t(1) << 31),
-             c.op(), ": w must be (N, K) with K a multiple of 16, both positive and below 2^31, ",
-             "got (", n, ", ", k, ")");
-  c.matrix("w", w, kBf, n, k);
-  CODA_CHECK(codes.data || codes_t.data, c.op(), ": neither codes nor codes_t is wanted");
+  const auto [n, k] = cast_input(c, "w", w, codes, codes_t);
   if (codes.data) {
     c.matrix("codes", codes, DType::kE4M3, n, k);
     c.scales("scales", scales, blocks(n), blocks(k), false);

@@ -192,6 +192,16 @@ Fp8Operand upload_blocks(const BlockQuantized& q) {
   return {DeviceBuffer<uint8_t>(q.codes), DeviceBuffer<float>(q.scales), q.grid_cols()};
 }
 
+// The problem (M, N, K) over a and b, their scales included; no C or D yet.
+GemmProblem fp8_problem(const Shape& s, const Fp8Operand& a, const Fp8Operand& b) {
+  GemmProblem p{s.m, s.n, s.k, a.codes.get(), s.k, b.codes.get(), s.k};
+  p.scale_a = a.scales.get();
+  p.ld_scale_a = a.ld_scales;
+  p.scale_b = b.scales.get();
+  p.ld_scale_b = b.ld_scales;
+  return p;
+}
+
 void expect_close(const std::string& what, const std::vector<double>& out,
                   const std::vector<double>& ref) {
   ASSERT_EQ(out.size(), ref.size()) << what;
@@ -226,12 +236,9 @@ TEST_F(GpuKernelTest, Fp8GemmMatchesTheBlockwiseRecipe) {
       const Fp8Operand a = upload_rows(qx), b = upload_blocks(qw);
       DeviceBuffer<bf16> d(size_t(s.m) * s.n);
       d.poison();
-      GemmProblem p{s.m, s.n,     s.k, a.codes.get(), s.k, b.codes.get(),
-                    s.k, nullptr, 0,   d.get(),       s.n};
-      p.scale_a = a.scales.get();
-      p.ld_scale_a = a.ld_scales;
-      p.scale_b = b.scales.get();
-      p.ld_scale_b = b.ld_scales;
+      GemmProblem p = fp8_problem(s, a, b);
+      p.d = d.get();
+      p.ldd = s.n;
       run<Program::kPlain>(c, p, {}, Operands::kFp8XWt);
       expect_close("fp8 " + label(c, s), download_bf16(d),
                    reference::gemm_fp8_blockwise<double>(qx, qw));
@@ -249,11 +256,7 @@ TEST_F(GpuKernelTest, Fp8WeightGradientMatchesTheBlockwiseRecipe) {
         reference::quantize_blockwise(MatrixRef<double>::row_major(y.data(), s.n, s.k), 1, 128);
     const Fp8Operand a = upload_rows(qx), b = upload_rows(qy);
     const std::vector<double> ref = reference::gemm_fp8_blockwise<double>(qx, qy);
-    GemmProblem p{s.m, s.n, s.k, a.codes.get(), s.k, b.codes.get(), s.k};
-    p.scale_a = a.scales.get();
-    p.ld_scale_a = a.ld_scales;
-    p.scale_b = b.scales.get();
-    p.ld_scale_b = b.ld_scales;
+    const GemmProblem p = fp8_problem(s, a, b);
     for (Config c : compiled_configs(Program::kPlain, Operands::kFp8XYt)) {
       DeviceBuffer<bf16> d(size_t(s.m) * s.n);
       d.poison();

@@ -590,8 +590,8 @@ def wide_bf16(rows, cols, gen):
     """Values over many binades (each 8x8 patch its own power of two), bf16 on the CPU."""
     e = torch.randint(-24, 9, ((rows + 7) // 8, (cols + 7) // 8), generator=gen)
     e = e.repeat_interleave(8, 0)[:rows].repeat_interleave(8, 1)[:, :cols]
-    v = (torch.rand(rows, cols, generator=gen, dtype=torch.float64) * 2 - 1) * torch.exp2(e.double())
-    return v.to(BF16)
+    v = torch.rand(rows, cols, generator=gen, dtype=torch.float64) * 2 - 1
+    return (v * torch.exp2(e.double())).to(BF16)
 
 
 def same_bits(a, b, what):
@@ -634,7 +634,11 @@ def test_fp8_gemms_match_the_cpu_recipe(m, n, k):
     runs = {
         "y": (CODA.fp8_gemm(xc, xs, wc, ws), CODA.fp8_gemm, (xc, xs, wc, ws)),
         "dx": (CODA.fp8_gemm(dyc, dys, wtc, wts), CODA.fp8_gemm, (dyc, dys, wtc, wts)),
-        "dw bf16": (CODA.fp8_gemm_xyt(dytc, dyts, xtc, xts), CODA.fp8_gemm_xyt, (dytc, dyts, xtc, xts)),
+        "dw bf16": (
+            CODA.fp8_gemm_xyt(dytc, dyts, xtc, xts),
+            CODA.fp8_gemm_xyt,
+            (dytc, dyts, xtc, xts),
+        ),
         "dw fp32 +=": (dw, CODA.fp8_gemm_xyt, (dytc, dyts, xtc, xts)),
     }
     for what, (got, op, args) in runs.items():

@@ -1,7 +1,8 @@
-"""The blockwise FP8 ops (torch/fp8_ops.cpp) on the CPU, where they run the reference recipe, against
-the recipe written out independently in plain PyTorch: the block scale as the smallest power of two
-p with amax <= 448·p (found by search, not by the frexp rule the functor uses), the codes by
-torch's own float8_e4m3fn cast, the GEMM as the fp64 matmul of the dequantized operands."""
+"""The blockwise FP8 ops (torch/fp8_ops.cpp) on the CPU, where they run the reference recipe,
+against the recipe written out independently in plain PyTorch: the block scale as the smallest
+power of two p with amax <= 448·p (found by search, not by the bit rule the functor uses), the
+codes by torch's own float8_e4m3fn cast, the GEMM as the fp64 matmul of the dequantized
+operands."""
 
 from __future__ import annotations
 
@@ -104,8 +105,10 @@ def test_nan_spoils_its_blocks_only(g):
     x = wide(130, 256, g)
     x[3, 200] = float("nan")
     codes, scales, codes_t, scales_t = CODA.fp8_quantize_rows(x, True, True)
-    assert torch.isnan(scales[1, 3]) and torch.isfinite(scales[0, 3]) and torch.isfinite(scales[1, 4])
-    assert torch.isnan(codes[3, 128:].float()).all() and torch.isfinite(codes[3, :128].float()).all()
+    assert torch.isnan(scales[1, 3])
+    assert torch.isfinite(scales[0, 3]) and torch.isfinite(scales[1, 4])
+    assert torch.isnan(codes[3, 128:].float()).all()
+    assert torch.isfinite(codes[3, :128].float()).all()
     assert torch.isnan(scales_t[0, 200]) and torch.isfinite(scales_t[1, 200])
 
 
@@ -143,11 +146,11 @@ def test_weight_gradient_from_the_transposed_copies(g):
 
 def test_bad_arguments_name_what_is_wrong(g):
     x = wide(19, 32, g)
-    with pytest.raises(RuntimeError, match=r"fp8_quantize_rows: x's columns must be a multiple of 16"):
+    with pytest.raises(RuntimeError, match=r"quantize_rows: x's columns must be a multiple of 16"):
         CODA.fp8_quantize_rows(wide(19, 24, g))
     with pytest.raises(RuntimeError, match=r"neither rows nor transposed"):
         CODA.fp8_quantize_rows(x, False, False)
-    with pytest.raises(RuntimeError, match=r"x must be bfloat16 \(or float32 / float64 on the CPU\)"):
+    with pytest.raises(RuntimeError, match=r"x must be bfloat16 \(or float32 / float64 on the CPU"):
         CODA.fp8_quantize_rows(x.to(torch.int32))
     with pytest.raises(RuntimeError, match=r"needs rows a multiple of 16"):
         CODA.fp8_quantize_blocks(x, True, True)
