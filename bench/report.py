@@ -149,7 +149,10 @@ def fp8_tables(path):
            "dw = dyᵀ·x over the tokens (both 1x128 along the tokens), bf16 out. cuBLASLt through "
            "`torch._scaled_mm` on the same codes and scales (its outputs and ours checked against "
            "each other first). All variants interleaved, L2 flushed; median ms. TFLOP/s in "
-           "parentheses. `ours / cuBLASLt` and `FP8 / bf16` are speeds.\n",
+           "parentheses. `ours / cuBLASLt` and `FP8 / bf16` are speeds. `coop 128` and `ping 64`, "
+           "where the file has them: the same GEMM under a kernel override (swizzle 8 along M), "
+           "the sweep behind the heuristic (pingpong 64x128 is no longer built); `fp32 +=`: the "
+           "weight gradient accumulated into fp32.\n",
            "| model | M | proj | pass | M×N×K | ours ms | cuBLASLt ms | ours / cuBLASLt | "
            "coop 128 | ping 64 | fp32 += | our bf16 ms | FP8 / bf16 |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -38,6 +38,7 @@ __all__ = [
     "from_hf",
     "to_hf",
     "from_torchtitan",
+    "torchtitan_release_of",
     "to_torchtitan",
 ]
 
@@ -216,7 +217,7 @@ def hf_to_coda_state_dict(hf_sd: Mapping[str, Tensor], config: LlamaConfig) -> d
 def coda_to_hf_state_dict(sd_in: Mapping[str, Tensor], config: LlamaConfig) -> dict[str, Tensor]:
     """coda names/layouts -> HF ``LlamaForCausalLM`` names/layouts (inverse of
     :func:`hf_to_coda_state_dict`). With tied embeddings either alias may be present."""
-    return _rename_rope(coda_to_torchtitan_state_dict(sd_in, config), config, False,
+    return _rename_rope(coda_to_torchtitan_state_dict(sd_in, config, "0.2"), config, False,
                         "coda_to_hf_state_dict")
 
 
@@ -269,25 +270,53 @@ def to_hf(model: CodaLlamaForCausalLM, hf_model: torch.nn.Module) -> torch.nn.Mo
 
 
 # ---------------------------------------------------------------------------------------------
-# TorchTitan llama3 (RoPE already pairs adjacent dims, so Q/K rows are not permuted)
+# TorchTitan llama3 (RoPE already pairs adjacent dims, so Q/K rows are not permuted). Two releases'
+# checkpoint names: 0.2 keeps the projections on `attention` and the LM head as `output`; 0.3
+# keeps Q/K/V under `attention.qkv_linear` (its fused `wqkv` saves and loads in the stock wq / wk /
+# wv layout through state-dict hooks) and the LM head as `lm_head`.
+
+TORCHTITAN_RELEASES = ("0.2", "0.3")
+
+
+def _tt_names(release: str) -> tuple[str, str]:
+    """(prefix of wq / wk / wv within a layer, the LM head's key) of a TorchTitan release."""
+    if release not in TORCHTITAN_RELEASES:
+        raise ValueError(f"TorchTitan release must be one of {TORCHTITAN_RELEASES}, got "
+                         f"{release!r}")
+    return ("attention.", "output.weight") if release == "0.2" else (
+        "attention.qkv_linear.", "lm_head.weight")
+
+
+def torchtitan_release_of(tt_sd: Mapping[str, Tensor]) -> str:
+    """The TorchTitan release whose names a llama3 state dict uses ("0.2" or "0.3")."""
+    new = any(k.startswith("layers.0.attention.qkv_linear.") for k in tt_sd) or (
+        "lm_head.weight" in tt_sd)
+    old = "layers.0.attention.wq.weight" in tt_sd or "output.weight" in tt_sd
+    if new == old:
+        raise ValueError("torchtitan state dict: cannot tell the release from its names "
+                         "(expected layers.0.attention.wq.weight and output.weight (0.2) or "
+                         "layers.0.attention.qkv_linear.wq.weight and lm_head.weight (0.3))")
+    return "0.3" if new else "0.2"
 
 
 def torchtitan_to_coda_state_dict(
     tt_sd: Mapping[str, Tensor], config: LlamaConfig
 ) -> dict[str, Tensor]:
-    """TorchTitan llama3 names -> coda names/layouts (w1 = gate, w3 = up, w2 = down)."""
+    """TorchTitan llama3 names (0.2 or 0.3, told apart by the names) -> coda names/layouts
+    (w1 = gate, w3 = up, w2 = down)."""
     c = config
     sd = dict(tt_sd)
     sd.pop("freqs_cis", None)  # a derived buffer some TorchTitan versions keep in the state dict
+    qkv, head = _tt_names(torchtitan_release_of(sd))
     out: dict[str, Tensor] = {}
     emb = _take(sd, "tok_embeddings.weight")
     out["embed_tokens.weight"] = emb
     for i in range(c.num_layers):
         p = q = f"layers.{i}."  # same prefix, different leaf names
         out[f"gamma_attn.{i}"] = _take(sd, p + "attention_norm.weight")
-        out[q + "w_qkv"] = pack_qkv(_take(sd, p + "attention.wq.weight"),
-                                    _take(sd, p + "attention.wk.weight"),
-                                    _take(sd, p + "attention.wv.weight"))
+        out[q + "w_qkv"] = pack_qkv(_take(sd, p + qkv + "wq.weight"),
+                                    _take(sd, p + qkv + "wk.weight"),
+                                    _take(sd, p + qkv + "wv.weight"))
         out[q + "w_o"] = _take(sd, p + "attention.wo.weight")
         out[q + "gamma_ffn"] = _take(sd, p + "ffn_norm.weight")
         out[q + "w_gu"] = interleave_gate_up(_take(sd, p + "feed_forward.w1.weight"),
@@ -295,19 +324,20 @@ def torchtitan_to_coda_state_dict(
         out[q + "w_down"] = _take(sd, p + "feed_forward.w2.weight")
     out["gamma_final"] = _take(sd, "norm.weight")
     if c.tie_word_embeddings:
-        sd.pop("output.weight", None)
+        sd.pop(head, None)
         out["w_vocab"] = emb
     else:
-        out["w_vocab"] = _take(sd, "output.weight")
+        out["w_vocab"] = _take(sd, head)
     _no_leftovers(sd, "torchtitan_to_coda_state_dict")
     return out
 
 
 def coda_to_torchtitan_state_dict(
-    sd_in: Mapping[str, Tensor], config: LlamaConfig
+    sd_in: Mapping[str, Tensor], config: LlamaConfig, release: str = "0.3"
 ) -> dict[str, Tensor]:
-    """Inverse of :func:`torchtitan_to_coda_state_dict`."""
+    """Inverse of :func:`torchtitan_to_coda_state_dict`, in the names of TorchTitan `release`."""
     c = config
+    qkv, head = _tt_names(release)
     sd = dict(sd_in)
     out: dict[str, Tensor] = {}
     if c.tie_word_embeddings:
@@ -318,9 +348,9 @@ def coda_to_torchtitan_state_dict(
     for i in range(c.num_layers):
         p = q = f"layers.{i}."
         wq, wk, wv = unpack_qkv(_take(sd, q + "w_qkv"), c.num_heads, c.num_kv_heads, c.head_dim)
-        out[p + "attention.wq.weight"] = wq
-        out[p + "attention.wk.weight"] = wk
-        out[p + "attention.wv.weight"] = wv
+        out[p + qkv + "wq.weight"] = wq
+        out[p + qkv + "wk.weight"] = wk
+        out[p + qkv + "wv.weight"] = wv
         out[p + "attention.wo.weight"] = _take(sd, q + "w_o")
         out[p + "attention_norm.weight"] = _take(sd, f"gamma_attn.{i}")
         gate, up = split_gate_up(_take(sd, q + "w_gu"))
@@ -329,7 +359,7 @@ def coda_to_torchtitan_state_dict(
         out[p + "feed_forward.w2.weight"] = _take(sd, q + "w_down")
         out[p + "ffn_norm.weight"] = _take(sd, q + "gamma_ffn")
     out["norm.weight"] = _take(sd, "gamma_final")
-    out["output.weight"] = emb if c.tie_word_embeddings else _take(sd, "w_vocab")
+    out[head] = emb if c.tie_word_embeddings else _take(sd, "w_vocab")
     _no_leftovers(sd, "coda_to_torchtitan_state_dict")
     return out
 
@@ -346,6 +376,7 @@ def from_torchtitan(
         ref.device if device is None else device, ref.dtype if dtype is None else dtype)
 
 
-def to_torchtitan(model: CodaLlamaForCausalLM) -> dict[str, Tensor]:
-    """A TorchTitan llama3 state dict (detached tensors sharing or copying ``model``'s storage)."""
-    return coda_to_torchtitan_state_dict(_detached_params(model), model.config)
+def to_torchtitan(model: CodaLlamaForCausalLM, release: str = "0.3") -> dict[str, Tensor]:
+    """A TorchTitan llama3 state dict in the names of `release` (detached tensors sharing or
+    copying ``model``'s storage)."""
+    return coda_to_torchtitan_state_dict(_detached_params(model), model.config, release)

@@ -290,20 +290,24 @@ def test_unsupported_hf_configs_are_rejected():
 # TorchTitan
 
 
+@pytest.mark.parametrize("release", ["0.2", "0.3"])
 @pytest.mark.parametrize("name", ["untied", "tied"])
-def test_torchtitan_round_trip(name):
+def test_torchtitan_round_trip(name, release):
     hf = make_hf_exact_fp64(make_hf(name), name)
     model = convert.from_hf(hf)
-    tt = convert.to_torchtitan(model)
+    tt = convert.to_torchtitan(model, release)
     c = model.config
-    expected_keys = {"tok_embeddings.weight", "norm.weight", "output.weight"} | {
+    qkv = "attention." if release == "0.2" else "attention.qkv_linear."
+    head = "output.weight" if release == "0.2" else "lm_head.weight"
+    expected_keys = {"tok_embeddings.weight", "norm.weight", head} | {
         f"layers.{i}.{k}.weight" for i in range(c.num_layers) for k in (
-            "attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1",
+            qkv + "wq", qkv + "wk", qkv + "wv", "attention.wo", "feed_forward.w1",
             "feed_forward.w2", "feed_forward.w3", "attention_norm", "ffn_norm")}
     assert set(tt) == expected_keys
+    assert convert.torchtitan_release_of(tt) == release
     # TorchTitan's RoPE already pairs adjacent dims: its wq is HF's with rows permuted, and
     # w1 / w3 / w2 are gate / up / down
-    assert torch.equal(tt["layers.0.attention.wq.weight"],
+    assert torch.equal(tt[f"layers.0.{qkv}wq.weight"],
                        convert.rope_half_to_adjacent(hf.model.layers[0].self_attn.q_proj.weight,
                                                      c.num_heads, c.head_dim))
     mlp = hf.model.layers[0].mlp
@@ -319,6 +323,16 @@ def test_torchtitan_round_trip(name):
     ids, labels = batch(seed=6)
     with torch.no_grad():
         assert torch.equal(back(ids, labels=labels), model(ids, labels=labels))
-    again = convert.to_torchtitan(back)
+    again = convert.to_torchtitan(back, release)
     for k in tt:
         assert torch.equal(again[k], tt[k]), k
+
+
+def test_torchtitan_names_of_both_releases_are_not_mixed():
+    model = convert.from_hf(make_hf("untied"))
+    tt = convert.to_torchtitan(model, "0.3")
+    tt["output.weight"] = tt.pop("lm_head.weight")  # 0.3 projections, 0.2 head
+    with pytest.raises(ValueError, match="cannot tell the release"):
+        convert.from_torchtitan(tt, model.config)
+    with pytest.raises(ValueError, match=r"release must be one of \('0.2', '0.3'\)"):
+        convert.to_torchtitan(model, "0.4")
