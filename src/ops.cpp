@@ -615,47 +615,48 @@ void quantize_fp8_blocks(View w, View codes, View scales, View codes_t, View sca
       codes_t.data ? fp8_output(codes_t, scales_t) : kernel::Fp8Output{}, stream);
 }
 
-void gemm_fp8(View x, View x_scales, View w, View w_scales, View d, cudaStream_t stream) {
-  Args c("coda::ops::gemm_fp8");
-  const GemmSizes s{x.rows, w.rows, x.cols};
-  CODA_CHECK(x.dims == 2 && w.dims == 2, c.op(), ": x and w must be matrices");
+namespace {
+// An FP8 GEMM's operands, checked: x (M, K) in 1x128 blocks and b (N, K) in 128x128 blocks
+// (`b_blocks`) or 1x128 blocks, K a multiple of 16; the problem without C and D.
+kernel::GemmProblem fp8_problem(Args& c, View x, View x_scales, const char* b_name, View b,
+                                const char* b_scales_name, View b_scales, bool b_blocks) {
+  const GemmSizes s{x.rows, b.rows, x.cols};
+  CODA_CHECK(x.dims == 2 && b.dims == 2, c.op(), ": x and ", b_name, " must be matrices");
   c.gemm_sizes(s);
   CODA_CHECK(s.k % 16 == 0, c.op(), ": K must be a multiple of 16 (16-byte rows of e4m3), got ",
              s.k);
   fp8_operand(c, "x", x, s.m, s.k);
-  fp8_operand(c, "w", w, s.n, s.k);
+  fp8_operand(c, b_name, b, s.n, s.k);
   c.scales("x_scales", x_scales, blocks(s.k), s.m, true);
-  c.scales("w_scales", w_scales, blocks(s.n), blocks(s.k), false);
-  c.matrix("d", d, kBf, s.m, s.n);
-  c.on_device();
-  kernel::GemmProblem p{int(s.m), int(s.n), int(s.k), x.data,    x.ld, w.data,
-                        w.ld,     nullptr,  0,        bf_out(d), d.ld};
+  if (b_blocks)
+    c.scales(b_scales_name, b_scales, blocks(s.n), blocks(s.k), false);
+  else
+    c.scales(b_scales_name, b_scales, blocks(s.k), s.n, false);
+  kernel::GemmProblem p{int(s.m), int(s.n), int(s.k), x.data, x.ld, b.data, b.ld};
   p.scale_a = f32(x_scales);
   p.ld_scale_a = x_scales.ld;
-  p.scale_b = f32(w_scales);
-  p.ld_scale_b = w_scales.ld;
+  p.scale_b = f32(b_scales);
+  p.ld_scale_b = b_scales.ld;
+  return p;
+}
+}  // namespace
+
+void gemm_fp8(View x, View x_scales, View w, View w_scales, View d, cudaStream_t stream) {
+  Args c("coda::ops::gemm_fp8");
+  kernel::GemmProblem p = fp8_problem(c, x, x_scales, "w", w, "w_scales", w_scales, true);
+  c.matrix("d", d, kBf, p.m, p.n);
+  c.on_device();
+  p.d = bf_out(d);
+  p.ldd = d.ld;
   launch<Program::kPlain>(c, Operands::kFp8XWt, p, {}, stream);
 }
 
 void gemm_fp8_xyt(View x, View x_scales, View y, View y_scales, View d, bool accumulate,
                   cudaStream_t stream) {
   Args c(accumulate ? "coda::ops::gemm_fp8_xyt (accumulate)" : "coda::ops::gemm_fp8_xyt");
-  const GemmSizes s{x.rows, y.rows, x.cols};
-  CODA_CHECK(x.dims == 2 && y.dims == 2, c.op(), ": x and y must be matrices");
-  c.gemm_sizes(s);
-  CODA_CHECK(s.k % 16 == 0, c.op(), ": K must be a multiple of 16 (16-byte rows of e4m3), got ",
-             s.k);
-  fp8_operand(c, "x", x, s.m, s.k);
-  fp8_operand(c, "y", y, s.n, s.k);
-  c.scales("x_scales", x_scales, blocks(s.k), s.m, true);
-  c.scales("y_scales", y_scales, blocks(s.k), s.n, false);
-  c.matrix("d", d, accumulate ? kF : kBf, s.m, s.n);
+  kernel::GemmProblem p = fp8_problem(c, x, x_scales, "y", y, "y_scales", y_scales, false);
+  c.matrix("d", d, accumulate ? kF : kBf, p.m, p.n);
   c.on_device();
-  kernel::GemmProblem p{int(s.m), int(s.n), int(s.k), x.data, x.ld, y.data, y.ld};
-  p.scale_a = f32(x_scales);
-  p.ld_scale_a = x_scales.ld;
-  p.scale_b = f32(y_scales);
-  p.ld_scale_b = y_scales.ld;
   if (accumulate) {
     launch<Program::kAccumulateF32>(c, Operands::kFp8XYt, p, {f32_out(d), d.ld}, stream);
   } else {

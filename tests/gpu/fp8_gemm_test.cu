@@ -192,6 +192,12 @@ Fp8Operand upload_blocks(const BlockQuantized& q) {
   return {DeviceBuffer<uint8_t>(q.codes), DeviceBuffer<float>(q.scales), q.grid_cols()};
 }
 
+// v (rows, cols) row-major quantized on the host in (block_rows x 128) blocks.
+BlockQuantized quantized(const std::vector<double>& v, int rows, int cols, int block_rows) {
+  return reference::quantize_blockwise(MatrixRef<double>::row_major(v.data(), rows, cols),
+                                       block_rows, 128);
+}
+
 // The problem (M, N, K) over a and b, their scales included; no C or D yet.
 GemmProblem fp8_problem(const Shape& s, const Fp8Operand& a, const Fp8Operand& b) {
   GemmProblem p{s.m, s.n, s.k, a.codes.get(), s.k, b.codes.get(), s.k};
@@ -229,10 +235,7 @@ TEST_F(GpuKernelTest, Fp8GemmMatchesTheBlockwiseRecipe) {
     for (const Shape& s : kShapes) {
       if (skip_large(s)) continue;
       const std::vector<double> x = wide_values(s.m, s.k, rng), w = wide_values(s.n, s.k, rng);
-      const auto qx =
-          reference::quantize_blockwise(MatrixRef<double>::row_major(x.data(), s.m, s.k), 1, 128);
-      const auto qw =
-          reference::quantize_blockwise(MatrixRef<double>::row_major(w.data(), s.n, s.k), 128, 128);
+      const auto qx = quantized(x, s.m, s.k, 1), qw = quantized(w, s.n, s.k, 128);
       const Fp8Operand a = upload_rows(qx), b = upload_blocks(qw);
       DeviceBuffer<bf16> d(size_t(s.m) * s.n);
       d.poison();
@@ -250,10 +253,7 @@ TEST_F(GpuKernelTest, Fp8WeightGradientMatchesTheBlockwiseRecipe) {
   for (const Shape& s : kShapes) {
     if (skip_large(s)) continue;
     const std::vector<double> x = wide_values(s.m, s.k, rng), y = wide_values(s.n, s.k, rng);
-    const auto qx =
-        reference::quantize_blockwise(MatrixRef<double>::row_major(x.data(), s.m, s.k), 1, 128);
-    const auto qy =
-        reference::quantize_blockwise(MatrixRef<double>::row_major(y.data(), s.n, s.k), 1, 128);
+    const auto qx = quantized(x, s.m, s.k, 1), qy = quantized(y, s.n, s.k, 1);
     const Fp8Operand a = upload_rows(qx), b = upload_rows(qy);
     const std::vector<double> ref = reference::gemm_fp8_blockwise<double>(qx, qy);
     const GemmProblem p = fp8_problem(s, a, b);
