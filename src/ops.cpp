@@ -632,6 +632,12 @@ kernel::GemmProblem fp8_problem(Args& c, View x, View x_scales, const char* b_na
     c.scales(b_scales_name, b_scales, blocks(s.n), blocks(s.k), false);
   else
     c.scales(b_scales_name, b_scales, blocks(s.k), s.n, false);
+  // The mainloop's scale layouts hold 32-bit strides (their batch stride is ld · blocks).
+  const int64_t limit = int64_t(1) << 31;
+  CODA_CHECK(x_scales.ld * blocks(s.k) < limit &&
+                 b_scales.ld * (b_blocks ? blocks(s.n) : blocks(s.k)) < limit,
+             c.op(), ": the scales must span fewer than 2^31 entries, got row strides ",
+             x_scales.ld, " and ", b_scales.ld);
   kernel::GemmProblem p{int(s.m), int(s.n), int(s.k), x.data, x.ld, b.data, b.ld};
   p.scale_a = f32(x_scales);
   p.ld_scale_a = x_scales.ld;

@@ -195,7 +195,8 @@ __global__ void __launch_bounds__(kThreads)
       }
 #pragma unroll
       for (int i = 0; i < 4; ++i)
-        tcodes[c * kTile + lane + 32 * i] = E4m3::quantize_by_inverse(v4[i], inv);
+        tcodes[c * kTile + lane + 32 * i] =  // 0 past x, even in a block whose scale is NaN
+            row0 + lane + 32 * i < rows ? E4m3::quantize_by_inverse(v4[i], inv) : uint8_t(0);
     }
     __syncthreads();
     const int64_t rows_padded = (rows + 15) / 16 * 16 - row0;
@@ -216,6 +217,8 @@ void check_output(const char* op, const char* name, const Fp8Output& o, int64_t 
   CODA_CHECK(o.scales != nullptr, op, ": ", name, " has codes but no scales");
   CODA_CHECK(o.ld >= cols && o.ld % 16 == 0, op, ": ", name, "'s row stride must be >= ", cols,
              " and a multiple of 16, got ", o.ld);
+  CODA_CHECK(reinterpret_cast<uintptr_t>(o.codes) % 16 == 0, op, ": ", name,
+             "'s codes must be 16-byte aligned, got address ", static_cast<void*>(o.codes));
   CODA_CHECK(o.ld_scales >= scale_cols, op, ": ", name,
              "'s scale row stride must be >= ", scale_cols, ", got ", o.ld_scales);
 }
@@ -225,6 +228,9 @@ void check_input(const char* op, const bf16* x, int64_t rows, int64_t cols, int6
   CODA_CHECK(x != nullptr && rows > 0 && cols > 0 && cols % 16 == 0 && ldx >= cols, op,
              ": x must be a (rows, cols) matrix with cols a multiple of 16, got (", rows, ", ",
              cols, ") with row stride ", ldx);
+  CODA_CHECK(ldx % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0, op,
+             ": x's start and row stride must be 16-byte aligned (16-byte loads), got row stride ",
+             ldx, " at address ", static_cast<const void*>(x));
   CODA_CHECK(out.codes || out_t.codes, op, ": no output");
 }
 

@@ -190,6 +190,13 @@ TEST(OpArguments, Fp8OperandsAndScalesAreChecked) {
                          typed(1024, f, 1, 2), bf16_matrix(1280, 4, 136), nullptr);
               }),
               HasSubstr("w_scales must be fp32 scales of shape (2, 2), got (1, 2)"));
+  // Scale layouts with 32-bit strides: 2 K blocks of rows 2^30 apart span 2^31 entries.
+  EXPECT_THAT(error_of([&] {
+                gemm_fp8(typed(256, e4, 4, 256), typed(512, f, 2, 4, int64_t(1) << 30),
+                         typed(768, e4, 8, 256), typed(1024, f, 1, 2), bf16_matrix(1280, 4, 8),
+                         nullptr);
+              }),
+              HasSubstr("the scales must span fewer than 2^31 entries"));
   // The weight gradient accumulates into fp32.
   EXPECT_THAT(error_of([&] {
                 gemm_fp8_xyt(typed(256, e4, 8, 32), typed(512, f, 1, 8), typed(768, e4, 8, 32),
