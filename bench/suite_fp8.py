@@ -11,7 +11,7 @@ Variants (each row checked before timing: ours against cuBLASLt on the same code
   cublaslt       torch._scaled_mm with blockwise scales (cuBLASLt's VEC128 / BLK128x128 modes)
   coda_bf16      our bf16 plain GEMM of the same shape (CODA.gemm / gemm_xw / gemm_xty)
   cublas_bf16    torch.mm in bf16
-Cast rows: the block ops' standalone casts at this shape, against a device-to-device copy of the
+Cast rows: the standalone casts at this shape, against a device-to-device copy of the
 same input (bytes read + written), interleaved:
   rows       x (M, H) -> codes + 1x128 scales
   rows+t     x (M, H) -> codes, and the transposed 128x1 copy (what a weight gradient reads)
@@ -29,7 +29,7 @@ CODA = torch.ops.coda
 BF16 = torch.bfloat16
 
 
-def wide(rows, cols, seed):
+def rand_bf16(rows, cols, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
     return torch.randn(rows, cols, device="cuda", generator=g, dtype=torch.float32).to(BF16)
 
@@ -56,7 +56,7 @@ def rel_err(a, b):
 
 def gemm_rows(model, m, sec, progress):
     for proj, (n, k) in projections(model).items():
-        x, w, dy = wide(m, k, 1), wide(n, k, 2), wide(m, n, 3)
+        x, w, dy = rand_bf16(m, k, 1), rand_bf16(n, k, 2), rand_bf16(m, n, 3)
         xc, xs, xtc, xts = CODA.fp8_quantize_rows(x, True, True)
         wc, ws, wtc, wts = CODA.fp8_quantize_blocks(w, True, True)
         dyc, dys, dytc, dyts = CODA.fp8_quantize_rows(dy, True, True)
@@ -128,7 +128,7 @@ def gemm_rows(model, m, sec, progress):
 
 def cast_rows(model, m, sec, progress):
     hidden, _, _, _, inter = MODELS[model]
-    x, w = wide(m, hidden, 4), wide(2 * inter, hidden, 5)
+    x, w = rand_bf16(m, hidden, 4), rand_bf16(2 * inter, hidden, 5)
     dst_x, dst_w = torch.empty_like(x), torch.empty_like(w)
     m16 = -(-m // 16) * 16
     casts = {

@@ -107,7 +107,7 @@ class Args {
     CODA_CHECK(t.dims == 2 && t.rows == rows && t.cols == cols, op_, ": ", name,
                " must be fp32 scales of shape (", rows, ", ", cols, "), got (", t.rows, ", ",
                t.dims == 2 ? t.cols : 1, ")");
-    const int64_t least = tma_rows ? (cols + 3) / 4 * 4 : cols;
+    const int64_t least = tma_rows ? kernel::ScaleLayout::row_scales_ld(cols) : cols;
     CODA_CHECK(t.ld >= least && (!tma_rows || t.ld % 4 == 0), op_, ": ", name,
                " needs a row stride >= ", least, tma_rows ? " and a multiple of 4" : "", ", got ",
                t.ld);
@@ -587,7 +587,7 @@ void quantize_fp8_rows(View x, View codes, View scales, View codes_t, View scale
     c.scales("scales", scales, blocks(k), m, true);
   }
   if (codes_t.data) {
-    c.matrix("codes_t", codes_t, DType::kE4M3, k, (m + 15) / 16 * 16);
+    c.matrix("codes_t", codes_t, DType::kE4M3, k, kernel::ScaleLayout::padded_tokens(m));
     c.scales("scales_t", scales_t, blocks(m), k, true);
   }
   c.on_device();

@@ -53,7 +53,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t row0 = item / chunks * kRowsPerWarp, col = item % chunks * 256 + 8 * lane;
   // Rows past x up to a multiple of 4 load zeros: their amax is 0, so their scale is 1, which the
   // GEMM's 16-byte TMA rows of scales read.
-  const int64_t rows_scaled = (rows + 3) / 4 * 4;
+  const int64_t rows_scaled = ScaleLayout::row_scales_ld(rows);
   if (row0 >= rows_scaled) return;
   uint4 v[kRowsPerWarp];
 #pragma unroll
@@ -155,7 +155,8 @@ __global__ void __launch_bounds__(kThreads)
   // Rows: lane holds columns 4·lane .. 4·lane + 3 of row r. Under 1x128 blocks the rows past x
   // up to a multiple of 4 get scale 1 (their amax is 0): the GEMM's TMA reads whole 16 bytes.
   if (out.codes) {
-    const int64_t rows_scaled = kBlocks == Blocks::kRows ? (rows + 3) / 4 * 4 - row0 : rows_here;
+    const int64_t rows_scaled =
+        kBlocks == Blocks::kRows ? ScaleLayout::row_scales_ld(rows) - row0 : rows_here;
     const int row_end = rows_scaled < kTile ? int(rows_scaled) : kTile;
     for (int r = warp; r < row_end; r += kWarps) {
       const float2 a = __bfloat1622float2(tile[(r * kPitch) / 2 + 2 * lane]);
@@ -199,7 +200,7 @@ __global__ void __launch_bounds__(kThreads)
             row0 + lane + 32 * i < rows ? E4m3::quantize_by_inverse(v4[i], inv) : uint8_t(0);
     }
     __syncthreads();
-    const int64_t rows_padded = (rows + 15) / 16 * 16 - row0;
+    const int64_t rows_padded = ScaleLayout::padded_tokens(rows) - row0;
     const int rows_written = rows_padded < kTile ? int(rows_padded) : kTile;
     for (int i = threadIdx.x; i < kTile * kTile / 16; i += kThreads) {
       const int c = i / (kTile / 16), r = i % (kTile / 16) * 16;
@@ -254,8 +255,8 @@ void quantize_fp8_rows(const bf16* x, int64_t rows, int64_t cols, int64_t ldx, F
                        Fp8Output out_t, cudaStream_t stream) {
   const char* op = "coda::kernel::quantize_fp8_rows";
   check_input(op, x, rows, cols, ldx, out, out_t);
-  check_output(op, "out", out, cols, (rows + 3) / 4 * 4);
-  check_output(op, "out_t", out_t, (rows + 15) / 16 * 16, cols);
+  check_output(op, "out", out, cols, ScaleLayout::row_scales_ld(rows));
+  check_output(op, "out_t", out_t, ScaleLayout::padded_tokens(rows), cols);
   if (out_t.codes) {
     launch_tiles<Blocks::kRows>(op, x, rows, cols, ldx, out, out_t, stream);
     return;

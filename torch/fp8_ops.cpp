@@ -29,7 +29,6 @@ using kernel::ScaleLayout;
 using Quantized = std::tuple<Tensor, Tensor, Tensor, Tensor>;
 
 int64_t blocks(int64_t n) { return ScaleLayout::blocks(n); }
-int64_t round_up(int64_t n, int64_t q) { return (n + q - 1) / q * q; }
 
 // The high-precision input of a cast: bf16 on CUDA; float32, float64 or bf16 on the CPU.
 void check_input(const char* op, const char* name, const Tensor& x) {
@@ -126,11 +125,11 @@ Quantized quantize(const char* op, const Tensor& x, bool rows, bool transposed, 
   if (rows) {
     codes = at::empty({m, k}, codes_options(x));
     scales = tiles ? at::empty({blocks(m), blocks(k)}, scale_options(x))
-                   : scales_with_ld(x, blocks(k), m, round_up(m, 4));
+                   : scales_with_ld(x, blocks(k), m, ScaleLayout::row_scales_ld(m));
   }
   if (transposed) {
     codes_t = tiles ? at::empty({k, m}, codes_options(x))
-                    : at::empty({k, round_up(m, 16)}, codes_options(x));
+                    : at::empty({k, ScaleLayout::padded_tokens(m)}, codes_options(x));
     scales_t = tiles ? at::empty({blocks(k), blocks(m)}, scale_options(x))
                      : at::empty({blocks(m), k}, scale_options(x));
   }

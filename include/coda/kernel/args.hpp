@@ -55,9 +55,13 @@ struct GemmProblem {
 // So a 1x128 operand's scales are a (ceil(K / 128), ld) row-major matrix: one row per K block.
 struct ScaleLayout {
   static constexpr int kBlock = 128;
-  static int64_t blocks(int64_t extent) { return (extent + kBlock - 1) / kBlock; }
-  // The smallest leading dimension of a 1x128 operand's scales for `rows` rows.
-  static int64_t row_scales_ld(int64_t rows) { return (rows + 3) / 4 * 4; }
+  static constexpr int64_t blocks(int64_t extent) { return (extent + kBlock - 1) / kBlock; }
+  // The rows of a 1x128 operand's scales the mainloop reads: `rows` rounded up to 4 (16-byte TMA
+  // rows; the casts write scale 1 past the tensor), the least leading dimension of its scales.
+  static constexpr int64_t row_scales_ld(int64_t rows) { return (rows + 3) / 4 * 4; }
+  // The width of a transposed (128x1) copy of `tokens` rows: rounded up to 16 (16-byte rows of
+  // e4m3), code 0 in the padding, so a weight gradient contracts over the padded extent.
+  static constexpr int64_t padded_tokens(int64_t tokens) { return (tokens + 15) / 16 * 16; }
 };
 
 // The tensors the GEMM kernel itself reads as C and writes as D: the problem's c and d, unless a

@@ -123,7 +123,7 @@ struct Fp8Operands {
   static LayoutSFA layout_sfa(int m, int k, int64_t ld) {
     using namespace cute;
     const int kb = int(ScaleLayout::blocks(k));
-    m = (m + 3) / 4 * 4;
+    m = int(ScaleLayout::row_scales_ld(m));
     return make_layout(
         make_shape(make_shape(Int<1>{}, m), make_shape(Int<ScaleLayout::kBlock>{}, kb), 1),
         make_stride(make_stride(_0{}, _1{}), make_stride(_0{}, int(ld)), int(ld) * kb));
