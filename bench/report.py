@@ -138,6 +138,40 @@ def program_plot(d, path):
     return name
 
 
+def fp8_fused_table(d):
+    """The fp8 section's fused rows: F1 with h quantized in its epilogue vs the plain FP8 GEMM."""
+    out = []
+    fused = [r for r in d.get("fused_rows", []) if r.get("ok") and "ms" in r]
+    if fused:
+        out += ["", "### F1 with h quantized in its epilogue vs the plain FP8 GEMM\n",
+                "`F1`: x = a·wᵀ + residual (bf16), h = x ⊙ γ in 1x128 blocks and its transposed "
+                "128x1 copy, Σx² partials (`fp8_gemm_residual_rmsnorm`); `F1 rows`: without the "
+                "transposed copy; `plain`: our FP8 GEMM of the same shape; `GEMM then cast`: the "
+                "plain GEMM followed by the rows+t cast of an (M, H) bf16 tensor, a lower bound "
+                "for the unfused path. Target: F1 / plain <= 1.05.\n",
+                "| model | M | proj | M×N×K | F1 ms | F1 rows ms | plain ms | GEMM then cast ms | "
+                "cuBLASLt ms | F1 / plain | F1 rows / plain |",
+                "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in fused:
+            ms = r["ms"]
+            lt = f"{ms['cublaslt']:.3f}" if "cublaslt" in ms else "—"
+            out.append(f"| {r['model']} | {r['M']} | {r['proj']} | {'×'.join(map(str, r['gemm']))} | "
+                       f"{ms['coda_f1']:.3f} | {ms['coda_f1_rows']:.3f} | {ms['coda']:.3f} | "
+                       f"{ms['gemm_then_cast']:.3f} | {lt} | {r['f1_over_plain']:.3f} | "
+                       f"{r['f1_rows_over_plain']:.3f} |")
+        ratios = [r["f1_over_plain"] for r in fused]
+        g = math.exp(sum(map(math.log, ratios)) / len(ratios))
+        out.append(f"\n- F1 / plain: geometric mean {g:.3f}, worst {max(ratios):.3f} over "
+                   f"{len(ratios)} shapes (target <= 1.05).")
+    return out
+
+
+def fp8_fused_tables(path):
+    """A results file with only the fused rows (bench/suite.py --sections fp8-fused)."""
+    d = load(path, "fp8")
+    return ["## Blockwise FP8 fused programs\n", header(path, d)] + fp8_fused_table(d) + [""]
+
+
 def fp8_tables(path):
     """The suite's fp8 section (bench/suite_fp8.py): each FP8 GEMM against cuBLASLt's blockwise
     GEMM and our bf16 GEMM, per pass; the cast passes against a copy."""
@@ -176,6 +210,7 @@ def fp8_tables(path):
             out.append(f"- {p}: ours / cuBLASLt geometric mean {g:.3f} over {len(r)} shapes, worst "
                        f"{min(r):.3f}, best {max(r):.3f} (target: >= 1.0, none below 0.9); "
                        f"FP8 / our bf16 {gb:.2f}.")
+    out += fp8_fused_table(d)
     casts = d.get("cast_rows", [])
     if casts:
         out += ["", "### Cast passes vs a device-to-device copy of the same input\n",
@@ -417,6 +452,7 @@ def main():
     lines += summary(a.results)
     for pattern, fn in (("*-gemm.json", gemm_table), ("*-programs.json", program_table),
                         ("*-fp8.json", fp8_tables),
+                        ("*-fp8-fused.json", fp8_fused_tables),
                         ("*-train-compare.json", train_compare_table),
                         ("*-fsdp-fsdp.json", fsdp_table)):
         path = latest(a.results, pattern)

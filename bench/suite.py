@@ -32,6 +32,8 @@ Not in the default list:
   fp8            the blockwise FP8 GEMMs of every projection (fprop, dgrad, wgrad) against
                  cuBLASLt's blockwise GEMM and the bf16 GEMMs, and the cast passes against a copy
                  (bench/suite_fp8.py; LLaMA-3 shapes only)
+  fp8-fused      only the fp8 section's fused rows: F1 with h quantized in its epilogue against
+                 the plain FP8 GEMM of its shape
 
 Shapes: LLaMA-3 1B / 8B / 70B at M = 8192 and 16384, and the CODA paper's block shapes at
 M = 16384 (V = 32768 for its LM head). --quick: M = 8192, LLaMA-3 shapes. Liger comes from its
@@ -69,7 +71,8 @@ from suite_chain import (  # noqa: E402
 )
 
 SECTIONS = (
-    "ops", "chain-fwd", "chain", "lm-head", "sustained", "chain-profile", "train", "fp8"
+    "ops", "chain-fwd", "chain", "lm-head", "sustained", "chain-profile", "train", "fp8",
+    "fp8-fused",
 )
 PAPER_V = 32768
 
@@ -554,6 +557,14 @@ def main():
         import suite_fp8
 
         per_shape("fp8", "fp8", lambda model, m, sec: suite_fp8.run_shape(model, m, sec, progress))
+    if "fp8-fused" in sections:
+        import suite_fp8
+
+        per_shape(
+            "fp8-fused",
+            "fp8",
+            lambda model, m, sec: suite_fp8.run_shape(model, m, sec, progress, fused_only=True),
+        )
     if "train" in sections:
         import suite_train
 

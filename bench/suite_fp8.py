@@ -11,6 +11,15 @@ Variants (each row checked before timing: ours against cuBLASLt on the same code
   cublaslt       torch._scaled_mm with blockwise scales (cuBLASLt's VEC128 / BLK128x128 modes)
   coda_bf16      our bf16 plain GEMM of the same shape (CODA.gemm / gemm_xw / gemm_xty)
   cublas_bf16    torch.mm in bf16
+Fused rows: F1 with h quantized in its epilogue (CODA.fp8_gemm_residual_rmsnorm) at the out- and
+down-projection shapes, against our plain FP8 GEMM of the same shape (the issue's bar: fused
+<= 1.05x plain):
+  coda_f1        x = a · wᵀ + residual, h in 1x128 blocks and its transposed copy, Σx² partials
+  coda_f1_rows   the same without the transposed copy
+  coda           our plain FP8 GEMM (bf16 out)
+  gemm_then_cast the plain GEMM, then the rows+t cast of an (M, H) bf16 tensor: a lower bound for
+                 the unfused path (its residual add, ⊙ γ and Σx² pass left out)
+  cublaslt       cuBLASLt's blockwise GEMM
 Cast rows: the standalone casts at this shape, against a device-to-device copy of the
 same input (bytes read + written), interleaved:
   rows       x (M, H) -> codes + 1x128 scales
@@ -126,6 +135,59 @@ def gemm_rows(model, m, sec, progress):
             )
 
 
+def fused_rows(model, m, sec, progress):
+    hidden, hq, _, d, inter = MODELS[model]
+    for proj, k in (("out", hq * d), ("down", inter)):
+        a, w = rand_bf16(m, k, 6), rand_bf16(hidden, k, 7)
+        residual, h = rand_bf16(m, hidden, 8), rand_bf16(m, hidden, 9)
+        gamma = rand_bf16(1, hidden, 10).view(-1)
+        ac, acs, _, _ = CODA.fp8_quantize_rows(a)
+        wc, wcs, _, _ = CODA.fp8_quantize_blocks(w)
+        row = {"model": model, "M": m, "proj": proj, "gemm": [m, hidden, k]}
+        x = CODA.fp8_gemm_residual_rmsnorm(ac, acs, wc, wcs, residual, gamma, True, True)[0]
+        plain = CODA.fp8_gemm(ac, acs, wc, wcs)
+        row["rel_err_x_vs_gemm_plus_residual"] = rel_err(x, plain.float() + residual.float())
+        row["ok"] = row["rel_err_x_vs_gemm_plus_residual"] < 1e-2
+        if not row["ok"]:
+            print(f"FAIL fp8 fused {model} M={m} {proj}: {row}", flush=True)
+            sec["fused_rows"].append(row)
+            continue
+
+        def gemm_then_cast():
+            CODA.fp8_gemm(ac, acs, wc, wcs)
+            CODA.fp8_quantize_rows(h, True, True)
+
+        variants = {
+            "coda_f1": lambda: CODA.fp8_gemm_residual_rmsnorm(
+                ac, acs, wc, wcs, residual, gamma, True, True
+            ),
+            "coda_f1_rows": lambda: CODA.fp8_gemm_residual_rmsnorm(
+                ac, acs, wc, wcs, residual, gamma, True, False
+            ),
+            "coda": lambda: CODA.fp8_gemm(ac, acs, wc, wcs),
+            "gemm_then_cast": gemm_then_cast,
+        }
+        try:
+            scaled_mm(ac, acs.t(), wc, wcs.t())
+            variants["cublaslt"] = lambda: scaled_mm(ac, acs.t(), wc, wcs.t())
+        except RuntimeError:
+            pass
+        ms = cb.bench_interleaved(
+            variants, progress, f"fp8 fused {model} M={m} {proj}", target_ms=600.0
+        )
+        row["ms"] = ms
+        row["f1_over_plain"] = ms["coda_f1"] / ms["coda"]
+        row["f1_rows_over_plain"] = ms["coda_f1_rows"] / ms["coda"]
+        row["gemm_then_cast_over_f1"] = ms["gemm_then_cast"] / ms["coda_f1"]
+        sec["fused_rows"].append(row)
+        print(
+            f"fp8 fused {model:10s} M={m:5d} {proj:5s} "
+            + " ".join(f"{v}={t:.3f}ms" for v, t in ms.items())
+            + f" f1/plain={row['f1_over_plain']:.3f}",
+            flush=True,
+        )
+
+
 def cast_rows(model, m, sec, progress):
     hidden, _, _, _, inter = MODELS[model]
     x, w = rand_bf16(m, hidden, 4), rand_bf16(2 * inter, hidden, 5)
@@ -171,9 +233,13 @@ def cast_rows(model, m, sec, progress):
         )
 
 
-def run_shape(model, m, sec, progress):
+def run_shape(model, m, sec, progress, fused_only=False):
     if model not in MODELS:  # the paper's shapes have no FP8 rows
         return
     sec.setdefault("cast_rows", [])
-    gemm_rows(model, m, sec, progress)
-    cast_rows(model, m, sec, progress)
+    sec.setdefault("fused_rows", [])
+    if not fused_only:
+        gemm_rows(model, m, sec, progress)
+    fused_rows(model, m, sec, progress)
+    if not fused_only:
+        cast_rows(model, m, sec, progress)

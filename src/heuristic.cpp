@@ -148,6 +148,7 @@ KernelChoice program_config(Program p, const GemmShape& s) {
       // warpgroup's MMA).
     case Program::kPairLayoutProbe:
     case Program::kAccumulateF32:
+    case Program::kResidualRmsnormFp8:
     case Program::kPlain:
     case Program::kCount:
       break;

@@ -657,6 +657,44 @@ void gemm_fp8(View x, View x_scales, View w, View w_scales, View d, cudaStream_t
   launch<Program::kPlain>(c, Operands::kFp8XWt, p, {}, stream);
 }
 
+PartialLayout fp8_residual_rmsnorm_partials_layout(int64_t m, int64_t n, int64_t k) {
+  return checked_layout("coda::ops::fp8_residual_rmsnorm_partials_layout",
+                        Program::kResidualRmsnormFp8, Operands::kFp8XWt, {m, n, k});
+}
+
+void gemm_fp8_residual_rmsnorm(View a, View a_scales, View w, View w_scales, View residual,
+                               View gamma, View x, View h, View h_scales, View h_t, View h_t_scales,
+                               View sumsq_partials, cudaStream_t stream) {
+  Args c("coda::ops::gemm_fp8_residual_rmsnorm");
+  kernel::GemmProblem p = fp8_problem(c, a, a_scales, "w", w, "w_scales", w_scales, true);
+  const int64_t m = p.m, n = p.n;
+  CODA_CHECK(n % 16 == 0, c.op(), ": N (w's rows) must be a multiple of 16 (16-byte rows of h's ",
+             "codes), got ", n);
+  c.matrix("residual", residual, kBf, m, n);
+  c.vector("gamma", gamma, kBf, n);
+  c.matrix("x", x, kBf, m, n);
+  CODA_CHECK(h.data || h_t.data, c.op(), ": neither h nor h_t is wanted");
+  if (h.data) {
+    c.matrix("h", h, DType::kE4M3, m, n);
+    c.scales("h_scales", h_scales, blocks(n), m, true);
+  }
+  if (h_t.data) {
+    c.matrix("h_t", h_t, DType::kE4M3, n, kernel::ScaleLayout::padded_tokens(m));
+    c.scales("h_t_scales", h_t_scales, blocks(m), n, true);
+  }
+  const auto kc = choose_with_partials(c, Program::kResidualRmsnormFp8, Operands::kFp8XWt,
+                                       {m, n, p.k}, "sumsq_partials", sumsq_partials);
+  c.on_device();
+  p.c = bf(residual);
+  p.ldc = residual.ld;
+  p.d = bf_out(x);
+  p.ldd = x.ld;
+  const kernel::ResidualRmsnormFp8Args args{
+      bf(gamma), h.data ? fp8_output(h, h_scales) : kernel::Fp8Output{},
+      h_t.data ? fp8_output(h_t, h_t_scales) : kernel::Fp8Output{}, f32_out(sumsq_partials)};
+  launch<Program::kResidualRmsnormFp8>(c, Operands::kFp8XWt, kc, p, args, stream);
+}
+
 void gemm_fp8_xyt(View x, View x_scales, View y, View y_scales, View d, bool accumulate,
                   cudaStream_t stream) {
   Args c(accumulate ? "coda::ops::gemm_fp8_xyt (accumulate)" : "coda::ops::gemm_fp8_xyt");

@@ -9,36 +9,20 @@
 #include "coda/common/check.hpp"
 #include "coda/epilogue/fp8.hpp"
 #include "coda/kernel/cuda_check.hpp"
+#include "coda/kernel/fp8_tile.cuh"
 #include "coda/kernel/quantize.hpp"
 
 namespace coda::kernel {
 namespace {
 
 using epilogue::E4m3;
-
-constexpr int kTile = ScaleLayout::kBlock;  // 128
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
-// A tile row in shared memory: 128 bf16 plus 2, so that a row is 65 words and a warp reading one
-// column (a row per lane) touches 32 distinct banks.
-constexpr int kPitch = kTile + 2;
-
-// The largest magnitude, NaN winning (fmaxf would drop it).
-__device__ __forceinline__ float amax_of(float m, float a) { return (a > m || a != a) ? a : m; }
-// Over the `width` lanes of each aligned group (width a power of two <= 32).
-template <int kWidth = 32>
-__device__ __forceinline__ float group_amax(float m) {
-#pragma unroll
-  for (int o = kWidth / 2; o > 0; o /= 2) m = amax_of(m, __shfl_xor_sync(0xffffffffu, m, o));
-  return m;
-}
-
-__device__ __forceinline__ uint32_t pack4(float a, float b, float c, float d, float inv) {
-  return uint32_t(E4m3::quantize_by_inverse(a, inv)) |
-         uint32_t(E4m3::quantize_by_inverse(b, inv)) << 8 |
-         uint32_t(E4m3::quantize_by_inverse(c, inv)) << 16 |
-         uint32_t(E4m3::quantize_by_inverse(d, inv)) << 24;
-}
+using fp8_tile::amax_of;
+using fp8_tile::Blocks;
+using fp8_tile::group_amax;
+using fp8_tile::kThreads;
+using fp8_tile::kTile;
+using fp8_tile::kWarps;
+using fp8_tile::pack4;
 
 // 1x128 blocks along the rows, no transposed copy: no shared memory. A warp takes 4 rows of one
 // 256-column chunk; each half-warp one 128-column block of a row, a lane 8 columns (one 16-byte
@@ -67,15 +51,15 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t r = row0 + i;
     float f[8];
     const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[i]);
-    float m = 0.0f;
+    uint32_t m = 0;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const float2 p = __bfloat1622float2(h[j]);
       f[2 * j] = p.x;
       f[2 * j + 1] = p.y;
-      m = amax_of(m, amax_of(fabsf(p.x), fabsf(p.y)));
+      m = amax_of(amax_of(m, p.x), p.y);
     }
-    const float s = E4m3::scale(group_amax<16>(m)), inv = E4m3::inverse(s);
+    const float s = E4m3::scale(fp8_tile::as_amax(group_amax<16>(m))), inv = E4m3::inverse(s);
     const int64_t block = col / 128;
     if (lane % 16 == 0 && block * 128 < cols && r < rows_scaled)
       out.scales[block * out.ld_scales + r] = s;
@@ -85,27 +69,19 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-enum class Blocks { kRows, kTiles };
-
-// One CTA per 128x128 tile through shared memory (dynamic: tile + the transposed codes).
-// Blocks::kRows: `out` per 1x128 row block, `out_t` per 128x1 column block. Blocks::kTiles: one
-// scale for the whole 128x128 tile, for both. The transposed codes are staged in shared memory
-// and leave in 16-byte rows.
-constexpr int kTileBytes = kTile * kPitch * 2;
-constexpr int kTransposedBytes = kTile * kTile;
-constexpr int kTileSmem = kTileBytes + kTransposedBytes;
+// One CTA per 128x128 tile through shared memory (fp8_tile.cuh): loaded once, then its rows and
+// its columns quantized from there. Blocks::kRows: `out` per 1x128 row block, `out_t` per 128x1
+// column block. Blocks::kTiles: one scale for the whole 128x128 tile, for both.
 template <Blocks kBlocks>
 __global__ void __launch_bounds__(kThreads)
     quantize_tile_kernel(const bf16* __restrict__ x, int64_t rows, int64_t cols, int64_t ldx,
                          Fp8Output out, Fp8Output out_t) {
+  using fp8_tile::kPitch;
   extern __shared__ __align__(16) unsigned char smem[];
-  __nv_bfloat162* tile = reinterpret_cast<__nv_bfloat162*>(smem);
-  uint8_t* tcodes = smem + kTileBytes;  // (128 columns of x, 128 rows of x): xᵀ's codes
-  __shared__ float warp_max[kWarps];
+  const fp8_tile::Staged staged = fp8_tile::staged(smem);
+  __shared__ uint32_t warp_max[kWarps];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t row0 = int64_t(blockIdx.y) * kTile, col0 = int64_t(blockIdx.x) * kTile;
-  const int64_t rows_here = rows - row0 < kTile ? rows - row0 : kTile;
-  const int64_t cols_here = cols - col0 < kTile ? cols - col0 : kTile;
+  const fp8_tile::TilePlace t = fp8_tile::place(blockIdx.y, blockIdx.x, rows, cols);
 
   // Load: 16-byte chunks (8 bf16), zeros outside x (they add nothing to an amax), all in flight
   // before the first shared-memory store.
@@ -115,13 +91,13 @@ __global__ void __launch_bounds__(kThreads)
   for (int j = 0; j < kChunks; ++j) {
     const int i = threadIdx.x + j * kThreads, r = i / (kTile / 8), c = i % (kTile / 8) * 8;
     v[j] = make_uint4(0, 0, 0, 0);
-    if (r < rows_here && c < cols_here)
-      v[j] = *reinterpret_cast<const uint4*>(x + (row0 + r) * ldx + col0 + c);
+    if (r < t.rows_here && c < t.cols_here)
+      v[j] = *reinterpret_cast<const uint4*>(x + (t.row0 + r) * ldx + t.col0 + c);
   }
 #pragma unroll
   for (int j = 0; j < kChunks; ++j) {
     const int i = threadIdx.x + j * kThreads, r = i / (kTile / 8), c = i % (kTile / 8) * 8;
-    uint32_t* dst = reinterpret_cast<uint32_t*>(tile) + (r * kPitch + c) / 2;
+    uint32_t* dst = reinterpret_cast<uint32_t*>(staged.tile) + (r * kPitch + c) / 2;
     dst[0] = v[j].x;
     dst[1] = v[j].y;
     dst[2] = v[j].z;
@@ -132,83 +108,28 @@ __global__ void __launch_bounds__(kThreads)
   float tile_inv = 0.0f;
   if constexpr (kBlocks == Blocks::kTiles) {
     // Over the tile's 128 real columns (the pad words are never written).
-    float m = 0.0f;
+    const __nv_bfloat162* tile = reinterpret_cast<const __nv_bfloat162*>(staged.tile);
+    uint32_t m = 0;
     for (int r = warp; r < kTile; r += kWarps) {
       const float2 a = __bfloat1622float2(tile[(r * kPitch) / 2 + 2 * lane]);
       const float2 b = __bfloat1622float2(tile[(r * kPitch) / 2 + 2 * lane + 1]);
-      m = amax_of(m, amax_of(amax_of(fabsf(a.x), fabsf(a.y)), amax_of(fabsf(b.x), fabsf(b.y))));
+      m = amax_of(amax_of(amax_of(amax_of(m, a.x), a.y), b.x), b.y);
     }
     m = group_amax(m);
     if (lane == 0) warp_max[warp] = m;
     __syncthreads();
     m = warp_max[0];
 #pragma unroll
-    for (int w = 1; w < kWarps; ++w) m = amax_of(m, warp_max[w]);
-    const float s = E4m3::scale(m);
+    for (int w = 1; w < kWarps; ++w) m = max(m, warp_max[w]);
+    const float s = E4m3::scale(fp8_tile::as_amax(m));
     tile_inv = E4m3::inverse(s);
     if (threadIdx.x == 0) {
       if (out.codes) out.scales[blockIdx.y * out.ld_scales + blockIdx.x] = s;
       if (out_t.codes) out_t.scales[blockIdx.x * out_t.ld_scales + blockIdx.y] = s;
     }
   }
-
-  // Rows: lane holds columns 4·lane .. 4·lane + 3 of row r. Under 1x128 blocks the rows past x
-  // up to a multiple of 4 get scale 1 (their amax is 0): the GEMM's TMA reads whole 16 bytes.
-  if (out.codes) {
-    const int64_t rows_scaled =
-        kBlocks == Blocks::kRows ? ScaleLayout::row_scales_ld(rows) - row0 : rows_here;
-    const int row_end = rows_scaled < kTile ? int(rows_scaled) : kTile;
-    for (int r = warp; r < row_end; r += kWarps) {
-      const float2 a = __bfloat1622float2(tile[(r * kPitch) / 2 + 2 * lane]);
-      const float2 b = __bfloat1622float2(tile[(r * kPitch) / 2 + 2 * lane + 1]);
-      float inv = tile_inv;
-      if constexpr (kBlocks == Blocks::kRows) {
-        const float m =
-            group_amax(amax_of(amax_of(fabsf(a.x), fabsf(a.y)), amax_of(fabsf(b.x), fabsf(b.y))));
-        const float s = E4m3::scale(m);
-        inv = E4m3::inverse(s);
-        if (lane == 0) out.scales[blockIdx.x * out.ld_scales + row0 + r] = s;
-      }
-      if (r < rows_here && 4 * lane < cols_here)
-        *reinterpret_cast<uint32_t*>(out.codes + (row0 + r) * out.ld + col0 + 4 * lane) =
-            pack4(a.x, a.y, b.x, b.y, inv);
-    }
-  }
-
-  // Columns (the transposed copy): lane holds rows lane + 32·i of column c, quantized into the
-  // staged codes; then 16-byte stores of xᵀ's rows. Rows past x up to the next multiple of 16
-  // hold code 0 (their values are 0).
-  if (out_t.codes) {
-    const __nv_bfloat16* t = reinterpret_cast<const __nv_bfloat16*>(tile);
-    for (int c = warp; c < cols_here; c += kWarps) {
-      float v4[4];
-      float m = 0.0f;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        v4[i] = __bfloat162float(t[(lane + 32 * i) * kPitch + c]);
-        m = amax_of(m, fabsf(v4[i]));
-      }
-      float inv = tile_inv;
-      if constexpr (kBlocks == Blocks::kRows) {
-        const float s = E4m3::scale(group_amax(m));
-        inv = E4m3::inverse(s);
-        if (lane == 0) out_t.scales[blockIdx.y * out_t.ld_scales + col0 + c] = s;
-      }
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        tcodes[c * kTile + lane + 32 * i] =  // 0 past x, even in a block whose scale is NaN
-            row0 + lane + 32 * i < rows ? E4m3::quantize_by_inverse(v4[i], inv) : uint8_t(0);
-    }
-    __syncthreads();
-    const int64_t rows_padded = ScaleLayout::padded_tokens(rows) - row0;
-    const int rows_written = rows_padded < kTile ? int(rows_padded) : kTile;
-    for (int i = threadIdx.x; i < kTile * kTile / 16; i += kThreads) {
-      const int c = i / (kTile / 16), r = i % (kTile / 16) * 16;
-      if (c < cols_here && r < rows_written)
-        *reinterpret_cast<uint4*>(out_t.codes + (col0 + c) * out_t.ld + row0 + r) =
-            *reinterpret_cast<const uint4*>(tcodes + c * kTile + r);
-    }
-  }
+  if (out.codes) fp8_tile::quantize_rows<kBlocks>(staged, t, out, threadIdx.x, tile_inv);
+  if (out_t.codes) fp8_tile::quantize_columns<kBlocks>(staged, t, out_t, threadIdx.x, tile_inv);
 }
 
 // An output of `cols`-wide code rows whose scale rows hold `scale_cols` entries.
@@ -242,10 +163,11 @@ void launch_tiles(const char* op, const bf16* x, int64_t rows, int64_t cols, int
   CODA_CHECK(row_blocks < 65536, op, ": ", rows, " rows is too many (at most 65535 tiles)");
   // Per launch (the current device's function attribute; no synchronization).
   CODA_CUDA_CHECK(cudaFuncSetAttribute(quantize_tile_kernel<kBlocks>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, kTileSmem));
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       fp8_tile::kSmemBytes));
   const dim3 grid{unsigned(col_blocks), unsigned(row_blocks)};
   quantize_tile_kernel<kBlocks>
-      <<<grid, kThreads, kTileSmem, stream>>>(x, rows, cols, ldx, out, out_t);
+      <<<grid, kThreads, fp8_tile::kSmemBytes, stream>>>(x, rows, cols, ldx, out, out_t);
   CODA_CUDA_CHECK(cudaGetLastError());
 }
 

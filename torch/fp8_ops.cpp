@@ -13,6 +13,7 @@
 #include "checks.hpp"
 #include "coda/kernel/args.hpp"
 #include "coda/reference/fp8.hpp"
+#include "coda/reference/fp8_programs.hpp"
 #if CODA_TORCH_CUDA
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -265,6 +266,95 @@ void fp8_gemm_xyt_accumulate_(const Tensor& d, const Tensor& x, const Tensor& x_
   gemm("coda::fp8_gemm_xyt_accumulate_", x, x_scales, y, y_scales, false, &d);
 }
 
+// F1 over FP8 operands (ops::gemm_fp8_residual_rmsnorm): x = a · wᵀ + residual, h = x ⊙ γ in
+// residual's dtype quantized in 1x128 blocks (`rows`) and as its transposed 128x1 copy
+// (`transposed`), Σx² partials per 128x128 tile for rmsnorm_fold. On the CPU residual and gamma
+// may be float32 or float64 too (x, h and the partials then stay in that precision).
+using Fp8F1 = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
+Fp8F1 fp8_gemm_residual_rmsnorm(const Tensor& a, const Tensor& a_scales, const Tensor& w,
+                                const Tensor& w_scales, const Tensor& residual, const Tensor& gamma,
+                                bool rows, bool transposed) {
+  const char* op = "coda::fp8_gemm_residual_rmsnorm";
+  check_operand(op, "a", a, "a_scales", a_scales, a);
+  check_operand(op, "w", w, "w_scales", w_scales, a);
+  TORCH_CHECK(a.size(1) == w.size(1), op, ": a is ", shape_string(a.sizes()), " and w is ",
+              shape_string(w.sizes()), ": their K differ");
+  const int64_t m = a.size(0), n = w.size(0), k = a.size(1);
+  check_scale_shape(op, "a_scales", a_scales, blocks(k), m);
+  check_scale_shape(op, "w_scales", w_scales, blocks(n), blocks(k));
+  check_input(op, "residual", residual);
+  TORCH_CHECK(residual.device() == a.device() && gamma.device() == a.device(), op,
+              ": residual and gamma must be on ", a.device(), ", got ", residual.device(), " and ",
+              gamma.device());
+  TORCH_CHECK(residual.sizes() == c10::IntArrayRef({m, n}), op, ": residual must be (", m, ", ", n,
+              "), got ", shape_string(residual.sizes()));
+  TORCH_CHECK(gamma.dim() == 1 && gamma.size(0) == n && gamma.is_contiguous() &&
+                  gamma.scalar_type() == residual.scalar_type(),
+              op, ": gamma must be a contiguous (", n, ") vector of residual's dtype ",
+              residual.scalar_type(), ", got ", shape_string(gamma.sizes()), " ",
+              gamma.scalar_type());
+  TORCH_CHECK(rows || transposed, op, ": neither rows nor transposed is asked for");
+  const at::ScalarType act = residual.scalar_type();
+  Tensor h = none(a), hs = none(a), h_t = none(a), h_ts = none(a);
+  if (rows) {
+    h = at::empty({m, n}, codes_options(a));
+    hs = scales_with_ld(a, blocks(n), m, ScaleLayout::row_scales_ld(m));
+  }
+  if (transposed) {
+    h_t = at::empty({n, ScaleLayout::padded_tokens(m)}, codes_options(a));
+    h_ts = at::empty({blocks(m), n}, scale_options(a));
+  }
+  if (a.is_cpu()) {
+    const auto to_doubles = [](const Tensor& t) {
+      const Tensor d = t.to(at::kDouble).contiguous();
+      return std::vector<double>(d.data_ptr<double>(), d.data_ptr<double>() + d.numel());
+    };
+    const auto f = reference::fp8_residual_rmsnorm<double>(read_operand(a, a_scales, false),
+                                                           read_operand(w, w_scales, true),
+                                                           to_doubles(residual), to_doubles(gamma));
+    const auto tensor = [](const std::vector<double>& v, int64_t r, int64_t c) {
+      return at::from_blob(const_cast<double*>(v.data()), {r, c}, at::kDouble).clone();
+    };
+    const Tensor x = tensor(f.x, m, n).to(act);
+    const Tensor hv = tensor(f.h, m, n).to(act).to(at::kDouble).contiguous();
+    const double* hp = hv.data_ptr<double>();
+    if (rows) {
+      const auto q =
+          reference::quantize_blockwise(reference::MatrixRef<double>::row_major(hp, m, n), 1, 128);
+      put_codes(q, h);
+      put_row_scales(q, hs);
+    }
+    if (transposed) {
+      const auto q =
+          reference::quantize_blockwise(reference::MatrixRef<double>::transposed(hp, n, m), 1, 128);
+      h_t.zero_();
+      put_codes(q, h_t);
+      put_row_scales(q, h_ts);
+    }
+    const Tensor s = tensor(f.partials, f.layout.tiles, f.layout.extent)
+                         .to(act == at::kDouble ? at::kDouble : at::kFloat);
+    return {x, h, hs, h_t, h_ts, s};
+  }
+#if CODA_TORCH_CUDA
+  const c10::cuda::CUDAGuard guard(a.device());
+  TORCH_CHECK(act == at::kBFloat16, op, ": residual must be bfloat16 on CUDA, got ", act);
+  const Tensor x = at::empty({m, n}, residual.options());
+  const auto l = ops::fp8_residual_rmsnorm_partials_layout(m, n, k);
+  const Tensor s = at::empty({l.tiles, l.extent}, scale_options(a));
+  const TensorView absent{};
+  ops::gemm_fp8_residual_rmsnorm(
+      codes_view(a), scales_view(a_scales), codes_view(w), scales_view(w_scales),
+      view(residual, DType::kBF16),
+      TensorView::vector(gamma.data_ptr(), DType::kBF16, n, gamma.device().index()),
+      view(x, DType::kBF16), rows ? codes_view(h) : absent, rows ? scales_view(hs) : absent,
+      transposed ? codes_view(h_t) : absent, transposed ? scales_view(h_ts) : absent,
+      view(s, DType::kF32), stream_of(a));
+  return {x, h, hs, h_t, h_ts, s};
+#else
+  TORCH_CHECK(false, op, ": this build has no CUDA kernels");
+#endif
+}
+
 // Benchmarks' kernel sweeps: kernel::set_kernel_overrides (CODA_KERNEL_OVERRIDE's syntax).
 void set_kernel_overrides(c10::string_view spec) {
 #if CODA_TORCH_CUDA
@@ -281,6 +371,7 @@ inline constexpr char quantize_blocks[] = "coda::fp8_quantize_blocks";
 inline constexpr char gemm_blocks[] = "coda::fp8_gemm";
 inline constexpr char gemm_xyt[] = "coda::fp8_gemm_xyt";
 inline constexpr char gemm_xyt_acc[] = "coda::fp8_gemm_xyt_accumulate_";
+inline constexpr char residual_rmsnorm[] = "coda::fp8_gemm_residual_rmsnorm";
 }  // namespace names
 
 void register_fp8(torch::Library& m) {
@@ -289,6 +380,8 @@ void register_fp8(torch::Library& m) {
   m.impl("fp8_gemm", CODA_GUARDED(names::gemm_blocks, fp8_gemm));
   m.impl("fp8_gemm_xyt", CODA_GUARDED(names::gemm_xyt, fp8_gemm_xyt));
   m.impl("fp8_gemm_xyt_accumulate_", CODA_GUARDED(names::gemm_xyt_acc, fp8_gemm_xyt_accumulate_));
+  m.impl("fp8_gemm_residual_rmsnorm",
+         CODA_GUARDED(names::residual_rmsnorm, fp8_gemm_residual_rmsnorm));
 }
 
 }  // namespace
@@ -305,6 +398,10 @@ TORCH_LIBRARY_FRAGMENT(coda, m) {
   m.def(
       "fp8_gemm_xyt_accumulate_(Tensor(a!) d, Tensor x, Tensor x_scales, Tensor y, "
       "Tensor y_scales) -> ()");
+  m.def(
+      "fp8_gemm_residual_rmsnorm(Tensor a, Tensor a_scales, Tensor w, Tensor w_scales, "
+      "Tensor residual, Tensor gamma, bool rows=True, bool transposed=False) -> (Tensor x, "
+      "Tensor h, Tensor h_scales, Tensor h_t, Tensor h_t_scales, Tensor sumsq_partials)");
   m.def("set_kernel_overrides(str spec) -> ()",
         CODA_GUARDED(names::overrides, set_kernel_overrides));
 }

@@ -134,6 +134,15 @@ void quantize_fp8_blocks(View w, View codes, View scales, View codes_t, View sca
 // d (M, N) bf16 = x · wᵀ: x (M, K) in 1x128 blocks, w (N, K) in 128x128 blocks, K a multiple of
 // 16, N of 8; partial sums promoted to fp32 and scaled once per 128 of K.
 void gemm_fp8(View x, View x_scales, View w, View w_scales, View d, cudaStream_t stream);
+// F1 over FP8 operands (a in 1x128 blocks, w in 128x128 blocks, as gemm_fp8): x (M, N) =
+// a · wᵀ + residual in bf16; h = bf16(x ⊙ γ) quantized in the epilogue, bit for bit as
+// quantize_fp8_rows would quantize it: h (M, N) codes with h_scales (ceil(N/128), M rounded up to
+// 4), and its transposed copy h_t (N, M16) with h_t_scales (ceil(M/128), N), either of which may
+// be left out; per-tile Σx² partials for rmsnorm_fold. N a multiple of 16. x may alias residual.
+PartialLayout fp8_residual_rmsnorm_partials_layout(int64_t m, int64_t n, int64_t k);
+void gemm_fp8_residual_rmsnorm(View a, View a_scales, View w, View w_scales, View residual,
+                               View gamma, View x, View h, View h_scales, View h_t, View h_t_scales,
+                               View sumsq_partials, cudaStream_t stream);
 // d (M, N) = x · yᵀ with x (M, K) and y (N, K) both in 1x128 blocks (the weight gradient from
 // the transposed copies, K = tokens): d bf16, or with `accumulate` fp32 d += x · yᵀ.
 void gemm_fp8_xyt(View x, View x_scales, View y, View y_scales, View d, bool accumulate,

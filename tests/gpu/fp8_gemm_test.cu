@@ -30,9 +30,13 @@ namespace {
 using epilogue::E4m3;
 using reference::BlockQuantized;
 
-__global__ void encode_kernel(const float* v, uint8_t* out, size_t n) {
+// encode of every value, and encode2 of each value with its neighbour (the pair instruction).
+__global__ void encode_kernel(const float* v, uint8_t* out, uint16_t* out2, size_t n) {
   const size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < n) out[i] = E4m3::encode(v[i]);
+  if (i < n) {
+    out[i] = E4m3::encode(v[i]);
+    out2[i] = E4m3::encode2(v[i], v[(i + 1) % n]);
+  }
 }
 
 TEST_F(GpuKernelTest, E4m3EncodeOnTheDeviceMatchesTheHostBitPath) {
@@ -48,15 +52,23 @@ TEST_F(GpuKernelTest, E4m3EncodeOnTheDeviceMatchesTheHostBitPath) {
     v.push_back(f);
   DeviceBuffer<float> dv(v);
   DeviceBuffer<uint8_t> out(v.size());
-  encode_kernel<<<unsigned((v.size() + 255) / 256), 256>>>(dv.get(), out.get(), v.size());
+  DeviceBuffer<uint16_t> out2(v.size());
+  encode_kernel<<<unsigned((v.size() + 255) / 256), 256>>>(dv.get(), out.get(), out2.get(),
+                                                           v.size());
   CODA_CUDA_CHECK(cudaDeviceSynchronize());
   const std::vector<uint8_t> got = out.download();
+  const std::vector<uint16_t> got2 = out2.download();
   size_t bad = 0;
   for (size_t i = 0; i < v.size(); ++i) {
     // The bit path, as the host compiles it (no cvt instruction there).
     if (got[i] != E4m3::encode(v[i]) && bad++ < 5)
       ADD_FAILURE() << std::hexfloat << v[i] << ": device " << int(got[i]) << ", host "
                     << int(E4m3::encode(v[i]));
+    const float next = v[(i + 1) % v.size()];
+    const uint16_t want2 = uint16_t(E4m3::encode(v[i]) | E4m3::encode(next) << 8);
+    if (got2[i] != want2 && bad++ < 5)
+      ADD_FAILURE() << std::hexfloat << "encode2(" << v[i] << ", " << next << "): device "
+                    << got2[i] << ", host " << want2;
   }
   EXPECT_EQ(bad, 0u) << " of " << v.size();
 }
@@ -332,6 +344,105 @@ TEST_F(GpuKernelTest, CastThenGemmThroughTheOps) {
   const std::vector<float> got = dwo.download();
   expect_close("dw = dyᵀ·x", std::vector<double>(got.begin(), got.end()),
                reference::gemm_fp8_blockwise<double>(qdyt, qxt));
+}
+
+// F1 over FP8 operands with h quantized in its epilogue (Program::kResidualRmsnormFp8) against
+// the same F1 with bf16 h on the same mainloop, whose h then goes through the cast kernel: x and
+// the Σx² partials byte for byte, h's codes and scales (both copies) byte for byte. The bf16-h
+// F1 itself against the recipe: x = the blockwise GEMM + residual, h = x ⊙ γ, S = Σ x² per tile.
+// Every output is exactly the size the kernels write, poisoned differently for the fused and the
+// cast outputs, so a byte written by only one of them differs.
+TEST_F(GpuKernelTest, Fp8ResidualRmsnormQuantizesHAsTheCastKernelDoes) {
+  const Config c = Config::kCoop128x128x128_1x2;
+  ASSERT_TRUE(compiled(Program::kResidualRmsnormFp8, c, Operands::kFp8XWt));
+  ASSERT_TRUE(compiled(Program::kResidualRmsnormPartial, c, Operands::kFp8XWt));
+  testing::Rng rng(16);
+  const Shape shapes[] = {
+      {1, 272, 144}, {130, 128, 16}, {300, 400, 1040}, {4097, 272, 272}, {256, 1024, 2048}};
+  for (const Shape& s : shapes) {
+    if (skip_large(s)) continue;
+    const int64_t m = s.m, n = s.n, m4 = pad(m, 4), m16 = pad(m, 16);
+    const int64_t nb = pad(n, 128) / 128, mb = pad(m, 128) / 128;
+    const std::vector<double> a = wide_values(m, s.k, rng), w = wide_values(n, s.k, rng);
+    std::vector<double> residual(static_cast<size_t>(m * n)), gam(static_cast<size_t>(n));
+    for (double& v : residual) v = testing::round_bf16(rng.uniform(-2, 2));
+    for (double& v : gam) v = testing::round_bf16(rng.uniform(0.5, 1.5));
+    const auto qa = quantized(a, s.m, s.k, 1), qw = quantized(w, s.n, s.k, 128);
+    const Fp8Operand da = upload_rows(qa), dw = upload_blocks(qw);
+    auto dres = upload_bf16(residual), dgamma = upload_bf16(gam);
+    const size_t partials = size_t(nb * mb * 128);
+
+    // F1 with bf16 h, then the cast of h.
+    DeviceBuffer<bf16> x_ref(size_t(m * n)), h_ref(size_t(m * n));
+    DeviceBuffer<float> s_ref(partials);
+    x_ref.poison();
+    h_ref.poison();
+    s_ref.poison();
+    GemmProblem p = fp8_problem(s, da, dw);
+    p.c = dres.get();
+    p.ldc = n;
+    p.d = x_ref.get();
+    p.ldd = n;
+    run<Program::kResidualRmsnormPartial>(c, p, {dgamma.get(), h_ref.get(), n, s_ref.get()},
+                                          Operands::kFp8XWt);
+    DeviceBuffer<uint8_t> cast(size_t(m * n)), cast_t(size_t(n * m16));
+    DeviceBuffer<float> cast_s(size_t(nb * m4)), cast_ts(size_t(mb * n));
+    for (auto* b : {&cast, &cast_t}) b->poison(0xfe);
+    cast_s.poison(0xfe);
+    cast_ts.poison(0xfe);
+    quantize_fp8_rows(h_ref.get(), m, n, n, {cast.get(), n, cast_s.get(), m4},
+                      {cast_t.get(), m16, cast_ts.get(), n}, nullptr);
+
+    // F1 with h quantized in the epilogue.
+    DeviceBuffer<bf16> x(size_t(m * n));
+    DeviceBuffer<float> sums(partials);
+    DeviceBuffer<uint8_t> h(size_t(m * n)), h_t(size_t(n * m16));
+    DeviceBuffer<float> hs(size_t(nb * m4)), h_ts(size_t(mb * n));
+    x.poison();
+    sums.poison();
+    for (auto* b : {&h, &h_t}) b->poison();
+    hs.poison();
+    h_ts.poison();
+    p.d = x.get();
+    run<Program::kResidualRmsnormFp8>(
+        c, p,
+        {dgamma.get(), {h.get(), n, hs.get(), m4}, {h_t.get(), m16, h_ts.get(), n}, sums.get()},
+        Operands::kFp8XWt);
+    CODA_CUDA_CHECK(cudaDeviceSynchronize());
+
+    const std::string at = label(c, s);
+    const std::vector<double> xr = download_bf16(x_ref);
+    expect_same_floats("Σx² partials " + at, sums.download(), s_ref.download());
+    const auto bytes = [](const DeviceBuffer<bf16>& b) {
+      const std::vector<bf16> v = b.download();
+      std::vector<uint8_t> out(v.size() * sizeof(bf16));
+      std::memcpy(out.data(), v.data(), out.size());
+      return out;
+    };
+    expect_same_bytes("x " + at, bytes(x), bytes(x_ref));
+    expect_same_bytes("h codes " + at, h.download(), cast.download());
+    expect_same_floats("h scales " + at, hs.download(), cast_s.download());
+    expect_same_bytes("hᵀ codes " + at, h_t.download(), cast_t.download());
+    expect_same_floats("hᵀ scales " + at, h_ts.download(), cast_ts.download());
+
+    // The bf16-h program against the recipe.
+    std::vector<double> x_want = reference::gemm_fp8_blockwise<double>(qa, qw);
+    for (size_t i = 0; i < x_want.size(); ++i) x_want[i] += residual[i];
+    expect_close("x = a·wᵀ + residual " + at, xr, x_want);
+    std::vector<double> h_want(xr.size());  // from the unrounded x, as the epilogue has it
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < n; ++j) h_want[i * n + j] = x_want[i * n + j] * gam[j];
+    expect_close("h = x ⊙ γ " + at, download_bf16(h_ref), h_want);
+    const std::vector<float> sr = s_ref.download();
+    for (int64_t t = 0; t < nb; ++t)
+      for (int64_t i = 0; i < m; ++i) {
+        double want = 0.0;
+        for (int64_t j = t * 128; j < std::min(n, (t + 1) * 128); ++j)
+          want += x_want[i * n + j] * x_want[i * n + j];
+        ASSERT_NEAR(sr[t * mb * 128 + i], want, 0x1p-6 * want + 1e-30)
+            << "Σx² row " << i << " tile " << t << " " << at;
+      }
+  }
 }
 
 }  // namespace

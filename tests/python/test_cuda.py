@@ -668,6 +668,37 @@ def test_fp8_gemm_error_against_fp64_within_the_unfused_recipe():
     assert e_ours <= 1.5 * e_unfused, f"ours {e_ours:.4g} vs unfused {e_unfused:.4g}"
 
 
+@pytest.mark.parametrize("m,n,k", FP8_SHAPES)
+def test_fp8_residual_rmsnorm_matches_the_cpu_recipe(m, n, k):
+    """F1 over FP8 operands with h quantized in the epilogue, against the CPU op on the same
+    codes: x (bf16 rounding, fp32 partial sums), the Σx² partials, and h's codes and scales
+    dequantized against x ⊙ γ (e4m3's half step, 2^-4 relative, or the subnormal step). The
+    bit-for-bit match with the cast kernel is tests/gpu/fp8_gemm_test.cu's."""
+    gen = torch.Generator().manual_seed(m + 7 * n)
+    a, w = wide_bf16(m, k, gen).cuda(), wide_bf16(n, k, gen).cuda()
+    residual = torch.randn(m, n, generator=gen).to(BF16).cuda()
+    gamma = (torch.rand(n, generator=gen) + 0.5).to(BF16).cuda()
+    ac, acs, _, _ = CODA.fp8_quantize_rows(a)
+    wc, wcs, _, _ = CODA.fp8_quantize_blocks(w)
+    x, h, hs, h_t, h_ts, s = CODA.fp8_gemm_residual_rmsnorm(ac, acs, wc, wcs, residual, gamma,
+                                                            True, True)
+    # The CPU op in fp64 (residual and γ upcast): x unrounded, as the epilogue holds it.
+    args = [t.cpu() for t in (ac, acs, wc, wcs)] + [residual.cpu().double(), gamma.cpu().double()]
+    x_ref, _, _, _, _, s_ref = CODA.fp8_gemm_residual_rmsnorm(*args)
+    err = (x.double().cpu() - x_ref).abs()
+    assert (err <= 2.0**-8 * x_ref.abs() + 2.0**-10 * x_ref.abs().max()).all(), "x"
+    torch.testing.assert_close(s.cpu().double(), s_ref, rtol=2e-2, atol=0)
+    want = x.double().cpu() * gamma.double().cpu()
+    blocks = hs.t().cpu().double().repeat_interleave(128, 1)[:, :n]
+    got = h.cpu().double() * blocks
+    rel = 2.0**-4 + 2.0**-7  # e4m3's half step, plus x's and h's bf16 roundings
+    assert ((got - want).abs() <= rel * want.abs() + 2.0**-9 * blocks).all(), "h"
+    blocks_t = h_ts.t().cpu().double().repeat_interleave(128, 1)[:, :m]
+    got_t = h_t[:, :m].cpu().double() * blocks_t
+    assert ((got_t - want.t()).abs() <= rel * want.t().abs() + 2.0**-9 * blocks_t).all(), "hᵀ"
+    assert (h_t[:, m:].cpu().view(torch.uint8) == 0).all()
+
+
 def test_fp8_bad_arguments_on_cuda():
     x = torch.randn(19, 32, device="cuda").to(BF16)
     with pytest.raises(RuntimeError, match=r"x must be bfloat16, got Float"):

@@ -164,3 +164,76 @@ def test_bad_arguments_name_what_is_wrong(g):
         CODA.fp8_gemm(xc, xs, CODA.fp8_quantize_blocks(wide(16, 48, g))[0], ws)
     with pytest.raises(RuntimeError, match=r"d must be a contiguous float32 \(19, 19\)"):
         CODA.fp8_gemm_xyt_accumulate_(torch.zeros(19, 19, dtype=torch.float64), xc, xs, xc, xs)
+
+
+def f1_fp64(a, a_scales, w, w_scales, residual, gamma):
+    """F1 over FP8 operands in fp64 from the dequantized operands: x, h = x ⊙ γ, Σx² per row and
+    128-column tile (rows padded to 128 with zeros: the partials' layout)."""
+    x = dequantize(a, a_scales.t(), 1) @ dequantize(w, w_scales, 128).t() + residual.double()
+    h = x * gamma.double()
+    m, n = x.shape
+    tiles = -(-n // 128)
+    sq = torch.zeros(-(-m // 128) * 128, tiles * 128, dtype=torch.float64)
+    sq[:m, :n] = x * x
+    return x, h, sq.view(-1, tiles, 128).sum(2).t()
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 16, 16), (19, 272, 144), (130, 400, 272)])
+def test_fp8_residual_rmsnorm_is_f1_then_the_cast(m, n, k, g):
+    """F1 over FP8 operands: x and the partials are the fp64 formula on the dequantized operands;
+    h = x ⊙ γ, and its codes and scales (both copies) are the recipe's cast of that h."""
+    a, w = wide(m, k, g), wide(n, k, g)
+    ac, acs, _, _ = CODA.fp8_quantize_rows(a)
+    wc, wcs, _, _ = CODA.fp8_quantize_blocks(w)
+    residual = torch.randn(m, n, generator=g, dtype=torch.float64)
+    gamma = torch.rand(n, generator=g, dtype=torch.float64) + 0.5
+    x, h, hs, h_t, h_ts, s = CODA.fp8_gemm_residual_rmsnorm(ac, acs, wc, wcs, residual, gamma,
+                                                            True, True)
+    x_ref, h_ref, s_ref = f1_fp64(ac, acs, wc, wcs, residual, gamma)
+    assert x.dtype == torch.float64 and s.dtype == torch.float64
+    torch.testing.assert_close(x, x_ref, rtol=1e-12, atol=1e-12 * x_ref.abs().max().item())
+    torch.testing.assert_close(s, s_ref, rtol=1e-12, atol=1e-12 * s_ref.abs().max().item())
+    torch.testing.assert_close(x * gamma, h_ref, rtol=1e-12, atol=1e-12 * h_ref.abs().max().item())
+    # The cast of the op's own h (x ⊙ γ from its x): an fp64 h a rounding away could sit on the
+    # other side of an e4m3 tie.
+    want, want_s = quantize_ref(x * gamma, 1)
+    same_codes(h, want, "h codes")
+    assert torch.equal(hs, want_s.t())
+    want_t, want_ts = quantize_ref((x * gamma).t(), 1)
+    same_codes(h_t[:, :m], want_t, "hᵀ codes")
+    assert (h_t[:, m:].view(torch.uint8) == 0).all()
+    assert torch.equal(h_ts, want_ts.t())
+    assert (hs.stride(0), h_t.shape) == (-(-m // 4) * 4, (n, -(-m // 16) * 16))
+    # Folded, the partials give F1's r.
+    r = CODA.rmsnorm_fold(s, m, n, 1e-6)
+    torch.testing.assert_close(r, torch.rsqrt((x_ref**2).mean(1) + 1e-6), rtol=1e-12, atol=0)
+
+
+def test_fp8_residual_rmsnorm_in_bf16_rounds_h_before_the_cast(g):
+    """With bf16 residual and γ, h is x ⊙ γ rounded to bf16 and then cast, as on CUDA."""
+    m, n, k = 40, 144, 160
+    ac, acs, _, _ = CODA.fp8_quantize_rows(wide(m, k, g))
+    wc, wcs, _, _ = CODA.fp8_quantize_blocks(wide(n, k, g))
+    residual = torch.randn(m, n, generator=g).bfloat16()
+    gamma = (torch.rand(n, generator=g) + 0.5).bfloat16()
+    x, h, hs, _, _, _ = CODA.fp8_gemm_residual_rmsnorm(ac, acs, wc, wcs, residual, gamma)
+    x_ref, h_ref, _ = f1_fp64(ac, acs, wc, wcs, residual, gamma)
+    assert x.dtype == torch.bfloat16
+    assert torch.equal(x, x_ref.bfloat16())
+    want, want_s = CODA.fp8_quantize_rows(h_ref.bfloat16())[:2]
+    same_codes(h, want, "h codes")
+    assert torch.equal(hs, want_s)
+
+
+def test_fp8_residual_rmsnorm_bad_arguments(g):
+    ac, acs, _, _ = CODA.fp8_quantize_rows(wide(19, 32, g))
+    wc, wcs, _, _ = CODA.fp8_quantize_blocks(wide(16, 32, g))
+    r, gm = torch.zeros(19, 16), torch.ones(16)
+    with pytest.raises(RuntimeError, match=r"residual must be \(19, 16\), got \(19, 32\)"):
+        CODA.fp8_gemm_residual_rmsnorm(ac, acs, wc, wcs, torch.zeros(19, 32), gm)
+    with pytest.raises(RuntimeError, match=r"gamma must be a contiguous \(16\) vector"):
+        CODA.fp8_gemm_residual_rmsnorm(ac, acs, wc, wcs, r, torch.ones(16).double())
+    with pytest.raises(RuntimeError, match=r"neither rows nor transposed"):
+        CODA.fp8_gemm_residual_rmsnorm(ac, acs, wc, wcs, r, gm, False, False)
+    with pytest.raises(RuntimeError, match=r"a_scales must have shape \(1, 19\)"):
+        CODA.fp8_gemm_residual_rmsnorm(ac, torch.ones(2, 19), wc, wcs, r, gm)

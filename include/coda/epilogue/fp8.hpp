@@ -69,6 +69,15 @@ struct E4m3 {
     return sign | uint8_t(q);  // q <= 0x7e: |v| < 448 rounds to at most 448
   }
 
+  // encode(lo) | encode(hi) << 8: on sm_89 and later one instruction for both
+  // (cvt.rn.satfinite.e4m3x2.f32), the vector kernels' form.
+  CODA_HD static uint16_t encode2(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    return uint16_t(__nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3));
+#endif
+    return uint16_t(encode(lo) | uint16_t(encode(hi)) << 8);
+  }
+
   // The block scale for a block whose largest magnitude is amax: 2^ceil(log2(amax / 448)), the
   // smallest power of two s with amax <= 448·s, computed exactly (no rounded quotient), and no
   // smaller than 2^-126; 1 for amax = 0. A NaN or infinite amax gives a NaN scale (the block's

@@ -64,6 +64,15 @@ struct ScaleLayout {
   static constexpr int64_t padded_tokens(int64_t tokens) { return (tokens + 15) / 16 * 16; }
 };
 
+// An FP8 output: e4m3 codes (row-major, row stride ld) and its scales (row stride ld_scales), in
+// a ScaleLayout.
+struct Fp8Output {
+  uint8_t* codes = nullptr;
+  int64_t ld = 0;
+  float* scales = nullptr;
+  int64_t ld_scales = 0;
+};
+
 // The tensors the GEMM kernel itself reads as C and writes as D: the problem's c and d, unless a
 // fusion puts its own operands there (FusionOf<P>::operands; B2's z and dz, 32-bit pairs).
 struct KernelOperands {
@@ -95,6 +104,16 @@ struct ResidualRmsnormPartialArgs {  // F1: C = residual, D = x
   bf16* h = nullptr;                 // (M, N) x ⊙ γ
   int64_t ldh = 0;
   float* sumsq_partials = nullptr;  // PartialLayout::per_row(M, N, tile_m, tile_n)
+};
+
+// F1 with h in FP8 (tile 128x128): h = x ⊙ γ rounded to bf16, then quantized as the cast
+// kernels do: h_fp8 in 1x128 blocks (the next GEMMs' A), h_t its transposed 128x1 copy (their
+// weight gradients' B); either may be left out (null codes).
+struct ResidualRmsnormFp8Args {     // C = residual, D = x
+  const bf16* gamma = nullptr;      // (N)
+  Fp8Output h;                      // codes (M, N), scales (ceil(N / 128), row_scales_ld(M))
+  Fp8Output h_t;                    // codes (N, padded_tokens(M)), scales (ceil(M / 128), N)
+  float* sumsq_partials = nullptr;  // PartialLayout::per_row(M, N, 128, 128)
 };
 
 struct RmsnormSwigluArgs {   // F2: D = z (M, 2I)

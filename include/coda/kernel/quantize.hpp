@@ -13,14 +13,6 @@
 
 namespace coda::kernel {
 
-// An FP8 output: codes (row-major, row stride ld) and its scales (row stride ld_scales).
-struct Fp8Output {
-  uint8_t* codes = nullptr;
-  int64_t ld = 0;
-  float* scales = nullptr;
-  int64_t ld_scales = 0;
-};
-
 // x (rows, cols) bf16 row-major (row stride ldx), cols a multiple of 16.
 //   out (if codes is set): codes (rows, cols), 1x128 blocks along cols; the scale of row r's
 //     block cb at cb · ld_scales + r, for r < rows rounded up to 4 (scale 1 past x), so
