@@ -209,18 +209,28 @@ void check_scale_shape(const char* op, const char* name, const Tensor& s, int64_
 }
 
 // x (M, K) 1x128 · w (N, K) (128x128 blocks when `w_blocks`, else 1x128) -> (M, N).
-Tensor gemm(const char* op, const Tensor& x, const Tensor& xs, const Tensor& w, const Tensor& ws,
-            bool w_blocks, const Tensor* accumulate) {
-  check_operand(op, "x", x, "x_scales", xs, x);
+// An FP8 GEMM's operand pair, checked: `x_name` (M, K) in 1x128 blocks, w (N, K) in 128x128 blocks
+// when `w_blocks`, else 1x128, with their scales; returns (M, N, K).
+std::tuple<int64_t, int64_t, int64_t> check_pair(const char* op, const char* x_name,
+                                                 const Tensor& x, const char* xs_name,
+                                                 const Tensor& xs, const Tensor& w,
+                                                 const Tensor& ws, bool w_blocks) {
+  check_operand(op, x_name, x, xs_name, xs, x);
   check_operand(op, "w", w, "w_scales", ws, x);
-  TORCH_CHECK(x.size(1) == w.size(1), op, ": x is ", shape_string(x.sizes()), " and w is ",
-              shape_string(w.sizes()), ": their K differ");
+  TORCH_CHECK(x.size(1) == w.size(1), op, ": ", x_name, " is ", shape_string(x.sizes()),
+              " and w is ", shape_string(w.sizes()), ": their K differ");
   const int64_t m = x.size(0), n = w.size(0), k = x.size(1);
-  check_scale_shape(op, "x_scales", xs, blocks(k), m);
+  check_scale_shape(op, xs_name, xs, blocks(k), m);
   if (w_blocks)
     check_scale_shape(op, "w_scales", ws, blocks(n), blocks(k));
   else
     check_scale_shape(op, "w_scales", ws, blocks(k), n);
+  return {m, n, k};
+}
+
+Tensor gemm(const char* op, const Tensor& x, const Tensor& xs, const Tensor& w, const Tensor& ws,
+            bool w_blocks, const Tensor* accumulate) {
+  const auto [m, n, k] = check_pair(op, "x", x, "x_scales", xs, w, ws, w_blocks);
   if (accumulate) {
     const Tensor& d = *accumulate;
     TORCH_CHECK(d.defined() && d.device() == x.device() && d.scalar_type() == at::kFloat &&
@@ -275,13 +285,7 @@ Fp8F1 fp8_gemm_residual_rmsnorm(const Tensor& a, const Tensor& a_scales, const T
                                 const Tensor& w_scales, const Tensor& residual, const Tensor& gamma,
                                 bool rows, bool transposed) {
   const char* op = "coda::fp8_gemm_residual_rmsnorm";
-  check_operand(op, "a", a, "a_scales", a_scales, a);
-  check_operand(op, "w", w, "w_scales", w_scales, a);
-  TORCH_CHECK(a.size(1) == w.size(1), op, ": a is ", shape_string(a.sizes()), " and w is ",
-              shape_string(w.sizes()), ": their K differ");
-  const int64_t m = a.size(0), n = w.size(0), k = a.size(1);
-  check_scale_shape(op, "a_scales", a_scales, blocks(k), m);
-  check_scale_shape(op, "w_scales", w_scales, blocks(n), blocks(k));
+  const auto [m, n, k] = check_pair(op, "a", a, "a_scales", a_scales, w, w_scales, true);
   check_input(op, "residual", residual);
   TORCH_CHECK(residual.device() == a.device() && gamma.device() == a.device(), op,
               ": residual and gamma must be on ", a.device(), ", got ", residual.device(), " and ",

@@ -75,6 +75,22 @@ enum class Blocks { kRows, kTiles };
 // interleave, where one at a time each waited on the last one's shuffles.
 constexpr int kBatch = 8;
 
+// The block scales of a batch of 32-lane blocks (rows or columns), from each lane's amax (as
+// |bits|): merged over the warp, every lane gets each block's scale and its exact inverse.
+__device__ __forceinline__ void warp_block_scales(uint32_t (&m)[kBatch], float (&sc)[kBatch],
+                                                  float (&inv)[kBatch]) {
+  using epilogue::E4m3;
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2)
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) m[i] = max(m[i], __shfl_xor_sync(0xffffffffu, m[i], o));
+#pragma unroll
+  for (int i = 0; i < kBatch; ++i) {
+    sc[i] = E4m3::scale(as_amax(m[i]));
+    inv[i] = E4m3::inverse(sc[i]);
+  }
+}
+
 // Rows: lane holds columns 4·lane .. 4·lane + 3 of row r. Under 1x128 blocks the rows past the
 // tensor up to a multiple of 4 get scale 1 (their amax is 0): the GEMM's TMA reads whole 16 bytes
 // of scales.
@@ -102,16 +118,12 @@ __device__ __forceinline__ void quantize_rows(const Staged& s, const TilePlace& 
 #pragma unroll
       for (int i = 0; i < kBatch; ++i)
         m[i] = amax_of(amax_of(amax_of(magnitude(a[i].x), a[i].y), b[i].x), b[i].y);
-#pragma unroll
-      for (int o = 16; o > 0; o /= 2)
-#pragma unroll
-        for (int i = 0; i < kBatch; ++i) m[i] = max(m[i], __shfl_xor_sync(0xffffffffu, m[i], o));
+      float sc[kBatch];
+      warp_block_scales(m, sc, inv);
 #pragma unroll
       for (int i = 0; i < kBatch; ++i) {
         const int r = r0 + i * kWarps;
-        const float sc = E4m3::scale(as_amax(m[i]));
-        inv[i] = E4m3::inverse(sc);
-        if (lane == 0 && r < row_end) out.scales[t.tile_col * out.ld_scales + t.row0 + r] = sc;
+        if (lane == 0 && r < row_end) out.scales[t.tile_col * out.ld_scales + t.row0 + r] = sc[i];
       }
     }
 #pragma unroll
@@ -150,17 +162,13 @@ __device__ __forceinline__ void quantize_columns(const Staged& s, const TilePlac
       }
     }
     if constexpr (kBlocks == Blocks::kRows) {
-#pragma unroll
-      for (int o = 16; o > 0; o /= 2)
-#pragma unroll
-        for (int i = 0; i < kBatch; ++i) m[i] = max(m[i], __shfl_xor_sync(0xffffffffu, m[i], o));
+      float sc[kBatch];
+      warp_block_scales(m, sc, inv);
 #pragma unroll
       for (int i = 0; i < kBatch; ++i) {
         const int c = c0 + i * kWarps;
-        const float sc = E4m3::scale(as_amax(m[i]));
-        inv[i] = E4m3::inverse(sc);
         if (lane == 0 && c < t.cols_here)
-          out_t.scales[t.tile_row * out_t.ld_scales + t.col0 + c] = sc;
+          out_t.scales[t.tile_row * out_t.ld_scales + t.col0 + c] = sc[i];
       }
     }
 #pragma unroll
