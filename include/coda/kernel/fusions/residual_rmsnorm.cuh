@@ -1,6 +1,5 @@
 #pragma once
-#include "coda/kernel/fusions/common.cuh"
-#include "coda/kernel/nodes/row_sum_squares.cuh"
+#include "coda/kernel/fusions/residual_rmsnorm_tree.cuh"
 
 namespace coda::kernel {
 
@@ -14,23 +13,15 @@ struct FusionOf<Program::kResidualRmsnormPartial>
     : FusionTypes<void, bfloat16_t, ResidualRmsnormPartialArgs> {
   template <class EpilogueDesc>
   struct Build {
-    using Tile = typename EpilogueDesc::TileShape;
     using Residual = AuxLoadNode<EpilogueDesc, bfloat16_t>;
-    using X = cf::Sm90EVT<ComputeNode<epilogue::Plus>, cf::Sm90AccFetch, typename Residual::type>;
-    using H = cf::Sm90EVT<typename AuxStoreNode<EpilogueDesc, bfloat16_t>::type,
-                          cf::Sm90EVT<ComputeNode<epilogue::Multiplies>, cf::Sm90AccFetch,
-                                      ColumnVector<Tile, bfloat16_t, float>>>;
-    using S = cf::Sm90EVT<RowSumOfSquares<Tile>, cf::Sm90AccFetch>;
-    // x is computed once and fed as the "accumulator" of the three output trees.
-    using Callbacks = cf::Sm90SplitTreeVisitor<X, cf::Sm90AccFetch, H, S>;
+    using Tree = ResidualRmsnormTree<typename EpilogueDesc::TileShape, typename Residual::type,
+                                     typename AuxStoreNode<EpilogueDesc, bfloat16_t>::type>;
+    using Callbacks = typename Tree::Callbacks;
 
     static typename Callbacks::Arguments arguments(Args const& a, GemmProblem const& p) {
-      return {
-          {{}, Residual::arguments(p.c, p.ldc), {}},  // x = acc + residual
-          {{{}, {reinterpret_cast<const bfloat16_t*>(a.gamma), bfloat16_t(0), {}}, {}},  // x ⊙ γ
-           {reinterpret_cast<bfloat16_t*>(a.h), {a.ldh, cute::_1{}, 0}}},                // store h
-          {{}, {a.sumsq_partials}},                  // Σ x² partials
-          {}};                                       // D = x
+      return Tree::arguments(Residual::arguments(p.c, p.ldc), a.gamma,
+                             {reinterpret_cast<bfloat16_t*>(a.h), {a.ldh, cute::_1{}, 0}},
+                             a.sumsq_partials);
     }
   };
 };

@@ -1,8 +1,7 @@
 #pragma once
-#include "coda/kernel/fusions/common.cuh"
+#include "coda/kernel/fusions/residual_rmsnorm_tree.cuh"
 #include "coda/kernel/nodes/fp8_tile_store.cuh"
 #include "coda/kernel/nodes/load_ahead.cuh"
-#include "coda/kernel/nodes/row_sum_squares.cuh"
 
 namespace coda::kernel {
 
@@ -18,20 +17,12 @@ struct FusionOf<Program::kResidualRmsnormFp8>
   template <class EpilogueDesc>
   struct Build {
     using Tile = typename EpilogueDesc::TileShape;
-    using X = cf::Sm90EVT<ComputeNode<epilogue::Plus>, cf::Sm90AccFetch, LoadAhead<Tile>>;
-    using H = cf::Sm90EVT<Fp8TileStore<Tile>,
-                          cf::Sm90EVT<ComputeNode<epilogue::Multiplies>, cf::Sm90AccFetch,
-                                      ColumnVector<Tile, bfloat16_t, float>>>;
-    using S = cf::Sm90EVT<RowSumOfSquares<Tile>, cf::Sm90AccFetch>;
-    using Callbacks = cf::Sm90SplitTreeVisitor<X, cf::Sm90AccFetch, H, S>;
+    using Tree = ResidualRmsnormTree<Tile, LoadAhead<Tile>, Fp8TileStore<Tile>>;
+    using Callbacks = typename Tree::Callbacks;
 
     static typename Callbacks::Arguments arguments(Args const& a, GemmProblem const& p) {
-      return {
-          {{}, {reinterpret_cast<const bfloat16_t*>(p.c), p.ldc}, {}},  // x = acc + residual
-          {{{}, {reinterpret_cast<const bfloat16_t*>(a.gamma), bfloat16_t(0), {}}, {}},  // x ⊙ γ
-           {a.h, a.h_t}},            // quantize h
-          {{}, {a.sumsq_partials}},  // Σ x² partials
-          {}};                       // D = x
+      return Tree::arguments({reinterpret_cast<const bfloat16_t*>(p.c), p.ldc}, a.gamma,
+                             {a.h, a.h_t}, a.sumsq_partials);
     }
   };
 };
