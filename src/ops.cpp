@@ -576,24 +576,40 @@ CastSizes cast_input(Args& c, const char* name, const TensorView& x, const Tenso
   CODA_CHECK(codes.data || codes_t.data, c.op(), ": neither codes nor codes_t is wanted");
   return {rows, cols};
 }
+// The outputs of a (rows, cols) tensor quantized in 1x128 blocks, each checked where wanted (null
+// codes: not wanted): codes (rows, cols) with scales (ceil(cols/128), rows), and the transposed
+// copy's codes (cols, padded_tokens(rows)) with scales (ceil(rows/128), cols). The
+// quantize_fp8_rows cast and F1 with FP8 h write these.
+struct RowOutputs {
+  kernel::Fp8Output rows, cols;
+};
+RowOutputs row_outputs(Args& c, const char* codes_name, const TensorView& codes,
+                       const char* scales_name, const TensorView& scales, const char* t_name,
+                       const TensorView& codes_t, const char* ts_name, const TensorView& scales_t,
+                       int64_t rows, int64_t cols) {
+  RowOutputs o;
+  if (codes.data) {
+    c.matrix(codes_name, codes, DType::kE4M3, rows, cols);
+    c.scales(scales_name, scales, blocks(cols), rows, true);
+    o.rows = fp8_output(codes, scales);
+  }
+  if (codes_t.data) {
+    c.matrix(t_name, codes_t, DType::kE4M3, cols, kernel::ScaleLayout::padded_tokens(rows));
+    c.scales(ts_name, scales_t, blocks(rows), cols, true);
+    o.cols = fp8_output(codes_t, scales_t);
+  }
+  return o;
+}
 }  // namespace
 
 void quantize_fp8_rows(View x, View codes, View scales, View codes_t, View scales_t,
                        cudaStream_t stream) {
   Args c("coda::ops::quantize_fp8_rows");
   const auto [m, k] = cast_input(c, "x", x, codes, codes_t);
-  if (codes.data) {
-    c.matrix("codes", codes, DType::kE4M3, m, k);
-    c.scales("scales", scales, blocks(k), m, true);
-  }
-  if (codes_t.data) {
-    c.matrix("codes_t", codes_t, DType::kE4M3, k, kernel::ScaleLayout::padded_tokens(m));
-    c.scales("scales_t", scales_t, blocks(m), k, true);
-  }
+  const RowOutputs out = row_outputs(c, "codes", codes, "scales", scales, "codes_t", codes_t,
+                                     "scales_t", scales_t, m, k);
   c.on_device();
-  kernel::quantize_fp8_rows(
-      bf(x), m, k, x.ld, codes.data ? fp8_output(codes, scales) : kernel::Fp8Output{},
-      codes_t.data ? fp8_output(codes_t, scales_t) : kernel::Fp8Output{}, stream);
+  kernel::quantize_fp8_rows(bf(x), m, k, x.ld, out.rows, out.cols, stream);
 }
 
 void quantize_fp8_blocks(View w, View codes, View scales, View codes_t, View scales_t,
@@ -674,14 +690,8 @@ void gemm_fp8_residual_rmsnorm(View a, View a_scales, View w, View w_scales, Vie
   c.vector("gamma", gamma, kBf, n);
   c.matrix("x", x, kBf, m, n);
   CODA_CHECK(h.data || h_t.data, c.op(), ": neither h nor h_t is wanted");
-  if (h.data) {
-    c.matrix("h", h, DType::kE4M3, m, n);
-    c.scales("h_scales", h_scales, blocks(n), m, true);
-  }
-  if (h_t.data) {
-    c.matrix("h_t", h_t, DType::kE4M3, n, kernel::ScaleLayout::padded_tokens(m));
-    c.scales("h_t_scales", h_t_scales, blocks(m), n, true);
-  }
+  const RowOutputs out =
+      row_outputs(c, "h", h, "h_scales", h_scales, "h_t", h_t, "h_t_scales", h_t_scales, m, n);
   const auto kc = choose_with_partials(c, Program::kResidualRmsnormFp8, Operands::kFp8XWt,
                                        {m, n, p.k}, "sumsq_partials", sumsq_partials);
   c.on_device();
@@ -689,9 +699,7 @@ void gemm_fp8_residual_rmsnorm(View a, View a_scales, View w, View w_scales, Vie
   p.ldc = residual.ld;
   p.d = bf_out(x);
   p.ldd = x.ld;
-  const kernel::ResidualRmsnormFp8Args args{
-      bf(gamma), h.data ? fp8_output(h, h_scales) : kernel::Fp8Output{},
-      h_t.data ? fp8_output(h_t, h_t_scales) : kernel::Fp8Output{}, f32_out(sumsq_partials)};
+  const kernel::ResidualRmsnormFp8Args args{bf(gamma), out.rows, out.cols, f32_out(sumsq_partials)};
   launch<Program::kResidualRmsnormFp8>(c, Operands::kFp8XWt, kc, p, args, stream);
 }
 
