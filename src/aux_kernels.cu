@@ -168,6 +168,13 @@ __global__ void fold_lse_loss_kernel(const float* max_partials, const float* sum
                                 target >= 0 && target < vocab ? target_logit[row] : 0.f, z_loss);
 }
 
+// Columns (2j, 2j + 1) of a row as one 32-bit load, or column 2j alone (y = 0) where it is an
+// odd vocabulary's last.
+__device__ float2 load_pair(const __nv_bfloat162* p, bool pair) {
+  if (pair) return __bfloat1622float2(*p);
+  return make_float2(__bfloat162float(*reinterpret_cast<const bf16*>(p)), 0.f);
+}
+
 // One row of B4 in place, by the whole block (rows are long: a vocabulary; pairs of columns as
 // one 32-bit access): ℓ = row_scale·v for the row's bf16 values v (1 when
 // they are the logits themselves), except the target column's ℓ = target_logit (fp32: at
@@ -179,14 +186,18 @@ __device__ void cross_entropy_grad_row(__nv_bfloat162* v2, int64_t vocab, float 
                                        float z_loss, float inv_hidden, float* zdz) {
   const programs::CrossEntropyGrad grad;
   float s = 0.f;
-  for (int64_t j = threadIdx.x; j < vocab / 2; j += blockDim.x) {
-    const float2 v = __bfloat1622float2(v2[j]);
+  for (int64_t j = threadIdx.x; j < (vocab + 1) / 2; j += blockDim.x) {
+    const bool pair = 2 * j + 1 < vocab;  // an odd vocabulary's last column stands alone
+    const float2 v = load_pair(v2 + j, pair);
     const bool t0 = 2 * j == target, t1 = 2 * j + 1 == target;
     const float l0 = t0 ? target_logit : row_scale * v.x;
-    const float l1 = t1 ? target_logit : row_scale * v.y;
-    const float d0 = grad(l0, l, sc, t0, z_loss), d1 = grad(l1, l, sc, t1, z_loss);
+    const float l1 = !pair ? 0.f : t1 ? target_logit : row_scale * v.y;
+    const float d0 = grad(l0, l, sc, t0, z_loss), d1 = pair ? grad(l1, l, sc, t1, z_loss) : 0.f;
     s += programs::PairDot{}(l0, l1, d0, d1);
-    v2[j] = __floats2bfloat162_rn(d0, d1);
+    if (pair)
+      v2[j] = __floats2bfloat162_rn(d0, d1);
+    else
+      reinterpret_cast<bf16*>(v2 + j)[0] = __float2bfloat16_rn(d0);
   }
   s = block_sum(s);
   if (threadIdx.x == 0) *zdz = s * inv_hidden;
@@ -230,10 +241,11 @@ __global__ void cross_entropy_from_unscaled_logits_kernel(
 
   __nv_bfloat162* v2 = reinterpret_cast<__nv_bfloat162*>(logits + row * ld);
   State st;
-  for (int64_t j = threadIdx.x; j < vocab / 2; j += blockDim.x) {
-    const float2 v = __bfloat1622float2(v2[j]);
+  for (int64_t j = threadIdx.x; j < (vocab + 1) / 2; j += blockDim.x) {
+    const bool pair = 2 * j + 1 < vocab;
+    const float2 v = load_pair(v2 + j, pair);
     st.add(2 * j == target ? target_logit : rr * v.x);
-    st.add(2 * j + 1 == target ? target_logit : rr * v.y);
+    if (pair) st.add(2 * j + 1 == target ? target_logit : rr * v.y);
   }
   for (int o = 16; o > 0; o /= 2)
     st = State::merge(st, State{__shfl_xor_sync(0xffffffff, st.max, o),
@@ -293,10 +305,10 @@ void cross_entropy_grad_from_logits(bf16* logits, int64_t ld, int64_t m, int64_t
                                     float* zdz, cudaStream_t stream) {
   CODA_CHECK(logits && lse && scale && targets && target_logit && zdz,
              "cross_entropy_grad_from_logits: null pointer");
-  CODA_CHECK(m > 0 && m < (int64_t(1) << 31) && vocab > 0 && vocab % 2 == 0 && ld >= vocab &&
-                 ld % 2 == 0 && hidden > 0,
-             "cross_entropy_grad_from_logits: bad sizes (m ", m, ", vocab ", vocab, ", ld ", ld,
-             ", hidden ", hidden, ")");
+  CODA_CHECK(
+      m > 0 && m < (int64_t(1) << 31) && vocab > 0 && ld >= vocab && ld % 2 == 0 && hidden > 0,
+      "cross_entropy_grad_from_logits: bad sizes (m ", m, ", vocab ", vocab, ", ld ", ld,
+      ", hidden ", hidden, ")");
   cross_entropy_grad_from_logits_kernel<<<unsigned(m), 256, 0, stream>>>(
       logits, ld, vocab, lse, scale, targets, target_logit, z_loss, 1.0f / float(hidden), zdz);
   CODA_CUDA_CHECK(cudaGetLastError());
@@ -310,10 +322,10 @@ void cross_entropy_from_unscaled_logits(bf16* logits, int64_t ld, int64_t m, int
                                         cudaStream_t stream) {
   CODA_CHECK(logits && h && w && r && targets && scale && lse && token_loss && zdz,
              "cross_entropy_from_unscaled_logits: null pointer");
-  CODA_CHECK(m > 0 && m < (int64_t(1) << 31) && vocab > 0 && vocab % 2 == 0 && ld >= vocab &&
-                 ld % 2 == 0 && hidden > 0 && hidden % 2 == 0,
-             "cross_entropy_from_unscaled_logits: bad sizes (m ", m, ", vocab ", vocab, ", ld ",
-             ld, ", hidden ", hidden, ")");
+  CODA_CHECK(m > 0 && m < (int64_t(1) << 31) && vocab > 0 && ld >= vocab && ld % 2 == 0 &&
+                 hidden > 0 && hidden % 2 == 0,
+             "cross_entropy_from_unscaled_logits: bad sizes (m ", m, ", vocab ", vocab, ", ld ", ld,
+             ", hidden ", hidden, ")");
   cross_entropy_from_unscaled_logits_kernel<<<unsigned(m), 256, 0, stream>>>(
       logits, ld, vocab, h, w, hidden, r, targets, ignore_index, z_loss, scale, lse, token_loss,
       zdz);

@@ -69,30 +69,28 @@ class Args {
                ", ", partials.cols, ") must be (tiles, extent) with extent >= ", out_name, "'s ",
                out.rows, " entries");
   }
-  // GEMM sizes: positive, below 2^31, and the extents that are operand rows multiples of 8
-  // (CUTLASS's 16-byte operand alignment): N and K, or for Xᵀ·Y (X (K, M), Y (K, N)) M and N.
-  void gemm_sizes(GemmSizes s, bool xty = false) const {
+  // GEMM sizes: positive and below 2^31. The TMA asks 16-byte row strides and starts of the
+  // operands (matrix()), not whole extents: the mainloop zero-fills past M, N and K, and D's TMA
+  // store clips at (M, N), so K and M may be anything. N must be a multiple of 8 unless the
+  // program's epilogue takes any N (`any_n`: its nodes mask each column against N, not pairs).
+  void gemm_sizes(GemmSizes s, bool any_n = false) const {
     CODA_CHECK(s.m > 0 && s.n > 0 && s.k > 0, op_, ": sizes must be positive, got M=", s.m,
                " N=", s.n, " K=", s.k);
     CODA_CHECK(s.m < (int64_t(1) << 31) && s.n < (int64_t(1) << 31) && s.k < (int64_t(1) << 31),
                op_, ": sizes must be below 2^31, got M=", s.m, " N=", s.n, " K=", s.k);
-    if (xty) {
-      CODA_CHECK(s.m % 8 == 0 && s.n % 8 == 0, op_,
-                 ": M and N must be multiples of 8 (16-byte rows of X and Y), got M=", s.m,
-                 " N=", s.n);
-      return;
-    }
-    CODA_CHECK(s.n % 8 == 0, op_, ": N must be a multiple of 8 (16-byte rows for TMA), got ", s.n);
-    CODA_CHECK(s.k % 8 == 0, op_, ": K must be a multiple of 8 (16-byte rows for TMA), got ", s.k);
+    CODA_CHECK(any_n || s.n % 8 == 0, op_,
+               ": N must be a multiple of 8 (the epilogue maps column pairs 16 bytes at a time), "
+               "got ",
+               s.n);
   }
   // A GEMM's operands A and B in layout `o`, checked with their sizes; returns (M, N, K).
   //   X·Wᵀ: A (M, K), B (N, K);  X·W: A (M, K), B (K, N);  Xᵀ·Y: A (K, M), B (K, N).
   GemmSizes gemm_operands(const char* a_name, const TensorView& a, const char* b_name,
-                          const TensorView& b, kernel::Operands o) {
+                          const TensorView& b, kernel::Operands o, bool any_n = false) {
     const bool xty = o == kernel::Operands::kXtY;
     const GemmSizes s{xty ? a.cols : a.rows, o == kernel::Operands::kXWt ? b.rows : b.cols,
                       xty ? a.rows : a.cols};
-    gemm_sizes(s, xty);
+    gemm_sizes(s, any_n);
     matrix(a_name, a, DType::kBF16, xty ? s.k : s.m, xty ? s.m : s.k);
     matrix(b_name, b, DType::kBF16, o == kernel::Operands::kXWt ? s.n : s.k,
            o == kernel::Operands::kXWt ? s.k : s.n);
@@ -174,9 +172,15 @@ PartialLayout layout_of(Program p, const kernel::KernelChoice& k, int64_t m, int
   return p == Program::kRmsnormBackward ? PartialLayout::per_column(m, n, t.m, t.n)
                                         : PartialLayout::per_row(m, n, t.m, t.n);
 }
+// The programs whose epilogue takes any N: D through the TMA store (clipped at N) and nodes that
+// mask each column against N (the LM head's, over a vocabulary of any size).
+bool any_n(Program p) {
+  return p == Program::kPlain || p == Program::kRmsnormLse || p == Program::kRmsnormLseLogits ||
+         p == Program::kRmsnormCrossEntropyBackward;
+}
 // layout_of after the GEMM size checks of `op`, for the public *_partials_layout functions.
 PartialLayout checked_layout(const char* op, Program p, Operands o, GemmSizes s) {
-  Args(op).gemm_sizes(s);
+  Args(op).gemm_sizes(s, any_n(p));
   return layout_of(p, choose(p, o, s.m, s.n, s.k), s.m, s.n);
 }
 // The kernel of a program that writes a partial buffer, chosen once, with the buffer `name`
@@ -203,7 +207,7 @@ namespace {
 void plain_gemm(const char* op, Operands o, View x, const char* y_name, View y, View d,
                 cudaStream_t stream) {
   Args c(op);
-  const auto [m, n, k] = c.gemm_operands("x", x, y_name, y, o);
+  const auto [m, n, k] = c.gemm_operands("x", x, y_name, y, o, any_n(Program::kPlain));
   c.matrix("d", d, kBf, m, n);
   c.on_device();
   launch<Program::kPlain>(
@@ -428,7 +432,8 @@ template <Program P>
 void rmsnorm_lse_program(Args& c, View h, View w_vocab, View r, View targets, View max_partials,
                          View sum_partials, View target_logit, const TensorView* logits,
                          cudaStream_t stream) {
-  const auto [m, vocab, hidden] = c.gemm_operands("h", h, "w_vocab", w_vocab, Operands::kXWt);
+  const auto [m, vocab, hidden] =
+      c.gemm_operands("h", h, "w_vocab", w_vocab, Operands::kXWt, any_n(P));
   c.vector("r", r, kF, m);
   c.vector("targets", targets, DType::kI64, m);
   const auto kc =
@@ -466,7 +471,7 @@ void cross_entropy_backward_from_logits(View logits, View lse, View scale, View 
                                         cudaStream_t stream) {
   Args c("coda::ops::cross_entropy_backward_from_logits");
   const int64_t m = logits.rows, vocab = logits.cols;
-  c.gemm_sizes({m, vocab, hidden});
+  c.gemm_sizes({m, vocab, hidden}, /*any_n=*/true);
   c.matrix("logits", logits, kBf, m, vocab);
   c.vector("lse", lse, kF, m);
   c.vector("scale", scale, kF, m);
@@ -484,7 +489,7 @@ void cross_entropy_from_unscaled_logits(View logits, View h, View w_vocab, View 
                                         View token_loss, View zdz, cudaStream_t stream) {
   Args c("coda::ops::cross_entropy_from_unscaled_logits");
   const int64_t m = logits.rows, vocab = logits.cols, hidden = h.cols;
-  c.gemm_sizes({m, vocab, hidden});
+  c.gemm_sizes({m, vocab, hidden}, /*any_n=*/true);
   c.matrix("logits", logits, kBf, m, vocab);
   c.matrix("h", h, kBf, m, hidden);
   c.matrix("w_vocab", w_vocab, kBf, vocab, hidden);
@@ -533,7 +538,8 @@ void gemm_rmsnorm_cross_entropy_backward(View h, View w_vocab, View r, View lse,
                                          View targets, float z_loss, View dlogits,
                                          View zdz_partials, cudaStream_t stream) {
   Args c("coda::ops::gemm_rmsnorm_cross_entropy_backward");
-  const auto [m, vocab, hidden] = c.gemm_operands("h", h, "w_vocab", w_vocab, Operands::kXWt);
+  const auto [m, vocab, hidden] = c.gemm_operands("h", h, "w_vocab", w_vocab, Operands::kXWt,
+                                                  any_n(Program::kRmsnormCrossEntropyBackward));
   c.vector("r", r, kF, m);
   c.vector("lse", lse, kF, m);
   c.vector("scale", scale, kF, m);

@@ -38,9 +38,31 @@ class CudaBackend : public TorchTensors {
     TORCH_CHECK(t.dim() == 2 && (t.size(1) <= 1 || t.stride(1) == 1),
                 "coda: expected a row-major matrix, got sizes ", t.sizes(), " strides ",
                 t.strides());
-    // A single row's stride is arbitrary in PyTorch; the kernels read it as a dense row.
-    const int64_t ld = t.size(0) == 1 ? t.size(1) : t.stride(0);
+    // A single row's stride is arbitrary in PyTorch (the kernels then read it as a dense row),
+    // unless it is one row of a padded buffer (act below).
+    const int64_t ld = t.size(0) == 1 && t.stride(0) < t.size(1) ? t.size(1) : t.stride(0);
     return TensorView::matrix(t.data_ptr(), d, t.size(0), t.size(1), ld, device);
+  }
+
+  // Activations whose rows are not 16 bytes (the logits' scratch of a vocabulary of any size):
+  // rows padded to a multiple of 8 elements, the TMA's row stride; the view is (rows, cols).
+  static int64_t padded_ld(int64_t cols) { return (cols + 7) / 8 * 8; }
+  Tensor act(int64_t rows, int64_t cols) const {
+    const int64_t ld = padded_ld(cols);
+    return ld == cols ? TorchTensors::act(rows, cols)
+                      : TorchTensors::act(rows, ld).narrow(1, 0, cols);
+  }
+  Tensor zeros_act(int64_t rows, int64_t cols) const {
+    const int64_t ld = padded_ld(cols);
+    return ld == cols ? TorchTensors::zeros_act(rows, cols)
+                      : TorchTensors::zeros_act(rows, ld).narrow(1, 0, cols);
+  }
+  // (rows, cols) at the start of `t`'s memory, rows padded as act's.
+  static Tensor leading(const Tensor& t, int64_t rows, int64_t cols) {
+    const int64_t ld = padded_ld(cols);
+    TORCH_CHECK(rows * ld <= t.size(0) * t.stride(0), "coda: leading (", rows, ", ", cols,
+                ") exceeds a buffer of ", t.size(0), " rows of ", t.stride(0));
+    return t.as_strided({rows, cols}, {ld, 1}, t.storage_offset());
   }
 
   Tensor partials(block::PartialsOf of, int64_t m, int64_t n, int64_t k) const {

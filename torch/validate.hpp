@@ -76,11 +76,8 @@ inline ProjSizes validate_lm_head(const OpContext& c, const at::Tensor& x, const
                                   const at::Tensor& w_vocab, const at::Tensor& h,
                                   const at::Tensor& r, const at::Tensor& targets) {
   const auto s = validate_norm_consumer(c, x, gamma, "w_vocab", w_vocab, &h, r);
-  TORCH_CHECK(s.n % 2 == 0, c.op,
-              ": the vocabulary (w_vocab.size(0)) must be even (the epilogue maps column pairs), "
-              "got ",
-              s.n);
-  c.cuda_width("the vocabulary (w_vocab.size(0))", s.n);
+  // Any vocabulary size: the LM-head programs skip the columns past it, and on CUDA the logits'
+  // scratch rows are padded to 16 bytes (CudaBackend::act).
   // The CUDA epilogues compare targets with column indices in fp32: exact below 2^24.
   TORCH_CHECK(!c.device.is_cuda() || s.n <= (int64_t(1) << 24), c.op,
               ": the vocabulary (w_vocab.size(0)) must be <= 2^24 on CUDA, got ", s.n);

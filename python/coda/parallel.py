@@ -101,8 +101,8 @@ _AllReduceSum = _differentiable(
 
 def vocab_range(vocab: int, rank: int, world: int) -> tuple[int, int]:
     """The rows ``[v0, v1)`` of the vocabulary that ``rank`` of ``world`` owns. Slices start at
-    multiples of 8 (aligned rows for the kernels' bulk copies; the op needs an even slice), so
-    they can differ in size; the last takes the rest."""
+    multiples of 8 (aligned rows for the kernels' bulk copies), so they can differ in size; the
+    last takes the rest."""
     def start(k: int) -> int:
         return vocab if k == world else vocab * k // world // 8 * 8
 

@@ -50,6 +50,43 @@ TEST_F(GpuKernelTest, PlainGemmWithUntransposedWeightMatchesReference) {  // D =
     }
 }
 
+// The plain GEMM in each operand layout at odd M, N and K (an odd vocabulary's logits GEMM, its
+// dgrad over K = V and its wgrad with M = V): operands and D at row strides padded to 8, NaN in
+// the padding, which must neither be read nor written.
+TEST_F(GpuKernelTest, PlainGemmsTakeOddExtentsAtPaddedRowStrides) {
+  testing::Rng rng(26);
+  const Shape shapes[] = {{77, 1001, 131}, {1001, 136, 77}, {5, 9, 3}};
+  for (Operands o : {Operands::kXWt, Operands::kXW, Operands::kXtY})
+    for (Config c : compiled_configs(Program::kPlain, o))
+      for (const Shape& s : shapes) {
+        // A and B as stored: X·Wᵀ: A (M, K), B (N, K); X·W: A (M, K), B (K, N); Xᵀ·Y: A (K, M),
+        // B (K, N).
+        const int a_rows = o == Operands::kXtY ? s.k : s.m,
+                  a_cols = o == Operands::kXtY ? s.m : s.k;
+        const int b_rows = o == Operands::kXWt ? s.n : s.k,
+                  b_cols = o == Operands::kXWt ? s.k : s.n;
+        const V a = testing::bf16_uniform(size_t(a_rows) * a_cols, -1, 1, rng);
+        const V b = testing::bf16_uniform(size_t(b_rows) * b_cols, -1, 1, rng);
+        const int lda = padded_ld(a_cols), ldb = padded_ld(b_cols), ldd = padded_ld(s.n);
+        auto da = upload_bf16_rows(a, a_rows, a_cols, lda);
+        auto db = upload_bf16_rows(b, b_rows, b_cols, ldb);
+        DeviceBuffer<bf16> d(size_t(s.m) * ldd);
+        d.poison();
+        PlainArgs args;
+        run<Program::kPlain>(
+            c, {s.m, s.n, s.k, da.get(), lda, db.get(), ldb, nullptr, 0, d.get(), ldd}, args, o);
+        const auto ma = o == Operands::kXtY ? MatrixRef<double>::transposed(a.data(), s.m, s.k)
+                                            : MatrixRef<double>::row_major(a.data(), s.m, s.k);
+        const auto mb = o == Operands::kXWt ? MatrixRef<double>::row_major(b.data(), s.n, s.k)
+                                            : MatrixRef<double>::transposed(b.data(), s.n, s.k);
+        const V ref = reference::gemm<double>(ma, mb);
+        const std::string l = std::string(operands_name(o)) + " " + label(c, s);
+        const PaddedRows got = download_bf16_rows(d, s.m, s.n, ldd);
+        expect_rule("odd extents " + l, got.values, ref, round_all(ref));
+        EXPECT_TRUE(got.padding_untouched) << l << ": written past N";
+      }
+}
+
 TEST_F(GpuKernelTest, PlainGemmTransposedActivationMatchesReference) {  // D = Xᵀ · Y
   const auto configs = compiled_configs(Program::kPlain, Operands::kXtY);
   ASSERT_FALSE(configs.empty());
@@ -174,8 +211,11 @@ TEST_F(GpuKernelTest, CrossEntropyBackwardMatchesReferenceWithIgnoredTokensAndZL
   const auto configs = compiled_configs(Program::kRmsnormCrossEntropyBackward);
   ASSERT_FALSE(configs.empty());
   testing::Rng rng(25);
-  // V = 200 and 1000: the last N-tile is ragged. ℓ is recomputed from h and W_vocab.
-  const Shape shapes[] = {{1, 200, 136}, {19, 1000, 136}, {111, 1000, 136}, {4097, 200, 136}};
+  // V = 200 and 1000: the last N-tile is ragged; V = 1001 with K = 131: odd extents at row
+  // strides padded to 8 (NaN there; dℓ's padding left unwritten). ℓ is recomputed from h and
+  // W_vocab.
+  const Shape shapes[] = {
+      {1, 200, 136}, {19, 1000, 136}, {111, 1000, 136}, {4097, 200, 136}, {77, 1001, 131}};
   const float z_loss = 1e-2f;
   for (Config c : configs)
     for (const Shape& s : shapes) {
@@ -201,16 +241,17 @@ TEST_F(GpuKernelTest, CrossEntropyBackwardMatchesReferenceWithIgnoredTokensAndZL
       }
       const auto tiles = reference_tiles(c);
       const auto layout = epilogue::PartialLayout::per_row(M, Nv, tiles.tile_m, tiles.tile_n);
-      auto dh = upload_bf16(h), dw = upload_bf16(w);
+      const int ldk = padded_ld(H), ldl = padded_ld(Nv);
+      auto dh = upload_bf16_rows(h, M, H, ldk), dw = upload_bf16_rows(w, Nv, H, ldk);
       DeviceBuffer<float> dr(r), dlse(lse), dscale(scale), dpart(layout.elements());
       DeviceBuffer<int64_t> dt(tgt);
-      DeviceBuffer<bf16> dl(size_t(M) * Nv);
+      DeviceBuffer<bf16> dl(size_t(M) * ldl);
       dl.poison();
       dpart.poison();
       RmsnormCrossEntropyBackwardArgs args{dr.get(), dlse.get(),  dscale.get(),
                                            dt.get(), dpart.get(), z_loss};
-      run<Program::kRmsnormCrossEntropyBackward>(c,
-          {M, Nv, H, dh.get(), H, dw.get(), H, nullptr, 0, dl.get(), Nv}, args);
+      run<Program::kRmsnormCrossEntropyBackward>(
+          c, {M, Nv, H, dh.get(), ldk, dw.get(), ldk, nullptr, 0, dl.get(), ldl}, args);
 
       const V rd(r.begin(), r.end()), lsed(lse.begin(), lse.end()), sd(scale.begin(), scale.end());
       programs::RmsnormCrossEntropyBackward<double> p;
@@ -245,7 +286,9 @@ TEST_F(GpuKernelTest, CrossEntropyBackwardMatchesReferenceWithIgnoredTokensAndZL
         for (int64_t i = M; i < layout.extent; ++i)
           part_gpu[layout.index(i, t)] = part[layout.index(i, t)] = part_pt[layout.index(i, t)] = 0;
       const std::string l = label(c, s);
-      expect_rule("B4 dlogits " + l, download_bf16(dl), dlog, dl_pt);
+      const PaddedRows got = download_bf16_rows(dl, M, Nv, ldl);
+      expect_rule("B4 dlogits " + l, got.values, dlog, dl_pt);
+      EXPECT_TRUE(got.padding_untouched) << l << ": written past N";
       expect_rule("B4 ZdZ partials " + l, part_gpu, part, part_pt);
     }
 }

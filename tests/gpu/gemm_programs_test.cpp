@@ -343,8 +343,11 @@ void check_lse() {
   const auto configs = compiled_configs(prog);
   ASSERT_FALSE(configs.empty());
   testing::Rng rng(6);
-  // V = 1000 and 200 are not multiples of any tile; the last N-tile is ragged.
-  const Shape shapes[] = {{1, 200, 8}, {3, 200, 136}, {111, 1000, 136}, {4097, 200, 136}};
+  // V = 1000 and 200 are not multiples of any tile; the last N-tile is ragged. V = 1001 and 333
+  // are odd (a GPT-2 or padded-LLaMA vocabulary), with K = 131 odd too: h, W and the logits at
+  // row strides padded to 8 (NaN there), the logits' padding left unwritten.
+  const Shape shapes[] = {{1, 200, 8},      {3, 200, 136},   {111, 1000, 136},
+                          {4097, 200, 136}, {77, 1001, 131}, {3, 333, 8}};
   for (Config c : configs)
     for (const Shape& s : shapes) {
       if (skip_large(s)) continue;
@@ -358,16 +361,17 @@ void check_lse() {
       }
       const auto tiles = reference_tiles(c);
       const auto layout = epilogue::PartialLayout::per_row(s.m, s.n, tiles.tile_m, tiles.tile_n);
-      auto dh = upload_bf16(h), dw = upload_bf16(w);
+      const int ldk = padded_ld(s.k), ldl = padded_ld(s.n);
+      auto dh = upload_bf16_rows(h, s.m, s.k, ldk), dw = upload_bf16_rows(w, s.n, s.k, ldk);
       DeviceBuffer<float> dr(r), dmax(layout.elements()), dsum(layout.elements()), dtl(s.m);
       DeviceBuffer<int64_t> dt(tgt);
-      DeviceBuffer<bf16> dlog(prog == Program::kRmsnormLseLogits ? size_t(s.m) * s.n : 0);
+      DeviceBuffer<bf16> dlog(prog == Program::kRmsnormLseLogits ? size_t(s.m) * ldl : 0);
       dmax.poison();
       dsum.poison();
       dtl.poison();
       dlog.poison();
       RmsnormLseArgs args{dr.get(), dt.get(), dmax.get(), dsum.get(), dtl.get()};
-      run<prog>(c, {s.m, s.n, s.k, dh.get(), s.k, dw.get(), s.k, nullptr, 0, dlog.get(), s.n},
+      run<prog>(c, {s.m, s.n, s.k, dh.get(), ldk, dw.get(), ldk, nullptr, 0, dlog.get(), ldl},
                 args);
 
       const V rd = as_double(r);
@@ -439,8 +443,11 @@ void check_lse() {
                                }()) +
                       1e-6)
           << l;
-      if (prog == Program::kRmsnormLseLogits)
-        expect_rule("logits " + l, download_bf16(dlog), logits, logit_pt);
+      if (prog == Program::kRmsnormLseLogits) {
+        const PaddedRows got = download_bf16_rows(dlog, s.m, s.n, ldl);
+        expect_rule("logits " + l, got.values, logits, logit_pt);
+        EXPECT_TRUE(got.padding_untouched) << l << ": written past N";
+      }
     }
 }
 

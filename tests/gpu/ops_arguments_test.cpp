@@ -41,16 +41,27 @@ TEST(OpArguments, SizesAreCheckedWithTheirValues) {
                      nullptr);
               }),
               AllOf(HasSubstr("coda::ops::gemm"), HasSubstr("M=0")));
+  // The plain GEMM takes any N (its D clipped by the TMA store), not a row stride the TMA cannot
+  // address: N = 12 needs d's rows padded to 16.
   EXPECT_THAT(error_of([] {
                 gemm(bf16_matrix(256, 4, 16), bf16_matrix(512, 12, 16), bf16_matrix(768, 4, 12),
                      nullptr);
               }),
-              AllOf(HasSubstr("N must be a multiple of 8"), HasSubstr("got 12")));
+              AllOf(HasSubstr("d needs a row stride >= 12 of a multiple of 16 bytes"),
+                    HasSubstr("got 12 elements")));
   EXPECT_THAT(error_of([] {
                 gemm_xty(bf16_matrix(256, 5, 12), bf16_matrix(512, 5, 16), bf16_matrix(768, 12, 16),
                          nullptr);
               }),
-              HasSubstr("M and N must be multiples of 8"));
+              HasSubstr("x needs a row stride >= 12 of a multiple of 16 bytes"));
+  // A program whose nodes map column pairs 16 bytes at a time still needs N % 8.
+  EXPECT_THAT(error_of([] {
+                gemm_residual_rmsnorm_partial(
+                    bf16_matrix(256, 4, 16), bf16_matrix(512, 12, 16), bf16_matrix(768, 4, 12, 16),
+                    bf16_matrix(1024, 12, 1), bf16_matrix(1280, 4, 12, 16),
+                    bf16_matrix(1536, 4, 12, 16), f32_vector(2048, 4), nullptr);
+              }),
+              AllOf(HasSubstr("N must be a multiple of 8"), HasSubstr("got 12")));
   EXPECT_THAT(error_of([] {
                 gemm_rmsnorm_swiglu(bf16_matrix(256, 4, 16), bf16_matrix(512, 24, 16),
                                     f32_vector(1024, 4), bf16_matrix(768, 4, 24),

@@ -162,6 +162,7 @@ def check_lm_head(s, reduction, z_loss, chunk_bytes, seed=4, ignore_index=-100):
     h, r = caches(x, gamma)
     targets = torch.randint(0, s["V"], (s["M"],), generator=gen)
     targets[::5] = ignore_index
+    targets[1] = s["V"] - 1  # the last column (alone in its pair at an odd vocabulary)
     inp = dict(x=x, gamma=gamma, w_vocab=rand(s["V"], s["H"], scale=s["H"] ** -0.5, gen=gen),
                h=h, r=r, targets=targets.cuda())
 
@@ -196,6 +197,22 @@ def test_lm_head_loss_matches_fp64_reference(reduction, z_loss, chunk_bytes, hid
     if hidden != S["H"] and chunk_bytes < 1 << 30:
         chunk_bytes = 8 * (S["V"] + hidden) * 2  # 8-token chunks at this hidden size too
     check_lm_head(dict(S, H=hidden), reduction, z_loss, chunk_bytes)
+
+
+@pytest.mark.parametrize("vocab", [50257, 32001, 1001])
+@pytest.mark.parametrize("reduction,chunked", [("mean", True), ("none", False), ("none", True)])
+@pytest.mark.parametrize("hidden", [256, 2304], ids=["plain-gemm-lse", "f4-lse"])
+def test_lm_head_loss_at_an_odd_vocabulary(vocab, reduction, chunked, hidden):
+    """Odd vocabularies: the logits' scratch rows padded to 16 bytes. mean: the three-GEMM path
+    (row kernel or F4 + B4 from logits) in 8-token chunks; none: B4 recomputing dℓ over the
+    whole vocabulary or over 8-aligned slices whose last is odd."""
+    s = dict(S, H=hidden, V=vocab)
+    if reduction == "mean":
+        chunk_bytes = 8 * (vocab + hidden) * 2 if chunked else 1 << 30
+    else:  # 'none' slices the vocabulary: about 3 slices, the last one odd
+        chunk_bytes = S["M"] * hidden * 6 + S["M"] * (vocab // 3 // 8 * 8 + 8) * 2 if chunked \
+            else 1 << 30
+    check_lm_head(s, reduction, 1e-3, chunk_bytes, seed=13)
 
 
 @pytest.mark.parametrize("hidden", [256, 2304], ids=["plain-gemm-lse", "f4-lse"])
@@ -402,10 +419,10 @@ def test_each_op_forward_and_backward_capture_in_a_cuda_graph(case):
 # ---- whole model ---------------------------------------------------------------------------------
 
 
-def hf_llama(tie, scaling, dtype, device, seed=0):
+def hf_llama(tie, scaling, dtype, device, seed=0, vocab=S["V"]):
     from transformers import LlamaConfig as HFConfig, LlamaForCausalLM
 
-    cfg = HFConfig(vocab_size=S["V"], hidden_size=S["H"], intermediate_size=S["I"],
+    cfg = HFConfig(vocab_size=vocab, hidden_size=S["H"], intermediate_size=S["I"],
                    num_hidden_layers=2, num_attention_heads=S["hq"],
                    num_key_value_heads=S["hkv"], head_dim=S["d"], rms_norm_eps=EPS,
                    tie_word_embeddings=tie, attn_implementation="sdpa",
@@ -432,9 +449,9 @@ def coda_grads_as_hf(model):
     return coda.convert.coda_to_hf_state_dict(sd, model.config)
 
 
-def batch(seed=0, B=2, Sq=64):
+def batch(seed=0, B=2, Sq=64, vocab=S["V"]):
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, S["V"], (B, Sq), generator=gen)
+    ids = torch.randint(0, vocab, (B, Sq), generator=gen)
     labels = ids.clone()
     labels[0, 10:20] = -100
     return ids, labels
@@ -486,6 +503,34 @@ def test_hf_model_patched_in_place_loss_and_every_gradient(params):
     assert set(g_ours) == set(g_ref)
     for n in g_ref:
         assert g_ours[n].dtype == dtype, f"d {n} in {g_ours[n].dtype}"
+        assert_ops_rule(g_ours[n].float().cpu(), g_ref[n], g_pt[n].float().cpu(), f"d {n}")
+
+
+@pytest.mark.parametrize("vocab,tie", [(50257, True), (32001, False)])
+def test_hf_model_patched_in_place_at_an_odd_vocabulary(vocab, tie):
+    """GPT-2's vocabulary (tied) and LLaMA's 32000 plus a pad token: the logits' scratch rows
+    padded to 16 bytes, the LM head's programs masking the last column; loss and every gradient
+    by the §5 rule."""
+    from coda.integrations import patch_hf
+
+    ids, labels = batch(3, vocab=vocab)
+    labels[1, 5] = vocab - 1  # the last column, alone in its pair, is a target
+    ref = hf_llama(tie, True, torch.float64, "cpu", vocab=vocab)
+    ref_loss = ref(input_ids=ids, labels=labels).loss
+    ref_loss.backward()
+    ids, labels = ids.cuda(), labels.cuda()
+    plain = hf_llama(tie, True, BF16, "cuda", vocab=vocab)
+    pt_loss = plain(input_ids=ids, labels=labels).loss
+    pt_loss.backward()
+    ours = patch_hf(hf_llama(tie, True, BF16, "cuda", vocab=vocab))
+    out = ours(input_ids=ids, labels=labels)
+    out.loss.backward()
+    assert out.logits is None, "the patched model took the fused path"
+    assert_ops_rule(out.loss.detach().float().cpu(), ref_loss.detach(),
+                    pt_loss.detach().float().cpu(), "loss")
+    g_ref, g_pt, g_ours = hf_grads(ref), hf_grads(plain), hf_grads(ours)
+    assert set(g_ours) == set(g_ref)
+    for n in g_ref:
         assert_ops_rule(g_ours[n].float().cpu(), g_ref[n], g_pt[n].float().cpu(), f"d {n}")
 
 

@@ -26,10 +26,10 @@ CONFIGS = {
 }
 
 
-def make_hf(name, seed=0):
+def make_hf(name, seed=0, vocab=VOCAB):
     spec = CONFIGS[name]
     cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
         max_position_embeddings=64, tie_word_embeddings=spec["tie_word_embeddings"],
         rope_parameters=dict(spec["rope"]),
@@ -91,10 +91,10 @@ def causal_lm_loss(logits, labels):
                            ignore_index=-100)
 
 
-def batch(seed=1, B=3, S=11):
+def batch(seed=1, B=3, S=11, vocab=VOCAB):
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, VOCAB, (B, S), generator=g)
-    labels = torch.randint(0, VOCAB, (B, S), generator=g)
+    ids = torch.randint(0, vocab, (B, S), generator=g)
+    labels = torch.randint(0, vocab, (B, S), generator=g)
     labels[0, 3:6] = -100  # ignored labels inside a sequence
     labels[2, -1] = -100
     labels[1, 0] = -100  # position 0's label is never a target anyway
@@ -128,6 +128,24 @@ def test_loss_and_every_gradient_match_hf_fp64(name):
     assert set(hf_params) <= set(got), f"not compared: {set(hf_params) - set(got)}"
     for n, p in hf_params.items():
         assert p.grad is not None and p.grad.abs().max() > 0, f"HF {n} has no gradient"
+        assert_rel(got[n], p.grad, 1e-9, f"grad {n}")
+
+
+# GPT-2's vocabulary and LLaMA / Mistral's 32000 with a pad token: odd sizes, the LM head's
+# programs masking the last column pair.
+@pytest.mark.parametrize("vocab,name", [(50257, "tied"), (32001, "llama3")])
+def test_any_vocabulary_loss_and_every_gradient_match_hf_fp64(vocab, name):
+    hf = make_hf_exact_fp64(make_hf(name, vocab=vocab), name)
+    model = convert.from_hf(hf)
+    ids, labels = batch(vocab=vocab)
+    labels[1, -1] = vocab - 1  # the last column, alone in its pair, is a target
+    hf_loss = causal_lm_loss(hf(input_ids=ids).logits, labels)
+    hf_loss.backward()
+    loss = model(ids, labels=labels)
+    loss.backward()
+    assert_rel(loss.detach(), hf_loss.detach(), 1e-10, "loss")
+    got = coda_grads_in_hf_layout(model)
+    for n, p in hf.named_parameters():
         assert_rel(got[n], p.grad, 1e-9, f"grad {n}")
 
 

@@ -334,13 +334,18 @@ def test_mlp_partial_plus_residual_is_mlp():
         assert_rel(part_grad[k], full_grad[k], 1e-12, f"grad {k}")
 
 
+# An odd vocabulary (V = 41: the programs' last column pair holds one column).
+LM_SHAPES = dict(SHAPES, M19_V41=dict(SHAPES["M19_d8"], V=41))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape", LM_SHAPES)
 @pytest.mark.parametrize("reduction,z_loss,ignore_index",
                          [("mean", 0.0, -100), ("sum", 0.1, -100), ("none", 0.0, 7)])
 def test_lm_head_loss(shape, dtype, reduction, z_loss, ignore_index):
-    s = SHAPES[shape]
+    s = LM_SHAPES[shape]
     inputs = lm_head_inputs(s, dtype, ignore_index=ignore_index)
+    inputs["targets"][0] = s["V"] - 1  # the last column is a target
     kw = dict(ignore_index=ignore_index, reduction=reduction, z_loss=z_loss)
     upstream = Rand(14)(s["M"], dtype=torch.float64) if reduction == "none" else torch.tensor(1.7)
 

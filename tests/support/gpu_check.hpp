@@ -89,6 +89,42 @@ inline DeviceBuffer<bf16> upload_bf16(const V& v) {
   return DeviceBuffer<bf16>(raw);
 }
 
+// Rows of `cols` values at a row stride of `ld` >= cols: what a TMA operand or output of an odd
+// extent looks like (its row stride a multiple of 8). The padding is NaN (0xffff), so a kernel
+// that read it would show it; download_bf16_rows returns the rows and whether the padding is
+// still all 0xffff (nothing written past the extent).
+inline int padded_ld(int cols) { return (cols + 7) / 8 * 8; }
+inline DeviceBuffer<bf16> upload_bf16_rows(const V& v, int rows, int cols, int ld) {
+  const auto bits = testing::to_bf16_bits(v);
+  std::vector<uint16_t> padded(size_t(rows) * ld, 0xffff);
+  for (int i = 0; i < rows; ++i)
+    std::memcpy(&padded[size_t(i) * ld], &bits[size_t(i) * cols], size_t(cols) * 2);
+  std::vector<bf16> raw(padded.size());
+  std::memcpy(static_cast<void*>(raw.data()), padded.data(), padded.size() * 2);
+  return DeviceBuffer<bf16>(raw);
+}
+struct PaddedRows {
+  V values;
+  bool padding_untouched = true;
+};
+inline PaddedRows download_bf16_rows(const DeviceBuffer<bf16>& b, int rows, int cols, int ld) {
+  std::vector<bf16> raw = b.download();
+  std::vector<uint16_t> bits(raw.size());
+  std::memcpy(bits.data(), raw.data(), raw.size() * 2);
+  PaddedRows out;
+  std::vector<uint16_t> dense(size_t(rows) * cols);
+  for (int i = 0; i < rows; ++i)
+    for (int j = 0; j < ld; ++j) {
+      const uint16_t e = bits[size_t(i) * ld + j];
+      if (j < cols)
+        dense[size_t(i) * cols + j] = e;
+      else if (e != 0xffff)
+        out.padding_untouched = false;
+    }
+  out.values = testing::from_bf16_bits(dense);
+  return out;
+}
+
 template <class T>
 std::vector<double> as_double(const std::vector<T>& v) {
   return std::vector<double>(v.begin(), v.end());

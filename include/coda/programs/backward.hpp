@@ -123,6 +123,7 @@ void rope_backward(const TileIn<Real>& y, const TileIn<Real>& dy, const VectorIn
 // tokens. Columns >= V get no gradient.
 template <class Real, class Target = int64_t>
 struct RmsnormCrossEntropyBackward : RowSums<Real> {  // partials: Σ ℓ·dℓ, not yet / H
+  static constexpr bool kOddN = true;  // columns >= vocab (<= N) are skipped: any vocabulary
   VectorIn<Real> r, lse, scale;  // (M)
   VectorIn<Target> targets;      // (M)
   int64_t vocab = 0;

@@ -177,6 +177,7 @@ void require_lm_head(const char* who, int64_t vocab, int64_t M, int64_t N, const
 // F4 (LM head): ℓ = r[m] · acc;  per-tile online (max, sumexp) over n < V;  pick ℓ[m, target[m]]
 template <class Real, class Target = int64_t>
 struct RmsnormLse {
+  static constexpr bool kOddN = true;  // columns >= vocab (<= N) are skipped: any vocabulary
   VectorIn<Real> r;                 // (M)
   VectorIn<Target> targets;         // (M)
   int64_t vocab = 0;                // V: columns >= V never enter max or sum

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "coda/common/check.hpp"
@@ -63,7 +64,15 @@ struct TileInfo {
 //   void end_subtile(const TileInfo&, int64_t epi_m, int64_t epi_n);
 //   void end_tile(const TileInfo&);
 //   void validate(int64_t M, int64_t N, const TileConfig&) const;  // throws coda::Error
-// `visit` receives global coordinates of the pair (n, n+1), n even, both inside the problem.
+// `visit` receives global coordinates of the pair (n, n+1), n even, both inside the problem,
+// except for a program that declares `static constexpr bool kOddN = true` (it skips columns
+// >= N itself, like the LM-head programs over a vocabulary of any size): with N odd its last
+// pair is (N − 1, N), the second value 0.
+template <class Program, class = void>
+struct TakesOddN : std::false_type {};
+template <class Program>
+struct TakesOddN<Program, std::void_t<decltype(Program::kOddN)>>
+    : std::bool_constant<Program::kOddN> {};
 
 template <class Real, class A, class B, class Program>
 void execute(const MatrixRef<A>& a, const MatrixRef<B>& b, Program& program,
@@ -75,7 +84,8 @@ void execute(const MatrixRef<A>& a, const MatrixRef<B>& b, Program& program,
              "execute: sizes must be positive, got M=", a.rows, " N=", b.rows, " K=", a.cols);
   CODA_CHECK(a.cols == b.cols, "execute: A is (", a.rows, ", ", a.cols, ") and B is (", b.rows,
              ", ", b.cols, "): the K extents differ");
-  CODA_CHECK(b.rows % 2 == 0, "execute: N must be even for pairwise epilogues, got ", b.rows);
+  CODA_CHECK(b.rows % 2 == 0 || TakesOddN<Program>::value,
+             "execute: N must be even for pairwise epilogues, got ", b.rows);
   const int64_t m_total = a.rows, n_total = b.rows, k_total = a.cols;
   program.validate(m_total, n_total, cfg);
 
@@ -105,7 +115,7 @@ void execute(const MatrixRef<A>& a, const MatrixRef<B>& b, Program& program,
           for (int64_t i = em * cfg.subtile_m; i < i_end; ++i)
             for (int64_t j = en * cfg.subtile_n; j < j_end; j += 2)
               program.visit(t, t.m0 + i, t.n0 + j, acc[i * cfg.tile_n + j],
-                            acc[i * cfg.tile_n + j + 1]);
+                            j + 1 < t.cols ? acc[i * cfg.tile_n + j + 1] : Real(0));
           program.end_subtile(t, em, en);
         }
       }

@@ -274,16 +274,17 @@ class HostPrograms {
   static Real grad_row(const View<Real>& l, int64_t m, Real row_scale, Real lse, Real scale,
                        int64_t target, Real target_logit, double z_loss, int64_t hidden) {
     Real s = 0;
-    for (int64_t n = 0; n < l.cols; n += 2) {
+    for (int64_t n = 0; n < l.cols; n += 2) {  // an odd vocabulary's last pair: (V − 1, 0)
+      const bool pair = n + 1 < l.cols;
       const bool t0 = n == target, t1 = n + 1 == target;
       const Real l0 = t0 ? target_logit : row_scale * l.at(m, n);
-      const Real l1 = t1 ? target_logit : row_scale * l.at(m, n + 1);
+      const Real l1 = !pair ? Real(0) : t1 ? target_logit : row_scale * l.at(m, n + 1);
       const programs::CrossEntropyGrad grad;
       const Real d0 = grad(l0, lse, scale, t0, Real(z_loss)),
-                 d1 = grad(l1, lse, scale, t1, Real(z_loss));
+                 d1 = pair ? grad(l1, lse, scale, t1, Real(z_loss)) : Real(0);
       s += programs::PairDot{}(l0, l1, d0, d1);
       l.at(m, n) = d0;
-      l.at(m, n + 1) = d1;
+      if (pair) l.at(m, n + 1) = d1;
     }
     return s / static_cast<Real>(hidden);
   }
