@@ -34,6 +34,9 @@ Not in the default list:
                  (bench/suite_fp8.py; LLaMA-3 shapes only)
   fp8-fused      only the fp8 section's fused rows: F1 with h quantized in its epilogue against
                  the plain FP8 GEMM of its shape
+  e2e            a whole model's training step (tokens/s, peak memory, first step with compile)
+                 for HF eager, HF + per-block compile, Liger, coda (eager, per-block compiled, HF
+                 patched in place) at the LLaMA-3.2-1B and LLaMA-3-8B shapes (bench/suite_e2e.py)
 
 Shapes: LLaMA-3 1B / 8B / 70B at M = 8192 and 16384, and the CODA paper's block shapes at
 M = 16384 (V = 32768 for its LM head). --quick: M = 8192, LLaMA-3 shapes. Liger comes from its
@@ -72,7 +75,7 @@ from suite_chain import (  # noqa: E402
 
 SECTIONS = (
     "ops", "chain-fwd", "chain", "lm-head", "sustained", "chain-profile", "train", "fp8",
-    "fp8-fused",
+    "fp8-fused", "e2e",
 )
 PAPER_V = 32768
 
@@ -446,6 +449,12 @@ def main():
     ap.add_argument("--train-steps", type=int, default=200, help="train: AdamW steps")
     ap.add_argument("--train-compile", action="store_true",
                     help="train: also torch.compile'd twins of both models")
+    ap.add_argument("--e2e-models", default="llama3.2-1B,llama3-8B",
+                    help="e2e: comma list of bench/suite_e2e.py's MODEL_SHAPES")
+    ap.add_argument("--e2e-systems", default=None,
+                    help="e2e: comma list of bench/suite_e2e.py's systems (default: SYSTEMS)")
+    ap.add_argument("--e2e-timeout", type=int, default=300,
+                    help="e2e: seconds each system's process may take")
     a = ap.parse_args()
     path = a.json or os.path.join(here, "results", f"{datetime.date.today().isoformat()}.json")
     sections = a.sections.split(",")
@@ -565,6 +574,13 @@ def main():
             "fp8",
             lambda model, m, sec: suite_fp8.run_shape(model, m, sec, progress, fused_only=True),
         )
+    if "e2e" in sections:
+        import suite_e2e
+
+        systems = a.e2e_systems.split(",") if a.e2e_systems else suite_e2e.SYSTEMS
+        out["sections"]["e2e"] = suite_e2e.run(progress, a.e2e_models.split(","), systems,
+                                               timeout_s=a.e2e_timeout)
+        save()
     if "train" in sections:
         import suite_train
 

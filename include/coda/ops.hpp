@@ -6,6 +6,13 @@
 // argument, the expected and the actual value; then it launches without synchronizing the host.
 // Activations are bf16 matrices; r, partials and every reduction are fp32.
 //
+// Extents: every matrix needs a row stride of a multiple of 16 bytes (the TMA's), not extents of
+// a multiple of 8: K, and M of Xᵀ·Y, may be any size, and so may N for the plain GEMMs and the
+// LM-head programs (F4, F4 with logits, B4; the others need N % 8). Where N is not a multiple of
+// 8, D's store may write zeros into its columns up to N rounded up to 8 (the TMA store moves
+// 16-byte granules; the H200 does): D's rows must own that padding, not share it with a neighbour
+// (a column slice of a wider tensor). The PyTorch ops pass their own padded scratch.
+//
 // Partial buffers are fp32 matrices of (layout.tiles, layout.extent): the layout depends on the
 // kernel configuration the launch takes, so callers ask the *_partials_layout function of the op.
 

@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from coda import ops
-from helpers import assert_ops_rule, assert_rel
+from helpers import assert_ops_rule, assert_rel, max_abs
 
 CODA = torch.ops.coda
 EPS = 1e-5
@@ -204,7 +204,11 @@ def check_against_reference(op, ref, inputs, diff, grad_outs, dtype, out_names, 
         if dtype == torch.float64:
             assert_rel(got, want, 1e-9, what)
         else:
-            assert_ops_rule(got, want, plain, what)
+            # float32: the §5 rule plus 4 ulps of the output's magnitude. A loss summed over tokens
+            # (~70 here) rounds by ~1e-5 whatever the order of its sum, while PyTorch's own error
+            # can land below one ulp by chance; the 1e-6 floor is sized for values near 1.
+            assert_ops_rule(got, want, plain, what,
+                            slack=4 * torch.finfo(torch.float32).eps * max_abs(want))
 
     for name, g, w, p in zip(out_names, got_out, ref_out, plain_out):
         if name is not None:

@@ -91,8 +91,9 @@ inline DeviceBuffer<bf16> upload_bf16(const V& v) {
 
 // Rows of `cols` values at a row stride of `ld` >= cols: what a TMA operand or output of an odd
 // extent looks like (its row stride a multiple of 8). The padding is NaN (0xffff), so a kernel
-// that read it would show it; download_bf16_rows returns the rows and whether the padding is
-// still all 0xffff (nothing written past the extent).
+// that read it would show it. download_bf16_rows returns the rows and checks the padding against
+// the ops' contract (include/coda/ops.hpp): a store of D may write zeros into the columns up to
+// the next multiple of 8 (the TMA store's 16-byte granule, as the H200 does) and nothing beyond.
 inline int padded_ld(int cols) { return (cols + 7) / 8 * 8; }
 inline DeviceBuffer<bf16> upload_bf16_rows(const V& v, int rows, int cols, int ld) {
   const auto bits = testing::to_bf16_bits(v);
@@ -105,7 +106,13 @@ inline DeviceBuffer<bf16> upload_bf16_rows(const V& v, int rows, int cols, int l
 }
 struct PaddedRows {
   V values;
-  bool padding_untouched = true;
+  bool padding_ok = true;  // the contract above holds
+  int granule_zeros = 0, beyond_granule = 0, granule_other = 0;
+  std::string describe() const {
+    return std::to_string(granule_zeros) + " zeros in the 16-byte granule past N, " +
+           std::to_string(granule_other) + " other values there, " +
+           std::to_string(beyond_granule) + " writes beyond it";
+  }
 };
 inline PaddedRows download_bf16_rows(const DeviceBuffer<bf16>& b, int rows, int cols, int ld) {
   std::vector<bf16> raw = b.download();
@@ -116,11 +123,18 @@ inline PaddedRows download_bf16_rows(const DeviceBuffer<bf16>& b, int rows, int 
   for (int i = 0; i < rows; ++i)
     for (int j = 0; j < ld; ++j) {
       const uint16_t e = bits[size_t(i) * ld + j];
-      if (j < cols)
+      if (j < cols) {
         dense[size_t(i) * cols + j] = e;
-      else if (e != 0xffff)
-        out.padding_untouched = false;
+      } else if (e != 0xffff) {
+        if (j >= padded_ld(cols))
+          ++out.beyond_granule;
+        else if (e == 0)
+          ++out.granule_zeros;
+        else
+          ++out.granule_other;
+      }
     }
+  out.padding_ok = out.beyond_granule == 0 && out.granule_other == 0;
   out.values = testing::from_bf16_bits(dense);
   return out;
 }

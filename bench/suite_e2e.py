@@ -1,0 +1,191 @@
+"""The suite's e2e section: a whole model's training step, forward + backward + AdamW, in tokens/s
+and peak memory, for the systems people train LLaMA with, from one initialization on one batch:
+
+  hf_eager        transformers' LlamaForCausalLM, eager (sdpa attention)
+  hf_compile      the same with each decoder block torch.compile'd (TorchTitan's per-block style)
+  liger           the same patched by Liger Kernel (RMSNorm, RoPE, SwiGLU, fused linear
+                  cross-entropy), eager
+  coda            coda.nn (coda.convert.from_hf of the same weights), eager
+  coda_compile    coda.nn with each decoder block torch.compile'd (the documented way)
+  coda_patched    the HF model patched in place (coda.integrations.patch_hf), eager
+  coda_fullgraph  coda.nn under torch.compile(fullgraph=True) (not in the default list: its first
+                  step is the whole model's compilation)
+
+Each system runs in a process of its own (Liger patches transformers' classes module-wide, and
+Dynamo's caches and the allocator's pools would carry over), builds the model from the same seed,
+and has its first step timed on the wall clock
+(compilation included), then `warmup` more steps and `steps` timed ones (CUDA events; the median
+is the result). Peak memory is torch.cuda.max_memory_allocated over the timed steps, parameters
+and optimizer state included. The first step's loss is recorded: every system starts from the
+same weights and batch, so they must agree to bf16 accuracy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+import coda
+
+MODEL_SHAPES = {
+    # LLaMA-3.2-1B: all 16 layers, tied embeddings; 4 x 4096 tokens per step.
+    "llama3.2-1B": dict(layers=16, hidden=2048, heads=32, kv_heads=8, intermediate=8192,
+                        vocab=128256, tie=True, batch=4, seq=4096),
+    # LLaMA-3-8B's layer shape, 8 of its 32 layers; 2 x 4096 tokens per step.
+    "llama3-8B": dict(layers=8, hidden=4096, heads=32, kv_heads=8, intermediate=14336,
+                      vocab=128256, tie=False, batch=2, seq=4096),
+}
+SYSTEMS = ("hf_eager", "hf_compile", "liger", "coda", "coda_compile", "coda_patched")
+
+
+def hf_config(s):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=s["vocab"], hidden_size=s["hidden"],
+                       intermediate_size=s["intermediate"], num_hidden_layers=s["layers"],
+                       num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
+                       head_dim=s["hidden"] // s["heads"], rms_norm_eps=1e-5,
+                       max_position_embeddings=s["seq"], tie_word_embeddings=s["tie"],
+                       attn_implementation="sdpa",
+                       rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0,
+                                        "factor": 32.0, "low_freq_factor": 1.0,
+                                        "high_freq_factor": 4.0,
+                                        "original_max_position_embeddings": 8192})
+
+
+def new_hf(cfg, init):
+    """A bf16 LlamaForCausalLM on the GPU holding `init` (a CPU state dict)."""
+    from transformers import LlamaForCausalLM
+
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(default)
+    if init is not None:
+        model.load_state_dict(init)
+    return model
+
+
+def build(system, cfg, init):
+    """(model, step's loss function) of one system."""
+    hf = new_hf(cfg, init)
+    if system in ("hf_eager", "hf_compile", "liger"):
+        if system == "hf_compile":
+            for layer in hf.model.layers:
+                layer.compile()
+        if system == "liger":
+            from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+            apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True,
+                                        cross_entropy=False, fused_linear_cross_entropy=True,
+                                        model=hf)
+        return hf, lambda m, ids: m(input_ids=ids, labels=ids).loss
+    if system == "coda_patched":
+        from coda.integrations import patch_hf
+
+        return patch_hf(hf), lambda m, ids: m(input_ids=ids, labels=ids).loss
+    model = coda.convert.from_hf(hf)
+    del hf
+    if system == "coda_compile":
+        for layer in model.layers:
+            layer.compile()
+    if system == "coda_fullgraph":
+        model = torch.compile(model, fullgraph=True)
+    return model, lambda m, ids: m(ids, labels=ids)
+
+
+def measure(system, cfg, init, ids, warmup, steps, progress):
+    model, loss_of = build(system, cfg, init)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+
+    def step():
+        loss = loss_of(model, ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    first_loss = step().item()
+    torch.cuda.synchronize()
+    first_s = time.perf_counter() - t0
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        loss = step()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    peak = torch.cuda.max_memory_allocated()
+    last_loss = loss.item()
+    ms = statistics.median(times)
+    row = dict(system=system, first_step_s=round(first_s, 2), median_step_ms=round(ms, 2),
+               min_step_ms=round(min(times), 2), tokens_per_s=round(ids.numel() / ms * 1e3),
+               peak_gib=round(peak / 2**30, 2), first_loss=round(first_loss, 5),
+               last_loss=round(last_loss, 5))
+    progress(f"e2e {system}: {row['median_step_ms']} ms/step, first step {first_s:.1f} s")
+    return row
+
+
+def one(name, system, warmup, steps):
+    """One system at one model shape, in this process: its row."""
+    s = MODEL_SHAPES[name]
+    cfg = hf_config(s)
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, s["vocab"], (s["batch"], s["seq"]), generator=gen).cuda()
+    return measure(system, cfg, None, ids, warmup, steps, lambda m: print(m, file=sys.stderr))
+
+
+def run(progress=print, models=tuple(MODEL_SHAPES), systems=SYSTEMS, warmup=3, steps=10,
+        timeout_s=300):
+    """The section's results: per model shape, one row per system (or the reason it is absent),
+    each from a process of its own under `timeout_s`."""
+    out = {"config": dict(warmup=warmup, steps=steps, optimizer="AdamW(fused, bf16 params)",
+                          process_per_system=True, timeout_s=timeout_s),
+           "models": {}}
+    for name in models:
+        res = out["models"][name] = {"shape": MODEL_SHAPES[name], "rows": [], "absent": {}}
+        for system in systems:
+            cmd = [sys.executable, os.path.abspath(__file__), name, system, str(warmup), str(steps)]
+            try:
+                p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+                lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+                if p.returncode or not lines:
+                    raise RuntimeError(f"rc={p.returncode}: {p.stderr.strip()[-300:]}")
+                row = json.loads(lines[-1])
+                res["rows"].append(row)
+                progress(f"e2e {name} {system}: {row['median_step_ms']} ms/step, "
+                         f"{row['tokens_per_s']} tok/s, peak {row['peak_gib']} GiB, first step "
+                         f"{row['first_step_s']} s")
+            except (subprocess.TimeoutExpired, RuntimeError, ValueError) as ex:
+                res["absent"][system] = f"{type(ex).__name__}: {ex}"[:400]
+                progress(f"e2e {name} {system}: absent ({res['absent'][system][:160]})")
+        best_peer = max((r for r in res["rows"] if not r["system"].startswith("coda")),
+                        key=lambda r: r["tokens_per_s"], default=None)
+        if best_peer:
+            res["best_peer"] = best_peer["system"]
+            for r in res["rows"]:
+                r["vs_best_peer"] = round(r["tokens_per_s"] / best_peer["tokens_per_s"], 3)
+    return out
+
+
+if __name__ == "__main__":  # one system: MODEL SYSTEM WARMUP STEPS -> its row as a JSON line
+    name_, system_, warmup_, steps_ = sys.argv[1:5]
+    print(json.dumps(one(name_, system_, int(warmup_), int(steps_))))
