@@ -578,9 +578,8 @@ def main():
         import suite_e2e
 
         systems = a.e2e_systems.split(",") if a.e2e_systems else suite_e2e.SYSTEMS
-        out["sections"]["e2e"] = suite_e2e.run(progress, a.e2e_models.split(","), systems,
-                                               timeout_s=a.e2e_timeout)
-        save()
+        suite_e2e.run(progress, a.e2e_models.split(","), systems, timeout_s=a.e2e_timeout,
+                      out=out["sections"].setdefault("e2e", {}), save=save)
     if "train" in sections:
         import suite_train
 

@@ -154,12 +154,14 @@ def one(name, system, warmup, steps):
 
 
 def run(progress=print, models=tuple(MODEL_SHAPES), systems=SYSTEMS, warmup=3, steps=10,
-        timeout_s=300):
-    """The section's results: per model shape, one row per system (or the reason it is absent),
-    each from a process of its own under `timeout_s`."""
-    out = {"config": dict(warmup=warmup, steps=steps, optimizer="AdamW(fused, bf16 params)",
-                          process_per_system=True, timeout_s=timeout_s),
-           "models": {}}
+        timeout_s=300, out=None, save=lambda: None):
+    """The section's results (filled into `out`, `save()` called after every system, so a run
+    cut short keeps what it measured): per model shape, one row per system (or the reason it is
+    absent), each from a process of its own under `timeout_s`."""
+    out = {} if out is None else out
+    out.update(config=dict(warmup=warmup, steps=steps, optimizer="AdamW(fused, bf16 params)",
+                           process_per_system=True, timeout_s=timeout_s),
+               models={})
     for name in models:
         res = out["models"][name] = {"shape": MODEL_SHAPES[name], "rows": [], "absent": {}}
         for system in systems:
@@ -177,12 +179,14 @@ def run(progress=print, models=tuple(MODEL_SHAPES), systems=SYSTEMS, warmup=3, s
             except (subprocess.TimeoutExpired, RuntimeError, ValueError) as ex:
                 res["absent"][system] = f"{type(ex).__name__}: {ex}"[:400]
                 progress(f"e2e {name} {system}: absent ({res['absent'][system][:160]})")
+            save()
         best_peer = max((r for r in res["rows"] if not r["system"].startswith("coda")),
                         key=lambda r: r["tokens_per_s"], default=None)
         if best_peer:
             res["best_peer"] = best_peer["system"]
             for r in res["rows"]:
                 r["vs_best_peer"] = round(r["tokens_per_s"] / best_peer["tokens_per_s"], 3)
+        save()
     return out
 
 
