@@ -80,7 +80,7 @@ Tensor plain_gemm(const char* op, const Tensor& x, const Tensor& w, bool transpo
       b.gemm_xw(x, w, d);
     else
       b.gemm(x, w, d);
-    return d;
+    return d.contiguous();  // CUDA pads rows of an N not a multiple of 8 (CudaBackend::act)
   });
 }
 Tensor gemm(const Tensor& x, const Tensor& w) { return plain_gemm("coda::gemm", x, w, false); }
@@ -89,7 +89,7 @@ Tensor gemm_xw(const Tensor& x, const Tensor& w) { return plain_gemm("coda::gemm
 Tensor gemm_xty(const Tensor& x, const Tensor& y) {
   ProgramArgs p("coda::gemm_xty", x);
   p.act("x", x).act("y", y).operand_pair("x", x, 0, "y", y, 0);
-  return on_backend(x, [&](auto& b) { return block::weight_grad(b, x, y); });
+  return on_backend(x, [&](auto& b) { return block::weight_grad(b, x, y).contiguous(); });
 }
 
 std::tuple<Tensor, Tensor, Tensor> gemm_residual_rmsnorm_partial(const Tensor& a, const Tensor& w,
