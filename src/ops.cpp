@@ -70,9 +70,9 @@ class Args {
                out.rows, " entries");
   }
   // GEMM sizes: positive and below 2^31. The TMA asks 16-byte row strides and starts of the
-  // operands (matrix()), not whole extents: the mainloop zero-fills past M, N and K, and D's TMA
-  // store clips at (M, N), so K and M may be anything. N must be a multiple of 8 unless the
-  // program's epilogue takes any N (`any_n`: its nodes mask each column against N, not pairs).
+  // operands (matrix()), not whole extents: the mainloop zero-fills past M, N and K, so K and M
+  // may be anything. N must be a multiple of 8 unless the program's epilogue takes any N
+  // (`any_n`; D's store then writes zeros up to N rounded up to 8, the contract in ops.hpp).
   void gemm_sizes(GemmSizes s, bool any_n = false) const {
     CODA_CHECK(s.m > 0 && s.n > 0 && s.k > 0, op_, ": sizes must be positive, got M=", s.m,
                " N=", s.n, " K=", s.k);
@@ -172,8 +172,8 @@ PartialLayout layout_of(Program p, const kernel::KernelChoice& k, int64_t m, int
   return p == Program::kRmsnormBackward ? PartialLayout::per_column(m, n, t.m, t.n)
                                         : PartialLayout::per_row(m, n, t.m, t.n);
 }
-// The programs whose epilogue takes any N: D through the TMA store (clipped at N) and nodes that
-// mask each column against N (the LM head's, over a vocabulary of any size).
+// The programs whose epilogue takes any N: D through the TMA store (16-byte granules, zeros past
+// N) and nodes that mask each column against N (the LM head's, over a vocabulary of any size).
 bool any_n(Program p) {
   return p == Program::kPlain || p == Program::kRmsnormLse || p == Program::kRmsnormLseLogits ||
          p == Program::kRmsnormCrossEntropyBackward;

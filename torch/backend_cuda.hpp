@@ -38,9 +38,10 @@ class CudaBackend : public TorchTensors {
     TORCH_CHECK(t.dim() == 2 && (t.size(1) <= 1 || t.stride(1) == 1),
                 "coda: expected a row-major matrix, got sizes ", t.sizes(), " strides ",
                 t.strides());
-    // A single row's stride is arbitrary in PyTorch (the kernels then read it as a dense row),
-    // unless it is one row of a padded buffer (act below).
-    const int64_t ld = t.size(0) == 1 && t.stride(0) < t.size(1) ? t.size(1) : t.stride(0);
+    // A single row's stride is arbitrary in PyTorch: the kernels read it as a dense row, unless
+    // its stride is one they can take (a row of a padded buffer, act below).
+    const bool usable = t.stride(0) >= t.size(1) && (t.stride(0) * t.element_size()) % 16 == 0;
+    const int64_t ld = t.size(0) == 1 && !usable ? t.size(1) : t.stride(0);
     return TensorView::matrix(t.data_ptr(), d, t.size(0), t.size(1), ld, device);
   }
 

@@ -270,8 +270,9 @@ struct GemmLauncher {
 
     // CUTLASS asks each operand's contiguous extent to be a multiple of its 16-byte alignment
     // (it derives strides from extents); the TMA asks it of the row strides and starts only, which
-    // the op layer checks, and zero-fills (loads) or clips (stores) past the extents. So the check
-    // sees the extents rounded up to 8 and the run the real ones (an N, K or Xᵀ·Y M of any size).
+    // the op layer checks. Loads zero-fill past the extents; D's store writes whole 16-byte
+    // granules, zeros past N (the contract in ops.hpp). So the check sees the extents rounded up
+    // to 8 and the run the real ones (an N, K or Xᵀ·Y M of any size).
     auto check = args;
     const auto up8 = [](int e) { return (e + 7) / 8 * 8; };
     check.problem_shape = {up8(p.m), up8(p.n), up8(p.k), 1};
