@@ -103,9 +103,11 @@ __global__ void fold_row_sums_kernel(const float* partials, int64_t m, int64_t r
 }
 
 // One warp per row; each lane handles pairs (2j, 2j+1) as one 32-bit load of two bf16.
-__global__ void rope_backward_kernel(const bf16* y, const bf16* dy, const int32_t* pos,
-                                     const uint32_t* freq_hi, const uint32_t* freq_lo, int64_t m,
-                                     int64_t width, float inv_hidden, bf16* dz, float* zdz) {
+// With F3's bias b (null: none) ZdZ is Σ (y·dy − b·dz): Rᵀ·y is z + b.
+__global__ void rope_backward_kernel(const bf16* y, const bf16* dy, const bf16* bias,
+                                     const int32_t* pos, const uint32_t* freq_hi,
+                                     const uint32_t* freq_lo, int64_t m, int64_t width,
+                                     float inv_hidden, bf16* dz, float* zdz) {
   const int64_t row = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= m) return;
@@ -121,11 +123,14 @@ __global__ void rope_backward_kernel(const bf16* y, const bf16* dy, const int32_
     epilogue::RopeRotateTranspose{}(g.x, g.y, c, sn, d0, d1);
     dz2[j] = __floats2bfloat162_rn(d0, d1);
     s += programs::PairDot{}(yv.x, yv.y, g.x, g.y);
+    if (bias) {
+      const float2 b = __bfloat1622float2(reinterpret_cast<const __nv_bfloat162*>(bias)[j]);
+      s -= programs::PairDot{}(b.x, b.y, d0, d1);
+    }
   }
   for (int o = 16; o > 0; o /= 2) s += __shfl_xor_sync(0xffffffff, s, o);
   if (lane == 0) zdz[row] = s * inv_hidden;
 }
-
 
 // A token's loss from its lse: 0 when ignored, NaN for a target that is neither ignored nor in
 // [0, vocab) (an invalid target must not pass silently), else lse − ℓ_target + z_loss·lse².
@@ -353,21 +358,22 @@ void fold_column_sums(const float* partials, int64_t n, int64_t cols_padded, int
   CODA_CUDA_CHECK(cudaGetLastError());
 }
 
-void rope_backward(const bf16* y, const bf16* dy, const int32_t* pos, const uint32_t* freq_hi,
-                   const uint32_t* freq_lo, int64_t m, int64_t width, int64_t hidden, bf16* dz,
-                   float* zdz, cudaStream_t stream) {
+void rope_backward(const bf16* y, const bf16* dy, const bf16* bias, const int32_t* pos,
+                   const uint32_t* freq_hi, const uint32_t* freq_lo, int64_t m, int64_t width,
+                   int64_t hidden, bf16* dz, float* zdz, cudaStream_t stream) {
   CODA_CHECK(y && dy && pos && freq_hi && freq_lo && dz && zdz,
              "rope_backward: null pointer argument");
   CODA_CHECK(m > 0 && width > 0 && width % 2 == 0 && hidden > 0,
              "rope_backward: need m > 0, an even width and hidden > 0, got m ", m, ", width ",
              width, ", hidden ", hidden);
   // Pairs move as 32-bit words: with an even width every row then starts 4-byte aligned.
-  for (const auto& [name, p] : {std::pair<const char*, const void*>{"y", y}, {"dy", dy}, {"dz", dz}})
+  for (const auto& [name, p] :
+       {std::pair<const char*, const void*>{"y", y}, {"dy", dy}, {"dz", dz}, {"bias", bias}})
     CODA_CHECK(reinterpret_cast<uintptr_t>(p) % 4 == 0, "rope_backward: ", name,
                " must be 4-byte aligned (bf16 pairs move as 32-bit words), got address ", p);
   const int warps = 8;
   rope_backward_kernel<<<unsigned((m + warps - 1) / warps), warps * 32, 0, stream>>>(
-      y, dy, pos, freq_hi, freq_lo, m, width, 1.0f / float(hidden), dz, zdz);
+      y, dy, bias, pos, freq_hi, freq_lo, m, width, 1.0f / float(hidden), dz, zdz);
   CODA_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -305,17 +305,18 @@ void split_rope_table(const std::vector<programs::RopeFrequency>& table, std::ve
   }
 }
 
-void gemm_rmsnorm_rope(View h, View w_qkv, View r, View pos, View rope_table, View qkv,
+void gemm_rmsnorm_rope(View h, View w_qkv, View r, View bias, View pos, View rope_table, View qkv,
                        cudaStream_t stream) {
   Args c("coda::ops::gemm_rmsnorm_rope");
   const auto [m, n, k] = c.gemm_operands("h", h, "w_qkv", w_qkv, Operands::kXWt);
   c.vector("r", r, kF, m);
+  if (bias.data) c.vector("bias", bias, kBf, n);
   c.vector("pos", pos, DType::kI32, m);
   c.matrix("rope_table", rope_table, DType::kI32, 2, n);
   c.matrix("qkv", qkv, kBf, m, n);
   c.on_device();
-  const kernel::RmsnormRopeArgs args{f32(r), pos.as<const int32_t>(), words(rope_table, 0),
-                                     words(rope_table, 1)};
+  const kernel::RmsnormRopeArgs args{f32(r), bf(bias), pos.as<const int32_t>(),
+                                     words(rope_table, 0), words(rope_table, 1)};
   launch<Program::kRmsnormRope>(
       c, Operands::kXWt,
       {int(m), int(n), int(k), bf(h), h.ld, bf(w_qkv), w_qkv.ld, nullptr, 0, bf_out(qkv), qkv.ld},
@@ -377,8 +378,8 @@ void gemm_swiglu_backward(View dx_out, View w_down, View z, View dz, View a, Vie
                                    args, stream);
 }
 
-void rope_backward(View qkv, View dqkv, View pos, View rope_table, int64_t hidden, View dqkv_pre,
-                   View zdz, cudaStream_t stream) {
+void rope_backward(View qkv, View dqkv, View bias, View pos, View rope_table, int64_t hidden,
+                   View dqkv_pre, View zdz, cudaStream_t stream) {
   Args c("coda::ops::rope_backward");
   const int64_t m = qkv.rows, width = qkv.cols;
   CODA_CHECK(m > 0 && width > 0 && width % 8 == 0 && hidden > 0, c.op(),
@@ -386,6 +387,7 @@ void rope_backward(View qkv, View dqkv, View pos, View rope_table, int64_t hidde
              " width=", width, " hidden=", hidden);
   c.matrix("qkv", qkv, kBf, m, width);
   c.matrix("dqkv", dqkv, kBf, m, width);
+  if (bias.data) c.vector("bias", bias, kBf, width);
   c.vector("pos", pos, DType::kI32, m);
   c.matrix("rope_table", rope_table, DType::kI32, 2, width);
   c.matrix("dqkv_pre", dqkv_pre, kBf, m, width);
@@ -394,7 +396,7 @@ void rope_backward(View qkv, View dqkv, View pos, View rope_table, int64_t hidde
              ": qkv, dqkv and dqkv_pre must be contiguous (row stride ", width, "), got ", qkv.ld,
              ", ", dqkv.ld, ", ", dqkv_pre.ld);
   c.on_device();
-  kernel::rope_backward(bf(qkv), bf(dqkv), pos.as<const int32_t>(), words(rope_table, 0),
+  kernel::rope_backward(bf(qkv), bf(dqkv), bf(bias), pos.as<const int32_t>(), words(rope_table, 0),
                         words(rope_table, 1), m, width, hidden, bf_out(dqkv_pre), f32_out(zdz),
                         stream);
 }

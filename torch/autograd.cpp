@@ -30,25 +30,25 @@ class NormQkv : public torch::autograd::Function<NormQkv> {
  public:
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& gamma,
                         const Tensor& w_qkv, const Tensor& h, const Tensor& r, const Tensor& pos,
-                        const Tensor& table) {
+                        const Tensor& table, const std::optional<Tensor>& b_qkv) {
     ctx->set_materialize_grads(false);  // unused outputs' gradients stay undefined, no zero-fill
     at::AutoDispatchBelowADInplaceOrView guard;
-    static auto f = op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                              const Tensor&, const Tensor&, const Tensor&)>("coda::norm_qkv");
-    Tensor qkv = f.call(x, gamma, w_qkv, h, r, pos, table);
-    ctx->save_for_backward({qkv, x, gamma, w_qkv, r, pos, table});
+    static auto f =
+        op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                  const Tensor&, const Tensor&, const std::optional<Tensor>&)>("coda::norm_qkv");
+    Tensor qkv = f.call(x, gamma, w_qkv, h, r, pos, table, b_qkv);
+    ctx->save_for_backward({qkv, x, gamma, w_qkv, r, pos, table, b_qkv.value_or(Tensor())});
     return qkv;
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
     const auto s = ctx->get_saved_variables();
-    static auto b =
-        op<std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
-                                              const Tensor&, const Tensor&, const Tensor&,
-                                              const Tensor&, const Tensor&)>(
-            "coda::norm_qkv_backward");
-    auto [dx, dgamma, dw] =
-        b.call(grad_or_zeros(g[0], s[0]), s[0], s[1], s[2], s[3], s[4], s[5], s[6]);
-    return {dx, dgamma, dw, Tensor(), Tensor(), Tensor(), Tensor()};
+    static auto b = op<std::tuple<Tensor, Tensor, Tensor, Tensor>(
+        const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+        const Tensor&, const Tensor&, const std::optional<Tensor>&)>("coda::norm_qkv_backward");
+    const std::optional<Tensor> bias = s[7].defined() ? std::optional<Tensor>(s[7]) : std::nullopt;
+    auto [dx, dgamma, dw, db] =
+        b.call(grad_or_zeros(g[0], s[0]), s[0], s[1], s[2], s[3], s[4], s[5], s[6], bias);
+    return {dx, dgamma, dw, Tensor(), Tensor(), Tensor(), Tensor(), bias ? db : Tensor()};
   }
 };
 
@@ -235,9 +235,10 @@ TORCH_LIBRARY_IMPL(coda, Autograd, m) {
                            "lm_head_loss_backward", "lm_head_loss_grad"})
     m.impl(name, torch::autograd::autogradNotImplementedFallback());
   m.impl("rmsnorm_stats", &rmsnorm_stats_autograd);
-  m.impl("norm_qkv", [](const Tensor& x, const Tensor& gamma, const Tensor& w_qkv,
-                        const Tensor& h, const Tensor& r, const Tensor& pos, const Tensor& table) {
-    return NormQkv::apply(x, gamma, w_qkv, h, r, pos, table);
+  m.impl("norm_qkv", [](const Tensor& x, const Tensor& gamma, const Tensor& w_qkv, const Tensor& h,
+                        const Tensor& r, const Tensor& pos, const Tensor& table,
+                        const std::optional<Tensor>& b_qkv) {
+    return NormQkv::apply(x, gamma, w_qkv, h, r, pos, table, b_qkv);
   });
   m.impl("out_proj_residual_norm", [](const Tensor& y, const Tensor& w_o, const Tensor& residual,
                                       const Tensor& gamma, double eps) {

@@ -20,6 +20,7 @@ class CudaBackend : public TorchTensors {
 
   // The op layer's view of a CUDA tensor (2-D, or 1-D as a vector).
   static TensorView view(const at::Tensor& t) {
+    if (!t.defined()) return {};  // an optional argument left out: a null view
     const auto st = t.scalar_type();
     const DType d = st == at::kBFloat16          ? DType::kBF16
                     : st == at::kFloat           ? DType::kF32
@@ -99,6 +100,10 @@ class CudaBackend : public TorchTensors {
       dw.addmm_(dz.t(), h);
     else
       ops::gemm_xty(view(dz), view(h), view(dw), stream_);
+  }
+  // out[n] = Σ_m t[m, n] in fp32 (a bias gradient).
+  void column_sum(const Tensor& t, Tensor& out) const {
+    at::sum_out(out, t, {0}, false, at::kFloat);
   }
   cudaStream_t stream() const { return stream_; }
 

@@ -23,6 +23,7 @@ class TorchTensors {
 
   static int64_t rows(const Tensor& t) { return t.size(0); }
   static int64_t cols(const Tensor& t) { return t.dim() == 2 ? t.size(1) : 1; }
+  static bool present(const Tensor& t) { return t.defined(); }  // an optional argument
   Tensor act(int64_t rows, int64_t cols) const { return at::empty({rows, cols}, act_); }
   Tensor zeros_act(int64_t rows, int64_t cols) const { return at::zeros({rows, cols}, act_); }
   Tensor stat(int64_t n) const { return at::empty({n}, stat_); }
@@ -76,6 +77,7 @@ class CpuBackend : public TorchTensors, public reference::HostPrograms<CpuBacken
                      c10::CppTypeToScalarType<R>::value) {}
   template <class E>
   static reference::View<E> view(const at::Tensor& t) {
+    if (!t.defined()) return {nullptr, 0, 1, 1};  // an optional argument left out
     return {t.data_ptr<E>(), t.size(0), t.dim() == 2 ? t.size(1) : 1,
             t.dim() == 2 ? t.stride(0) : 1};
   }

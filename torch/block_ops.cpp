@@ -34,11 +34,14 @@ std::tuple<Tensor, Tensor> rmsnorm_stats(const Tensor& x, const Tensor& gamma, d
 }
 
 Tensor norm_qkv(const Tensor& x, const Tensor& gamma, const Tensor& w_qkv, const Tensor& h,
-                const Tensor& r, const Tensor& pos, const Tensor& rope_table) {
+                const Tensor& r, const Tensor& pos, const Tensor& rope_table,
+                const std::optional<Tensor>& b_qkv_in) {
   const auto c = OpContext::from(op_names::norm_qkv, "x", x);
-  validate_norm_qkv(c, x, gamma, w_qkv, &h, r, pos, rope_table);
+  const Tensor b_qkv = b_qkv_in.value_or(Tensor());
+  validate_norm_qkv(c, x, gamma, w_qkv, &h, r, pos, rope_table, b_qkv);
   check_positions(c, pos);
-  return on_backend(x, [&](auto& b) { return block::norm_qkv(b, h, r, w_qkv, pos, rope_table); });
+  return on_backend(
+      x, [&](auto& b) { return block::norm_qkv(b, h, r, w_qkv, b_qkv, pos, rope_table); });
 }
 
 std::tuple<Tensor, Tensor, Tensor> out_proj_residual_norm(const Tensor& y, const Tensor& w_o,
@@ -108,16 +111,20 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> lm_head_loss_grad(
 
 // ---- backward ops -------------------------------------------------------------------------------
 
-std::tuple<Tensor, Tensor, Tensor> norm_qkv_backward(const Tensor& dqkv, const Tensor& qkv,
-                                                     const Tensor& x, const Tensor& gamma,
-                                                     const Tensor& w_qkv, const Tensor& r,
-                                                     const Tensor& pos, const Tensor& rope_table) {
+// db_qkv: the bias's gradient, or an empty (0,) tensor without a bias.
+std::tuple<Tensor, Tensor, Tensor, Tensor> norm_qkv_backward(
+    const Tensor& dqkv, const Tensor& qkv, const Tensor& x, const Tensor& gamma,
+    const Tensor& w_qkv, const Tensor& r, const Tensor& pos, const Tensor& rope_table,
+    const std::optional<Tensor>& b_qkv_in) {
   const auto c = OpContext::from(op_names::norm_qkv_backward, "x", x);
-  validate_norm_qkv_backward(c, dqkv, qkv, x, gamma, w_qkv, r, pos, rope_table);
+  const Tensor b_qkv = b_qkv_in.value_or(Tensor());
+  validate_norm_qkv_backward(c, dqkv, qkv, x, gamma, w_qkv, r, pos, rope_table, b_qkv);
   check_positions(c, pos);
   return on_backend(x, [&](auto& b) {
-    const auto g = block::norm_qkv_backward(b, dqkv, qkv, x, gamma, w_qkv, r, pos, rope_table);
-    return std::make_tuple(g.dx, g.dgamma, g.dw);
+    const auto g =
+        block::norm_qkv_backward(b, dqkv, qkv, x, gamma, w_qkv, b_qkv, r, pos, rope_table);
+    const Tensor db = g.dbias.defined() ? g.dbias : at::empty({0}, x.options());
+    return std::make_tuple(g.dx, g.dgamma, g.dw, db);
   });
 }
 

@@ -76,8 +76,8 @@ std::tuple<at::Tensor, at::Tensor> rmsnorm_stats_meta(const at::Tensor& x, const
   return {at::empty_symint(x.sym_sizes(), x.options()), stat_vector(x)};
 }
 at::Tensor norm_qkv_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor& w_qkv,
-                         const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                         const at::Tensor&) {
+                         const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                         const std::optional<at::Tensor>&) {
   expect_2d("coda::norm_qkv", "x", x);
   expect_2d("coda::norm_qkv", "w_qkv", w_qkv);
   return at::empty_symint({x.sym_size(0), w_qkv.sym_size(0)}, x.options());
@@ -128,10 +128,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lm_head_l
   return {at::empty({}, x.options().dtype(stat_dtype(x))), stat_vector(x), at::empty_like(x),
           at::empty_like(gamma), at::empty_like(w_vocab)};
 }
-std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_qkv_backward_meta(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_qkv_backward_meta(
     const at::Tensor&, const at::Tensor&, const at::Tensor& x, const at::Tensor& gamma,
-    const at::Tensor& w_qkv, const at::Tensor&, const at::Tensor&, const at::Tensor&) {
-  return {at::empty_like(x), at::empty_like(gamma), at::empty_like(w_qkv)};
+    const at::Tensor& w_qkv, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    const std::optional<at::Tensor>& b_qkv) {
+  return {at::empty_like(x), at::empty_like(gamma), at::empty_like(w_qkv),
+          b_qkv ? at::empty_like(*b_qkv) : at::empty({0}, x.options())};
 }
 std::tuple<at::Tensor, at::Tensor> linear_backward_meta(const at::Tensor&, const at::Tensor& input,
                                                         const at::Tensor& weight) {
@@ -161,7 +163,7 @@ TORCH_LIBRARY(coda, m) {
   m.def("rmsnorm_stats(Tensor x, Tensor gamma, float eps) -> (Tensor h, Tensor r)");
   m.def(
       "norm_qkv(Tensor x, Tensor gamma, Tensor w_qkv, Tensor h, Tensor r, Tensor pos, "
-      "Tensor rope_table) -> Tensor");
+      "Tensor rope_table, Tensor? b_qkv=None) -> Tensor");
   m.def(
       "out_proj_residual_norm(Tensor y, Tensor w_o, Tensor residual, Tensor gamma, float eps) "
       "-> (Tensor x, Tensor h, Tensor r)");
@@ -187,7 +189,8 @@ TORCH_LIBRARY(coda, m) {
   m.def("scale_grad_(Tensor(a!) t, Tensor g) -> ()");
   m.def(
       "norm_qkv_backward(Tensor dqkv, Tensor qkv, Tensor x, Tensor gamma, Tensor w_qkv, "
-      "Tensor r, Tensor pos, Tensor rope_table) -> (Tensor dx, Tensor dgamma, Tensor dw_qkv)");
+      "Tensor r, Tensor pos, Tensor rope_table, Tensor? b_qkv=None) -> (Tensor dx, "
+      "Tensor dgamma, Tensor dw_qkv, Tensor db_qkv)");
   m.def(
       "linear_backward(Tensor dout, Tensor input, Tensor weight) -> (Tensor dinput, "
       "Tensor dweight)");

@@ -142,14 +142,17 @@ std::tuple<Tensor, Tensor> gemm_rmsnorm_swiglu(const Tensor& h, const Tensor& w_
 }
 
 Tensor gemm_rmsnorm_rope(const Tensor& h, const Tensor& w_qkv, const Tensor& r, const Tensor& pos,
-                         const Tensor& rope_table) {
+                         const Tensor& rope_table, const std::optional<Tensor>& bias_in) {
   ProgramArgs p("coda::gemm_rmsnorm_rope", h);
   p.act("h", h).act("w_qkv", w_qkv).stat("r", r).int32("pos", pos).int32("rope_table", rope_table);
   p.operand_pair("h", h, 1, "w_qkv", w_qkv, 1);
   p.shape("r", r, {h.size(0)}).shape("pos", pos, {h.size(0)});
   p.shape("rope_table", rope_table, {2, w_qkv.size(0)});
+  const Tensor bias = bias_in.value_or(Tensor());
+  if (bias.defined()) p.act("bias", bias).shape("bias", bias, {w_qkv.size(0)});
   check_positions(p.c, pos);
-  return on_backend(h, [&](auto& b) { return block::norm_qkv(b, h, r, w_qkv, pos, rope_table); });
+  return on_backend(
+      h, [&](auto& b) { return block::norm_qkv(b, h, r, w_qkv, bias, pos, rope_table); });
 }
 
 std::tuple<Tensor, Tensor, Tensor> gemm_rmsnorm_backward(const Tensor& dz, const Tensor& w,
@@ -197,7 +200,8 @@ Tensor zdz_fold(const Tensor& partials, int64_t m, int64_t hidden) {
 }
 
 std::tuple<Tensor, Tensor> rope_backward(const Tensor& qkv, const Tensor& dqkv, const Tensor& pos,
-                                         const Tensor& rope_table, int64_t hidden) {
+                                         const Tensor& rope_table, int64_t hidden,
+                                         const std::optional<Tensor>& bias_in) {
   ProgramArgs p("coda::rope_backward", qkv);
   p.act("qkv", qkv).act("dqkv", dqkv).int32("pos", pos).int32("rope_table", rope_table);
   TORCH_CHECK(qkv.dim() == 2 && qkv.numel() > 0, p.c.op,
@@ -206,10 +210,12 @@ std::tuple<Tensor, Tensor> rope_backward(const Tensor& qkv, const Tensor& dqkv, 
   TORCH_CHECK(hidden > 0, p.c.op, ": hidden must be positive, got ", hidden);
   p.shape("dqkv", dqkv, {qkv.size(0), qkv.size(1)}).shape("pos", pos, {qkv.size(0)});
   p.shape("rope_table", rope_table, {2, qkv.size(1)});
+  const Tensor bias = bias_in.value_or(Tensor());
+  if (bias.defined()) p.act("bias", bias).shape("bias", bias, {qkv.size(1)});
   check_positions(p.c, pos);
   return on_backend(qkv, [&](auto& b) {
     Tensor dpre = b.act(qkv.size(0), qkv.size(1)), zdz = b.stat(qkv.size(0));
-    b.rope_backward(qkv, dqkv, pos, rope_table, hidden, dpre, zdz);
+    b.rope_backward(qkv, dqkv, bias, pos, rope_table, hidden, dpre, zdz);
     return std::make_tuple(dpre, zdz);
   });
 }
@@ -243,8 +249,8 @@ TORCH_LIBRARY_FRAGMENT(coda, m) {
   m.def("rmsnorm_fold(Tensor partials, int m, int hidden, float eps) -> Tensor");
   m.def("gemm_rmsnorm_swiglu(Tensor h, Tensor w_gu, Tensor r) -> (Tensor z, Tensor a)");
   m.def(
-      "gemm_rmsnorm_rope(Tensor h, Tensor w_qkv, Tensor r, Tensor pos, Tensor rope_table) "
-      "-> Tensor");
+      "gemm_rmsnorm_rope(Tensor h, Tensor w_qkv, Tensor r, Tensor pos, Tensor rope_table, "
+      "Tensor? bias=None) -> Tensor");
   m.def(
       "gemm_rmsnorm_backward(Tensor dz, Tensor w, Tensor x, Tensor r, Tensor gamma, Tensor zdz, "
       "Tensor dres) -> (Tensor dx, Tensor h_out, Tensor partials)");
@@ -254,8 +260,8 @@ TORCH_LIBRARY_FRAGMENT(coda, m) {
       "-> (Tensor dz, Tensor a, Tensor partials)");
   m.def("zdz_fold(Tensor partials, int m, int hidden) -> Tensor");
   m.def(
-      "rope_backward(Tensor qkv, Tensor dqkv, Tensor pos, Tensor rope_table, int hidden) "
-      "-> (Tensor dqkv_pre, Tensor zdz)");
+      "rope_backward(Tensor qkv, Tensor dqkv, Tensor pos, Tensor rope_table, int hidden, "
+      "Tensor? bias=None) -> (Tensor dqkv_pre, Tensor zdz)");
 }
 
 TORCH_LIBRARY_IMPL(coda, CPU, m) { register_programs(m); }

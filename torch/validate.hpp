@@ -41,15 +41,16 @@ inline ProjSizes validate_norm_consumer(const OpContext& c, const at::Tensor& x,
   return {s.m, s.hidden, w.size(0)};
 }
 
-inline ProjSizes validate_norm_qkv(const OpContext& c, const at::Tensor& x,
-                                   const at::Tensor& gamma, const at::Tensor& w_qkv,
-                                   const at::Tensor* h, const at::Tensor& r, const at::Tensor& pos,
-                                   const at::Tensor& rope_table) {
+inline ProjSizes validate_norm_qkv(const OpContext& c, const at::Tensor& x, const at::Tensor& gamma,
+                                   const at::Tensor& w_qkv, const at::Tensor* h,
+                                   const at::Tensor& r, const at::Tensor& pos,
+                                   const at::Tensor& rope_table, const at::Tensor& b_qkv) {
   const auto s = validate_norm_consumer(c, x, gamma, "w_qkv", w_qkv, h, r);
   TORCH_CHECK(s.n % 2 == 0, c.op, ": w_qkv.size(0) (the QKV width) must be even, got ", s.n);
   c.cuda_width("the QKV width (w_qkv.size(0))", s.n);
   c.tensor("pos", pos, at::kInt, {s.m});
   c.tensor("rope_table", rope_table, at::kInt, {2, s.n});
+  if (b_qkv.defined()) c.activation("b_qkv", b_qkv, {s.n});
   return s;
 }
 
@@ -98,8 +99,8 @@ inline ProjSizes validate_norm_qkv_backward(const OpContext& c, const at::Tensor
                                             const at::Tensor& qkv, const at::Tensor& x,
                                             const at::Tensor& gamma, const at::Tensor& w_qkv,
                                             const at::Tensor& r, const at::Tensor& pos,
-                                            const at::Tensor& rope_table) {
-  const auto s = validate_norm_qkv(c, x, gamma, w_qkv, nullptr, r, pos, rope_table);
+                                            const at::Tensor& rope_table, const at::Tensor& b_qkv) {
+  const auto s = validate_norm_qkv(c, x, gamma, w_qkv, nullptr, r, pos, rope_table, b_qkv);
   c.activation("dqkv", dqkv, {s.m, s.n});
   c.activation("qkv", qkv, {s.m, s.n});
   return s;

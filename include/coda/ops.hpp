@@ -50,10 +50,10 @@ void first_layer_rmsnorm(View x, View gamma, float eps, View h, View r, cudaStre
 // F2: z = r ⊙ (h · W_guᵀ) (M, 2I) with gate/up interleaved;  a = silu(z_g) · z_u (M, I).
 void gemm_rmsnorm_swiglu(View h, View w_gu, View r, View z, View a, cudaStream_t stream);
 
-// F3: qkv = rope(r ⊙ (h · W_qkvᵀ), pos, freq) on Q and K heads, V unrotated. qkv (M, N); pos (M)
-// int32; rope_table (2, N) int32: the high and low words of each column's programs::
-// RopeFrequency (rows 0 and 1).
-void gemm_rmsnorm_rope(View h, View w_qkv, View r, View pos, View rope_table, View qkv,
+// F3: qkv = rope(r ⊙ (h · W_qkvᵀ) + bias, pos, freq) on Q and K heads, V unrotated. qkv (M, N);
+// bias (N) bf16, or a null view (View{}) for none; pos (M) int32; rope_table (2, N) int32: the
+// high and low words of each column's programs::RopeFrequency (rows 0 and 1).
+void gemm_rmsnorm_rope(View h, View w_qkv, View r, View bias, View pos, View rope_table, View qkv,
                        cudaStream_t stream);
 // The two rows of a rope_table from the host table (for upload by the caller).
 void split_rope_table(const std::vector<programs::RopeFrequency>& table, std::vector<uint32_t>& hi,
@@ -71,9 +71,10 @@ PartialLayout swiglu_backward_partials_layout(int64_t m, int64_t intermediate, i
 void gemm_swiglu_backward(View dx_out, View w_down, View z, View dz, View a, View zdz_partials,
                           cudaStream_t stream);
 
-// B3: dqkv_pre = Rᵀ · dqkv on Q/K pairs (V unchanged), zdz[m] = Σ_n qkv·dqkv / hidden.
-void rope_backward(View qkv, View dqkv, View pos, View rope_table, int64_t hidden, View dqkv_pre,
-                   View zdz, cudaStream_t stream);
+// B3: dqkv_pre = Rᵀ · dqkv on Q/K pairs (V unchanged), zdz[m] = Σ_n (qkv·dqkv − bias·dqkv_pre)
+// / hidden (bias: F3's, or a null view).
+void rope_backward(View qkv, View dqkv, View bias, View pos, View rope_table, int64_t hidden,
+                   View dqkv_pre, View zdz, cudaStream_t stream);
 
 // A3: zdz[m] = Σ partials / hidden (per-row); dgamma[n] = Σ partials (per-column).
 void zdz_fold(View partials, int64_t hidden, View zdz, cudaStream_t stream);

@@ -1,11 +1,13 @@
-"""Checkpoint converters: Hugging Face ``LlamaForCausalLM`` and TorchTitan llama3 <-> coda.
+"""Checkpoint converters: Hugging Face ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` and TorchTitan
+llama3 <-> coda.
 
 The coda layout differs in three row permutations (all weights are ``(out, in)``; the converters
 permute rows only, so they apply unchanged to gradients):
 
 * RoPE: HF rotates the two halves of each Q/K head ("rotate_half": row ``i`` pairs with
   ``i + d/2``); coda, Meta and TorchTitan pair adjacent rows ``(2i, 2i + 1)``.
-* QKV: separate ``Wq, Wk, Wv`` <-> one packed ``w_qkv = [Q heads | K heads | V heads]``.
+* QKV: separate ``Wq, Wk, Wv`` <-> one packed ``w_qkv = [Q heads | K heads | V heads]`` (and
+  Qwen2's biases ``bq, bk, bv`` <-> ``b_qkv``, rows permuted as the weights').
 * SwiGLU: split ``W_gate, W_up`` <-> interleaved ``w_gu`` rows ``[g0, u0, g1, u1, ...]``.
 
 The state-dict functions take and return plain ``{name: tensor}`` dicts (any tensors: weights or
@@ -125,11 +127,27 @@ def _hf_rope(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
     return theta, {k: scaling[k] for k in keys}
 
 
+# The transformers model types coda runs: LLaMA, and Qwen2 / Qwen2.5 (LLaMA with a Q/K/V bias).
+HF_MODEL_TYPES = ("llama", "qwen2")
+
+
 def config_from_hf(hf_config: Any) -> LlamaConfig:
-    """A :class:`LlamaConfig` from a transformers ``LlamaConfig``."""
-    for flag in ("attention_bias", "mlp_bias"):
+    """A :class:`LlamaConfig` from a transformers ``LlamaConfig`` or ``Qwen2Config``."""
+    model_type = getattr(hf_config, "model_type", "llama")
+    if model_type not in HF_MODEL_TYPES:
+        raise NotImplementedError(f"coda: model_type {model_type!r} is not supported (only "
+                                  f"{', '.join(HF_MODEL_TYPES)})")
+    qwen2 = model_type == "qwen2"
+    # LLaMA's attention_bias puts a bias on the output projection too; Qwen2's is on Q/K/V only.
+    for flag in ("mlp_bias",) if qwen2 else ("attention_bias", "mlp_bias"):
         if getattr(hf_config, flag, False):
             raise NotImplementedError(f"coda: {flag}=True is not supported")
+    if qwen2:
+        layer_types = getattr(hf_config, "layer_types", None) or []
+        if getattr(hf_config, "use_sliding_window", False) or any(
+                t != "full_attention" for t in layer_types):
+            raise NotImplementedError("coda: sliding-window attention (use_sliding_window / "
+                                      "layer_types) is not supported")
     act = getattr(hf_config, "hidden_act", "silu")
     if act != "silu":
         raise NotImplementedError(f"coda: hidden_act {act!r} is not supported (SwiGLU uses silu)")
@@ -147,6 +165,7 @@ def config_from_hf(hf_config: Any) -> LlamaConfig:
         rope_scaling=scaling,
         rms_norm_eps=float(hf_config.rms_norm_eps),
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        qkv_bias=qwen2,
     )
 
 
@@ -176,6 +195,9 @@ _HF_LAYER = {
     "self_attn.q_proj.weight": "attention.wq.weight",
     "self_attn.k_proj.weight": "attention.wk.weight",
     "self_attn.v_proj.weight": "attention.wv.weight",
+    "self_attn.q_proj.bias": "attention.wq.bias",  # Qwen2
+    "self_attn.k_proj.bias": "attention.wk.bias",
+    "self_attn.v_proj.bias": "attention.wv.bias",
     "self_attn.o_proj.weight": "attention.wo.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
     "mlp.gate_proj.weight": "feed_forward.w1.weight",
@@ -192,7 +214,8 @@ def _rename_rope(sd: Mapping[str, Tensor], config: LlamaConfig, to_torchtitan: b
     if not to_torchtitan:
         top, layer = {v: k for k, v in top.items()}, {v: k for k, v in layer.items()}
         src, dst, permute = dst, src, rope_adjacent_to_half
-    heads = {"attention.wq.weight": config.num_heads, "attention.wk.weight": config.num_kv_heads}
+    heads = {"attention.wq.weight": config.num_heads, "attention.wk.weight": config.num_kv_heads,
+             "attention.wq.bias": config.num_heads, "attention.wk.bias": config.num_kv_heads}
     out: dict[str, Tensor] = {}
     for name, value in sd.items():
         if name in top:
@@ -209,14 +232,14 @@ def _rename_rope(sd: Mapping[str, Tensor], config: LlamaConfig, to_torchtitan: b
 
 
 def hf_to_coda_state_dict(hf_sd: Mapping[str, Tensor], config: LlamaConfig) -> dict[str, Tensor]:
-    """HF ``LlamaForCausalLM`` names/layouts -> coda names/layouts."""
+    """HF ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` names/layouts -> coda names/layouts."""
     return torchtitan_to_coda_state_dict(
         _rename_rope(hf_sd, config, True, "hf_to_coda_state_dict"), config)
 
 
 def coda_to_hf_state_dict(sd_in: Mapping[str, Tensor], config: LlamaConfig) -> dict[str, Tensor]:
-    """coda names/layouts -> HF ``LlamaForCausalLM`` names/layouts (inverse of
-    :func:`hf_to_coda_state_dict`). With tied embeddings either alias may be present."""
+    """coda names/layouts -> HF ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` names/layouts
+    (inverse of :func:`hf_to_coda_state_dict`). With tied embeddings either alias may be present."""
     return _rename_rope(coda_to_torchtitan_state_dict(sd_in, config, "0.2"), config, False,
                         "coda_to_hf_state_dict")
 
@@ -226,7 +249,8 @@ def _detached_params(model: torch.nn.Module) -> dict[str, Tensor]:
 
 
 def from_hf(hf_model: torch.nn.Module, device=None, dtype=None) -> CodaLlamaForCausalLM:
-    """A :class:`CodaLlamaForCausalLM` with the weights of a transformers ``LlamaForCausalLM``.
+    """A :class:`CodaLlamaForCausalLM` with the weights of a transformers ``LlamaForCausalLM`` or
+    ``Qwen2ForCausalLM``.
 
     The new model gets copies of the weights, on ``device`` / in ``dtype`` (default: those of
     the HF model)."""
@@ -260,8 +284,8 @@ def _copy_into(model: torch.nn.Module, sd: Mapping[str, Tensor], who: str) -> No
 
 
 def to_hf(model: CodaLlamaForCausalLM, hf_model: torch.nn.Module) -> torch.nn.Module:
-    """Write ``model``'s weights into ``hf_model`` (a transformers ``LlamaForCausalLM`` of the same
-    shape) in place; returns ``hf_model``."""
+    """Write ``model``'s weights into ``hf_model`` (a transformers ``LlamaForCausalLM`` or
+    ``Qwen2ForCausalLM`` of the same shape) in place; returns ``hf_model``."""
     theirs = config_from_hf(hf_model.config)
     if theirs != model.config:
         raise ValueError(f"to_hf: configs differ: coda {model.config} vs HF {theirs}")
@@ -317,6 +341,10 @@ def torchtitan_to_coda_state_dict(
         out[q + "w_qkv"] = pack_qkv(_take(sd, p + qkv + "wq.weight"),
                                     _take(sd, p + qkv + "wk.weight"),
                                     _take(sd, p + qkv + "wv.weight"))
+        if c.qkv_bias:  # Qwen2's, through the HF converter (TorchTitan's llama3 has none)
+            out[q + "b_qkv"] = pack_qkv(_take(sd, p + qkv + "wq.bias"),
+                                        _take(sd, p + qkv + "wk.bias"),
+                                        _take(sd, p + qkv + "wv.bias"))
         out[q + "w_o"] = _take(sd, p + "attention.wo.weight")
         out[q + "gamma_ffn"] = _take(sd, p + "ffn_norm.weight")
         out[q + "w_gu"] = interleave_gate_up(_take(sd, p + "feed_forward.w1.weight"),
@@ -351,6 +379,12 @@ def coda_to_torchtitan_state_dict(
         out[p + qkv + "wq.weight"] = wq
         out[p + qkv + "wk.weight"] = wk
         out[p + qkv + "wv.weight"] = wv
+        if c.qkv_bias:
+            bq, bk, bv = unpack_qkv(_take(sd, q + "b_qkv"), c.num_heads, c.num_kv_heads,
+                                    c.head_dim)
+            out[p + qkv + "wq.bias"] = bq
+            out[p + qkv + "wk.bias"] = bk
+            out[p + qkv + "wv.bias"] = bv
         out[p + "attention.wo.weight"] = _take(sd, q + "w_o")
         out[p + "attention_norm.weight"] = _take(sd, f"gamma_attn.{i}")
         gate, up = split_gate_up(_take(sd, q + "w_gu"))

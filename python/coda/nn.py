@@ -57,6 +57,7 @@ class LlamaConfig:
     rope_scaling: dict[str, Any] | None = field(default=None)
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # a bias on the Q, K and V projections (Qwen2 / Qwen2.5)
 
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
@@ -113,14 +114,15 @@ def positions(position_ids: Tensor | None, batch: int, seq: int, device) -> Tens
 
 def decoder_layer(c: LlamaConfig, x: Tensor, h: Tensor, r: Tensor, gamma: Tensor, w_qkv: Tensor,
                   w_o: Tensor, gamma_ffn: Tensor, w_gu: Tensor, w_down: Tensor, pos: Tensor,
-                  rope_table: Tensor, gamma_next: Tensor, batch: int, attention: Attention
-) -> tuple[Tensor, Tensor, Tensor]:
+                  rope_table: Tensor, gamma_next: Tensor, batch: int, attention: Attention,
+                  b_qkv: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """One decoder layer from the fused ops, on weights in coda's layouts: ``x (M, H)`` with its
     caches ``(h, r)`` for ``gamma`` (the layer's attention norm) -> ``(x, h, r)`` of the layer
-    output, the caches being for ``gamma_next``."""
+    output, the caches being for ``gamma_next``. ``b_qkv``: the Q/K/V bias in ``w_qkv``'s row
+    order, or None."""
     M = x.shape[0]
     seq = M // batch
-    qkv = ops.norm_qkv(x, gamma, w_qkv, h, r, pos, rope_table)
+    qkv = ops.norm_qkv(x, gamma, w_qkv, h, r, pos, rope_table, b_qkv)
     # (M, W) -> (B, S, heads, d) -> per-part (B, heads, S, d) views; no copy needed.
     qkv = qkv.view(batch, seq, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
     q = qkv[:, :, : c.num_heads].transpose(1, 2)
@@ -145,6 +147,8 @@ class CodaDecoderLayer(nn.Module):
         kw = {"device": device, "dtype": dtype}
         self.config = c
         self.w_qkv = nn.Parameter(torch.empty(c.qkv_width, c.hidden_size, **kw))
+        # Q/K/V bias in w_qkv's row order (RoPE pairs adjacent); None without config.qkv_bias.
+        self.b_qkv = nn.Parameter(torch.empty(c.qkv_width, **kw)) if c.qkv_bias else None
         self.w_o = nn.Parameter(torch.empty(c.hidden_size, c.num_heads * c.head_dim, **kw))
         self.gamma_ffn = nn.Parameter(torch.empty(c.hidden_size, **kw))
         self.w_gu = nn.Parameter(torch.empty(2 * c.intermediate_size, c.hidden_size, **kw))
@@ -156,6 +160,8 @@ class CodaDecoderLayer(nn.Module):
             self.gamma_ffn.fill_(1.0)
             for w in (self.w_qkv, self.w_o, self.w_gu, self.w_down):
                 w.normal_(0.0, std)
+            if self.b_qkv is not None:
+                self.b_qkv.zero_()
 
     def forward(
         self,
@@ -172,7 +178,8 @@ class CodaDecoderLayer(nn.Module):
         """``x (M, H)`` with its caches ``(h, r)`` for ``gamma`` (this layer's attention norm) ->
         ``(x, h, r)`` of the layer output, the caches being for ``gamma_next``."""
         return decoder_layer(self.config, x, h, r, gamma, self.w_qkv, self.w_o, self.gamma_ffn,
-                             self.w_gu, self.w_down, pos, rope_table, gamma_next, batch, attention)
+                             self.w_gu, self.w_down, pos, rope_table, gamma_next, batch, attention,
+                             self.b_qkv)
 
 
 class CodaLlamaForCausalLM(nn.Module):
@@ -180,8 +187,8 @@ class CodaLlamaForCausalLM(nn.Module):
 
     Parameters: ``embed_tokens.weight (V, H)``; ``gamma_attn.{l}`` (layer l's attention norm,
     held by the model: see the module docstring); per layer ``w_qkv`` (packed
-    ``[Q | K | V]``, RoPE pairs adjacent), ``w_o``, ``gamma_ffn``, ``w_gu`` (gate/up interleaved),
-    ``w_down``; ``gamma_final`` and ``w_vocab (V, H)``, which is the same Parameter as the
+    ``[Q | K | V]``, RoPE pairs adjacent), ``b_qkv`` (with ``config.qkv_bias``), ``w_o``,
+    ``gamma_ffn``, ``w_gu`` (gate/up interleaved), ``w_down``; ``gamma_final`` and ``w_vocab (V, H)``, which is the same Parameter as the
     embedding weight when ``config.tie_word_embeddings``. The RoPE frequency table is a
     non-persistent buffer (derived from the config).
     """

@@ -78,18 +78,20 @@ def rmsnorm_stats(x: Tensor, gamma: Tensor, eps: float) -> tuple[Tensor, Tensor]
 
 
 def norm_qkv(
-    x: Tensor, gamma: Tensor, w_qkv: Tensor, h: Tensor, r: Tensor, pos: Tensor, rope_table: Tensor
+    x: Tensor, gamma: Tensor, w_qkv: Tensor, h: Tensor, r: Tensor, pos: Tensor, rope_table: Tensor,
+    b_qkv: Tensor | None = None,
 ) -> Tensor:
-    """F3: ``qkv = rope(rmsnorm(x) @ w_qkv.T)`` computed from the caches ``h``, ``r``.
+    """F3: ``qkv = rope(rmsnorm(x) @ w_qkv.T + b_qkv)`` computed from the caches ``h``, ``r``.
 
     ``x, h (M, H)``, ``gamma (H)``, ``w_qkv (W, H)`` packed ``[Q | K | V]`` with RoPE pairs
     adjacent, ``r (M)``, ``pos (M)`` int32 positions (int64 is converted), ``rope_table`` from
-    :func:`rope_table`. Returns ``qkv (M, W)`` with RoPE applied to Q and K.
-    Differentiable in ``x``, ``gamma`` and ``w_qkv``.
+    :func:`rope_table`, ``b_qkv (W)`` an optional bias in ``w_qkv``'s row order (Qwen2's q/k/v
+    bias), added before RoPE. Returns ``qkv (M, W)`` with RoPE applied to Q and K.
+    Differentiable in ``x``, ``gamma``, ``w_qkv`` and ``b_qkv``.
     """
     if pos.dtype == torch.int64:
         pos = pos.to(torch.int32)
-    return torch.ops.coda.norm_qkv(x, gamma, w_qkv, h, r, pos, rope_table)
+    return torch.ops.coda.norm_qkv(x, gamma, w_qkv, h, r, pos, rope_table, b_qkv)
 
 
 def out_proj_residual_norm(

@@ -139,38 +139,42 @@ TEST_P(ProgramTest, F2RmsnormSwiglu) {
   EXPECT_LT(max_rel_error(a, a_ref), kTol);
 }
 
-TEST_P(ProgramTest, F3RmsnormRopeWithGqa) {
+TEST_P(ProgramTest, F3RmsnormRopeWithGqaWithAndWithoutBias) {
   const auto [M, Nraw, K] = s();
   (void)Nraw;
-  for (int d : {64, 128}) {
-    const QkvLayout l{4, 2, d};  // GQA: 4 query heads share 2 kv heads
-    const int64_t N = l.width();
-    const V h = uniform_vector(M * K, -1, 1, seed()), w = uniform_vector(N * K, -1, 1, seed() + 1);
-    const V r = uniform_vector(M, 0.2, 3, seed() + 2);
-    std::vector<int32_t> pos(M);
-    for (int64_t i = 0; i < M; ++i) pos[i] = static_cast<int32_t>((i * 7919) % 5000);
-    const auto inv = rope_inv_freq(d, 500000.0, {.enabled = true});
-    const auto freq = rope_column_table(l, inv);
-    V out(M * N);
-    RmsnormRope<double> p;
-    p.r = {r.data(), M};
-    p.pos = {pos.data(), M};
-    p.freq = {freq.data(), N};
-    p.qkv = {out.data(), M, N, N};
-    reference::execute<double>(MatrixRef<double>::row_major(h.data(), M, K),
-                               MatrixRef<double>::row_major(w.data(), N, K), p, t());
-    V ref = plain_gemm(h, w, M, N, K);
-    for (int64_t i = 0; i < M; ++i) {
-      for (int64_t j = 0; j < N; ++j) ref[i * N + j] *= r[i];
-      for (int64_t j = 0; j < l.q_width() + l.kv_width(); j += 2) {
-        const double th = pos[i] * inv[(j % d) / 2];
-        const double x0 = ref[i * N + j], x1 = ref[i * N + j + 1];
-        ref[i * N + j] = x0 * std::cos(th) - x1 * std::sin(th);
-        ref[i * N + j + 1] = x0 * std::sin(th) + x1 * std::cos(th);
+  for (int d : {64, 128})
+    for (bool with_bias : {false, true}) {
+      const QkvLayout l{4, 2, d};  // GQA: 4 query heads share 2 kv heads
+      const int64_t N = l.width();
+      const V h = uniform_vector(M * K, -1, 1, seed()),
+              w = uniform_vector(N * K, -1, 1, seed() + 1);
+      const V r = uniform_vector(M, 0.2, 3, seed() + 2), b = uniform_vector(N, -4, 4, seed() + 3);
+      std::vector<int32_t> pos(M);
+      for (int64_t i = 0; i < M; ++i) pos[i] = static_cast<int32_t>((i * 7919) % 5000);
+      const auto inv = rope_inv_freq(d, 500000.0, {.enabled = true});
+      const auto freq = rope_column_table(l, inv);
+      V out(M * N);
+      RmsnormRope<double> p;
+      p.r = {r.data(), M};
+      if (with_bias) p.bias = {b.data(), N};
+      p.pos = {pos.data(), M};
+      p.freq = {freq.data(), N};
+      p.qkv = {out.data(), M, N, N};
+      reference::execute<double>(MatrixRef<double>::row_major(h.data(), M, K),
+                                 MatrixRef<double>::row_major(w.data(), N, K), p, t());
+      V ref = plain_gemm(h, w, M, N, K);
+      for (int64_t i = 0; i < M; ++i) {
+        for (int64_t j = 0; j < N; ++j)
+          ref[i * N + j] = ref[i * N + j] * r[i] + (with_bias ? b[j] : 0);
+        for (int64_t j = 0; j < l.q_width() + l.kv_width(); j += 2) {
+          const double th = pos[i] * inv[(j % d) / 2];
+          const double x0 = ref[i * N + j], x1 = ref[i * N + j + 1];
+          ref[i * N + j] = x0 * std::cos(th) - x1 * std::sin(th);
+          ref[i * N + j + 1] = x0 * std::sin(th) + x1 * std::cos(th);
+        }
       }
+      EXPECT_LT(max_rel_error(out, ref), kTol) << "d=" << d << " bias=" << with_bias;
     }
-    EXPECT_LT(max_rel_error(out, ref), kTol) << "d=" << d;
-  }
 }
 
 TEST_P(ProgramTest, F4RmsnormLseAndA2LossWithIgnoredTokensAndZLoss) {
@@ -354,10 +358,16 @@ TEST_P(ProgramTest, B3RopeBackwardIsTheTransposeAndZdZUsesTheRotatedPair) {
   const auto inv = rope_inv_freq(64, 10000.0);
   const auto freq = rope_column_table(l, inv);
   V dz(M * N), zsum(M);
-  rope_backward<double>({y.data(), M, N, N}, {dy.data(), M, N, N}, {pos.data(), M},
+  rope_backward<double>({y.data(), M, N, N}, {dy.data(), M, N, N}, {}, {pos.data(), M},
                         {freq.data(), N}, {dz.data(), M, N, N}, zsum.data());
+  // With F3's bias b: ZdZ is ⟨z, dz⟩ for z = Rᵀ y − b.
+  const V b = uniform_vector(N, -4, 4, seed() + 2);
+  V dz_b(M * N), zsum_b(M);
+  rope_backward<double>({y.data(), M, N, N}, {dy.data(), M, N, N}, {b.data(), N}, {pos.data(), M},
+                        {freq.data(), N}, {dz_b.data(), M, N, N}, zsum_b.data());
+  EXPECT_EQ(dz_b, dz);
   for (int64_t i = 0; i < M; ++i) {
-    double zs = 0, zs_pre = 0;
+    double zs = 0, zs_pre = 0, zs_bias = 0;
     for (int64_t j = 0; j < N; j += 2) {
       const bool rot = j < l.q_width() + l.kv_width();
       const double th = rot ? pos[i] * inv[(j % 64) / 2] : 0.0, c = std::cos(th), sn = std::sin(th);
@@ -369,9 +379,11 @@ TEST_P(ProgramTest, B3RopeBackwardIsTheTransposeAndZdZUsesTheRotatedPair) {
       const double z0 = y[i * N + j] * c + y[i * N + j + 1] * sn;
       const double z1 = -y[i * N + j] * sn + y[i * N + j + 1] * c;
       zs_pre += z0 * dz[i * N + j] + z1 * dz[i * N + j + 1];
+      zs_bias += (z0 - b[j]) * dz[i * N + j] + (z1 - b[j + 1]) * dz[i * N + j + 1];
     }
     EXPECT_NEAR(zsum[i], zs, 1e-12 * std::max(1.0, std::abs(zs)));
     EXPECT_NEAR(zsum[i], zs_pre, 1e-12 * std::max(1.0, std::abs(zs)));
+    EXPECT_NEAR(zsum_b[i], zs_bias, 1e-12 * std::max(1.0, std::abs(zs_bias)));
   }
 }
 

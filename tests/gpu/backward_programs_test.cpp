@@ -370,16 +370,20 @@ TEST_F(GpuKernelTest, RopeBackwardAndZdZMatchReference) {
   testing::Rng rng(27);
   // Also a dy that starts 8 bytes past a 16-byte boundary and a width (18) that is not a
   // multiple of 8 (a 16-byte-access variant of the kernel needed both; it was slower).
+  // With a bias (F3's q/k/v bias: ZdZ subtracts b·dz).
   struct Case {
     programs::QkvLayout ql;
     int dy_offset;  // elements
+    bool bias;
   };
-  const Case cases[] = {{{4, 2, 64}, 0}, {{3, 1, 128}, 0}, {{4, 2, 64}, 4}, {{1, 1, 6}, 0}};
-  for (const auto& [ql, dy_offset] : cases)
+  const Case cases[] = {{{4, 2, 64}, 0, false}, {{3, 1, 128}, 0, false}, {{4, 2, 64}, 4, false},
+                        {{1, 1, 6}, 0, false},  {{4, 2, 64}, 0, true},   {{3, 1, 128}, 4, true}};
+  for (const auto& [ql, dy_offset, with_bias] : cases)
     for (int M : {1, 19, 111, 4097}) {
       const int W = ql.width(), H = 256;
       const V y = testing::bf16_uniform(size_t(M) * W, -2, 2, rng);
       const V dy = testing::bf16_uniform(size_t(M) * W, -1, 1, rng);
+      const V b = with_bias ? testing::bf16_uniform(W, -4, 4, rng) : V{};
       std::vector<int32_t> pos(M);
       for (auto& p : pos) p = static_cast<int32_t>(rng.integer(0, 1 << 17));
       const auto inv = programs::rope_inv_freq(ql.head_dim, 500000.0, {.enabled = true});
@@ -389,17 +393,19 @@ TEST_F(GpuKernelTest, RopeBackwardAndZdZMatchReference) {
       V dy_shifted(dy_offset, 0.0);
       dy_shifted.insert(dy_shifted.end(), dy.begin(), dy.end());
       auto dyv = upload_bf16(y), ddy = upload_bf16(dy_shifted);
+      auto db = upload_bf16(with_bias ? b : V(2, 0.0));
       DeviceBuffer<int32_t> dpos(pos);
       DeviceBuffer<uint32_t> dhi(hi), dlo(lo);
       DeviceBuffer<bf16> ddz(size_t(M) * W);
       DeviceBuffer<float> dzdz(M);
       ddz.poison();
       dzdz.poison();
-      rope_backward(dyv.get(), ddy.get() + dy_offset, dpos.get(), dhi.get(), dlo.get(), M, W, H,
-                    ddz.get(), dzdz.get(), nullptr);
+      rope_backward(dyv.get(), ddy.get() + dy_offset, with_bias ? db.get() : nullptr, dpos.get(),
+                    dhi.get(), dlo.get(), M, W, H, ddz.get(), dzdz.get(), nullptr);
       CODA_CUDA_CHECK(cudaDeviceSynchronize());
       V dz(size_t(M) * W), zsum(M);
-      programs::rope_backward<double>({y.data(), M, W, W}, {dy.data(), M, W, W}, {pos.data(), M},
+      programs::rope_backward<double>({y.data(), M, W, W}, {dy.data(), M, W, W},
+                                      {b.data(), int64_t(b.size())}, {pos.data(), M},
                                       {table.data(), W}, {dz.data(), M, W, W}, zsum.data());
       for (auto& v : zsum) v /= H;
       // PyTorch (HF rotate_half autograd, bf16): cos/sin in bf16, each product and sum rounded;
@@ -415,12 +421,13 @@ TEST_F(GpuKernelTest, RopeBackwardAndZdZMatchReference) {
           dz_pt[e] = round_bf16(round_bf16(dy[e] * c) + round_bf16(dy[e + 1] * sn));
           dz_pt[e + 1] = round_bf16(round_bf16(dy[e + 1] * c) - round_bf16(dy[e] * sn));
           acc += float(y[e] * dy[e]) + float(y[e + 1] * dy[e + 1]);
+          if (with_bias) acc -= float(b[j] * dz_pt[e]) + float(b[j + 1] * dz_pt[e + 1]);
         }
         z_pt[i] = double(acc) / H;
       }
       const auto zg = dzdz.download();
       const std::string l = "d=" + std::to_string(ql.head_dim) + " M=" + std::to_string(M) +
-                            " dy offset " + std::to_string(dy_offset);
+                            " dy offset " + std::to_string(dy_offset) + (with_bias ? " bias" : "");
       expect_rule("B3 dz " + l, download_bf16(ddz), dz, dz_pt);
       expect_rule("B3 ZdZ " + l, V(zg.begin(), zg.end()), zsum, z_pt);
     }

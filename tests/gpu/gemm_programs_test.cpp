@@ -275,7 +275,7 @@ TEST_F(GpuKernelTest, RmsnormSwigluMatchesReference) {
     }
 }
 
-TEST_F(GpuKernelTest, RmsnormRopeMatchesReferenceWithGqaAndLongPositions) {
+TEST_F(GpuKernelTest, RmsnormRopeMatchesReferenceWithGqaLongPositionsAndBias) {
   const auto configs = compiled_configs(Program::kRmsnormRope);
   ASSERT_FALSE(configs.empty());
   testing::Rng rng(5);
@@ -283,59 +283,70 @@ TEST_F(GpuKernelTest, RmsnormRopeMatchesReferenceWithGqaAndLongPositions) {
   const programs::QkvLayout layouts[] = {{3, 1, 64}, {4, 2, 128}, {2, 1, 48}};
   for (Config c : configs)
     for (const auto& ql : layouts)
-      for (int m : {1, 111, 4097}) {
-        const Shape s{m, ql.width(), 136};
-        if (skip_large(s)) continue;
-        const size_t mn = size_t(s.m) * s.n;
-        const V h = testing::bf16_uniform(size_t(s.m) * s.k, -1, 1, rng);
-        const V w = testing::bf16_uniform(size_t(s.n) * s.k, -0.3, 0.3, rng);
-        std::vector<float> r(s.m);
-        std::vector<int32_t> pos(s.m);
-        for (int i = 0; i < s.m; ++i) {
-          r[i] = static_cast<float>(rng.uniform(0.3, 3));
-          pos[i] = static_cast<int32_t>(rng.integer(0, 1 << 17));
-        }
-        const auto inv = programs::rope_inv_freq(ql.head_dim, 500000.0, {.enabled = true});
-        const auto table = programs::rope_column_table(ql, inv);
-        std::vector<uint32_t> hi, lo;
-        ops::split_rope_table(table, hi, lo);
-        auto dh = upload_bf16(h), dw = upload_bf16(w);
-        DeviceBuffer<float> dr(r);
-        DeviceBuffer<int32_t> dpos(pos);
-        DeviceBuffer<uint32_t> dhi(hi), dlo(lo);
-        DeviceBuffer<bf16> dq(mn);
-        dq.poison();
-        RmsnormRopeArgs args{dr.get(), dpos.get(), dhi.get(), dlo.get()};
-        run<Program::kRmsnormRope>(c,
-            {s.m, s.n, s.k, dh.get(), s.k, dw.get(), s.k, nullptr, 0, dq.get(), s.n}, args);
-
-        const V rd = as_double(r);
-        programs::RmsnormRope<double> p;
-        V q(mn);
-        p.r = {rd.data(), s.m};
-        p.pos = {pos.data(), s.m};
-        p.freq = {table.data(), s.n};
-        p.qkv = {q.data(), s.m, s.n, s.n};
-        reference::execute<double>(MatrixRef<double>::row_major(h.data(), s.m, s.k),
-                                   MatrixRef<double>::row_major(w.data(), s.n, s.k), p,
-                                   reference_tiles(c));
-        // PyTorch (HF eager): q = bf16(bf16(y) r); cos, sin cast to bf16; q·cos and rot(q)·sin
-        // each rounded, then their sum.
-        const V y = gemm_ref(h, w, s);
-        V q_pt(mn);
-        for (int i = 0; i < s.m; ++i)
-          for (int j = 0; j < s.n; j += 2) {
-            const size_t e = size_t(i) * s.n + j;
-            const double x0 = round_bf16(round_bf16(y[e]) * rd[i]);
-            const double x1 = round_bf16(round_bf16(y[e + 1]) * rd[i]);
-            const bool rotated = j < ql.q_width() + ql.kv_width();
-            const double th = rotated ? double(pos[i]) * inv[(j % ql.head_dim) / 2] : 0.0;
-            const double cs = round_bf16(std::cos(th)), sn = round_bf16(std::sin(th));
-            q_pt[e] = round_bf16(round_bf16(x0 * cs) - round_bf16(x1 * sn));
-            q_pt[e + 1] = round_bf16(round_bf16(x1 * cs) + round_bf16(x0 * sn));
+      for (int m : {1, 111, 4097})
+        for (bool with_bias : {false, true}) {
+          const Shape s{m, ql.width(), 136};
+          if (skip_large(s)) continue;
+          const size_t mn = size_t(s.m) * s.n;
+          const V h = testing::bf16_uniform(size_t(s.m) * s.k, -1, 1, rng);
+          const V w = testing::bf16_uniform(size_t(s.n) * s.k, -0.3, 0.3, rng);
+          // Qwen2's q/k/v bias (large next to the projection, as trained biases often are).
+          const V b = with_bias ? testing::bf16_uniform(s.n, -4, 4, rng) : V{};
+          std::vector<float> r(s.m);
+          std::vector<int32_t> pos(s.m);
+          for (int i = 0; i < s.m; ++i) {
+            r[i] = static_cast<float>(rng.uniform(0.3, 3));
+            pos[i] = static_cast<int32_t>(rng.integer(0, 1 << 17));
           }
-        expect_rule("F3 qkv " + label(c, s), download_bf16(dq), q, q_pt);
-      }
+          const auto inv = programs::rope_inv_freq(ql.head_dim, 500000.0, {.enabled = true});
+          const auto table = programs::rope_column_table(ql, inv);
+          std::vector<uint32_t> hi, lo;
+          ops::split_rope_table(table, hi, lo);
+          auto dh = upload_bf16(h), dw = upload_bf16(w),
+               db = upload_bf16(with_bias ? b : V(8, 0.0));
+          DeviceBuffer<float> dr(r);
+          DeviceBuffer<int32_t> dpos(pos);
+          DeviceBuffer<uint32_t> dhi(hi), dlo(lo);
+          DeviceBuffer<bf16> dq(mn);
+          dq.poison();
+          RmsnormRopeArgs args{dr.get(), with_bias ? db.get() : nullptr, dpos.get(), dhi.get(),
+                               dlo.get()};
+          run<Program::kRmsnormRope>(
+              c, {s.m, s.n, s.k, dh.get(), s.k, dw.get(), s.k, nullptr, 0, dq.get(), s.n}, args);
+
+          const V rd = as_double(r);
+          programs::RmsnormRope<double> p;
+          V q(mn);
+          p.r = {rd.data(), s.m};
+          p.bias = {b.data(), int64_t(b.size())};
+          p.pos = {pos.data(), s.m};
+          p.freq = {table.data(), s.n};
+          p.qkv = {q.data(), s.m, s.n, s.n};
+          reference::execute<double>(MatrixRef<double>::row_major(h.data(), s.m, s.k),
+                                     MatrixRef<double>::row_major(w.data(), s.n, s.k), p,
+                                     reference_tiles(c));
+          // PyTorch (HF eager): q = bf16(bf16(y) r); cos, sin cast to bf16; q·cos and rot(q)·sin
+          // each rounded, then their sum.
+          const V y = gemm_ref(h, w, s);
+          V q_pt(mn);
+          for (int i = 0; i < s.m; ++i)
+            for (int j = 0; j < s.n; j += 2) {
+              const size_t e = size_t(i) * s.n + j;
+              double x0 = round_bf16(round_bf16(y[e]) * rd[i]);
+              double x1 = round_bf16(round_bf16(y[e + 1]) * rd[i]);
+              if (with_bias) {  // the bias added to the rounded projection, rounded again
+                x0 = round_bf16(x0 + b[j]);
+                x1 = round_bf16(x1 + b[j + 1]);
+              }
+              const bool rotated = j < ql.q_width() + ql.kv_width();
+              const double th = rotated ? double(pos[i]) * inv[(j % ql.head_dim) / 2] : 0.0;
+              const double cs = round_bf16(std::cos(th)), sn = round_bf16(std::sin(th));
+              q_pt[e] = round_bf16(round_bf16(x0 * cs) - round_bf16(x1 * sn));
+              q_pt[e + 1] = round_bf16(round_bf16(x1 * cs) + round_bf16(x0 * sn));
+            }
+          expect_rule("F3 qkv " + label(c, s) + (with_bias ? " bias" : ""), download_bf16(dq), q,
+                      q_pt);
+        }
 }
 
 template <Program prog>

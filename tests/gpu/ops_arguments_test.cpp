@@ -111,7 +111,7 @@ TEST(OpArguments, NullAndMisalignedPointersAreNamed) {
               AllOf(HasSubstr("x must be 16-byte aligned"), HasSubstr("0x102")));
   EXPECT_THAT(error_of([] {
                 rope_backward(
-                    bf16_matrix(256, 4, 16), bf16_matrix(512, 4, 16),
+                    bf16_matrix(256, 4, 16), bf16_matrix(512, 4, 16), TensorView{},
                     TensorView::vector(nullptr, DType::kI32, 4, 0),
                     TensorView::matrix(reinterpret_cast<void*>(1024), DType::kI32, 2, 16, 16, 0),
                     64, bf16_matrix(768, 4, 16), f32_vector(1024, 4), nullptr);
@@ -137,8 +137,8 @@ TEST(OpArguments, TheRopeBackwardKernelRefusesRowsItCannotReadAsWords) {
   const auto* fake = reinterpret_cast<const kernel::bf16*>(uintptr_t(256));
   const auto* odd = reinterpret_cast<const kernel::bf16*>(uintptr_t(512 + 2));
   EXPECT_THAT(error_of([&] {
-                kernel::rope_backward(fake, odd, reinterpret_cast<const int32_t*>(1024), words,
-                                      words, 4, 16, 64,
+                kernel::rope_backward(fake, odd, nullptr, reinterpret_cast<const int32_t*>(1024),
+                                      words, words, 4, 16, 64,
                                       reinterpret_cast<kernel::bf16*>(uintptr_t(768)),
                                       reinterpret_cast<float*>(1024), nullptr);
               }),
@@ -148,7 +148,7 @@ TEST(OpArguments, TheRopeBackwardKernelRefusesRowsItCannotReadAsWords) {
 TEST(OpArguments, TableAndPartialShapesAreNamed) {
   EXPECT_THAT(error_of([] {
                 rope_backward(
-                    bf16_matrix(256, 4, 16), bf16_matrix(512, 4, 16),
+                    bf16_matrix(256, 4, 16), bf16_matrix(512, 4, 16), TensorView{},
                     TensorView::vector(reinterpret_cast<void*>(1024), DType::kI32, 4, 0),
                     TensorView::matrix(reinterpret_cast<void*>(1024), DType::kI32, 2, 8, 8, 0), 64,
                     bf16_matrix(768, 4, 16), f32_vector(1024, 4), nullptr);

@@ -79,22 +79,27 @@ def check_op(name, ours_fn, ref_fn, inputs, diff_names, n_diff_out, seed=0):
         assert_ops_rule(g_ours[n].cpu(), g_ref[n], g_plain[n].cpu(), f"{name} d{n}")
 
 
-def qkv_inputs(gen, s=S):
+def qkv_inputs(gen, s=S, bias=False):
+    """norm_qkv's arguments; with `bias` a Q/K/V bias (Qwen2) several times the projection."""
     W = (s["hq"] + 2 * s["hkv"]) * s["d"]
     x = rand(s["M"], s["H"], gen=gen)
     gamma = rand(s["H"], scale=0.3, shift=1.0, gen=gen)
     h, r = caches(x, gamma)
-    return dict(x=x, gamma=gamma, w_qkv=rand(W, s["H"], scale=s["H"] ** -0.5, gen=gen), h=h, r=r,
-                pos=torch.randint(0, 131072, (s["M"],), generator=gen, dtype=torch.int32).cuda(),
-                rope_table=ops.rope_table(ops.rope_inv_freq(s["d"], 500000.0, {
-                    "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                    "original_max_position_embeddings": 8192}), s["hq"], s["hkv"], s["d"]).cuda())
+    out = dict(x=x, gamma=gamma, w_qkv=rand(W, s["H"], scale=s["H"] ** -0.5, gen=gen), h=h, r=r,
+               pos=torch.randint(0, 131072, (s["M"],), generator=gen, dtype=torch.int32).cuda(),
+               rope_table=ops.rope_table(ops.rope_inv_freq(s["d"], 500000.0, {
+                   "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 8192}), s["hq"], s["hkv"], s["d"]).cuda())
+    if bias:
+        out["b_qkv"] = rand(W, scale=3.0, gen=gen)
+    return out
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
 @OP_SHAPES
-def test_norm_qkv_matches_fp64_reference(s):
+def test_norm_qkv_matches_fp64_reference(s, bias):
     gen = torch.Generator().manual_seed(1)
-    inp = qkv_inputs(gen, s)
+    inp = qkv_inputs(gen, s, bias)
     inv = ops.rope_inv_freq(s["d"], 500000.0, {"factor": 8.0, "low_freq_factor": 1.0,
                                                 "high_freq_factor": 4.0,
                                                 "original_max_position_embeddings": 8192})
@@ -102,7 +107,7 @@ def test_norm_qkv_matches_fp64_reference(s):
     def ref(**a):  # the frequencies go where the inputs are (CPU fp64 or CUDA bf16)
         return ref_norm_qkv_fn(s, inv.to(a["x"].device))(**a)
 
-    check_op("norm_qkv", CODA.norm_qkv, ref, inp, ["x", "gamma", "w_qkv"], 1)
+    check_op("norm_qkv", CODA.norm_qkv, ref, inp, ["x", "gamma", "w_qkv"] + ["b_qkv"] * bias, 1)
 
 
 @OP_SHAPES
@@ -307,6 +312,10 @@ def test_opcheck_every_op_on_cuda():
     for k in ("x", "gamma", "w_qkv"):
         q[k] = q[k].requires_grad_()
     torch.library.opcheck(CODA.norm_qkv, tuple(q.values()))
+    qb = qkv_inputs(gen, bias=True)
+    for k in ("x", "gamma", "w_qkv", "b_qkv"):
+        qb[k] = qb[k].requires_grad_()
+    torch.library.opcheck(CODA.norm_qkv, tuple(qb.values()))
     K = S["hq"] * S["d"]
     y, w_o = rand(S["M"], K, gen=gen).requires_grad_(), rand(S["H"], K, gen=gen).requires_grad_()
     res = rand(S["M"], S["H"], gen=gen).requires_grad_()
@@ -328,6 +337,11 @@ def test_opcheck_every_op_on_cuda():
     torch.library.opcheck(CODA.norm_qkv_backward, (dq, qkv, q["x"].detach(), q["gamma"].detach(),
                                                    q["w_qkv"].detach(), q["r"], q["pos"],
                                                    q["rope_table"]))
+    qkv_b = CODA.norm_qkv(*[v.detach() for v in qb.values()])
+    torch.library.opcheck(CODA.norm_qkv_backward,
+                          (dq, qkv_b, qb["x"].detach(), qb["gamma"].detach(),
+                           qb["w_qkv"].detach(), qb["r"], qb["pos"], qb["rope_table"],
+                           qb["b_qkv"].detach()))
     torch.library.opcheck(CODA.linear_backward, (rand(S["M"], S["H"], gen=gen), y.detach(),
                                                  w_o.detach()))
     z = CODA.mlp(x.detach(), gamma, w_gu.detach(), w_down.detach(), h, r, gamma, EPS)[3]
@@ -419,9 +433,11 @@ def test_each_op_forward_and_backward_capture_in_a_cuda_graph(case):
 # ---- whole model ---------------------------------------------------------------------------------
 
 
-def hf_llama(tie, scaling, dtype, device, seed=0, vocab=S["V"]):
-    from transformers import LlamaConfig as HFConfig, LlamaForCausalLM
+def hf_llama(tie, scaling, dtype, device, seed=0, vocab=S["V"], qwen2=False):
+    """A small HF LlamaForCausalLM, or with `qwen2` a Qwen2ForCausalLM (Q/K/V biases)."""
+    import transformers
 
+    HFConfig = transformers.Qwen2Config if qwen2 else transformers.LlamaConfig
     cfg = HFConfig(vocab_size=vocab, hidden_size=S["H"], intermediate_size=S["I"],
                    num_hidden_layers=2, num_attention_heads=S["hq"],
                    num_key_value_heads=S["hkv"], head_dim=S["d"], rms_norm_eps=EPS,
@@ -431,11 +447,14 @@ def hf_llama(tie, scaling, dtype, device, seed=0, vocab=S["V"]):
                                      "original_max_position_embeddings": 64} if scaling else
                                     {"rope_type": "default", "rope_theta": 10000.0}))
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg).to(torch.float64)
+    model_class = transformers.Qwen2ForCausalLM if qwen2 else transformers.LlamaForCausalLM
+    model = model_class(cfg).to(torch.float64)
     with torch.no_grad():  # non-trivial norm weights so that every γ gradient matters
         for n, p in model.named_parameters():
             if n.endswith("norm.weight") or "layernorm" in n:
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif n.endswith("bias"):  # HF initializes biases to 0; trained ones are not
+                p.normal_(0.0, 1.0)
     return model.to(dtype=dtype, device=device)
 
 
@@ -530,6 +549,42 @@ def test_hf_model_patched_in_place_at_an_odd_vocabulary(vocab, tie):
                     pt_loss.detach().float().cpu(), "loss")
     g_ref, g_pt, g_ours = hf_grads(ref), hf_grads(plain), hf_grads(ours)
     assert set(g_ours) == set(g_ref)
+    for n in g_ref:
+        assert_ops_rule(g_ours[n].float().cpu(), g_ref[n], g_pt[n].float().cpu(), f"d {n}")
+
+
+@pytest.mark.parametrize("how", ["patched", "converted"])
+def test_qwen2_model_loss_and_every_gradient(how):
+    """Qwen2 (Q/K/V bias added in F3's epilogue before RoPE, its gradient from B3's output), in
+    bf16: patched in place, or converted to coda.nn; loss and every gradient (the biases' too) by
+    the §5 rule against HF Qwen2ForCausalLM in fp64 and in bf16."""
+    from coda.integrations import patch_hf
+
+    ids, labels = batch(4)
+    ref = hf_llama(True, False, torch.float64, "cpu", qwen2=True)
+    ref_loss = ref(input_ids=ids, labels=labels).loss
+    ref_loss.backward()
+    ids, labels = ids.cuda(), labels.cuda()
+    plain = hf_llama(True, False, BF16, "cuda", qwen2=True)
+    pt_loss = plain(input_ids=ids, labels=labels).loss
+    pt_loss.backward()
+    model = hf_llama(True, False, BF16, "cuda", qwen2=True)
+    if how == "patched":
+        ours = patch_hf(model)
+        out = ours(input_ids=ids, labels=labels)
+        assert out.logits is None, "the patched model took the fused path"
+        loss = out.loss
+    else:
+        ours = coda.convert.from_hf(model)
+        assert ours.config.qkv_bias
+        loss = ours(ids, labels)
+    loss.backward()
+    assert_ops_rule(loss.detach().float().cpu(), ref_loss.detach(),
+                    pt_loss.detach().float().cpu(), "loss")
+    g_ref, g_pt = hf_grads(ref), hf_grads(plain)
+    g_ours = hf_grads(ours) if how == "patched" else coda_grads_as_hf(ours)
+    assert {n for n in g_ref if n.endswith("bias")}, "the reference has bias gradients"
+    assert set(g_ours) >= set(g_ref), sorted(set(g_ref) - set(g_ours))
     for n in g_ref:
         assert_ops_rule(g_ours[n].float().cpu(), g_ref[n], g_pt[n].float().cpu(), f"d {n}")
 

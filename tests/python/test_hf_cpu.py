@@ -1,5 +1,6 @@
-"""coda.convert against transformers' LlamaForCausalLM on the CPU in float64: loss and every
-parameter gradient, weight round trips, and the TorchTitan mapping."""
+"""coda.convert against transformers' LlamaForCausalLM and Qwen2ForCausalLM (Q/K/V bias) on the
+CPU in float64: loss and every parameter gradient, weight round trips, and the TorchTitan
+mapping."""
 
 from __future__ import annotations
 
@@ -23,12 +24,17 @@ CONFIGS = {
     "untied": dict(tie_word_embeddings=False, rope=dict(rope_type="default", rope_theta=10000.0)),
     "tied": dict(tie_word_embeddings=True, rope=dict(rope_type="default", rope_theta=500000.0)),
     "llama3": dict(tie_word_embeddings=False, rope=LLAMA3),
+    # Qwen2 / Qwen2.5: LLaMA with a bias on the Q, K and V projections (tied as the 0.5B-3B are).
+    "qwen2": dict(tie_word_embeddings=True, rope=dict(rope_type="default", rope_theta=1e6),
+                  family="qwen2"),
 }
 
 
 def make_hf(name, seed=0, vocab=VOCAB):
     spec = CONFIGS[name]
-    cfg = transformers.LlamaConfig(
+    qwen2 = spec.get("family") == "qwen2"
+    config_class = transformers.Qwen2Config if qwen2 else transformers.LlamaConfig
+    cfg = config_class(
         vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
         max_position_embeddings=64, tie_word_embeddings=spec["tie_word_embeddings"],
@@ -37,8 +43,10 @@ def make_hf(name, seed=0, vocab=VOCAB):
     # sdpa: the eager attention path runs its softmax in float32 even for a float64 model
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(cfg).to(torch.float64)
-    with torch.no_grad():  # non-trivial norm weights, so a misplaced gamma shows
+    model_class = transformers.Qwen2ForCausalLM if qwen2 else transformers.LlamaForCausalLM
+    model = model_class(cfg).to(torch.float64)
+    # non-trivial norm weights, so a misplaced gamma shows; biases as large as the weights
+    with torch.no_grad():
         for name_, p in model.named_parameters():
             if name_.endswith("norm.weight") or "layernorm" in name_:
                 p.copy_(1.0 + 0.3 * torch.randn_like(p))
@@ -70,7 +78,9 @@ def make_hf_exact_fp64(model, name):
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) +
                                               self.variance_epsilon))
 
-    inv_freq = fp64_inv_freq(model.config.head_dim, CONFIGS[name]["rope"])
+    cfg = model.config  # Qwen2's config has no head_dim
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    inv_freq = fp64_inv_freq(head_dim, CONFIGS[name]["rope"])
 
     def rope_forward(self, x, position_ids):
         freqs = position_ids.to(torch.float64)[..., None] * inv_freq
@@ -78,7 +88,7 @@ def make_hf_exact_fp64(model, name):
         return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
     for m in model.modules():
-        if type(m).__name__ == "LlamaRMSNorm":
+        if type(m).__name__ in ("LlamaRMSNorm", "Qwen2RMSNorm"):
             m.forward = types.MethodType(rms_forward, m)
     model.model.rotary_emb.forward = types.MethodType(rope_forward, model.model.rotary_emb)
     return model
@@ -293,10 +303,33 @@ def test_config_from_hf():
     torch.testing.assert_close(ours, hf.model.rotary_emb.inv_freq.double(), rtol=1e-6, atol=0)
 
 
+def test_qwen2_bias_rows_follow_the_weights():
+    """The packed b_qkv is permuted row for row as w_qkv (adjacent RoPE pairs), V unpermuted."""
+    hf = make_hf("qwen2")
+    model = convert.from_hf(hf)
+    c = model.config
+    assert c.qkv_bias and model.layers[0].b_qkv is not None
+    a = hf.model.layers[1].self_attn
+    w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+    b = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+    # Each packed weight row is an HF row; its bias must be that row's bias.
+    for i, row in enumerate(model.layers[1].w_qkv):
+        (j,) = [j for j in range(w.shape[0]) if torch.equal(w[j], row)]
+        assert torch.equal(model.layers[1].b_qkv[i], b[j]), f"row {i}"
+
+
 def test_unsupported_hf_configs_are_rejected():
     cfg = make_hf("untied").config
     cfg.attention_bias = True
     with pytest.raises(NotImplementedError, match="attention_bias"):
+        convert.config_from_hf(cfg)
+    cfg = make_hf("qwen2").config
+    cfg.use_sliding_window = True
+    with pytest.raises(NotImplementedError, match="sliding-window"):
+        convert.config_from_hf(cfg)
+    cfg = make_hf("qwen2").config
+    cfg.model_type = "mistral"
+    with pytest.raises(NotImplementedError, match="model_type 'mistral'"):
         convert.config_from_hf(cfg)
     cfg = make_hf("untied").config
     cfg.rope_parameters = dict(rope_type="yarn", rope_theta=10000.0, factor=2.0)

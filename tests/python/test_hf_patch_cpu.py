@@ -1,7 +1,7 @@
-"""coda.integrations.patch_hf on the CPU in float64: a transformers LlamaForCausalLM patched in
-place trains through coda's ops with HF's loss and every gradient, stays a PreTrainedModel
-(Trainer, save_pretrained / from_pretrained, generate, gradient checkpointing), and hands every
-call it cannot run to the model's own forward."""
+"""coda.integrations.patch_hf on the CPU in float64: a transformers LlamaForCausalLM (and
+Qwen2ForCausalLM, CONFIGS["qwen2"]) patched in place trains through coda's ops with HF's loss and
+every gradient, stays a PreTrainedModel (Trainer, save_pretrained / from_pretrained, generate,
+gradient checkpointing), and hands every call it cannot run to the model's own forward."""
 
 from __future__ import annotations
 
@@ -107,8 +107,9 @@ def test_packed_sequences_attend_within_themselves():
                               use_cache=False)
 
 
-def test_calls_other_than_training_run_the_hf_forward():
-    hf = make_hf("tied", seed=2)
+@pytest.mark.parametrize("name", ["tied", "qwen2"])
+def test_calls_other_than_training_run_the_hf_forward(name):
+    hf = make_hf(name, seed=2)
     patched = patch_hf(copy.deepcopy(hf))
     ids, labels = batch(seed=7, B=3, S=6)
     out = patched(input_ids=ids, labels=labels, output_hidden_states=True)
@@ -124,15 +125,17 @@ def test_calls_other_than_training_run_the_hf_forward():
     assert "forward" not in vars(patched)
 
 
-def test_save_pretrained_writes_the_stock_checkpoint(tmp_path):
-    hf = make_hf("untied", seed=3)
+@pytest.mark.parametrize("name", ["untied", "qwen2"])
+def test_save_pretrained_writes_the_stock_checkpoint(tmp_path, name):
+    hf = make_hf(name, seed=3)
     patched = patch_hf(hf)
     ids, labels = batch(seed=8)
     opt = torch.optim.SGD(patched.parameters(), lr=0.1)
     patched(input_ids=ids, labels=labels).loss.backward()
     opt.step()  # weights the patched model trained
     patched.save_pretrained(tmp_path)
-    stock = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float64)
+    stock = type(hf).from_pretrained(tmp_path, dtype=torch.float64)
+    assert type(stock) in (transformers.LlamaForCausalLM, transformers.Qwen2ForCausalLM)
     assert not is_patched(stock)
     assert set(stock.state_dict()) == set(patched.state_dict())
     fused = patched(input_ids=ids, labels=labels)
@@ -172,9 +175,10 @@ def test_gradient_checkpointing():
     assert len(calls) == len(patched.model.layers), "each layer runs checkpointed"
 
 
-def test_trainer_trains_the_patched_model_as_it_trains_hf(tmp_path, monkeypatch):
+@pytest.mark.parametrize("name", ["untied", "qwen2"])
+def test_trainer_trains_the_patched_model_as_it_trains_hf(tmp_path, monkeypatch, name):
     pytest.importorskip("accelerate")
-    ref, patched = pair("untied", seed=5)
+    ref, patched = pair(name, seed=5)
     ids, labels = batch(seed=10, B=8, S=9)
     data = [{"input_ids": i, "labels": l} for i, l in zip(ids, labels)]
     fused = []
@@ -194,7 +198,7 @@ def test_trainer_trains_the_patched_model_as_it_trains_hf(tmp_path, monkeypatch)
         # HF's loss runs in float32 (so do the reference model's gradients)
         assert_rel(trained[n].detach(), p.detach(), 1e-6, f"{n} after 3 Trainer steps")
     assert len(fused) == 3 * 2, "every micro-batch took the fused path"
-    fresh = make_hf("untied", seed=5)
+    fresh = make_hf(name, seed=5)
     assert not torch.equal(fresh.lm_head.weight, patched.lm_head.weight), "training moved nothing"
 
 
@@ -259,8 +263,17 @@ def test_models_coda_cannot_run():
                                                          bias=False, dtype=torch.float64)
     with pytest.raises(TypeError, match=r"model.layers.1.self_attn.q_proj is a WrappedLinear"):
         patch_hf(bad)
-    with pytest.raises(TypeError, match="expected a transformers LlamaForCausalLM"):
+    with pytest.raises(TypeError, match="expected a transformers LlamaForCausalLM or "
+                                        "Qwen2ForCausalLM"):
         patch_hf(hf.model)
+    # A Qwen2 whose q_proj lost its bias: the fused path would add none.
+    qwen = make_hf("qwen2", seed=7)
+    q = qwen.model.layers[0].self_attn.q_proj
+    qwen.model.layers[0].self_attn.q_proj = nn.Linear(q.in_features, q.out_features, bias=False,
+                                                      dtype=torch.float64)
+    with pytest.raises(TypeError, match="q_proj is a Linear without a bias; the fused path needs "
+                                        "a plain nn.Linear with bias"):
+        patch_hf(qwen)
     cfg = copy.deepcopy(hf.config)
     cfg.attention_bias = True
     with pytest.raises(NotImplementedError, match="attention_bias"):

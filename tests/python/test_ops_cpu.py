@@ -73,8 +73,10 @@ def ref_rmsnorm_stats_fn(x, gamma):
 
 
 def ref_norm_qkv_fn(s, inv_freq):
-    def fn(x, gamma, w_qkv, h, r, pos, rope_table):
-        return ref_rope(ref_norm(x, gamma) @ w_qkv.t(), pos, inv_freq, s["hq"], s["hkv"], s["d"])
+    def fn(x, gamma, w_qkv, h, r, pos, rope_table, b_qkv=None):
+        y = ref_norm(x, gamma) @ w_qkv.t()
+        return ref_rope(y if b_qkv is None else y + b_qkv, pos, inv_freq, s["hq"], s["hkv"],
+                        s["d"])
     return fn
 
 
@@ -119,17 +121,21 @@ def inv_freq_for(d):
     return ops.rope_inv_freq(d, THETA)
 
 
-def norm_qkv_inputs(s, dtype, seed=0, max_pos=4096):
+def norm_qkv_inputs(s, dtype, seed=0, max_pos=4096, bias=False):
+    """norm_qkv's arguments; with `bias` a Q/K/V bias (Qwen2) several times the projection."""
     rnd = Rand(seed)
     W = (s["hq"] + 2 * s["hkv"]) * s["d"]
     x = rnd(s["M"], s["H"], dtype=dtype)
     gamma = rnd(s["H"], dtype=dtype, scale=0.3, shift=1.0)
     h, r = caches(x, gamma)
-    return dict(
+    out = dict(
         x=x, gamma=gamma, w_qkv=rnd(W, s["H"], dtype=dtype, scale=s["H"] ** -0.5), h=h, r=r,
         pos=rnd.ints(0, max_pos, s["M"], dtype=torch.int32),
         rope_table=ops.rope_table(inv_freq_for(s["d"]), s["hq"], s["hkv"], s["d"]),
     )
+    if bias:
+        out["b_qkv"] = rnd(W, dtype=dtype, scale=3.0)
+    return out
 
 
 def out_proj_inputs(s, dtype, seed=1):
@@ -255,15 +261,28 @@ def test_rmsnorm_stats(shape, dtype):
     assert torch.allclose(r0, torch.full_like(r0, 2.0))
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_norm_qkv(shape, dtype):
+def test_norm_qkv(shape, dtype, bias):
     s = SHAPES[shape]
-    inputs = norm_qkv_inputs(s, dtype)
+    inputs = norm_qkv_inputs(s, dtype, bias=bias)
     W = inputs["w_qkv"].shape[0]
     g = Rand(10)(s["M"], W, dtype=torch.float64)
     check_against_reference(ops.norm_qkv, ref_norm_qkv_fn(s, inv_freq_for(s["d"])), inputs,
-                            ["x", "gamma", "w_qkv"], {0: g}, dtype, ["qkv"])
+                            ["x", "gamma", "w_qkv"] + ["b_qkv"] * bias, {0: g}, dtype, ["qkv"])
+
+
+def test_norm_qkv_bias_is_checked():
+    s = SHAPES["M5_d4"]
+    inputs = norm_qkv_inputs(s, torch.float64, bias=True)
+    W = inputs["w_qkv"].shape[0]
+    inputs["b_qkv"] = inputs["b_qkv"][:-2].contiguous()
+    with pytest.raises(RuntimeError, match=rf"coda::norm_qkv: b_qkv must have shape \({W},\)"):
+        ops.norm_qkv(**inputs)
+    inputs["b_qkv"] = torch.zeros(W, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="coda::norm_qkv: b_qkv must be .*Double"):
+        ops.norm_qkv(**inputs)
 
 
 def test_norm_qkv_long_positions():
@@ -534,6 +553,7 @@ def forward_op_cases(s, dtype):
         return t.clone().requires_grad_()
 
     q = norm_qkv_inputs(s, dtype)
+    qb = norm_qkv_inputs(s, dtype, bias=True)
     o = out_proj_inputs(s, dtype)
     m = mlp_inputs(s, dtype)
     lm = lm_head_inputs(s, dtype)
@@ -545,6 +565,9 @@ def forward_op_cases(s, dtype):
         "norm_qkv": (CODA.norm_qkv.default,
                      (rg(q["x"]), rg(q["gamma"]), rg(q["w_qkv"]), q["h"], q["r"], q["pos"],
                       q["rope_table"]), {}),
+        "norm_qkv_bias": (CODA.norm_qkv.default,
+                          (rg(q["x"]), rg(q["gamma"]), rg(q["w_qkv"]), q["h"], q["r"], q["pos"],
+                           q["rope_table"], rg(qb["b_qkv"])), {}),
         "out_proj_residual_norm": (CODA.out_proj_residual_norm.default,
                                    (rg(o["y"]), rg(o["w_o"]), rg(o["residual"]), o["gamma"], EPS),
                                    {}),
@@ -567,7 +590,8 @@ def forward_op_cases(s, dtype):
     }
 
 
-FORWARD_OPS = ["rope_table", "rmsnorm_stats", "norm_qkv", "out_proj_residual_norm", "mlp",
+FORWARD_OPS = ["rope_table", "rmsnorm_stats", "norm_qkv", "norm_qkv_bias",
+               "out_proj_residual_norm", "mlp",
                "mlp_partial", "lm_head_loss", "lm_head_loss_none"]
 # The ops that compute gradients (lm_head_loss_grad: the loss with its gradient for d loss = 1,
 # which lm_head_loss's autograd calls in the forward when the reduction is mean or sum).
@@ -632,8 +656,8 @@ def test_backward_ops_are_dispatched(dtype):
 def test_opcheck_backward(name, dtype):
     calls = [c for cs in captured_backward_calls(dtype).values() for c in cs if c[0] == name]
     assert calls, f"{name} was never called"
-    _, op, args, kwargs = calls[0]
-    torch.library.opcheck(op, args, kwargs)
+    for _, op, args, kwargs in calls:  # e.g. norm_qkv_backward with and without a bias
+        torch.library.opcheck(op, args, kwargs)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])

@@ -54,6 +54,11 @@ def test_forward_programs_compose_to_the_block_ops(g):
     qkv = CODA.gemm_rmsnorm_rope(h, w_qkv, r, pos, table)
     assert_rel(qkv, CODA.norm_qkv(x, gamma, w_qkv, h, r, pos, table), 0, "qkv vs norm_qkv")
     assert_rel(qkv, ref_rope(r[:, None] * (h @ w_qkv.t()), pos, inv, HQ, HKV, D), 1e-12, "qkv")
+    b = 3 * rnd(w_qkv.shape[0], g=g)  # Qwen2's Q/K/V bias, before RoPE
+    qkv_b = CODA.gemm_rmsnorm_rope(h, w_qkv, r, pos, table, b)
+    assert_rel(qkv_b, CODA.norm_qkv(x, gamma, w_qkv, h, r, pos, table, b), 0, "biased qkv")
+    assert_rel(qkv_b, ref_rope(r[:, None] * (h @ w_qkv.t()) + b, pos, inv, HQ, HKV, D), 1e-12,
+               "biased qkv vs math")
 
 
 def test_rmsnorm_backward_program(g):
@@ -93,6 +98,11 @@ def test_rope_backward_program(g):
     dpre, zdz = CODA.rope_backward(qkv.detach(), dqkv, pos, table, H)
     assert_rel(dpre, dpre_ref, 1e-12, "dqkv_pre")
     assert_rel(zdz, (qkv.detach() * dqkv).sum(-1) / H, 1e-12, "zdz")
+    # With F3's bias b (qkv = rope(z + b)): ZdZ is over z = pre − b; dpre is unchanged.
+    b = 3 * rnd(pre.shape[1], g=g)
+    dpre_b, zdz_b = CODA.rope_backward(qkv.detach(), dqkv, pos, table, H, b)
+    assert_rel(dpre_b, dpre_ref, 1e-12, "dqkv_pre with a bias")
+    assert_rel(zdz_b, ((pre.detach() - b) * dpre_ref).sum(-1) / H, 1e-12, "zdz with a bias")
 
 
 def test_program_ops_name_bad_arguments(g):

@@ -76,12 +76,12 @@ Norm<B> residual_rmsnorm(B& b, const T<B>& a, const T<B>& w, const T<B>& residua
   return o;
 }
 
-// F3: qkv = rope(r ⊙ (h · W_qkvᵀ)).
+// F3: qkv = rope(r ⊙ (h · W_qkvᵀ) + b_qkv); b_qkv (the q/k/v bias) may be absent.
 template <class B>
-T<B> norm_qkv(B& b, const T<B>& h, const T<B>& r, const T<B>& w_qkv, const auto& pos,
-              const auto& rope_table) {
+T<B> norm_qkv(B& b, const T<B>& h, const T<B>& r, const T<B>& w_qkv, const T<B>& b_qkv,
+              const auto& pos, const auto& rope_table) {
   T<B> qkv = b.act(b.rows(h), b.rows(w_qkv));
-  b.gemm_rmsnorm_rope(h, w_qkv, r, pos, rope_table, qkv);
+  b.gemm_rmsnorm_rope(h, w_qkv, r, b_qkv, pos, rope_table, qkv);
   return qkv;
 }
 
@@ -177,19 +177,27 @@ T<B> weight_grad(B& b, const T<B>& dz, const T<B>& h) {
 template <class B>
 struct InputGrads {  // gradients of a norm consumer: its input, the norm weight, its weights
   T<B> dx, dgamma, dw, dw2;
+  T<B> dbias;  // norm_qkv_backward with a q/k/v bias
 };
 
-// B3 → B1 (+ dW_qkv): the backward of norm_qkv. dx excludes the residual stream's own gradient.
+// B3 → B1 (+ dW_qkv, and db_qkv = Σ_tokens of B3's output when there is a bias): the backward
+// of norm_qkv. dx excludes the residual stream's own gradient.
 template <class B>
 InputGrads<B> norm_qkv_backward(B& b, const T<B>& dqkv, const T<B>& qkv, const T<B>& x,
-                                const T<B>& gamma, const T<B>& w_qkv, const T<B>& r,
-                                const auto& pos, const auto& rope_table) {
-  const int64_t m = b.rows(x), hidden = b.cols(x);
-  T<B> dpre = b.act(m, b.cols(qkv)), zdz = b.stat(m);
-  b.rope_backward(qkv, dqkv, pos, rope_table, hidden, dpre, zdz);
+                                const T<B>& gamma, const T<B>& w_qkv, const T<B>& b_qkv,
+                                const T<B>& r, const auto& pos, const auto& rope_table) {
+  const int64_t m = b.rows(x), hidden = b.cols(x), width = b.cols(qkv);
+  T<B> dpre = b.act(m, width), zdz = b.stat(m);
+  b.rope_backward(qkv, dqkv, b_qkv, pos, rope_table, hidden, dpre, zdz);
+  T<B> dbias;
+  if (b.present(b_qkv)) {
+    T<B> sum = b.stat(width);
+    b.column_sum(dpre, sum);
+    dbias = b.param_like(sum, b_qkv);
+  }
   T<B> dx = b.zeros_act(m, hidden);  // B1 accumulates into it
   NormGrad<B> g = rmsnorm_backward(b, dpre, w_qkv, x, r, gamma, zdz, dx, dx);
-  return {dx, b.param_like(g.dgamma, gamma), weight_grad(b, dpre, g.h_out), {}};
+  return {dx, b.param_like(g.dgamma, gamma), weight_grad(b, dpre, g.h_out), {}, dbias};
 }
 
 // dy = dout · W, dW = doutᵀ · input: a plain linear layer's backward (the out-projection).

@@ -124,6 +124,7 @@ struct RmsnormSwigluArgs {   // F2: D = z (M, 2I)
 
 struct RmsnormRopeArgs {              // F3: D = qkv
   const float* r = nullptr;           // (M)
+  const bf16* bias = nullptr;         // (N), null: no bias
   const int32_t* pos = nullptr;       // (M)
   const uint32_t* freq_hi = nullptr;  // (N) programs::RopeFrequency split in two vectors
   const uint32_t* freq_lo = nullptr;  // (N)

@@ -35,10 +35,11 @@ void fold_column_sums(const float* partials, int64_t n, int64_t cols_padded, int
                       float* out, cudaStream_t stream);
 
 // B3 (RoPE backward): dz = Rᵀ·dy on adjacent pairs (V columns, whose frequency is 0, pass
-// through); zdz[m] = Σ_n y·dy / hidden. y, dy, dz (M, width) bf16; pos (M); freq_hi/lo (width).
-void rope_backward(const bf16* y, const bf16* dy, const int32_t* pos, const uint32_t* freq_hi,
-                   const uint32_t* freq_lo, int64_t m, int64_t width, int64_t hidden, bf16* dz,
-                   float* zdz, cudaStream_t stream);
+// through); zdz[m] = Σ_n (y·dy − b·dz) / hidden. y, dy, dz (M, width) bf16; bias (width) bf16,
+// F3's bias, or null; pos (M); freq_hi/lo (width).
+void rope_backward(const bf16* y, const bf16* dy, const bf16* bias, const int32_t* pos,
+                   const uint32_t* freq_hi, const uint32_t* freq_lo, int64_t m, int64_t width,
+                   int64_t hidden, bf16* dz, float* zdz, cudaStream_t stream);
 
 // A2 (per token): lse[m] = logsumexp over the tiles' (max, sumexp) partials (per_row layout);
 // token_loss[m] = lse − target_logit + z_loss·lse², 0 where targets[m] == ignore_index, NaN where

@@ -91,12 +91,16 @@ struct SwigluBackward : RowSums<Real> {  // partials: Σ (g·dg + u·du), not ye
 };
 
 // B3 (RoPE backward, elementwise over the packed QKV gradient):
-//   dz = Rᵀ·dy (rotate by −θ; V columns pass through);  ZdZ[m] += Σ_n y·dy  (R orthogonal)
+//   dz = Rᵀ·dy (rotate by −θ; V columns pass through);
+//   ZdZ[m] += Σ_n (z + b)·dz − b·dz = Σ_n y·dy − b·dz  (R orthogonal; z + b = Rᵀ·y, b the
+//   optional bias F3 added to z, empty for none)
 // Returns the per-row sums (not yet / H) in `zdz_sum`.
 template <class Real>
-void rope_backward(const TileIn<Real>& y, const TileIn<Real>& dy, const VectorIn<int32_t>& pos,
-                   const VectorIn<RopeFrequency>& freq, const TileOut<Real>& dz, Real* zdz_sum) {
+void rope_backward(const TileIn<Real>& y, const TileIn<Real>& dy, const VectorIn<Real>& bias,
+                   const VectorIn<int32_t>& pos, const VectorIn<RopeFrequency>& freq,
+                   const TileOut<Real>& dz, Real* zdz_sum) {
   CODA_CHECK(y.data && dy.data && dz.data && zdz_sum, "rope_backward: null pointer argument");
+  if (bias.data) bias.require("rope_backward", "bias", y.cols);
   CODA_CHECK(y.rows == dy.rows && y.cols == dy.cols, "rope_backward: y is (", y.rows, ", ", y.cols,
              ") but dy is (", dy.rows, ", ", dy.cols, ")");
   CODA_CHECK(freq.size == y.cols, "rope_backward: freq has ", freq.size, " entries, expected ",
@@ -112,6 +116,7 @@ void rope_backward(const TileIn<Real>& y, const TileIn<Real>& dy, const VectorIn
       dz.store(m, n, d0);
       dz.store(m, n + 1, d1);
       s += PairDot{}(y.load(m, n), y.load(m, n + 1), dy0, dy1);
+      if (bias.data) s -= PairDot{}(bias.load(n), bias.load(n + 1), d0, d1);
     }
     zdz_sum[m] = s;
   }

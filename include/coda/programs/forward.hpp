@@ -137,10 +137,12 @@ struct RmsnormSwiglu : NoSubtileHooks {
   void end_tile(const TileInfo&) {}
 };
 
-// F3 (QKV): q, k = rope(r[m] · acc, pos[m], freq[n]);  v = r[m] · acc  (freq = 0 on V columns)
+// F3 (QKV): z = r[m] · acc + b[n];  q, k = rope(z, pos[m], freq[n]);  v = z  (freq = 0 on V
+// columns; b the optional q/k/v bias of Qwen2-style attention, b = 0 without it)
 template <class Real>
 struct RmsnormRope : NoSubtileHooks {
   VectorIn<Real> r;              // (M)
+  VectorIn<Real> bias;           // (N), may be empty (data == nullptr) for "no bias"
   VectorIn<int32_t> pos;         // (M)
   VectorIn<RopeFrequency> freq;  // (N), rope_column_table
   TileOut<Real> qkv;             // (M, N)
@@ -148,6 +150,7 @@ struct RmsnormRope : NoSubtileHooks {
   void validate(int64_t M, int64_t N, const TileConfig&) const {
     const char* who = "gemm_rmsnorm_rope";
     r.require(who, "r", M);
+    if (bias.data) bias.require(who, "bias", N);
     pos.require(who, "pos", M);
     freq.require(who, "freq", N);
     qkv.require(who, "qkv", M, N);
@@ -155,9 +158,10 @@ struct RmsnormRope : NoSubtileHooks {
   void begin_tile(const TileInfo&) {}
   void visit(const TileInfo&, int64_t m, int64_t n, Real acc0, Real acc1) {
     const Real rm = r.load(m);
+    const Real b0 = bias.load(n), b1 = bias.load(n + 1);  // 0 without a bias (size 0)
     Real c, s, y0, y1;
     rope_cos_sin<Real>(pos.load(m), freq.load(n), c, s);
-    epilogue::RopeRotate{}(acc0 * rm, acc1 * rm, c, s, y0, y1);
+    epilogue::RopeRotate{}(acc0 * rm + b0, acc1 * rm + b1, c, s, y0, y1);
     qkv.store(m, n, y0);
     qkv.store(m, n + 1, y1);
   }

@@ -92,11 +92,12 @@ class HostPrograms {
     p.a = v(a).out();
     execute<Real>(v(h).matrix(), v(w_gu).matrix(), p, tiles);
   }
-  void gemm_rmsnorm_rope(const auto& h, const auto& w_qkv, const auto& r, const auto& pos,
-                         const auto& table, auto& qkv) {
+  void gemm_rmsnorm_rope(const auto& h, const auto& w_qkv, const auto& r, const auto& bias,
+                         const auto& pos, const auto& table, auto& qkv) {
     const auto freq = rope_columns(table);
     programs::RmsnormRope<Real> p;
     p.r = v(r).vec();
+    p.bias = v(bias).vec();  // empty (size 0) without a bias
     p.pos = vi32(pos).vec();
     p.freq = {freq.data(), int64_t(freq.size())};
     p.qkv = v(qkv).out();
@@ -200,13 +201,22 @@ class HostPrograms {
     const View<Real> out = v(zdz);
     copy(programs::fold_zdz<Real>(v(p).data, layout(p, out.rows), hidden), out);
   }
-  void rope_backward(const auto& qkv, const auto& dqkv, const auto& pos, const auto& table,
-                     int64_t hidden, auto& dpre, auto& zdz) {
+  void rope_backward(const auto& qkv, const auto& dqkv, const auto& bias, const auto& pos,
+                     const auto& table, int64_t hidden, auto& dpre, auto& zdz) {
     const auto freq = rope_columns(table);
     const View<Real> out = v(zdz);
-    programs::rope_backward<Real>(v(qkv).in(), v(dqkv).in(), vi32(pos).vec(),
+    programs::rope_backward<Real>(v(qkv).in(), v(dqkv).in(), v(bias).vec(), vi32(pos).vec(),
                                   {freq.data(), int64_t(freq.size())}, v(dpre).out(), out.data);
     for (int64_t m = 0; m < out.rows; ++m) out.data[m] /= static_cast<Real>(hidden);
+  }
+  // out[n] = Σ_m t[m, n] (a bias gradient), in Real.
+  void column_sum(const auto& t, auto& out) {
+    const View<Real> in = v(t), o = v(out);
+    for (int64_t n = 0; n < in.cols; ++n) {
+      Real s = 0;
+      for (int64_t m = 0; m < in.rows; ++m) s += in.at(m, n);
+      o.data[n] = s;
+    }
   }
   void gemm_rmsnorm_cross_entropy_backward(const auto& h, const auto& w, const auto& r,
                                            const auto& lse, const auto& scale, const auto& targets,
@@ -327,6 +337,7 @@ class HostBackend : public HostPrograms<HostBackend<Real>, Real> {
   }
   static int64_t rows(const auto& t) { return t.rows; }
   static int64_t cols(const auto& t) { return t.cols; }
+  static bool present(const auto& t) { return t.storage != nullptr; }  // an optional argument
   static Tensor act(int64_t rows, int64_t cols) { return Tensor::zeros(rows, cols); }
   static Tensor zeros_act(int64_t rows, int64_t cols) { return Tensor::zeros(rows, cols); }
   static Tensor stat(int64_t n) { return Tensor::zeros(n, 1); }

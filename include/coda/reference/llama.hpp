@@ -121,7 +121,7 @@ Real fused_llama_loss(const LlamaShape& s, const FusedModel<Real>& model,
     Saved& sv = saved[l];
     sv.x_in = n.x;
     sv.r_in = n.r;
-    sv.qkv = block::norm_qkv(b, n.h, n.r, L[l].w_qkv, pos_t, table);
+    sv.qkv = block::norm_qkv(b, n.h, n.r, L[l].w_qkv, Tn{}, pos_t, table);  // no q/k/v bias
     sv.y_attn = mat(attn.forward(sv.qkv.values()), M, Q);
     const auto n1 = block::residual_rmsnorm(b, sv.y_attn, L[l].w_o, n.x, L[l].gamma_ffn, s.eps);
     sv.x1 = n1.x;
@@ -165,7 +165,7 @@ Real fused_llama_loss(const LlamaShape& s, const FusedModel<Real>& model,
     G.w_o = o.dw.values();
     const Tn dqkv = mat(attn.backward(sv.qkv.values(), o.dx.values()), M, W);
     const auto q = block::norm_qkv_backward(b, dqkv, sv.qkv, sv.x_in, L[l].gamma_attn, L[l].w_qkv,
-                                            sv.r_in, pos_t, table);
+                                            Tn{}, sv.r_in, pos_t, table);
     G.gamma_attn = q.dgamma.values();
     G.w_qkv = q.dw.values();
     dx = m.dx;  // the residual stream's gradient reaching x_in: dx1 + the QKV norm's

@@ -1,4 +1,5 @@
-"""A transformers ``LlamaForCausalLM`` patched in place to train through coda's fused ops.
+"""A transformers ``LlamaForCausalLM`` or ``Qwen2ForCausalLM`` patched in place to train through
+coda's fused ops (Qwen2's Q/K/V bias is added in the QKV GEMM's epilogue, before RoPE).
 
 :func:`patch_hf` replaces the model instance's ``forward`` and nothing else: the parameters, their
 names and layouts, the config and the module tree stay Hugging Face's. So the model is still a
@@ -98,18 +99,23 @@ def is_patched(model: nn.Module) -> bool:
     return isinstance(getattr(model, _ATTR, None), _Patch)
 
 
-def patch_hf(model: nn.Module) -> nn.Module:
-    """Make ``model`` (a transformers ``LlamaForCausalLM``) train through coda, in place; returns
-    it. Raises ``NotImplementedError`` for configurations coda does not run (biases, another
-    activation or RoPE type) and ``TypeError`` for another model class, a model whose projections
-    are not plain ``nn.Linear`` modules, or one whose ``forward`` is already wrapped (patch before
-    handing the model to accelerate or Trainer)."""
+def _supported_classes() -> tuple[type, ...]:
     import transformers
 
-    if not isinstance(model, transformers.LlamaForCausalLM) or (
-            type(model).forward is not transformers.LlamaForCausalLM.forward):
-        raise TypeError(f"patch_hf: expected a transformers LlamaForCausalLM (its own forward), "
-                        f"got {type(model).__name__}")
+    return (transformers.LlamaForCausalLM, transformers.Qwen2ForCausalLM)
+
+
+def patch_hf(model: nn.Module) -> nn.Module:
+    """Make ``model`` (a transformers ``LlamaForCausalLM`` or ``Qwen2ForCausalLM``) train through
+    coda, in place; returns it. Raises ``NotImplementedError`` for configurations coda does not
+    run (LLaMA's attention or MLP biases, sliding-window attention, another activation or RoPE
+    type) and ``TypeError`` for another model class, a model whose projections are not plain
+    ``nn.Linear`` modules, or one whose ``forward`` is already wrapped (patch before handing the
+    model to accelerate or Trainer)."""
+    known = [c for c in _supported_classes() if isinstance(model, c)]
+    if not known or type(model).forward is not known[0].forward:
+        raise TypeError(f"patch_hf: expected a transformers LlamaForCausalLM or Qwen2ForCausalLM "
+                        f"(its own forward), got {type(model).__name__}")
     if is_patched(model):
         return model
     if "forward" in vars(model):
@@ -141,16 +147,19 @@ def _foreign_module(model: nn.Module, c: LlamaConfig) -> str | None:
     layers = model.model.layers
     if len(layers) != c.num_layers:
         return f"model.model.layers has {len(layers)} layers, the config {c.num_layers}"
+    biased = ("q_proj", "k_proj", "v_proj") if c.qkv_bias else ()  # Qwen2's Q/K/V bias
     for i, layer in enumerate(layers):
         for part, names in (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
                             ("mlp", ("gate_proj", "up_proj", "down_proj"))):
             for name in names:
                 m = getattr(getattr(layer, part), name)
-                if type(m) is not nn.Linear or m.bias is not None:
+                bias = name in biased
+                if type(m) is not nn.Linear or (m.bias is not None) != bias:
+                    what = "with" if m.bias is not None else "without"
                     return (f"model.layers.{i}.{part}.{name} is a {type(m).__name__}"
-                            f"{' with a bias' if type(m) is nn.Linear else ''}; the fused path "
-                            "needs a plain nn.Linear without bias (adapters such as PEFT's "
-                            "change the weight it would read)")
+                            f"{f' {what} a bias' if type(m) is nn.Linear else ''}; the fused path "
+                            f"needs a plain nn.Linear {'with' if bias else 'without'} bias "
+                            "(adapters such as PEFT's change the weight it would read)")
     if type(model.lm_head) is not nn.Linear or model.lm_head.bias is not None:
         return f"lm_head is a {type(model.lm_head).__name__}, not a plain nn.Linear without bias"
     return None
@@ -319,12 +328,12 @@ class _Outer:  # a tensor packed by the saved-tensor hooks active outside the fu
 
 
 def _qkv(c: LlamaConfig, dtype: torch.dtype, wq: Tensor, wk: Tensor, wv: Tensor) -> Tensor:
-    """HF's q/k/v weights -> coda's packed ``[Q | K | V]`` with RoPE pairs adjacent, in ``dtype``:
-    one pass, each part permuted and cast as it is copied into its rows."""
+    """HF's q/k/v weights (or biases) -> coda's packed ``[Q | K | V]`` with RoPE pairs adjacent,
+    in ``dtype``: one pass, each part permuted and cast as it is copied into its rows."""
     d, q, kv = c.head_dim, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    out = wq.new_empty((q + 2 * kv, wq.shape[1]), dtype=dtype)
+    out = wq.new_empty((q + 2 * kv, *wq.shape[1:]), dtype=dtype)
     for rows, w, heads in ((out[:q], wq, c.num_heads), (out[q:q + kv], wk, c.num_kv_heads)):
-        rows.view(heads, d // 2, 2, -1).copy_(rope_half_to_adjacent_view(w, heads, d))
+        rows.view(heads, d // 2, 2, *wq.shape[1:]).copy_(rope_half_to_adjacent_view(w, heads, d))
     out[q + kv:].copy_(wv)
     return out
 
@@ -347,12 +356,14 @@ def _layer(c, dtype, layer, gamma_next, pos, table, batch, attention, rebuilt, x
     a, f = layer.self_attn, layer.mlp
     cast = functools.partial(_cast, dtype)
     w = rebuilt.derive
+    qkv = functools.partial(_qkv, c, dtype)
+    b_qkv = w(qkv, a.q_proj.bias, a.k_proj.bias, a.v_proj.bias) if c.qkv_bias else None
     return decoder_layer(
         c, x, h, r, w(cast, layer.input_layernorm.weight),
-        w(functools.partial(_qkv, c, dtype), a.q_proj.weight, a.k_proj.weight, a.v_proj.weight),
+        w(qkv, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight),
         w(cast, a.o_proj.weight), w(cast, layer.post_attention_layernorm.weight),
         w(functools.partial(_gate_up, dtype), f.gate_proj.weight, f.up_proj.weight),
-        w(cast, f.down_proj.weight), pos, table, w(cast, gamma_next), batch, attention)
+        w(cast, f.down_proj.weight), pos, table, w(cast, gamma_next), batch, attention, b_qkv)
 
 
 def _attention_mask(mask: Tensor | None, position_ids: Tensor | None, use_cache: bool,
