@@ -222,7 +222,7 @@ int main(int argc, char** argv) {
       CODA_CUDA_CHECK(cudaMemcpy(pos, pos_host.data(), c.m * 4, cudaMemcpyHostToDevice));
       CODA_CUDA_CHECK(cudaMemcpy(fhi, hi.data(), c.n * 4, cudaMemcpyHostToDevice));
       CODA_CUDA_CHECK(cudaMemcpy(flo, lo.data(), c.n * 4, cudaMemcpyHostToDevice));
-      f3 = {r, pos, fhi, flo};
+      f3 = {r, nullptr, pos, fhi, flo};  // no Q/K/V bias
       fargs = &f3;
     } else if (c.program == Program::kSwigluBackward) {  // z, dz: (M, N) bf16 pairs
       CODA_CUDA_CHECK(cudaMalloc(&zpair, nd * 4));
