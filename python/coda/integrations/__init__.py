@@ -1,7 +1,11 @@
 """coda inside the model classes people already train.
 
-``coda.integrations.hf``: a transformers ``LlamaForCausalLM`` patched in place (:func:`patch_hf`),
-so that it stays a ``PreTrainedModel`` with its own parameters and checkpoint layout.
+``coda.integrations.hf``: a transformers ``LlamaForCausalLM`` or ``Qwen2ForCausalLM`` patched in
+place (:func:`patch_hf`), so that it stays a ``PreTrainedModel`` with its own parameters and
+checkpoint layout.
+
+``coda.integrations.torchtitan``: a TorchTitan model converter (``CodaConverter``), listed in a
+llama3 registry's ``converters`` as float8's is. Imported on demand (it needs TorchTitan).
 """
 
 from __future__ import annotations
