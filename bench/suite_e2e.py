@@ -59,8 +59,9 @@ def hf_config(s):
                                         "original_max_position_embeddings": 8192})
 
 
-def new_hf(cfg, init):
-    """A bf16 LlamaForCausalLM on the GPU holding `init` (a CPU state dict)."""
+def new_hf(cfg):
+    """A bf16 LlamaForCausalLM on the GPU, initialized from the current seed (the caller seeds:
+    every system, each in its own process, starts from the same weights)."""
     from transformers import LlamaForCausalLM
 
     default = torch.get_default_dtype()
@@ -70,14 +71,12 @@ def new_hf(cfg, init):
             model = LlamaForCausalLM(cfg)
     finally:
         torch.set_default_dtype(default)
-    if init is not None:
-        model.load_state_dict(init)
     return model
 
 
-def build(system, cfg, init):
+def build(system, cfg):
     """(model, step's loss function) of one system."""
-    hf = new_hf(cfg, init)
+    hf = new_hf(cfg)
     if system in ("hf_eager", "hf_compile", "liger"):
         if system == "hf_compile":
             for layer in hf.model.layers:
@@ -103,8 +102,8 @@ def build(system, cfg, init):
     return model, lambda m, ids: m(ids, labels=ids)
 
 
-def measure(system, cfg, init, ids, warmup, steps, progress):
-    model, loss_of = build(system, cfg, init)
+def measure(system, cfg, ids, warmup, steps, progress):
+    model, loss_of = build(system, cfg)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
 
@@ -150,7 +149,7 @@ def one(name, system, warmup, steps):
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, s["vocab"], (s["batch"], s["seq"]), generator=gen).cuda()
-    return measure(system, cfg, None, ids, warmup, steps, lambda m: print(m, file=sys.stderr))
+    return measure(system, cfg, ids, warmup, steps, lambda m: print(m, file=sys.stderr))
 
 
 def run(progress=print, models=tuple(MODEL_SHAPES), systems=SYSTEMS, warmup=3, steps=10,

@@ -50,14 +50,10 @@ class CudaBackend : public TorchTensors {
   // rows padded to a multiple of 8 elements, the TMA's row stride; the view is (rows, cols).
   static int64_t padded_ld(int64_t cols) { return (cols + 7) / 8 * 8; }
   Tensor act(int64_t rows, int64_t cols) const {
-    const int64_t ld = padded_ld(cols);
-    return ld == cols ? TorchTensors::act(rows, cols)
-                      : TorchTensors::act(rows, ld).narrow(1, 0, cols);
+    return TorchTensors::act(rows, padded_ld(cols)).narrow(1, 0, cols);
   }
   Tensor zeros_act(int64_t rows, int64_t cols) const {
-    const int64_t ld = padded_ld(cols);
-    return ld == cols ? TorchTensors::zeros_act(rows, cols)
-                      : TorchTensors::zeros_act(rows, ld).narrow(1, 0, cols);
+    return TorchTensors::zeros_act(rows, padded_ld(cols)).narrow(1, 0, cols);
   }
   // (rows, cols) at the start of `t`'s memory, rows padded as act's.
   static Tensor leading(const Tensor& t, int64_t rows, int64_t cols) {

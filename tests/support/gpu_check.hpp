@@ -82,13 +82,6 @@ inline std::vector<double> download_bf16(const DeviceBuffer<bf16>& b) {
   return testing::from_bf16_bits(bits);
 }
 
-inline DeviceBuffer<bf16> upload_bf16(const V& v) {
-  const auto bits = testing::to_bf16_bits(v);
-  std::vector<bf16> raw(bits.size());
-  std::memcpy(static_cast<void*>(raw.data()), bits.data(), bits.size() * 2);
-  return DeviceBuffer<bf16>(raw);
-}
-
 // Rows of `cols` values at a row stride of `ld` >= cols: what a TMA operand or output of an odd
 // extent looks like (its row stride a multiple of 8). The padding is NaN (0xffff), so a kernel
 // that read it would show it. download_bf16_rows returns the rows and checks the padding against
@@ -103,6 +96,9 @@ inline DeviceBuffer<bf16> upload_bf16_rows(const V& v, int rows, int cols, int l
   std::vector<bf16> raw(padded.size());
   std::memcpy(static_cast<void*>(raw.data()), padded.data(), padded.size() * 2);
   return DeviceBuffer<bf16>(raw);
+}
+inline DeviceBuffer<bf16> upload_bf16(const V& v) {
+  return upload_bf16_rows(v, 1, int(v.size()), int(v.size()));
 }
 struct PaddedRows {
   V values;
