@@ -458,6 +458,18 @@ def hf_llama(tie, scaling, dtype, device, seed=0, vocab=S["V"], qwen2=False):
     return model.to(dtype=dtype, device=device)
 
 
+def hf_references(ids, labels, tie, scaling, **kw):
+    """The same HF model in fp64 on the CPU and in bf16 on CUDA, each after its training step on
+    (ids, labels): (fp64 model, its loss, bf16 model, its loss)."""
+    out = []
+    for dtype, device in ((torch.float64, "cpu"), (BF16, "cuda")):
+        model = hf_llama(tie, scaling, dtype, device, **kw)
+        loss = model(input_ids=ids.to(device), labels=labels.to(device)).loss
+        loss.backward()
+        out += [model, loss]
+    return tuple(out)
+
+
 def hf_grads(model):
     return {n: p.grad for n, p in model.state_dict(keep_vars=True).items() if p.grad is not None}
 
@@ -534,13 +546,8 @@ def test_hf_model_patched_in_place_at_an_odd_vocabulary(vocab, tie):
 
     ids, labels = batch(3, vocab=vocab)
     labels[1, 5] = vocab - 1  # the last column, alone in its pair, is a target
-    ref = hf_llama(tie, True, torch.float64, "cpu", vocab=vocab)
-    ref_loss = ref(input_ids=ids, labels=labels).loss
-    ref_loss.backward()
+    ref, ref_loss, plain, pt_loss = hf_references(ids, labels, tie, True, vocab=vocab)
     ids, labels = ids.cuda(), labels.cuda()
-    plain = hf_llama(tie, True, BF16, "cuda", vocab=vocab)
-    pt_loss = plain(input_ids=ids, labels=labels).loss
-    pt_loss.backward()
     ours = patch_hf(hf_llama(tie, True, BF16, "cuda", vocab=vocab))
     out = ours(input_ids=ids, labels=labels)
     out.loss.backward()
@@ -561,13 +568,8 @@ def test_qwen2_model_loss_and_every_gradient(how):
     from coda.integrations import patch_hf
 
     ids, labels = batch(4)
-    ref = hf_llama(True, False, torch.float64, "cpu", qwen2=True)
-    ref_loss = ref(input_ids=ids, labels=labels).loss
-    ref_loss.backward()
+    ref, ref_loss, plain, pt_loss = hf_references(ids, labels, True, False, qwen2=True)
     ids, labels = ids.cuda(), labels.cuda()
-    plain = hf_llama(True, False, BF16, "cuda", qwen2=True)
-    pt_loss = plain(input_ids=ids, labels=labels).loss
-    pt_loss.backward()
     model = hf_llama(True, False, BF16, "cuda", qwen2=True)
     if how == "patched":
         ours = patch_hf(model)

@@ -33,10 +33,7 @@ from torchtitan.models.common import CosSinRoPE, RMSNorm  # noqa: E402
 from torchtitan.protocols.module import Module  # noqa: E402
 
 from coda.integrations import torchtitan as ct  # noqa: E402
-
-DIM, HEADS, KV_HEADS, LAYERS, FFN, VOCAB, THETA = 64, 4, 2, 2, 96, 256, 500000.0
-SCALING = dict(scaling_factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-               original_max_position_embeddings=8192)
+from test_torchtitan_cpu import DIM, HEADS, VOCAB, llama3_config  # noqa: E402
 
 
 class CausalSdpa(Module):
@@ -63,20 +60,7 @@ class CausalSdpa(Module):
         return out.transpose(1, 2)
 
 
-def small_config(tie=False, fuse_qkv=True):
-    """A llama3 config through TorchTitan's own builders: GQA, LLaMA-3.1 RoPE scaling."""
-    return llama3.Llama3Model.Config(
-        dim=DIM, vocab_size=VOCAB, enable_weight_tying=tie,
-        tok_embeddings=llama3.Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM,
-                                               param_init=llama3._EMBEDDING_INIT),
-        norm=llama3.RMSNorm.Config(normalized_shape=DIM, param_init=llama3._NORM_INIT),
-        lm_head=llama3.Linear.Config(in_features=DIM, out_features=VOCAB,
-                                     param_init=llama3._output_linear_init(DIM)),
-        layers=llama3._build_llama3_layers(
-            fuse_qkv=fuse_qkv, n_layers=LAYERS, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS,
-            hidden_dim=FFN, attn_backend="flex",
-            rope=llama3.ComplexRoPE.Config(dim=DIM // HEADS, max_seq_len=64, theta=THETA,
-                                           scaling="llama", **SCALING)))
+small_config = llama3_config  # the same model as test_torchtitan_cpu.py
 
 
 def coda_on(cfg):

@@ -37,9 +37,9 @@ class CausalSdpa(torch.nn.Module):
         return out.transpose(1, 2)
 
 
-def torchtitan_model(seed, tie=False):
-    torch.manual_seed(seed)
-    cfg = llama3.Llama3Model.Config(
+def llama3_config(tie=False, fuse_qkv=True):
+    """A small llama3 config through TorchTitan's own builders: GQA, LLaMA-3.1 RoPE scaling."""
+    return llama3.Llama3Model.Config(
         dim=DIM, vocab_size=VOCAB, enable_weight_tying=tie,
         tok_embeddings=llama3.Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM,
                                                param_init=llama3._EMBEDDING_INIT),
@@ -47,14 +47,18 @@ def torchtitan_model(seed, tie=False):
         lm_head=llama3.Linear.Config(in_features=DIM, out_features=VOCAB,
                                      param_init=llama3._output_linear_init(DIM)),
         layers=llama3._build_llama3_layers(
-            fuse_qkv=True, n_layers=LAYERS, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS,
+            fuse_qkv=fuse_qkv, n_layers=LAYERS, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS,
             hidden_dim=FFN, attn_backend="flex",
             rope=llama3.ComplexRoPE.Config(
                 dim=DIM // HEADS, max_seq_len=64, theta=THETA, scaling="llama",
                 scaling_factor=SCALING["factor"], low_freq_factor=SCALING["low_freq_factor"],
                 high_freq_factor=SCALING["high_freq_factor"],
                 original_max_position_embeddings=SCALING["original_max_position_embeddings"])))
-    model = cfg.build()
+
+
+def torchtitan_model(seed, tie=False):
+    torch.manual_seed(seed)
+    model = llama3_config(tie).build()
     model.init_states()
     for layer in model.layers.values():
         layer.attention.inner_attention = CausalSdpa()
