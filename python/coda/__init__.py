@@ -64,6 +64,10 @@ def _load_library() -> Path | None:
 
 library_path = _load_library()
 
+from . import _inductor  # noqa: E402
+
+_inductor.install()
+
 from . import convert, integrations, nn, ops  # noqa: E402  (the ops must be registered first)
 
 __all__ = ["ops", "nn", "convert", "integrations", "library_path", "__version__"]

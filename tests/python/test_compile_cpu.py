@@ -4,6 +4,8 @@ backward give eager's loss and gradients."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -75,3 +77,68 @@ def test_compile_aot_eager_fullgraph(dtype, tie):
 def test_compile_inductor_fullgraph():
     # Inductor generates C++ for the surrounding PyTorch ops; the coda ops stay extern calls.
     check_compiled("inductor", torch.float32, rel=1e-5)
+
+
+def run_python(code):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+FALLBACKS_AFTER_IMPORT = """
+import sys, torch, coda
+print("LOADED_EARLY", "torch._inductor.lowering" in sys.modules)
+from torch._inductor.lowering import lowerings
+ops = []
+for qualified in torch._C._dispatch_get_all_op_names():
+    # ops with a CompositeImplicitAutograd kernel never reach Inductor
+    if qualified.startswith("coda::") and not torch._C._dispatch_has_kernel_for_dispatch_key(
+            qualified, "CompositeImplicitAutograd"):
+        base, _, overload = qualified.split("::")[1].partition(".")
+        ops.append(getattr(getattr(torch.ops.coda, base), overload or "default"))
+print("OPS", len(ops))
+print("MISSING", [str(op) for op in ops if op not in lowerings])
+"""
+
+
+def test_import_defers_the_inductor_fallbacks_until_inductor_loads():
+    # `import coda` does not pay for importing Inductor; importing Inductor's lowering table
+    # afterwards registers a fallback for every coda op
+    out = run_python(FALLBACKS_AFTER_IMPORT)
+    assert "LOADED_EARLY False" in out, out
+    assert "OPS 0" not in out, out
+    assert "MISSING []" in out, out
+
+
+@pytest.mark.skipif(os.environ.get("CODA_TEST_INDUCTOR", "1") == "0",
+                    reason="CODA_TEST_INDUCTOR=0")
+def test_inductor_never_formats_the_implicit_fallback_message_for_coda_ops(monkeypatch):
+    # The message's text grows exponentially with depth (python/coda/_inductor.py); with the
+    # fallbacks registered up front Inductor has no reason to build it for a coda op.
+    from torch._inductor import exc
+
+    original = exc.OperatorIssue.operator_str
+
+    def refusing(target, args, kwargs):
+        # fail at once rather than spend minutes formatting the message
+        assert not str(target).startswith("coda"), f"Inductor formats the message for {target}"
+        return original(target, args, kwargs)
+
+    monkeypatch.setattr(exc.OperatorIssue, "operator_str", staticmethod(refusing))
+    torch._dynamo.reset()
+    cfg = LlamaConfig(**{**CONFIG.__dict__, "num_layers": 4})
+    torch.manual_seed(0)
+    model = CodaLlamaForCausalLM(cfg, dtype=torch.float32)
+    ids, labels = batch()
+    eager = loss_and_grads(model, model, ids, labels)
+    compiled = torch.compile(model, fullgraph=True, backend="inductor")
+    # a cached graph would skip the lowering this test is about
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        got = loss_and_grads(compiled, model, ids, labels)
+    torch._dynamo.reset()
+    assert_rel(got[0], eager[0], 1e-5, "loss")
+    for n in eager[1]:
+        assert_rel(got[1][n], eager[1][n], 1e-5, f"grad {n}")
