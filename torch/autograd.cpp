@@ -52,6 +52,44 @@ class NormQkv : public torch::autograd::Function<NormQkv> {
   }
 };
 
+class NormQkvQkNorm : public torch::autograd::Function<NormQkvQkNorm> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& gamma,
+                               const Tensor& w_qkv, const Tensor& h, const Tensor& r,
+                               const Tensor& pos, const Tensor& table, const Tensor& q_gamma,
+                               const Tensor& k_gamma, int64_t n_heads, int64_t n_kv_heads,
+                               double eps) {
+    ctx->set_materialize_grads(false);
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto f = op<std::tuple<Tensor, Tensor>(
+        const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+        const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t, double)>(
+        "coda::norm_qkv_qk_norm");
+    auto [qkv, qk_pre] =
+        f.call(x, gamma, w_qkv, h, r, pos, table, q_gamma, k_gamma, n_heads, n_kv_heads, eps);
+    ctx->mark_non_differentiable({qk_pre});
+    ctx->save_for_backward({qkv, qk_pre, x, gamma, w_qkv, r, pos, table, q_gamma, k_gamma});
+    ctx->saved_data["n_heads"] = n_heads;
+    ctx->saved_data["n_kv_heads"] = n_kv_heads;
+    ctx->saved_data["eps"] = eps;
+    return {qkv, qk_pre};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    const auto s = ctx->get_saved_variables();
+    static auto b = op<std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>(
+        const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+        const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t,
+        double)>("coda::norm_qkv_qk_norm_backward");
+    if (!g[0].defined()) return variable_list(12);
+    auto [dx, dgamma, dw, dqg, dkg] =
+        b.call(g[0].contiguous(), s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], s[9],
+               ctx->saved_data["n_heads"].toInt(), ctx->saved_data["n_kv_heads"].toInt(),
+               ctx->saved_data["eps"].toDouble());
+    return {dx,       dgamma, dw,  Tensor(), Tensor(), Tensor(),
+            Tensor(), dqg,    dkg, Tensor(), Tensor(), Tensor()};
+  }
+};
+
 class OutProjResidualNorm : public torch::autograd::Function<OutProjResidualNorm> {
  public:
   static variable_list forward(AutogradContext* ctx, const Tensor& y, const Tensor& w_o,
@@ -231,8 +269,8 @@ std::tuple<Tensor, Tensor> rmsnorm_stats_autograd(const Tensor& x, const Tensor&
 TORCH_LIBRARY_IMPL(coda, Autograd, m) {
   // The backward ops are not differentiable themselves: double backward raises instead of
   // returning no gradient.
-  for (const char* name : {"norm_qkv_backward", "linear_backward", "mlp_backward",
-                           "lm_head_loss_backward", "lm_head_loss_grad"})
+  for (const char* name : {"norm_qkv_backward", "norm_qkv_qk_norm_backward", "linear_backward",
+                           "mlp_backward", "lm_head_loss_backward", "lm_head_loss_grad"})
     m.impl(name, torch::autograd::autogradNotImplementedFallback());
   m.impl("rmsnorm_stats", &rmsnorm_stats_autograd);
   m.impl("norm_qkv", [](const Tensor& x, const Tensor& gamma, const Tensor& w_qkv, const Tensor& h,
@@ -240,6 +278,14 @@ TORCH_LIBRARY_IMPL(coda, Autograd, m) {
                         const std::optional<Tensor>& b_qkv) {
     return NormQkv::apply(x, gamma, w_qkv, h, r, pos, table, b_qkv);
   });
+  m.impl("norm_qkv_qk_norm",
+         [](const Tensor& x, const Tensor& gamma, const Tensor& w_qkv, const Tensor& h,
+            const Tensor& r, const Tensor& pos, const Tensor& table, const Tensor& q_gamma,
+            const Tensor& k_gamma, int64_t n_heads, int64_t n_kv_heads, double eps) {
+           auto o = NormQkvQkNorm::apply(x, gamma, w_qkv, h, r, pos, table, q_gamma, k_gamma,
+                                         n_heads, n_kv_heads, eps);
+           return std::make_tuple(o[0], o[1]);
+         });
   m.impl("out_proj_residual_norm", [](const Tensor& y, const Tensor& w_o, const Tensor& residual,
                                       const Tensor& gamma, double eps) {
     auto o = OutProjResidualNorm::apply(y, w_o, residual, gamma, eps);

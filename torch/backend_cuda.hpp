@@ -97,6 +97,9 @@ class CudaBackend : public TorchTensors {
     else
       ops::gemm_xty(view(dz), view(h), view(dw), stream_);
   }
+  // QK-norm (Qwen3) has no CUDA kernel yet: the ops' validation refuses CUDA tensors first.
+  void gemm_rmsnorm_qk_norm_rope(const auto&...) const { no_qk_norm(); }
+  void qk_norm_rope_backward(const auto&...) const { no_qk_norm(); }
   // out[n] = Σ_m t[m, n] in fp32 (a bias gradient).
   void column_sum(const Tensor& t, Tensor& out) const {
     at::sum_out(out, t, {0}, false, at::kFloat);
@@ -104,6 +107,9 @@ class CudaBackend : public TorchTensors {
   cudaStream_t stream() const { return stream_; }
 
  private:
+  static void no_qk_norm() {
+    TORCH_CHECK(false, "coda: QK-norm (Qwen3) has no CUDA kernel in this build yet");
+  }
   static TensorView arg(const at::Tensor& t) { return view(t); }
   template <class Scalar>
   static Scalar arg(Scalar s) {

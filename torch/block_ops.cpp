@@ -44,6 +44,23 @@ Tensor norm_qkv(const Tensor& x, const Tensor& gamma, const Tensor& w_qkv, const
       x, [&](auto& b) { return block::norm_qkv(b, h, r, w_qkv, b_qkv, pos, rope_table); });
 }
 
+// norm_qkv with QK-norm (Qwen3); qk_pre, the Q and K columns before their norm, is for the
+// backward.
+std::tuple<Tensor, Tensor> norm_qkv_qk_norm(const Tensor& x, const Tensor& gamma,
+                                            const Tensor& w_qkv, const Tensor& h, const Tensor& r,
+                                            const Tensor& pos, const Tensor& rope_table,
+                                            const Tensor& q_gamma, const Tensor& k_gamma,
+                                            int64_t n_heads, int64_t n_kv_heads, double eps) {
+  const auto c = OpContext::from(op_names::norm_qkv_qk_norm, "x", x);
+  const auto s = validate_norm_qkv_qk_norm(c, x, gamma, w_qkv, &h, r, pos, rope_table, q_gamma,
+                                           k_gamma, n_heads, n_kv_heads, eps);
+  check_positions(c, pos);
+  return on_backend(x, [&](auto& b) {
+    const auto o = block::norm_qkv_qk_norm(b, h, r, w_qkv, q_gamma, k_gamma, s.qk, pos, rope_table);
+    return std::make_tuple(o.qkv, o.qk_pre);
+  });
+}
+
 std::tuple<Tensor, Tensor, Tensor> out_proj_residual_norm(const Tensor& y, const Tensor& w_o,
                                                           const Tensor& residual,
                                                           const Tensor& gamma, double eps) {
@@ -125,6 +142,23 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> norm_qkv_backward(
         block::norm_qkv_backward(b, dqkv, qkv, x, gamma, w_qkv, b_qkv, r, pos, rope_table);
     const Tensor db = g.dbias.defined() ? g.dbias : at::empty({0}, x.options());
     return std::make_tuple(g.dx, g.dgamma, g.dw, db);
+  });
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> norm_qkv_qk_norm_backward(
+    const Tensor& dqkv, const Tensor& qkv, const Tensor& qk_pre, const Tensor& x,
+    const Tensor& gamma, const Tensor& w_qkv, const Tensor& r, const Tensor& pos,
+    const Tensor& rope_table, const Tensor& q_gamma, const Tensor& k_gamma, int64_t n_heads,
+    int64_t n_kv_heads, double eps) {
+  const auto c = OpContext::from(op_names::norm_qkv_qk_norm_backward, "x", x);
+  const auto s =
+      validate_norm_qkv_qk_norm_backward(c, dqkv, qkv, qk_pre, x, gamma, w_qkv, r, pos, rope_table,
+                                         q_gamma, k_gamma, n_heads, n_kv_heads, eps);
+  check_positions(c, pos);
+  return on_backend(x, [&](auto& b) {
+    const auto g = block::norm_qkv_qk_norm_backward(b, dqkv, qkv, qk_pre, x, gamma, w_qkv, q_gamma,
+                                                    k_gamma, s.qk, r, pos, rope_table);
+    return std::make_tuple(g.dx, g.dgamma, g.dw, g.dq_gamma, g.dk_gamma);
   });
 }
 

@@ -143,10 +143,11 @@ struct Guarded<R (*)(A...)> {
 
 // The ops with CPU and CUDA kernels, in one list: each kernel file defines a function per op with
 // the op's name, and registers them all with CODA_REGISTER_KERNELS(m) (guarded: see above).
-#define CODA_KERNEL_OPS(X)                                                                     \
-  X(rmsnorm_stats) X(norm_qkv) X(out_proj_residual_norm) X(mlp) X(mlp_partial)                   \
-      X(lm_head_loss) X(lm_head_loss_grad) X(norm_qkv_backward) X(linear_backward) X(mlp_backward)   \
-      X(lm_head_loss_backward)
+#define CODA_KERNEL_OPS(X)                                                                         \
+  X(rmsnorm_stats)                                                                                 \
+  X(norm_qkv) X(out_proj_residual_norm) X(mlp) X(mlp_partial) X(lm_head_loss) X(lm_head_loss_grad) \
+      X(norm_qkv_backward) X(linear_backward) X(mlp_backward) X(lm_head_loss_backward)             \
+          X(norm_qkv_qk_norm) X(norm_qkv_qk_norm_backward)
 namespace op_names {
 #define CODA_OP_NAME(op) inline constexpr char op[] = "coda::" #op;
 CODA_KERNEL_OPS(CODA_OP_NAME)

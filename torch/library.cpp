@@ -135,6 +135,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_qkv_backward_met
   return {at::empty_like(x), at::empty_like(gamma), at::empty_like(w_qkv),
           b_qkv ? at::empty_like(*b_qkv) : at::empty({0}, x.options())};
 }
+std::tuple<at::Tensor, at::Tensor> norm_qkv_qk_norm_meta(
+    const at::Tensor& x, const at::Tensor&, const at::Tensor& w_qkv, const at::Tensor&,
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor& q_gamma,
+    const at::Tensor&, int64_t n_heads, int64_t n_kv_heads, double) {
+  expect_2d("coda::norm_qkv_qk_norm", "x", x);
+  expect_2d("coda::norm_qkv_qk_norm", "w_qkv", w_qkv);
+  const auto normed = (n_heads + n_kv_heads) * q_gamma.sym_size(0);
+  return {at::empty_symint({x.sym_size(0), w_qkv.sym_size(0)}, x.options()),
+          at::empty_symint({x.sym_size(0), normed}, x.options())};
+}
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+norm_qkv_qk_norm_backward_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                               const at::Tensor& x, const at::Tensor& gamma,
+                               const at::Tensor& w_qkv, const at::Tensor&, const at::Tensor&,
+                               const at::Tensor&, const at::Tensor& q_gamma,
+                               const at::Tensor& k_gamma, int64_t, int64_t, double) {
+  return {at::empty_like(x), at::empty_like(gamma), at::empty_like(w_qkv), at::empty_like(q_gamma),
+          at::empty_like(k_gamma)};
+}
 std::tuple<at::Tensor, at::Tensor> linear_backward_meta(const at::Tensor&, const at::Tensor& input,
                                                         const at::Tensor& weight) {
   return {at::empty_like(input), at::empty_like(weight)};
@@ -164,6 +183,12 @@ TORCH_LIBRARY(coda, m) {
   m.def(
       "norm_qkv(Tensor x, Tensor gamma, Tensor w_qkv, Tensor h, Tensor r, Tensor pos, "
       "Tensor rope_table, Tensor? b_qkv=None) -> Tensor");
+  // norm_qkv with QK-norm (Qwen3): an RMSNorm (weights q_gamma, k_gamma: head_dim each) over
+  // every Q and K head before RoPE; qk_pre (the Q and K columns before it) is for the backward.
+  m.def(
+      "norm_qkv_qk_norm(Tensor x, Tensor gamma, Tensor w_qkv, Tensor h, Tensor r, Tensor pos, "
+      "Tensor rope_table, Tensor q_gamma, Tensor k_gamma, int n_heads, int n_kv_heads, "
+      "float eps) -> (Tensor qkv, Tensor qk_pre)");
   m.def(
       "out_proj_residual_norm(Tensor y, Tensor w_o, Tensor residual, Tensor gamma, float eps) "
       "-> (Tensor x, Tensor h, Tensor r)");
@@ -192,6 +217,11 @@ TORCH_LIBRARY(coda, m) {
       "Tensor r, Tensor pos, Tensor rope_table, Tensor? b_qkv=None) -> (Tensor dx, "
       "Tensor dgamma, Tensor dw_qkv, Tensor db_qkv)");
   m.def(
+      "norm_qkv_qk_norm_backward(Tensor dqkv, Tensor qkv, Tensor qk_pre, Tensor x, Tensor gamma, "
+      "Tensor w_qkv, Tensor r, Tensor pos, Tensor rope_table, Tensor q_gamma, Tensor k_gamma, "
+      "int n_heads, int n_kv_heads, float eps) -> (Tensor dx, Tensor dgamma, Tensor dw_qkv, "
+      "Tensor dq_gamma, Tensor dk_gamma)");
+  m.def(
       "linear_backward(Tensor dout, Tensor input, Tensor weight) -> (Tensor dinput, "
       "Tensor dweight)");
   m.def(
@@ -218,6 +248,8 @@ TORCH_LIBRARY_IMPL(coda, Meta, m) {
   m.impl("lm_head_loss", &lm_head_loss_meta);
   m.impl("lm_head_loss_grad", &lm_head_loss_grad_meta);
   m.impl("norm_qkv_backward", &norm_qkv_backward_meta);
+  m.impl("norm_qkv_qk_norm", &norm_qkv_qk_norm_meta);
+  m.impl("norm_qkv_qk_norm_backward", &norm_qkv_qk_norm_backward_meta);
   m.impl("linear_backward", &linear_backward_meta);
   m.impl("mlp_backward", &mlp_backward_meta);
   m.impl("lm_head_loss_backward", &lm_head_loss_backward_meta);

@@ -54,6 +54,38 @@ inline ProjSizes validate_norm_qkv(const OpContext& c, const at::Tensor& x, cons
   return s;
 }
 
+// norm_qkv with QK-norm (Qwen3): the heads give the packed width N = (n_heads + 2·n_kv_heads)·d.
+struct QkNormSizes {
+  ProjSizes proj;
+  programs::QkNorm qk;
+};
+inline QkNormSizes validate_norm_qkv_qk_norm(const OpContext& c, const at::Tensor& x,
+                                             const at::Tensor& gamma, const at::Tensor& w_qkv,
+                                             const at::Tensor* h, const at::Tensor& r,
+                                             const at::Tensor& pos, const at::Tensor& rope_table,
+                                             const at::Tensor& q_gamma, const at::Tensor& k_gamma,
+                                             int64_t n_heads, int64_t n_kv_heads, double eps) {
+  TORCH_CHECK(!c.device.is_cuda(), c.op,
+              ": QK-norm (Qwen3) has no CUDA kernel in this build yet; it runs on the CPU");
+  const auto s = validate_norm_qkv(c, x, gamma, w_qkv, h, r, pos, rope_table, at::Tensor());
+  TORCH_CHECK(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0, c.op,
+              ": n_heads and n_kv_heads must be positive with n_heads a multiple of n_kv_heads, "
+              "got n_heads=",
+              n_heads, " n_kv_heads=", n_kv_heads);
+  const int64_t heads = n_heads + 2 * n_kv_heads;
+  TORCH_CHECK(s.n % heads == 0 && (s.n / heads) % 2 == 0, c.op,
+              ": the QKV width (w_qkv.size(0) = ", s.n,
+              ") must be (n_heads + 2*n_kv_heads) = ", heads, " times an even head_dim");
+  const int64_t d = s.n / heads;
+  c.activation("q_gamma", q_gamma, {d});
+  c.activation("k_gamma", k_gamma, {d});
+  check_eps(c.op, eps);
+  programs::QkNorm qk;
+  qk.layout = {static_cast<int>(n_heads), static_cast<int>(n_kv_heads), static_cast<int>(d)};
+  qk.eps = eps;
+  return {s, qk};
+}
+
 struct MlpSizes {
   int64_t m, hidden, intermediate;
 };
@@ -103,6 +135,19 @@ inline ProjSizes validate_norm_qkv_backward(const OpContext& c, const at::Tensor
   const auto s = validate_norm_qkv(c, x, gamma, w_qkv, nullptr, r, pos, rope_table, b_qkv);
   c.activation("dqkv", dqkv, {s.m, s.n});
   c.activation("qkv", qkv, {s.m, s.n});
+  return s;
+}
+
+inline QkNormSizes validate_norm_qkv_qk_norm_backward(
+    const OpContext& c, const at::Tensor& dqkv, const at::Tensor& qkv, const at::Tensor& qk_pre,
+    const at::Tensor& x, const at::Tensor& gamma, const at::Tensor& w_qkv, const at::Tensor& r,
+    const at::Tensor& pos, const at::Tensor& rope_table, const at::Tensor& q_gamma,
+    const at::Tensor& k_gamma, int64_t n_heads, int64_t n_kv_heads, double eps) {
+  const auto s = validate_norm_qkv_qk_norm(c, x, gamma, w_qkv, nullptr, r, pos, rope_table, q_gamma,
+                                           k_gamma, n_heads, n_kv_heads, eps);
+  c.activation("dqkv", dqkv, {s.proj.m, s.proj.n});
+  c.activation("qkv", qkv, {s.proj.m, s.proj.n});
+  c.activation("qk_pre", qk_pre, {s.proj.m, s.qk.normed_width()});
   return s;
 }
 

@@ -1,4 +1,5 @@
-"""Checkpoint converters: Hugging Face ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` and TorchTitan
+"""Checkpoint converters: Hugging Face ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` /
+``Qwen3ForCausalLM`` and TorchTitan
 llama3 <-> coda.
 
 The coda layout differs in three row permutations (all weights are ``(out, in)``; the converters
@@ -7,7 +8,8 @@ permute rows only, so they apply unchanged to gradients):
 * RoPE: HF rotates the two halves of each Q/K head ("rotate_half": row ``i`` pairs with
   ``i + d/2``); coda, Meta and TorchTitan pair adjacent rows ``(2i, 2i + 1)``.
 * QKV: separate ``Wq, Wk, Wv`` <-> one packed ``w_qkv = [Q heads | K heads | V heads]`` (and
-  Qwen2's biases ``bq, bk, bv`` <-> ``b_qkv``, rows permuted as the weights').
+  Qwen2's biases ``bq, bk, bv`` <-> ``b_qkv``, rows permuted as the weights'; Qwen3's QK-norm
+  weights ``q_norm, k_norm`` <-> ``q_gamma, k_gamma``, permuted as one head's rows).
 * SwiGLU: split ``W_gate, W_up`` <-> interleaved ``w_gu`` rows ``[g0, u0, g1, u1, ...]``.
 
 The state-dict functions take and return plain ``{name: tensor}`` dicts (any tensors: weights or
@@ -127,22 +129,25 @@ def _hf_rope(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
     return theta, {k: scaling[k] for k in keys}
 
 
-# The transformers model types coda runs: LLaMA, and Qwen2 / Qwen2.5 (LLaMA with a Q/K/V bias).
-HF_MODEL_TYPES = ("llama", "qwen2")
+# The transformers model types coda runs: LLaMA, Qwen2 / Qwen2.5 (LLaMA with a Q/K/V bias) and
+# Qwen3 (LLaMA with an RMSNorm over every Q and K head before RoPE).
+HF_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 
 def config_from_hf(hf_config: Any) -> LlamaConfig:
-    """A :class:`LlamaConfig` from a transformers ``LlamaConfig`` or ``Qwen2Config``."""
+    """A :class:`LlamaConfig` from a transformers ``LlamaConfig``, ``Qwen2Config`` or
+    ``Qwen3Config``."""
     model_type = getattr(hf_config, "model_type", "llama")
     if model_type not in HF_MODEL_TYPES:
         raise NotImplementedError(f"coda: model_type {model_type!r} is not supported (only "
                                   f"{', '.join(HF_MODEL_TYPES)})")
-    qwen2 = model_type == "qwen2"
-    # LLaMA's attention_bias puts a bias on the output projection too; Qwen2's is on Q/K/V only.
+    qwen2, qwen3 = model_type == "qwen2", model_type == "qwen3"
+    # LLaMA's and Qwen3's attention_bias put a bias on the output projection too; Qwen2's is on
+    # Q/K/V only.
     for flag in ("mlp_bias",) if qwen2 else ("attention_bias", "mlp_bias"):
         if getattr(hf_config, flag, False):
             raise NotImplementedError(f"coda: {flag}=True is not supported")
-    if qwen2:
+    if qwen2 or qwen3:
         layer_types = getattr(hf_config, "layer_types", None) or []
         if getattr(hf_config, "use_sliding_window", False) or any(
                 t != "full_attention" for t in layer_types):
@@ -166,6 +171,7 @@ def config_from_hf(hf_config: Any) -> LlamaConfig:
         rms_norm_eps=float(hf_config.rms_norm_eps),
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         qkv_bias=qwen2,
+        qk_norm=qwen3,
     )
 
 
@@ -198,6 +204,8 @@ _HF_LAYER = {
     "self_attn.q_proj.bias": "attention.wq.bias",  # Qwen2
     "self_attn.k_proj.bias": "attention.wk.bias",
     "self_attn.v_proj.bias": "attention.wv.bias",
+    "self_attn.q_norm.weight": "attention.q_norm.weight",  # Qwen3
+    "self_attn.k_norm.weight": "attention.k_norm.weight",
     "self_attn.o_proj.weight": "attention.wo.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
     "mlp.gate_proj.weight": "feed_forward.w1.weight",
@@ -215,7 +223,8 @@ def _rename_rope(sd: Mapping[str, Tensor], config: LlamaConfig, to_torchtitan: b
         top, layer = {v: k for k, v in top.items()}, {v: k for k, v in layer.items()}
         src, dst, permute = dst, src, rope_adjacent_to_half
     heads = {"attention.wq.weight": config.num_heads, "attention.wk.weight": config.num_kv_heads,
-             "attention.wq.bias": config.num_heads, "attention.wk.bias": config.num_kv_heads}
+             "attention.wq.bias": config.num_heads, "attention.wk.bias": config.num_kv_heads,
+             "attention.q_norm.weight": 1, "attention.k_norm.weight": 1}  # one head's rows
     out: dict[str, Tensor] = {}
     for name, value in sd.items():
         if name in top:
@@ -232,13 +241,15 @@ def _rename_rope(sd: Mapping[str, Tensor], config: LlamaConfig, to_torchtitan: b
 
 
 def hf_to_coda_state_dict(hf_sd: Mapping[str, Tensor], config: LlamaConfig) -> dict[str, Tensor]:
-    """HF ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` names/layouts -> coda names/layouts."""
+    """HF ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` names/layouts ->
+    coda names/layouts."""
     return torchtitan_to_coda_state_dict(
         _rename_rope(hf_sd, config, True, "hf_to_coda_state_dict"), config)
 
 
 def coda_to_hf_state_dict(sd_in: Mapping[str, Tensor], config: LlamaConfig) -> dict[str, Tensor]:
-    """coda names/layouts -> HF ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` names/layouts
+    """coda names/layouts -> HF ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM``
+    names/layouts
     (inverse of :func:`hf_to_coda_state_dict`). With tied embeddings either alias may be present."""
     return _rename_rope(coda_to_torchtitan_state_dict(sd_in, config, "0.2"), config, False,
                         "coda_to_hf_state_dict")
@@ -249,8 +260,8 @@ def _detached_params(model: torch.nn.Module) -> dict[str, Tensor]:
 
 
 def from_hf(hf_model: torch.nn.Module, device=None, dtype=None) -> CodaLlamaForCausalLM:
-    """A :class:`CodaLlamaForCausalLM` with the weights of a transformers ``LlamaForCausalLM`` or
-    ``Qwen2ForCausalLM``.
+    """A :class:`CodaLlamaForCausalLM` with the weights of a transformers ``LlamaForCausalLM``,
+    ``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM``.
 
     The new model gets copies of the weights, on ``device`` / in ``dtype`` (default: those of
     the HF model)."""
@@ -284,8 +295,9 @@ def _copy_into(model: torch.nn.Module, sd: Mapping[str, Tensor], who: str) -> No
 
 
 def to_hf(model: CodaLlamaForCausalLM, hf_model: torch.nn.Module) -> torch.nn.Module:
-    """Write ``model``'s weights into ``hf_model`` (a transformers ``LlamaForCausalLM`` or
-    ``Qwen2ForCausalLM`` of the same shape) in place; returns ``hf_model``."""
+    """Write ``model``'s weights into ``hf_model`` (a transformers ``LlamaForCausalLM``,
+    ``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM`` of the same shape) in place; returns
+    ``hf_model``."""
     theirs = config_from_hf(hf_model.config)
     if theirs != model.config:
         raise ValueError(f"to_hf: configs differ: coda {model.config} vs HF {theirs}")
@@ -345,6 +357,9 @@ def torchtitan_to_coda_state_dict(
             out[q + "b_qkv"] = pack_qkv(_take(sd, p + qkv + "wq.bias"),
                                         _take(sd, p + qkv + "wk.bias"),
                                         _take(sd, p + qkv + "wv.bias"))
+        if c.qk_norm:  # Qwen3's, through the HF converter
+            out[q + "q_gamma"] = _take(sd, p + "attention.q_norm.weight")
+            out[q + "k_gamma"] = _take(sd, p + "attention.k_norm.weight")
         out[q + "w_o"] = _take(sd, p + "attention.wo.weight")
         out[q + "gamma_ffn"] = _take(sd, p + "ffn_norm.weight")
         out[q + "w_gu"] = interleave_gate_up(_take(sd, p + "feed_forward.w1.weight"),
@@ -385,6 +400,9 @@ def coda_to_torchtitan_state_dict(
             out[p + qkv + "wq.bias"] = bq
             out[p + qkv + "wk.bias"] = bk
             out[p + qkv + "wv.bias"] = bv
+        if c.qk_norm:
+            out[p + "attention.q_norm.weight"] = _take(sd, q + "q_gamma")
+            out[p + "attention.k_norm.weight"] = _take(sd, q + "k_gamma")
         out[p + "attention.wo.weight"] = _take(sd, q + "w_o")
         out[p + "attention_norm.weight"] = _take(sd, f"gamma_attn.{i}")
         gate, up = split_gate_up(_take(sd, q + "w_gu"))

@@ -58,6 +58,7 @@ class LlamaConfig:
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # a bias on the Q, K and V projections (Qwen2 / Qwen2.5)
+    qk_norm: bool = False  # an RMSNorm over every Q and K head before RoPE (Qwen3)
 
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
@@ -73,6 +74,8 @@ class LlamaConfig:
                              f"num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"LlamaConfig: head_dim must be even for RoPE, got {self.head_dim}")
+        if self.qkv_bias and self.qk_norm:
+            raise ValueError("LlamaConfig: qkv_bias together with qk_norm is not supported")
         if self.rope_scaling is not None:
             # Normalized to the four LLaMA-3.1 keys so configs compare equal however they were
             # spelled (e.g. with or without HF's "rope_type": "llama3").
@@ -115,14 +118,20 @@ def positions(position_ids: Tensor | None, batch: int, seq: int, device) -> Tens
 def decoder_layer(c: LlamaConfig, x: Tensor, h: Tensor, r: Tensor, gamma: Tensor, w_qkv: Tensor,
                   w_o: Tensor, gamma_ffn: Tensor, w_gu: Tensor, w_down: Tensor, pos: Tensor,
                   rope_table: Tensor, gamma_next: Tensor, batch: int, attention: Attention,
-                  b_qkv: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                  b_qkv: Tensor | None = None, q_gamma: Tensor | None = None,
+                  k_gamma: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """One decoder layer from the fused ops, on weights in coda's layouts: ``x (M, H)`` with its
     caches ``(h, r)`` for ``gamma`` (the layer's attention norm) -> ``(x, h, r)`` of the layer
     output, the caches being for ``gamma_next``. ``b_qkv``: the Q/K/V bias in ``w_qkv``'s row
-    order, or None."""
+    order, or None; ``q_gamma, k_gamma``: the QK-norm weights (with ``c.qk_norm``), in the
+    adjacent-pair order of a head's rows."""
     M = x.shape[0]
     seq = M // batch
-    qkv = ops.norm_qkv(x, gamma, w_qkv, h, r, pos, rope_table, b_qkv)
+    if c.qk_norm:
+        qkv = ops.norm_qkv_qk_norm(x, gamma, w_qkv, h, r, pos, rope_table, q_gamma, k_gamma,
+                                   c.num_heads, c.num_kv_heads, c.rms_norm_eps)
+    else:
+        qkv = ops.norm_qkv(x, gamma, w_qkv, h, r, pos, rope_table, b_qkv)
     # (M, W) -> (B, S, heads, d) -> per-part (B, heads, S, d) views; no copy needed.
     qkv = qkv.view(batch, seq, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
     q = qkv[:, :, : c.num_heads].transpose(1, 2)
@@ -149,6 +158,9 @@ class CodaDecoderLayer(nn.Module):
         self.w_qkv = nn.Parameter(torch.empty(c.qkv_width, c.hidden_size, **kw))
         # Q/K/V bias in w_qkv's row order (RoPE pairs adjacent); None without config.qkv_bias.
         self.b_qkv = nn.Parameter(torch.empty(c.qkv_width, **kw)) if c.qkv_bias else None
+        # QK-norm weights (config.qk_norm), in the adjacent-pair order of a head's rows.
+        self.q_gamma = nn.Parameter(torch.empty(c.head_dim, **kw)) if c.qk_norm else None
+        self.k_gamma = nn.Parameter(torch.empty(c.head_dim, **kw)) if c.qk_norm else None
         self.w_o = nn.Parameter(torch.empty(c.hidden_size, c.num_heads * c.head_dim, **kw))
         self.gamma_ffn = nn.Parameter(torch.empty(c.hidden_size, **kw))
         self.w_gu = nn.Parameter(torch.empty(2 * c.intermediate_size, c.hidden_size, **kw))
@@ -162,6 +174,9 @@ class CodaDecoderLayer(nn.Module):
                 w.normal_(0.0, std)
             if self.b_qkv is not None:
                 self.b_qkv.zero_()
+            for g in (self.q_gamma, self.k_gamma):
+                if g is not None:
+                    g.fill_(1.0)
 
     def forward(
         self,
@@ -179,7 +194,7 @@ class CodaDecoderLayer(nn.Module):
         ``(x, h, r)`` of the layer output, the caches being for ``gamma_next``."""
         return decoder_layer(self.config, x, h, r, gamma, self.w_qkv, self.w_o, self.gamma_ffn,
                              self.w_gu, self.w_down, pos, rope_table, gamma_next, batch, attention,
-                             self.b_qkv)
+                             self.b_qkv, self.q_gamma, self.k_gamma)
 
 
 class CodaLlamaForCausalLM(nn.Module):
@@ -187,7 +202,8 @@ class CodaLlamaForCausalLM(nn.Module):
 
     Parameters: ``embed_tokens.weight (V, H)``; ``gamma_attn.{l}`` (layer l's attention norm,
     held by the model: see the module docstring); per layer ``w_qkv`` (packed
-    ``[Q | K | V]``, RoPE pairs adjacent), ``b_qkv`` (with ``config.qkv_bias``), ``w_o``,
+    ``[Q | K | V]``, RoPE pairs adjacent), ``b_qkv`` (with ``config.qkv_bias``), ``q_gamma`` and
+    ``k_gamma`` (with ``config.qk_norm``), ``w_o``,
     ``gamma_ffn``, ``w_gu`` (gate/up interleaved), ``w_down``; ``gamma_final`` and ``w_vocab (V, H)``, which is the same Parameter as the
     embedding weight when ``config.tie_word_embeddings``. The RoPE frequency table is a
     non-persistent buffer (derived from the config).

@@ -20,6 +20,7 @@ __all__ = [
     "rope_table",
     "rmsnorm_stats",
     "norm_qkv",
+    "norm_qkv_qk_norm",
     "out_proj_residual_norm",
     "mlp",
     "lm_head_loss",
@@ -92,6 +93,22 @@ def norm_qkv(
     if pos.dtype == torch.int64:
         pos = pos.to(torch.int32)
     return torch.ops.coda.norm_qkv(x, gamma, w_qkv, h, r, pos, rope_table, b_qkv)
+
+
+def norm_qkv_qk_norm(
+    x: Tensor, gamma: Tensor, w_qkv: Tensor, h: Tensor, r: Tensor, pos: Tensor, rope_table: Tensor,
+    q_gamma: Tensor, k_gamma: Tensor, n_heads: int, n_kv_heads: int, eps: float,
+) -> Tensor:
+    """F3 with QK-norm (Qwen3): :func:`norm_qkv` with an RMSNorm over every Q and K head before
+    RoPE, ``q_gamma`` / ``k_gamma (head_dim)`` its weights and ``eps`` its epsilon; the heads
+    give ``W = (n_heads + 2 * n_kv_heads) * head_dim``. Returns ``qkv (M, W)``. Differentiable in
+    ``x``, ``gamma``, ``w_qkv``, ``q_gamma`` and ``k_gamma``. CPU only in this build.
+    """
+    if pos.dtype == torch.int64:
+        pos = pos.to(torch.int32)
+    qkv, _ = torch.ops.coda.norm_qkv_qk_norm(x, gamma, w_qkv, h, r, pos, rope_table, q_gamma,
+                                             k_gamma, n_heads, n_kv_heads, eps)
+    return qkv
 
 
 def out_proj_residual_norm(

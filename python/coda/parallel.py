@@ -202,9 +202,10 @@ class TensorParallelLlama(nn.Module):
         c = model.config
         if lm_head not in ("vocab", "sequence"):
             raise ValueError(f"coda.parallel: lm_head must be 'vocab' or 'sequence', got {lm_head!r}")
-        if c.qkv_bias:
+        if c.qkv_bias or c.qk_norm:
             raise NotImplementedError("coda.parallel: tensor parallelism of a model with a Q/K/V "
-                                      "bias (config.qkv_bias) is not supported")
+                                      "bias (config.qkv_bias) or QK-norm (config.qk_norm) is "
+                                      "not supported")
         self.config, self.group, self.fused, self.lm_head = c, group, fused, lm_head
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         if c.num_kv_heads % world or c.num_heads % world or c.intermediate_size % world:

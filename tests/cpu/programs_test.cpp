@@ -4,7 +4,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -384,6 +386,156 @@ TEST_P(ProgramTest, B3RopeBackwardIsTheTransposeAndZdZUsesTheRotatedPair) {
     EXPECT_NEAR(zsum[i], zs, 1e-12 * std::max(1.0, std::abs(zs)));
     EXPECT_NEAR(zsum[i], zs_pre, 1e-12 * std::max(1.0, std::abs(zs)));
     EXPECT_NEAR(zsum_b[i], zs_bias, 1e-12 * std::max(1.0, std::abs(zs_bias)));
+  }
+}
+
+// The unfused QK-norm + RoPE of one row in fp64, from u = r·acc: the tests' independent model
+// of F3 with QK-norm (Qwen3).
+V qk_norm_rope_row(const V& u, const QkvLayout& l, const V& qg, const V& kg, double eps,
+                   int32_t pos, const std::vector<double>& inv) {
+  const int64_t d = l.head_dim;
+  V y = u;
+  for (int64_t h0 = 0; h0 < l.q_width() + l.kv_width(); h0 += d) {
+    const V& g = h0 < l.q_width() ? qg : kg;
+    double ss = 0;
+    for (int64_t j = 0; j < d; ++j) ss += u[h0 + j] * u[h0 + j];
+    const double s = 1.0 / std::sqrt(ss / d + eps);
+    for (int64_t j = 0; j < d; j += 2) {
+      const double th = pos * inv[j / 2];
+      const double x0 = g[j] * u[h0 + j] * s, x1 = g[j + 1] * u[h0 + j + 1] * s;
+      y[h0 + j] = x0 * std::cos(th) - x1 * std::sin(th);
+      y[h0 + j + 1] = x0 * std::sin(th) + x1 * std::cos(th);
+    }
+  }
+  return y;
+}
+
+TEST_P(ProgramTest, F3QkNormRopeNormalizesEachQAndKHeadBeforeRope) {
+  const auto [M, Nraw, K] = s();
+  (void)Nraw;
+  for (int d : {8, 32})
+    for (int heads_per_subtile : {1, 2}) {
+      const QkvLayout l{4, 2, d};
+      const QkNorm qk{l, 1e-6};
+      const int64_t N = l.width(), W = qk.normed_width();
+      const V h = uniform_vector(M * K, -1, 1, seed()),
+              w = uniform_vector(N * K, -1, 1, seed() + 1);
+      const V r = uniform_vector(M, 0.2, 3, seed() + 2);
+      const V qg = uniform_vector(d, -2, 2, seed() + 3), kg = uniform_vector(d, -2, 2, seed() + 4);
+      std::vector<int32_t> pos(M);
+      for (int64_t i = 0; i < M; ++i) pos[i] = static_cast<int32_t>((i * 7919) % 5000);
+      const auto inv = rope_inv_freq(d, 1000000.0);
+      const auto freq = rope_column_table(l, inv);
+      TileConfig cfg = t();
+      cfg.subtile_n = d * heads_per_subtile;
+      cfg.tile_n = cfg.subtile_n * std::max(1, t().tile_n / cfg.subtile_n);
+      V out(M * N), pre(M * W);
+      RmsnormQkNormRope<double> p;
+      p.r = {r.data(), M};
+      p.q_gamma = {qg.data(), d};
+      p.k_gamma = {kg.data(), d};
+      p.qk = qk;
+      p.pos = {pos.data(), M};
+      p.freq = {freq.data(), N};
+      p.qkv = {out.data(), M, N, N};
+      p.qk_pre = {pre.data(), M, W, W};
+      reference::execute<double>(MatrixRef<double>::row_major(h.data(), M, K),
+                                 MatrixRef<double>::row_major(w.data(), N, K), p, cfg);
+      const V acc = plain_gemm(h, w, M, N, K);
+      V ref(M * N), ref_pre(M * W);
+      for (int64_t i = 0; i < M; ++i) {
+        V u(N);
+        for (int64_t j = 0; j < N; ++j) u[j] = acc[i * N + j] * r[i];
+        const V y = qk_norm_rope_row(u, l, qg, kg, qk.eps, pos[i], inv);
+        std::copy(y.begin(), y.end(), ref.begin() + i * N);
+        std::copy(u.begin(), u.begin() + W, ref_pre.begin() + i * W);
+      }
+      EXPECT_LT(max_rel_error(out, ref), kTol)
+          << "d=" << d << " heads/subtile " << heads_per_subtile;
+      EXPECT_LT(max_rel_error(pre, ref_pre), kTol) << "d=" << d;
+    }
+}
+
+class QkNormBackwardTest : public ::testing::TestWithParam<int64_t> {};
+
+TEST_P(QkNormBackwardTest, B3QkNormRopeBackwardMatchesFiniteDifferences) {
+  const int64_t M = GetParam();
+  const uint64_t seed_ = 77 + M;
+  const auto seed = [&] { return seed_; };
+  const int d = 8;
+  const QkvLayout l{2, 1, d};
+  const QkNorm qk{l, 1e-5};
+  const int64_t N = l.width(), W = qk.normed_width();
+  const V u = uniform_vector(M * N, -1, 1, seed()), dy = uniform_vector(M * N, -1, 1, seed() + 1);
+  V qg = uniform_vector(d, -2, 2, seed() + 3), kg = uniform_vector(d, -2, 2, seed() + 4);
+  std::vector<int32_t> pos(M);
+  for (int64_t i = 0; i < M; ++i) pos[i] = static_cast<int32_t>(i * 31 + 3);
+  const auto inv = rope_inv_freq(d, 10000.0);
+  const auto freq = rope_column_table(l, inv);
+  V pre(M * W), qkv(M * N);
+  for (int64_t i = 0; i < M; ++i) {
+    const V row(u.begin() + i * N, u.begin() + (i + 1) * N);
+    const V y = qk_norm_rope_row(row, l, qg, kg, qk.eps, pos[i], inv);
+    std::copy(row.begin(), row.begin() + W, pre.begin() + i * W);
+    std::copy(y.begin(), y.end(), qkv.begin() + i * N);
+  }
+  V dz(M * N), zsum(M), dqg(d), dkg(d);
+  qk_norm_rope_backward<double>({pre.data(), M, W, W}, {qkv.data(), M, N, N}, {dy.data(), M, N, N},
+                                {qg.data(), d}, {kg.data(), d}, qk, {pos.data(), M},
+                                {freq.data(), N}, {dz.data(), M, N, N}, zsum.data(), dqg.data(),
+                                dkg.data());
+  // L = Σ dy ⊙ y(u, γ): central differences over every input of one row, and over γ.
+  const auto loss = [&](int64_t i, const V& row, const V& q, const V& k) {
+    const V y = qk_norm_rope_row(row, l, q, k, qk.eps, pos[i], inv);
+    double s = 0;
+    for (int64_t j = 0; j < N; ++j) s += dy[i * N + j] * y[j];
+    return s;
+  };
+  const double step = 1e-6, tol = 1e-7;
+  V fd_qg(d, 0.0), fd_kg(d, 0.0);
+  for (int64_t i = 0; i < M; ++i) {
+    V row(u.begin() + i * N, u.begin() + (i + 1) * N);
+    double zs = 0;
+    for (int64_t j = 0; j < N; ++j) {
+      const double keep = row[j];
+      row[j] = keep + step;
+      const double up = loss(i, row, qg, kg);
+      row[j] = keep - step;
+      const double down = loss(i, row, qg, kg);
+      row[j] = keep;
+      EXPECT_NEAR(dz[i * N + j], (up - down) / (2 * step), tol) << "row " << i << " col " << j;
+      zs += keep * dz[i * N + j];
+    }
+    EXPECT_NEAR(zsum[i], zs, 1e-12 * std::max(1.0, std::abs(zs)));
+    for (V* g : {&qg, &kg})
+      for (int64_t j = 0; j < d; ++j) {
+        const double keep = (*g)[j];
+        (*g)[j] = keep + step;
+        const double up = loss(i, row, qg, kg);
+        (*g)[j] = keep - step;
+        const double down = loss(i, row, qg, kg);
+        (*g)[j] = keep;
+        (g == &qg ? fd_qg : fd_kg)[j] += (up - down) / (2 * step);
+      }
+  }
+  for (int64_t j = 0; j < d; ++j) {
+    EXPECT_NEAR(dqg[j], fd_qg[j], tol * M) << "dq_gamma " << j;
+    EXPECT_NEAR(dkg[j], fd_kg[j], tol * M) << "dk_gamma " << j;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(RaggedRows, QkNormBackwardTest, ::testing::Values(1, 19, 111));
+
+TEST(QkNormProgram, RejectsASubtileNarrowerThanAHead) {
+  const QkvLayout l{2, 1, 16};
+  RmsnormQkNormRope<double> p;
+  p.qk = {l, 1e-6};
+  try {
+    p.validate(4, l.width(), TileConfig{128, 128, 64, 8});
+    FAIL() << "expected coda::Error";
+  } catch (const coda::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("multiple of head_dim (16)"), std::string::npos)
+        << e.what();
   }
 }
 

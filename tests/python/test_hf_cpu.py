@@ -1,6 +1,6 @@
-"""coda.convert against transformers' LlamaForCausalLM and Qwen2ForCausalLM (Q/K/V bias) on the
-CPU in float64: loss and every parameter gradient, weight round trips, and the TorchTitan
-mapping."""
+"""coda.convert against transformers' LlamaForCausalLM, Qwen2ForCausalLM (Q/K/V bias) and
+Qwen3ForCausalLM (QK-norm) on the CPU in float64: loss and every parameter gradient, weight round
+trips, and the TorchTitan mapping."""
 
 from __future__ import annotations
 
@@ -27,24 +27,30 @@ CONFIGS = {
     # Qwen2 / Qwen2.5: LLaMA with a bias on the Q, K and V projections (tied as the 0.5B-3B are).
     "qwen2": dict(tie_word_embeddings=True, rope=dict(rope_type="default", rope_theta=1e6),
                   family="qwen2"),
+    # Qwen3: LLaMA with an RMSNorm over every Q and K head before RoPE; its head_dim is set on its
+    # own (here 32 with 4 heads on H = 64, so the attention width is not H).
+    "qwen3": dict(tie_word_embeddings=False, rope=dict(rope_type="default", rope_theta=1e6),
+                  family="qwen3", head_dim=32),
 }
+FAMILIES = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
 
 
 def make_hf(name, seed=0, vocab=VOCAB):
     spec = CONFIGS[name]
-    qwen2 = spec.get("family") == "qwen2"
-    config_class = transformers.Qwen2Config if qwen2 else transformers.LlamaConfig
-    cfg = config_class(
+    config_name, model_name = FAMILIES.get(spec.get("family"),
+                                           ("LlamaConfig", "LlamaForCausalLM"))
+    extra = {"head_dim": spec["head_dim"]} if "head_dim" in spec else {}
+    cfg = getattr(transformers, config_name)(
         vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
         max_position_embeddings=64, tie_word_embeddings=spec["tie_word_embeddings"],
-        rope_parameters=dict(spec["rope"]),
+        rope_parameters=dict(spec["rope"]), **extra,
     )
     # sdpa: the eager attention path runs its softmax in float32 even for a float64 model
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(seed)
-    model_class = transformers.Qwen2ForCausalLM if qwen2 else transformers.LlamaForCausalLM
-    model = model_class(cfg).to(torch.float64)
+    model = getattr(transformers, model_name)(cfg).to(torch.float64)
     # non-trivial norm weights, so a misplaced gamma shows; biases as large as the weights
     with torch.no_grad():
         for name_, p in model.named_parameters():
@@ -88,7 +94,7 @@ def make_hf_exact_fp64(model, name):
         return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
     for m in model.modules():
-        if type(m).__name__ in ("LlamaRMSNorm", "Qwen2RMSNorm"):
+        if type(m).__name__ in ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"):
             m.forward = types.MethodType(rms_forward, m)
     model.model.rotary_emb.forward = types.MethodType(rope_forward, model.model.rotary_emb)
     return model
@@ -326,6 +332,10 @@ def test_unsupported_hf_configs_are_rejected():
     cfg = make_hf("qwen2").config
     cfg.use_sliding_window = True
     with pytest.raises(NotImplementedError, match="sliding-window"):
+        convert.config_from_hf(cfg)
+    cfg = make_hf("qwen3").config
+    cfg.attention_bias = True  # Qwen3's is on the output projection too
+    with pytest.raises(NotImplementedError, match="attention_bias"):
         convert.config_from_hf(cfg)
     cfg = make_hf("qwen2").config
     cfg.model_type = "mistral"

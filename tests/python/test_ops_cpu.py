@@ -80,6 +80,23 @@ def ref_norm_qkv_fn(s, inv_freq):
     return fn
 
 
+def ref_norm_qkv_qk_norm_fn(s, inv_freq):
+    """Qwen3: an RMSNorm over every Q and K head (weights q_gamma, k_gamma), then RoPE."""
+    def fn(x, gamma, w_qkv, h, r, pos, rope_table, q_gamma, k_gamma, n_heads, n_kv_heads, eps):
+        y = ref_norm(x, gamma) @ w_qkv.t()
+        d, M = s["d"], x.shape[0]
+        q = y[:, :n_heads * d].reshape(M, n_heads, d)
+        k = y[:, n_heads * d:(n_heads + n_kv_heads) * d].reshape(M, n_kv_heads, d)
+
+        def head_norm(t, g):
+            return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps) * g
+
+        y = torch.cat((head_norm(q, q_gamma).flatten(1), head_norm(k, k_gamma).flatten(1),
+                       y[:, (n_heads + n_kv_heads) * d:]), dim=1)
+        return ref_rope(y, pos, inv_freq, s["hq"], s["hkv"], d)
+    return fn
+
+
 def ref_out_proj_fn(y, w_o, residual, gamma):
     x = y @ w_o.t() + residual
     return x, x * gamma, ref_r(x)
@@ -136,6 +153,19 @@ def norm_qkv_inputs(s, dtype, seed=0, max_pos=4096, bias=False):
     if bias:
         out["b_qkv"] = rnd(W, dtype=dtype, scale=3.0)
     return out
+
+
+def qk_norm_inputs(s, dtype, seed=0):
+    """norm_qkv_qk_norm's tensor arguments (Qwen3): norm_qkv's and the two head-norm weights."""
+    rnd = Rand(seed + 40)
+    out = norm_qkv_inputs(s, dtype, seed)
+    out["q_gamma"] = rnd(s["d"], dtype=dtype, scale=0.5, shift=1.0)
+    out["k_gamma"] = rnd(s["d"], dtype=dtype, scale=0.5, shift=1.0)
+    return out
+
+
+def qk_norm_sizes(s, eps=1e-6):
+    return dict(n_heads=s["hq"], n_kv_heads=s["hkv"], eps=eps)
 
 
 def out_proj_inputs(s, dtype, seed=1):
@@ -271,6 +301,35 @@ def test_norm_qkv(shape, dtype, bias):
     g = Rand(10)(s["M"], W, dtype=torch.float64)
     check_against_reference(ops.norm_qkv, ref_norm_qkv_fn(s, inv_freq_for(s["d"])), inputs,
                             ["x", "gamma", "w_qkv"] + ["b_qkv"] * bias, {0: g}, dtype, ["qkv"])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_norm_qkv_qk_norm(shape, dtype):
+    s = SHAPES[shape]
+    inputs = qk_norm_inputs(s, dtype)
+    W = inputs["w_qkv"].shape[0]
+    g = Rand(12)(s["M"], W, dtype=torch.float64)
+    sizes = qk_norm_sizes(s)
+    check_against_reference(ops.norm_qkv_qk_norm, ref_norm_qkv_qk_norm_fn(s, inv_freq_for(s["d"])),
+                            inputs, ["x", "gamma", "w_qkv", "q_gamma", "k_gamma"], {0: g}, dtype,
+                            ["qkv"], extra=sizes, ref_extra=sizes)
+
+
+def test_norm_qkv_qk_norm_arguments_are_checked():
+    s = SHAPES["M5_d4"]
+    inputs = qk_norm_inputs(s, torch.float64)
+    sizes = qk_norm_sizes(s)
+    bad = dict(inputs, q_gamma=inputs["q_gamma"][:-2].contiguous())
+    with pytest.raises(RuntimeError,
+                       match=r"coda::norm_qkv_qk_norm: q_gamma must have shape \(4,\)"):
+        ops.norm_qkv_qk_norm(**bad, **sizes)
+    with pytest.raises(RuntimeError, match=r"must be \(n_heads \+ 2\*n_kv_heads\) = 9 times"):
+        ops.norm_qkv_qk_norm(**inputs, **dict(sizes, n_kv_heads=1, n_heads=7))
+    with pytest.raises(RuntimeError, match="n_heads a multiple of n_kv_heads, got n_heads=3"):
+        ops.norm_qkv_qk_norm(**inputs, **dict(sizes, n_heads=3))
+    with pytest.raises(RuntimeError, match="coda::norm_qkv_qk_norm: eps must be >= 0"):
+        ops.norm_qkv_qk_norm(**inputs, **dict(sizes, eps=-1.0))
 
 
 def test_norm_qkv_bias_is_checked():
@@ -554,6 +613,7 @@ def forward_op_cases(s, dtype):
 
     q = norm_qkv_inputs(s, dtype)
     qb = norm_qkv_inputs(s, dtype, bias=True)
+    qn = qk_norm_inputs(s, dtype)
     o = out_proj_inputs(s, dtype)
     m = mlp_inputs(s, dtype)
     lm = lm_head_inputs(s, dtype)
@@ -568,6 +628,10 @@ def forward_op_cases(s, dtype):
         "norm_qkv_bias": (CODA.norm_qkv.default,
                           (rg(q["x"]), rg(q["gamma"]), rg(q["w_qkv"]), q["h"], q["r"], q["pos"],
                            q["rope_table"], rg(qb["b_qkv"])), {}),
+        "norm_qkv_qk_norm": (CODA.norm_qkv_qk_norm.default,
+                             (rg(qn["x"]), rg(qn["gamma"]), rg(qn["w_qkv"]), qn["h"], qn["r"],
+                              qn["pos"], qn["rope_table"], rg(qn["q_gamma"]), rg(qn["k_gamma"]),
+                              s["hq"], s["hkv"], 1e-6), {}),
         "out_proj_residual_norm": (CODA.out_proj_residual_norm.default,
                                    (rg(o["y"]), rg(o["w_o"]), rg(o["residual"]), o["gamma"], EPS),
                                    {}),
@@ -590,12 +654,13 @@ def forward_op_cases(s, dtype):
     }
 
 
-FORWARD_OPS = ["rope_table", "rmsnorm_stats", "norm_qkv", "norm_qkv_bias",
+FORWARD_OPS = ["rope_table", "rmsnorm_stats", "norm_qkv", "norm_qkv_bias", "norm_qkv_qk_norm",
                "out_proj_residual_norm", "mlp",
                "mlp_partial", "lm_head_loss", "lm_head_loss_none"]
 # The ops that compute gradients (lm_head_loss_grad: the loss with its gradient for d loss = 1,
 # which lm_head_loss's autograd calls in the forward when the reduction is mean or sum).
-BACKWARD_OPS = {"norm_qkv_backward", "linear_backward", "mlp_backward", "lm_head_loss_backward",
+BACKWARD_OPS = {"norm_qkv_backward", "norm_qkv_qk_norm_backward", "linear_backward",
+                "mlp_backward", "lm_head_loss_backward",
                 "lm_head_loss_grad"}
 
 

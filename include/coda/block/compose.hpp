@@ -86,6 +86,23 @@ T<B> norm_qkv(B& b, const T<B>& h, const T<B>& r, const T<B>& w_qkv, const T<B>&
 }
 
 template <class B>
+struct QkNormQkv {  // F3 with QK-norm: the attention's input and the saved pre-norm Q, K
+  T<B> qkv, qk_pre;
+};
+
+// F3 with QK-norm (Qwen3): qkv = rope(qk_norm(r ⊙ (h · W_qkvᵀ))) on the Q and K heads; qk_pre, the
+// Q and K columns before their norm, is what the backward reads.
+template <class B>
+QkNormQkv<B> norm_qkv_qk_norm(B& b, const T<B>& h, const T<B>& r, const T<B>& w_qkv,
+                              const T<B>& q_gamma, const T<B>& k_gamma, const programs::QkNorm& qk,
+                              const auto& pos, const auto& rope_table) {
+  const int64_t m = b.rows(h);
+  QkNormQkv<B> o{b.act(m, b.rows(w_qkv)), b.act(m, qk.normed_width())};
+  b.gemm_rmsnorm_qk_norm_rope(h, w_qkv, r, q_gamma, k_gamma, qk, pos, rope_table, o.qkv, o.qk_pre);
+  return o;
+}
+
+template <class B>
 struct Swiglu {  // F2's outputs
   T<B> z, a;
 };
@@ -176,8 +193,9 @@ T<B> weight_grad(B& b, const T<B>& dz, const T<B>& h) {
 
 template <class B>
 struct InputGrads {  // gradients of a norm consumer: its input, the norm weight, its weights
-  T<B> dx, dgamma, dw, dw2;
-  T<B> dbias;  // norm_qkv_backward with a q/k/v bias
+  T<B> dx{}, dgamma{}, dw{}, dw2{};
+  T<B> dbias{};                 // norm_qkv_backward with a q/k/v bias
+  T<B> dq_gamma{}, dk_gamma{};  // norm_qkv_qk_norm_backward
 };
 
 // B3 → B1 (+ dW_qkv, and db_qkv = Σ_tokens of B3's output when there is a bias): the backward
@@ -198,6 +216,26 @@ InputGrads<B> norm_qkv_backward(B& b, const T<B>& dqkv, const T<B>& qkv, const T
   T<B> dx = b.zeros_act(m, hidden);  // B1 accumulates into it
   NormGrad<B> g = rmsnorm_backward(b, dpre, w_qkv, x, r, gamma, zdz, dx, dx);
   return {dx, b.param_like(g.dgamma, gamma), weight_grad(b, dpre, g.h_out), {}, dbias};
+}
+
+// B3 with QK-norm → B1 (+ dW_qkv, dγ_q, dγ_k): the backward of norm_qkv_qk_norm. dx excludes the
+// residual stream's own gradient.
+template <class B>
+InputGrads<B> norm_qkv_qk_norm_backward(B& b, const T<B>& dqkv, const T<B>& qkv, const T<B>& qk_pre,
+                                        const T<B>& x, const T<B>& gamma, const T<B>& w_qkv,
+                                        const T<B>& q_gamma, const T<B>& k_gamma,
+                                        const programs::QkNorm& qk, const T<B>& r, const auto& pos,
+                                        const auto& rope_table) {
+  const int64_t m = b.rows(x), hidden = b.cols(x), d = qk.layout.head_dim;
+  T<B> dpre = b.act(m, b.cols(qkv)), zdz = b.stat(m), dqg = b.stat(d), dkg = b.stat(d);
+  b.qk_norm_rope_backward(qk_pre, qkv, dqkv, q_gamma, k_gamma, qk, pos, rope_table, hidden, dpre,
+                          zdz, dqg, dkg);
+  T<B> dx = b.zeros_act(m, hidden);  // B1 accumulates into it
+  NormGrad<B> g = rmsnorm_backward(b, dpre, w_qkv, x, r, gamma, zdz, dx, dx);
+  InputGrads<B> o{dx, b.param_like(g.dgamma, gamma), weight_grad(b, dpre, g.h_out), {}, {}};
+  o.dq_gamma = b.param_like(dqg, q_gamma);
+  o.dk_gamma = b.param_like(dkg, k_gamma);
+  return o;
 }
 
 // dy = dout · W, dW = doutᵀ · input: a plain linear layer's backward (the out-projection).

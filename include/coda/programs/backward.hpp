@@ -122,6 +122,75 @@ void rope_backward(const TileIn<Real>& y, const TileIn<Real>& dy, const VectorIn
   }
 }
 
+// B3 with QK-norm (Qwen3), per row, from u = qk_pre (r·acc on the Q and K columns, F3's saved
+// pre-norm values) and dy = dqkv; on each Q and K head
+//   s = rsqrt(mean u² + eps),  n = u·s,  dy' = Rᵀ·dy,  dγ_head += dy' ⊙ n,
+//   dn = γ_head ⊙ dy',  dz = du = s·(dn − n·mean(dn ⊙ n));
+// on V columns dz = dy. ZdZ[m] = Σ_n z·dz with z = u (Q, K) and z = qkv (V), not yet / H, in
+// `zdz_sum`; dq_gamma, dk_gamma (head_dim each) are overwritten with the sums over rows and heads.
+template <class Real>
+void qk_norm_rope_backward(const TileIn<Real>& qk_pre, const TileIn<Real>& qkv,
+                           const TileIn<Real>& dy, const VectorIn<Real>& q_gamma,
+                           const VectorIn<Real>& k_gamma, const QkNorm& qk,
+                           const VectorIn<int32_t>& pos, const VectorIn<RopeFrequency>& freq,
+                           const TileOut<Real>& dz, Real* zdz_sum, Real* dq_gamma, Real* dk_gamma) {
+  const char* who = "qk_norm_rope_backward";
+  qk.validate(who);
+  CODA_CHECK(qk_pre.data && qkv.data && dy.data && dz.data && zdz_sum && dq_gamma && dk_gamma, who,
+             ": null pointer argument");
+  const int64_t M = dy.rows, N = dy.cols, d = qk.layout.head_dim, normed = qk.normed_width();
+  CODA_CHECK(N == qk.layout.width(), who, ": dqkv has ", N, " columns, the heads give ",
+             qk.layout.width());
+  CODA_CHECK(qk_pre.rows == M && qk_pre.cols == normed, who, ": qk_pre is (", qk_pre.rows, ", ",
+             qk_pre.cols, "), expected (", M, ", ", normed, ")");
+  CODA_CHECK(qkv.rows == M && qkv.cols == N, who, ": qkv is (", qkv.rows, ", ", qkv.cols,
+             "), expected (", M, ", ", N, ")");
+  q_gamma.require(who, "q_gamma", d);
+  k_gamma.require(who, "k_gamma", d);
+  pos.require(who, "pos", M);
+  freq.require(who, "freq", N);
+  for (int64_t j = 0; j < d; ++j) dq_gamma[j] = dk_gamma[j] = Real(0);
+  std::vector<Real> dyr(d);  // one head's Rᵀ·dy
+  for (int64_t m = 0; m < M; ++m) {
+    Real zdz = 0;
+    for (int64_t h0 = 0; h0 < N; h0 += d) {
+      const int kind = qk.kind(h0);
+      if (kind == 2) {
+        for (int64_t n = h0; n < h0 + d; ++n) {
+          dz.store(m, n, dy.load(m, n));
+          zdz += qkv.load(m, n) * dy.load(m, n);
+        }
+        continue;
+      }
+      const VectorIn<Real>& g = kind == 0 ? q_gamma : k_gamma;
+      Real* dg = kind == 0 ? dq_gamma : dk_gamma;
+      Real sumsq = 0;
+      for (int64_t j = 0; j < d; ++j) sumsq += epilogue::Square{}(qk_pre.load(m, h0 + j));
+      const Real s = Rstd{}(sumsq, Real(1) / static_cast<Real>(d), static_cast<Real>(qk.eps));
+      Real dn_n = 0;  // Σ dn ⊙ n over the head
+      for (int64_t j = 0; j < d; j += 2) {
+        Real c, sn;
+        rope_cos_sin<Real>(pos.load(m), freq.load(h0 + j), c, sn);
+        epilogue::RopeRotateTranspose{}(dy.load(m, h0 + j), dy.load(m, h0 + j + 1), c, sn, dyr[j],
+                                        dyr[j + 1]);
+        for (int64_t i = j; i < j + 2; ++i) {
+          const Real n = qk_pre.load(m, h0 + i) * s;
+          dg[i] += dyr[i] * n;
+          dn_n += g.load(i) * dyr[i] * n;
+        }
+      }
+      const Real mean_dn_n = dn_n / static_cast<Real>(d);
+      for (int64_t j = 0; j < d; ++j) {
+        const Real u = qk_pre.load(m, h0 + j);
+        const Real du = s * (g.load(j) * dyr[j] - u * s * mean_dn_n);
+        dz.store(m, h0 + j, du);
+        zdz += u * du;
+      }
+    }
+    zdz_sum[m] = zdz;
+  }
+}
+
 // B4 (cross-entropy backward, in the epilogue of a recomputed ℓ = r·(h · W_vocabᵀ)):
 //   p = exp(ℓ − lse);  dℓ = (p·(1 + 2λ·lse) − onehot(target)) · scale[m];  ZdZ_t += ℓ·dℓ
 // scale[m] is the incoming loss gradient over the token count (mean) or 1 (sum); 0 for ignored

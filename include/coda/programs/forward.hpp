@@ -5,6 +5,7 @@
 // builds the same composition from the same functors (include/coda/kernel/programs.hpp). Per-row
 // partial buffers use PartialLayout::per_row with the tile size of the run.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -164,6 +165,86 @@ struct RmsnormRope : NoSubtileHooks {
     epilogue::RopeRotate{}(acc0 * rm + b0, acc1 * rm + b1, c, s, y0, y1);
     qkv.store(m, n, y0);
     qkv.store(m, n + 1, y1);
+  }
+  void end_tile(const TileInfo&) {}
+};
+
+// F3 with QK-norm (Qwen3): u = r[m] · acc;  on each Q and K head
+//   q = rope(γ_head ⊙ u · rsqrt(mean_head u² + eps), pos[m], freq[n]);  v = u.
+// qk_pre = u over the Q and K columns, saved for the backward. A head's statistic needs the whole
+// head inside one epilogue subtile, so subtile_n must be a multiple of head_dim (subtiles start
+// at multiples of subtile_n: no head straddles two); each subtile's u is held until its end,
+// as the device holds it in registers, and stored normalized.
+template <class Real>
+struct RmsnormQkNormRope {
+  VectorIn<Real> r;                 // (M)
+  VectorIn<Real> q_gamma, k_gamma;  // (head_dim) each
+  QkNorm qk;
+  VectorIn<int32_t> pos;         // (M)
+  VectorIn<RopeFrequency> freq;  // (N), rope_column_table
+  TileOut<Real> qkv;             // (M, N)
+  TileOut<Real> qk_pre;          // (M, qk.normed_width())
+
+  struct Pair {
+    int64_t m, n;
+    Real u0, u1;
+  };
+  std::vector<Pair> subtile;  // the current subtile's u
+  std::vector<Real> sumsq;    // per (row of the subtile, head), keyed by row_key
+
+  void validate(int64_t M, int64_t N, const TileConfig& cfg) const {
+    const char* who = "gemm_rmsnorm_qk_norm_rope";
+    qk.validate(who);
+    CODA_CHECK(N == qk.layout.width(), who, ": N = ", N, " but the heads give a QKV width of ",
+               qk.layout.width());
+    CODA_CHECK(cfg.subtile_n % qk.layout.head_dim == 0, who, ": the epilogue subtile's width (",
+               cfg.subtile_n, ") must be a multiple of head_dim (", qk.layout.head_dim,
+               ") so that every head lies in one subtile");
+    r.require(who, "r", M);
+    q_gamma.require(who, "q_gamma", qk.layout.head_dim);
+    k_gamma.require(who, "k_gamma", qk.layout.head_dim);
+    pos.require(who, "pos", M);
+    freq.require(who, "freq", N);
+    qkv.require(who, "qkv", M, N);
+    qk_pre.require(who, "qk_pre", M, qk.normed_width());
+  }
+  void begin_tile(const TileInfo&) { subtile.clear(); }
+  void visit(const TileInfo&, int64_t m, int64_t n, Real acc0, Real acc1) {
+    const Real rm = r.load(m);
+    subtile.push_back({m, n, acc0 * rm, acc1 * rm});
+  }
+  void end_subtile(const TileInfo&, int64_t, int64_t) {
+    if (subtile.empty()) return;
+    const int64_t d = qk.layout.head_dim, m0 = subtile.front().m, n0 = subtile.front().n / d * d;
+    int64_t rows = 0, heads = 0;
+    for (const Pair& p : subtile) {
+      rows = std::max(rows, p.m - m0 + 1);
+      heads = std::max(heads, (p.n - n0) / d + 1);
+    }
+    sumsq.assign(rows * heads, Real(0));
+    const auto key = [&](const Pair& p) { return (p.m - m0) * heads + (p.n - n0) / d; };
+    for (const Pair& p : subtile)
+      sumsq[key(p)] += epilogue::Square{}(p.u0) + epilogue::Square{}(p.u1);
+    for (const Pair& p : subtile) {
+      const int kind = qk.kind(p.n);
+      if (kind == 2) {  // V: no norm, no rotation
+        qkv.store(p.m, p.n, p.u0);
+        qkv.store(p.m, p.n + 1, p.u1);
+        continue;
+      }
+      const Real s =
+          Rstd{}(sumsq[key(p)], Real(1) / static_cast<Real>(d), static_cast<Real>(qk.eps));
+      const VectorIn<Real>& g = kind == 0 ? q_gamma : k_gamma;
+      const int64_t j = p.n % d;
+      Real c, sn, y0, y1;
+      rope_cos_sin<Real>(pos.load(p.m), freq.load(p.n), c, sn);
+      epilogue::RopeRotate{}(g.load(j) * (p.u0 * s), g.load(j + 1) * (p.u1 * s), c, sn, y0, y1);
+      qkv.store(p.m, p.n, y0);
+      qkv.store(p.m, p.n + 1, y1);
+      qk_pre.store(p.m, p.n, p.u0);
+      qk_pre.store(p.m, p.n + 1, p.u1);
+    }
+    subtile.clear();
   }
   void end_tile(const TileInfo&) {}
 };

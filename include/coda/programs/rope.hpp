@@ -93,6 +93,25 @@ struct QkvLayout {
   }
 };
 
+// QK-norm (Qwen3): an RMSNorm over each Q and K head of F3's output, before RoPE, with one
+// head_dim-wide weight for all Q heads and one for all K heads.
+struct QkNorm {
+  QkvLayout layout;
+  double eps = 1e-6;
+
+  void validate(const char* who) const {
+    layout.validate();
+    CODA_CHECK(eps >= 0 && std::isfinite(eps), who,
+               ": the QK-norm eps must be finite and >= 0, got ", eps);
+  }
+  // Which norm weight column n of the packed QKV row uses: 0 (Q), 1 (K) or 2 (V: none).
+  int kind(int64_t n) const {
+    const int64_t head = n / layout.head_dim;
+    return head < layout.n_heads ? 0 : head < layout.n_heads + layout.n_kv_heads ? 1 : 2;
+  }
+  int64_t normed_width() const { return layout.q_width() + layout.kv_width(); }
+};
+
 // Per-column fixed-point frequencies for a packed QKV output of width layout.width():
 // column n of a Q or K head with in-head index j gets inv_freq[j / 2]; V columns get 0.
 inline std::vector<RopeFrequency> rope_column_table(const QkvLayout& layout,

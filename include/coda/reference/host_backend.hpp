@@ -103,6 +103,28 @@ class HostPrograms {
     p.qkv = v(qkv).out();
     execute<Real>(v(h).matrix(), v(w_qkv).matrix(), p, tiles);
   }
+  // F3 with QK-norm, on this backend's tiles with one head-wide epilogue subtile per head group:
+  // tile (tile_m, a multiple of head_dim), subtile (subtile_m, head_dim).
+  void gemm_rmsnorm_qk_norm_rope(const auto& h, const auto& w_qkv, const auto& r,
+                                 const auto& q_gamma, const auto& k_gamma,
+                                 const programs::QkNorm& qk, const auto& pos, const auto& table,
+                                 auto& qkv, auto& qk_pre) {
+    const auto freq = rope_columns(table);
+    programs::RmsnormQkNormRope<Real> p;
+    p.r = v(r).vec();
+    p.q_gamma = v(q_gamma).vec();
+    p.k_gamma = v(k_gamma).vec();
+    p.qk = qk;
+    p.pos = vi32(pos).vec();
+    p.freq = {freq.data(), int64_t(freq.size())};
+    p.qkv = v(qkv).out();
+    p.qk_pre = v(qk_pre).out();
+    const int d = qk.layout.head_dim;
+    TileConfig cfg = tiles;
+    cfg.tile_n = d * std::max(1, tiles.tile_n / d);
+    cfg.subtile_n = d;
+    execute<Real>(v(h).matrix(), v(w_qkv).matrix(), p, cfg);
+  }
   void gemm_rmsnorm_lse(const auto& h, const auto& w, const auto& r, const auto& targets,
                         const auto& pmax, const auto& psum, auto& target_logit) {
     lse_program(h, w, r, targets, pmax, psum, target_logit, nullptr);
@@ -207,6 +229,18 @@ class HostPrograms {
     const View<Real> out = v(zdz);
     programs::rope_backward<Real>(v(qkv).in(), v(dqkv).in(), v(bias).vec(), vi32(pos).vec(),
                                   {freq.data(), int64_t(freq.size())}, v(dpre).out(), out.data);
+    for (int64_t m = 0; m < out.rows; ++m) out.data[m] /= static_cast<Real>(hidden);
+  }
+  void qk_norm_rope_backward(const auto& qk_pre, const auto& qkv, const auto& dqkv,
+                             const auto& q_gamma, const auto& k_gamma, const programs::QkNorm& qk,
+                             const auto& pos, const auto& table, int64_t hidden, auto& dpre,
+                             auto& zdz, auto& dq_gamma, auto& dk_gamma) {
+    const auto freq = rope_columns(table);
+    const View<Real> out = v(zdz);
+    programs::qk_norm_rope_backward<Real>(v(qk_pre).in(), v(qkv).in(), v(dqkv).in(),
+                                          v(q_gamma).vec(), v(k_gamma).vec(), qk, vi32(pos).vec(),
+                                          {freq.data(), int64_t(freq.size())}, v(dpre).out(),
+                                          out.data, v(dq_gamma).data, v(dk_gamma).data);
     for (int64_t m = 0; m < out.rows; ++m) out.data[m] /= static_cast<Real>(hidden);
   }
   // out[n] = Σ_m t[m, n] (a bias gradient), in Real.

@@ -1,5 +1,6 @@
-"""A transformers ``LlamaForCausalLM`` or ``Qwen2ForCausalLM`` patched in place to train through
-coda's fused ops (Qwen2's Q/K/V bias is added in the QKV GEMM's epilogue, before RoPE).
+"""A transformers ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM`` patched in
+place to train through coda's fused ops (Qwen2's Q/K/V bias is added in the QKV GEMM's epilogue,
+before RoPE; Qwen3's QK-norm is the QKV op's per-head RMSNorm, CPU only in this build).
 
 :func:`patch_hf` replaces the model instance's ``forward`` and nothing else: the parameters, their
 names and layouts, the config and the module tree stay Hugging Face's. So the model is still a
@@ -102,11 +103,13 @@ def is_patched(model: nn.Module) -> bool:
 def _supported_classes() -> tuple[type, ...]:
     import transformers
 
-    return (transformers.LlamaForCausalLM, transformers.Qwen2ForCausalLM)
+    return (transformers.LlamaForCausalLM, transformers.Qwen2ForCausalLM,
+            transformers.Qwen3ForCausalLM)
 
 
 def patch_hf(model: nn.Module) -> nn.Module:
-    """Make ``model`` (a transformers ``LlamaForCausalLM`` or ``Qwen2ForCausalLM``) train through
+    """Make ``model`` (a transformers ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` or
+    ``Qwen3ForCausalLM``) train through
     coda, in place; returns it. Raises ``NotImplementedError`` for configurations coda does not
     run (LLaMA's attention or MLP biases, sliding-window attention, another activation or RoPE
     type) and ``TypeError`` for another model class, a model whose projections are not plain
@@ -114,8 +117,8 @@ def patch_hf(model: nn.Module) -> nn.Module:
     model to accelerate or Trainer)."""
     known = [c for c in _supported_classes() if isinstance(model, c)]
     if not known or type(model).forward is not known[0].forward:
-        raise TypeError(f"patch_hf: expected a transformers LlamaForCausalLM or Qwen2ForCausalLM "
-                        f"(its own forward), got {type(model).__name__}")
+        raise TypeError(f"patch_hf: expected a transformers LlamaForCausalLM, Qwen2ForCausalLM or "
+                        f"Qwen3ForCausalLM (its own forward), got {type(model).__name__}")
     if is_patched(model):
         return model
     if "forward" in vars(model):
@@ -160,6 +163,14 @@ def _foreign_module(model: nn.Module, c: LlamaConfig) -> str | None:
                             f"{f' {what} a bias' if type(m) is nn.Linear else ''}; the fused path "
                             f"needs a plain nn.Linear {'with' if bias else 'without'} bias "
                             "(adapters such as PEFT's change the weight it would read)")
+        if c.qk_norm:  # Qwen3: the fused path reads each head norm's weight and the config's eps
+            for name in ("q_norm", "k_norm"):
+                m = getattr(layer.self_attn, name, None)
+                weight = getattr(m, "weight", None)
+                if (type(m).__name__ != "Qwen3RMSNorm" or weight is None
+                        or tuple(weight.shape) != (c.head_dim,)):
+                    return (f"model.layers.{i}.self_attn.{name} is a {type(m).__name__}; the "
+                            f"fused path needs Qwen3's RMSNorm with a ({c.head_dim},) weight")
     if type(model.lm_head) is not nn.Linear or model.lm_head.bias is not None:
         return f"lm_head is a {type(model.lm_head).__name__}, not a plain nn.Linear without bias"
     return None
@@ -195,6 +206,8 @@ def _cuda_widths(c: LlamaConfig) -> str | None:
             return f"{what} = {width} is not a multiple of {multiple} (CUDA: 16-byte rows)"
     if c.vocab_size > _MAX_CUDA_VOCAB:
         return f"vocab_size = {c.vocab_size} exceeds {_MAX_CUDA_VOCAB} on CUDA"
+    if c.qk_norm:
+        return "QK-norm (Qwen3) has no CUDA kernel in this build yet"
     return None
 
 
@@ -348,6 +361,13 @@ def _gate_up(dtype: torch.dtype, gate: Tensor, up: Tensor) -> Tensor:
     return out
 
 
+def _head_norm(c: LlamaConfig, dtype: torch.dtype, g: Tensor) -> Tensor:
+    """A QK-norm weight (one head's rows, HF's half-split order) -> adjacent RoPE pairs."""
+    out = g.new_empty(g.shape, dtype=dtype)
+    out.view(1, c.head_dim // 2, 2).copy_(rope_half_to_adjacent_view(g, 1, c.head_dim))
+    return out
+
+
 def _cast(dtype: torch.dtype, w: Tensor) -> Tensor:
     return w.to(dtype)
 
@@ -358,12 +378,16 @@ def _layer(c, dtype, layer, gamma_next, pos, table, batch, attention, rebuilt, x
     w = rebuilt.derive
     qkv = functools.partial(_qkv, c, dtype)
     b_qkv = w(qkv, a.q_proj.bias, a.k_proj.bias, a.v_proj.bias) if c.qkv_bias else None
+    head_norm = functools.partial(_head_norm, c, dtype)
+    q_gamma = w(head_norm, a.q_norm.weight) if c.qk_norm else None
+    k_gamma = w(head_norm, a.k_norm.weight) if c.qk_norm else None
     return decoder_layer(
         c, x, h, r, w(cast, layer.input_layernorm.weight),
         w(qkv, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight),
         w(cast, a.o_proj.weight), w(cast, layer.post_attention_layernorm.weight),
         w(functools.partial(_gate_up, dtype), f.gate_proj.weight, f.up_proj.weight),
-        w(cast, f.down_proj.weight), pos, table, w(cast, gamma_next), batch, attention, b_qkv)
+        w(cast, f.down_proj.weight), pos, table, w(cast, gamma_next), batch, attention, b_qkv,
+        q_gamma, k_gamma)
 
 
 def _attention_mask(mask: Tensor | None, position_ids: Tensor | None, use_cache: bool,
