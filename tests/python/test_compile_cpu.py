@@ -20,13 +20,13 @@ CONFIG = LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_la
                      rms_norm_eps=1e-5)
 
 
-def make_model(dtype, tie=False):
+def make_model(dtype, tie=False, qk_norm=False):
     torch.manual_seed(0)
-    cfg = LlamaConfig(**{**CONFIG.__dict__, "tie_word_embeddings": tie})
+    cfg = LlamaConfig(**{**CONFIG.__dict__, "tie_word_embeddings": tie, "qk_norm": qk_norm})
     model = CodaLlamaForCausalLM(cfg, dtype=dtype)
     with torch.no_grad():
         for n, p in model.named_parameters():
-            if "gamma" in n:
+            if "gamma" in n:  # the norms' weights, the QK-norm's too
                 p.copy_(1.0 + 0.3 * torch.randn_like(p))
             else:
                 p.normal_(0.0, 0.3)
@@ -49,9 +49,9 @@ def loss_and_grads(fn, model, ids, labels):
     return loss.detach(), grads
 
 
-def check_compiled(backend, dtype, tie=False, rel=1e-12):
+def check_compiled(backend, dtype, tie=False, rel=1e-12, qk_norm=False):
     torch._dynamo.reset()
-    model = make_model(dtype, tie)
+    model = make_model(dtype, tie, qk_norm)
     ids, labels = batch()
     eager = loss_and_grads(model, model, ids, labels)
     compiled = torch.compile(model, fullgraph=True, backend=backend)
@@ -70,6 +70,11 @@ def check_compiled(backend, dtype, tie=False, rel=1e-12):
 def test_compile_aot_eager_fullgraph(dtype, tie):
     # fullgraph=True turns any graph break into an error
     check_compiled("aot_eager", dtype, tie)
+
+
+def test_compile_aot_eager_fullgraph_qk_norm():
+    # Qwen3's QK-norm op (two outputs, one of them saved for the backward only)
+    check_compiled("aot_eager", torch.float64, qk_norm=True)
 
 
 @pytest.mark.skipif(os.environ.get("CODA_TEST_INDUCTOR", "1") == "0",
