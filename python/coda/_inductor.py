@@ -11,7 +11,8 @@ message.
 
 Importing ``torch._inductor.lowering`` takes seconds, so ``import coda`` does not do it: a
 finder on ``sys.meta_path`` registers the fallbacks right after that module's own import (or at
-once, when it is already loaded), i.e. only in processes that compile with Inductor.
+once, when it is already loaded), i.e. only in processes that compile with Inductor; a
+``find_spec`` probe of the module before its import does not use it up.
 """
 
 from __future__ import annotations
@@ -68,26 +69,45 @@ def _register_or_warn() -> None:
                       stacklevel=2)
 
 
-class _AfterLoweringImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Wraps the loader of ``torch._inductor.lowering`` so the fallbacks are registered right
-    after the module executes; removes itself from ``sys.meta_path`` when it has done so."""
+class _AfterLoweringImport(importlib.abc.MetaPathFinder):
+    """Finds ``torch._inductor.lowering`` through the other finders and wraps its loader so the
+    fallbacks are registered right after the module executes. It stays on ``sys.meta_path``
+    (answering None for every other name, and for everything once it has fired): removing it
+    while another thread iterates the list could make that thread skip a finder."""
+
+    def __init__(self) -> None:
+        self.fired = False
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != _LOWERING:
+        if self.fired or fullname != _LOWERING:
             return None
-        sys.meta_path.remove(self)  # find the real spec without finding ourselves again
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None:
+        for finder in list(sys.meta_path):
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is None:
+                continue
+            if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                spec.loader = _RegisteringLoader(spec.loader, self)
             return spec
-        self._loader = spec.loader
-        spec.loader = self
-        return spec
+        return None
+
+
+class _RegisteringLoader(importlib.abc.Loader):
+    def __init__(self, loader, finder: _AfterLoweringImport) -> None:
+        self.loader, self.finder = loader, finder
 
     def create_module(self, spec):
-        return self._loader.create_module(spec)
+        create = getattr(self.loader, "create_module", None)
+        return create(spec) if create is not None else None
 
     def exec_module(self, module):
-        self._loader.exec_module(module)
+        # the module's loader is the real one (get_source, get_filename, reload)
+        module.__loader__ = self.loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self.loader
+        self.loader.exec_module(module)
+        self.finder.fired = True
         _register_or_warn()
 
 

@@ -243,15 +243,15 @@ def _rename_rope(sd: Mapping[str, Tensor], config: LlamaConfig, to_torchtitan: b
 def hf_to_coda_state_dict(hf_sd: Mapping[str, Tensor], config: LlamaConfig) -> dict[str, Tensor]:
     """HF ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` names/layouts ->
     coda names/layouts."""
-    return torchtitan_to_coda_state_dict(
-        _rename_rope(hf_sd, config, True, "hf_to_coda_state_dict"), config)
+    return _torchtitan_to_coda(_rename_rope(hf_sd, config, True, "hf_to_coda_state_dict"),
+                               config)
 
 
 def coda_to_hf_state_dict(sd_in: Mapping[str, Tensor], config: LlamaConfig) -> dict[str, Tensor]:
     """coda names/layouts -> HF ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM``
     names/layouts
     (inverse of :func:`hf_to_coda_state_dict`). With tied embeddings either alias may be present."""
-    return _rename_rope(coda_to_torchtitan_state_dict(sd_in, config, "0.2"), config, False,
+    return _rename_rope(_coda_to_torchtitan(sd_in, config, "0.2"), config, False,
                         "coda_to_hf_state_dict")
 
 
@@ -335,11 +335,26 @@ def torchtitan_release_of(tt_sd: Mapping[str, Tensor]) -> str:
     return "0.3" if new else "0.2"
 
 
+def _llama3_only(config: LlamaConfig, who: str) -> None:
+    # TorchTitan's llama3 has neither; its Qwen3 keeps HF's half-split RoPE rows under the same
+    # names, which the adjacent-pair mapping here would silently misplace.
+    if config.qkv_bias or config.qk_norm:
+        raise NotImplementedError(f"{who}: TorchTitan checkpoints are llama3's; a config with "
+                                  "qkv_bias or qk_norm (Qwen2 / Qwen3) converts from and to "
+                                  "Hugging Face only")
+
+
 def torchtitan_to_coda_state_dict(
     tt_sd: Mapping[str, Tensor], config: LlamaConfig
 ) -> dict[str, Tensor]:
     """TorchTitan llama3 names (0.2 or 0.3, told apart by the names) -> coda names/layouts
     (w1 = gate, w3 = up, w2 = down)."""
+    _llama3_only(config, "torchtitan_to_coda_state_dict")
+    return _torchtitan_to_coda(tt_sd, config)
+
+
+def _torchtitan_to_coda(tt_sd: Mapping[str, Tensor], config: LlamaConfig) -> dict[str, Tensor]:
+    # also the HF path's second half, with Qwen2's biases and Qwen3's head norms
     c = config
     sd = dict(tt_sd)
     sd.pop("freqs_cis", None)  # a derived buffer some TorchTitan versions keep in the state dict
@@ -353,7 +368,7 @@ def torchtitan_to_coda_state_dict(
         out[q + "w_qkv"] = pack_qkv(_take(sd, p + qkv + "wq.weight"),
                                     _take(sd, p + qkv + "wk.weight"),
                                     _take(sd, p + qkv + "wv.weight"))
-        if c.qkv_bias:  # Qwen2's, through the HF converter (TorchTitan's llama3 has none)
+        if c.qkv_bias:  # Qwen2's, through the HF converter
             out[q + "b_qkv"] = pack_qkv(_take(sd, p + qkv + "wq.bias"),
                                         _take(sd, p + qkv + "wk.bias"),
                                         _take(sd, p + qkv + "wv.bias"))
@@ -379,6 +394,12 @@ def coda_to_torchtitan_state_dict(
     sd_in: Mapping[str, Tensor], config: LlamaConfig, release: str = "0.3"
 ) -> dict[str, Tensor]:
     """Inverse of :func:`torchtitan_to_coda_state_dict`, in the names of TorchTitan `release`."""
+    _llama3_only(config, "coda_to_torchtitan_state_dict")
+    return _coda_to_torchtitan(sd_in, config, release)
+
+
+def _coda_to_torchtitan(sd_in: Mapping[str, Tensor], config: LlamaConfig,
+                        release: str) -> dict[str, Tensor]:
     c = config
     qkv, head = _tt_names(release)
     sd = dict(sd_in)
@@ -422,6 +443,7 @@ def from_torchtitan(
     """A :class:`CodaLlamaForCausalLM` from a TorchTitan llama3 state dict and its config
     (``rope_theta`` / ``rope_scaling`` must match what TorchTitan's ``precompute_freqs_cis`` used).
     Device and dtype default to those of the state dict's tensors."""
+    _llama3_only(config, "from_torchtitan")
     ref = state_dict["tok_embeddings.weight"]
     return _model_from_state_dict(
         config, torchtitan_to_coda_state_dict(state_dict, config),

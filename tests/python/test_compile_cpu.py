@@ -93,9 +93,12 @@ def run_python(code):
 
 
 FALLBACKS_AFTER_IMPORT = """
-import sys, torch, coda
+import importlib.util, sys, torch, coda
 print("LOADED_EARLY", "torch._inductor.lowering" in sys.modules)
+assert importlib.util.find_spec("torch._inductor.lowering") is not None  # a probe, no import
 from torch._inductor.lowering import lowerings
+import torch._inductor.lowering as lowering_module
+assert type(lowering_module.__loader__).__name__ == "SourceFileLoader", lowering_module.__loader__
 ops = []
 for qualified in torch._C._dispatch_get_all_op_names():
     # ops with a CompositeImplicitAutograd kernel never reach Inductor
@@ -110,7 +113,7 @@ print("MISSING", [str(op) for op in ops if op not in lowerings])
 
 def test_import_defers_the_inductor_fallbacks_until_inductor_loads():
     # `import coda` does not pay for importing Inductor; importing Inductor's lowering table
-    # afterwards registers a fallback for every coda op
+    # afterwards (after a find_spec probe of it, too) registers a fallback for every coda op
     out = run_python(FALLBACKS_AFTER_IMPORT)
     assert "LOADED_EARLY False" in out, out
     assert "OPS 0" not in out, out

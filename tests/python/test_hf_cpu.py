@@ -337,6 +337,13 @@ def test_unsupported_hf_configs_are_rejected():
     cfg.attention_bias = True  # Qwen3's is on the output projection too
     with pytest.raises(NotImplementedError, match="attention_bias"):
         convert.config_from_hf(cfg)
+    # TorchTitan's Qwen3 keeps HF's half-split RoPE rows under llama3's names: refused, not
+    # silently misplaced
+    qwen3 = convert.from_hf(make_hf("qwen3"))
+    with pytest.raises(NotImplementedError, match="converts from and to Hugging Face only"):
+        convert.to_torchtitan(qwen3)
+    with pytest.raises(NotImplementedError, match="converts from and to Hugging Face only"):
+        convert.from_torchtitan({}, qwen3.config)
     cfg = make_hf("qwen2").config
     cfg.model_type = "mistral"
     with pytest.raises(NotImplementedError, match="model_type 'mistral'"):
