@@ -3,12 +3,13 @@
 
 #include <cmath>
 #include <cstdint>
+#include <tuple>
 #include <utility>
 
-#include "coda/kernel/aux_kernels.hpp"
-#include "coda/kernel/cuda_check.hpp"
 #include "coda/epilogue/elementwise.hpp"
 #include "coda/epilogue/online_softmax.hpp"
+#include "coda/kernel/aux_kernels.hpp"
+#include "coda/kernel/cuda_check.hpp"
 #include "coda/programs/formulas.hpp"
 #include "coda/programs/rope.hpp"
 
@@ -130,6 +131,112 @@ __global__ void rope_backward_kernel(const bf16* y, const bf16* dy, const bf16* 
   }
   for (int o = 16; o > 0; o /= 2) s += __shfl_xor_sync(0xffffffff, s, o);
   if (lane == 0) zdz[row] = s * inv_hidden;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffff, v, o);
+  return v;
+}
+
+// B3q: a warp per row (rows strided over the grid), its lanes over each head's pairs (pair j of a
+// head: lane j % 32, slot j / 32; head_dim <= 128 gives at most two slots). Each lane keeps its
+// pairs' dγ sums in registers over all its rows and heads; the block adds its warps' in a fixed
+// order and writes one partial row.
+constexpr int kQkWarps = 8;
+constexpr int kQkSlots = 2;
+constexpr int kQkMaxBlocks = 1024;
+
+__global__ void __launch_bounds__(kQkWarps * 32)
+    qk_norm_rope_backward_kernel(QkNormBackwardArgs a) {
+  __shared__ float sums[kQkWarps][4 * 32 * kQkSlots];  // per warp: 2 · head_dim sums
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, d = a.head_dim, pairs = d / 2;
+  const float inv_d = 1.0f / float(d);
+  using bf2 = __nv_bfloat162;
+  float2 gamma[2][kQkSlots], dg[2][kQkSlots];
+  for (int t = 0; t < kQkSlots; ++t) {
+    const int j = lane + 32 * t;
+    const bool in = j < pairs;
+    gamma[0][t] = in ? __bfloat1622float2(reinterpret_cast<const bf2*>(a.q_gamma)[j]) : float2{};
+    gamma[1][t] = in ? __bfloat1622float2(reinterpret_cast<const bf2*>(a.k_gamma)[j]) : float2{};
+    dg[0][t] = dg[1][t] = float2{0.f, 0.f};
+  }
+  for (int64_t row = blockIdx.x * int64_t(kQkWarps) + warp; row < a.m;
+       row += int64_t(gridDim.x) * kQkWarps) {
+    const bf2* u2 = reinterpret_cast<const bf2*>(a.qk_pre + row * a.ld_qk_pre);
+    const bf2* dy2 = reinterpret_cast<const bf2*>(a.dy + row * a.ld_dy);
+    const bf2* y2 = reinterpret_cast<const bf2*>(a.qkv + row * a.ld_qkv);
+    bf2* dz2 = reinterpret_cast<bf2*>(a.dz + row * a.ld_dz);
+    const int32_t p = a.pos[row];
+    float zdz = 0.f;
+    for (int h0 = 0; h0 < a.normed_width; h0 += d) {
+      const int kind = h0 < a.q_width ? 0 : 1;
+      float2 u[kQkSlots], dyr[kQkSlots];
+      float ss = 0.f;
+      for (int t = 0; t < kQkSlots; ++t) {
+        const int j = lane + 32 * t, pair = h0 / 2 + j;
+        u[t] = dyr[t] = float2{0.f, 0.f};
+        if (j >= pairs) continue;
+        u[t] = __bfloat1622float2(u2[pair]);
+        const float2 g = __bfloat1622float2(dy2[pair]);
+        float c, sn;
+        const int col = 2 * pair;
+        programs::rope_cos_sin<float>(p, programs::RopeFrequency{a.freq_hi[col], a.freq_lo[col]}, c,
+                                      sn);
+        epilogue::RopeRotateTranspose{}(g.x, g.y, c, sn, dyr[t].x, dyr[t].y);
+        ss += epilogue::Square{}(u[t].x) + epilogue::Square{}(u[t].y);
+      }
+      const float s = programs::Rstd{}(warp_sum(ss), inv_d, a.eps);
+      // The registers of this head's kind, chosen by value (an index by the run-time kind would
+      // put the arrays on the stack).
+      float2 g[kQkSlots];
+      float dn_n = 0.f;  // Σ γ ⊙ dy' ⊙ n over the head
+      for (int t = 0; t < kQkSlots; ++t) {
+        g[t] = kind == 0 ? gamma[0][t] : gamma[1][t];
+        const float n0 = u[t].x * s, n1 = u[t].y * s;
+        const float2 add{dyr[t].x * n0, dyr[t].y * n1};
+        if (kind == 0) {
+          dg[0][t].x += add.x;
+          dg[0][t].y += add.y;
+        } else {
+          dg[1][t].x += add.x;
+          dg[1][t].y += add.y;
+        }
+        dn_n += g[t].x * dyr[t].x * n0 + g[t].y * dyr[t].y * n1;
+      }
+      const float mean_dn_n = warp_sum(dn_n) * inv_d;
+      for (int t = 0; t < kQkSlots; ++t) {
+        const int j = lane + 32 * t;
+        if (j >= pairs) continue;
+        const float du0 = s * (g[t].x * dyr[t].x - u[t].x * s * mean_dn_n);
+        const float du1 = s * (g[t].y * dyr[t].y - u[t].y * s * mean_dn_n);
+        dz2[h0 / 2 + j] = __floats2bfloat162_rn(du0, du1);
+        zdz += programs::PairDot{}(u[t].x, u[t].y, du0, du1);
+      }
+    }
+    for (int64_t j = a.normed_width / 2 + lane; j < a.width / 2; j += 32) {  // V: dz = dy
+      const bf2 g = dy2[j];
+      dz2[j] = g;
+      const float2 y = __bfloat1622float2(y2[j]), gf = __bfloat1622float2(g);
+      zdz += programs::PairDot{}(y.x, y.y, gf.x, gf.y);
+    }
+    zdz = warp_sum(zdz);
+    if (lane == 0) a.zdz[row] = zdz * a.inv_hidden;
+  }
+#pragma unroll
+  for (int kind = 0; kind < 2; ++kind)
+#pragma unroll
+    for (int t = 0; t < kQkSlots; ++t) {
+      const int j = lane + 32 * t;
+      if (j >= pairs) continue;
+      sums[warp][kind * d + 2 * j] = dg[kind][t].x;
+      sums[warp][kind * d + 2 * j + 1] = dg[kind][t].y;
+    }
+  __syncthreads();
+  for (int i = threadIdx.x; i < 2 * d; i += blockDim.x) {
+    float total = 0.f;
+    for (int w = 0; w < kQkWarps; ++w) total += sums[w][i];
+    a.dgamma_partials[blockIdx.x * int64_t(2 * d) + i] = total;
+  }
 }
 
 // A token's loss from its lse: 0 when ignored, NaN for a target that is neither ignored nor in
@@ -374,6 +481,37 @@ void rope_backward(const bf16* y, const bf16* dy, const bf16* bias, const int32_
   const int warps = 8;
   rope_backward_kernel<<<unsigned((m + warps - 1) / warps), warps * 32, 0, stream>>>(
       y, dy, bias, pos, freq_hi, freq_lo, m, width, 1.0f / float(hidden), dz, zdz);
+  CODA_CUDA_CHECK(cudaGetLastError());
+}
+
+int64_t qk_norm_backward_blocks(int64_t m) {
+  const int64_t blocks = (m + kQkWarps - 1) / kQkWarps;
+  return blocks < kQkMaxBlocks ? blocks : kQkMaxBlocks;
+}
+
+void qk_norm_rope_backward(const QkNormBackwardArgs& a, cudaStream_t stream) {
+  CODA_CHECK(a.qk_pre && a.qkv && a.dy && a.q_gamma && a.k_gamma && a.pos && a.freq_hi &&
+                 a.freq_lo && a.dz && a.zdz && a.dgamma_partials,
+             "qk_norm_rope_backward: null pointer argument");
+  const int d = a.head_dim;
+  CODA_CHECK(a.m > 0 && d > 0 && d % 2 == 0 && d <= 64 * kQkSlots && a.q_width % d == 0 &&
+                 a.normed_width % d == 0 && a.normed_width > a.q_width &&
+                 a.width > a.normed_width && a.width % 2 == 0,
+             "qk_norm_rope_backward: bad geometry (M ", a.m, ", head_dim ", d, ", q_width ",
+             a.q_width, ", normed_width ", a.normed_width, ", width ", a.width, ")");
+  // Pairs move as 32-bit words.
+  for (const auto& [name, p, ld] :
+       {std::tuple<const char*, const void*, int64_t>{"qk_pre", a.qk_pre, a.ld_qk_pre},
+        {"qkv", a.qkv, a.ld_qkv},
+        {"dy", a.dy, a.ld_dy},
+        {"dz", a.dz, a.ld_dz},
+        {"q_gamma", a.q_gamma, 0},
+        {"k_gamma", a.k_gamma, 0}})
+    CODA_CHECK(reinterpret_cast<uintptr_t>(p) % 4 == 0 && ld % 2 == 0,
+               "qk_norm_rope_backward: ", name,
+               " must be 4-byte aligned with an even row stride, got address ", p, " stride ", ld);
+  const unsigned blocks = unsigned(qk_norm_backward_blocks(a.m));
+  qk_norm_rope_backward_kernel<<<blocks, kQkWarps * 32, 0, stream>>>(a);
   CODA_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -122,6 +122,10 @@ KernelChoice program_config(Program p, const GemmShape& s) {
       // 256x128 at N > 6144 and K > 2048.
       if (s.n > 6144 && s.k > 2048) return {Config::kCoop256x128x64_1x2, {8, Raster::kAlongN}};
       return ping(s);
+    case Program::kRmsnormQkNormRope:
+      // Its node stages the whole 128x128 tile and needs the cooperative epilogue's 256 threads:
+      // the one configuration it is compiled for, in the pingpong programs' tile order.
+      return {Config::kCoop128x128x64_1x2, ping_order(s)};
     case Program::kRmsnormLse:
       return {Config::kPing128x192x64_2x1, deep};
     case Program::kRmsnormLseLogits:

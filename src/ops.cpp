@@ -323,6 +323,60 @@ void gemm_rmsnorm_rope(View h, View w_qkv, View r, View bias, View pos, View rop
       args, stream);
 }
 
+namespace {
+// The head geometry both QK-norm programs take: the QKV width and a head_dim that divides the
+// forward's 128-column tile (so a head never spans two tiles) and is >= 8 (whole 16-byte stores).
+void check_qk_norm(const Args& c, const programs::QkNorm& qk, int64_t width) {
+  qk.validate(c.op());
+  const int d = qk.layout.head_dim;
+  CODA_CHECK(d >= 8 && 128 % d == 0, c.op(),
+             ": head_dim must divide 128 and be >= 8 (8, 16, 32, 64 or 128: a head lies in one "
+             "128-column tile), got ",
+             d);
+  CODA_CHECK(width == qk.layout.width(), c.op(), ": the QKV width is ", width, " but the heads (",
+             qk.layout.n_heads, " + 2 x ", qk.layout.n_kv_heads, ") x ", d, " give ",
+             qk.layout.width());
+}
+}  // namespace
+
+void gemm_rmsnorm_qk_norm_rope(View h, View w_qkv, View r, View q_gamma, View k_gamma,
+                               const programs::QkNorm& qk, View pos, View rope_table, View qkv,
+                               View qk_pre, cudaStream_t stream) {
+  Args c("coda::ops::gemm_rmsnorm_qk_norm_rope");
+  const auto [m, n, k] = c.gemm_operands("h", h, "w_qkv", w_qkv, Operands::kXWt);
+  check_qk_norm(c, qk, n);
+  const int64_t d = qk.layout.head_dim, normed = qk.normed_width();
+  c.vector("r", r, kF, m);
+  c.vector("q_gamma", q_gamma, kBf, d);
+  c.vector("k_gamma", k_gamma, kBf, d);
+  c.vector("pos", pos, DType::kI32, m);
+  c.matrix("rope_table", rope_table, DType::kI32, 2, n);
+  c.matrix("qkv", qkv, kBf, m, n);
+  c.matrix("qk_pre", qk_pre, kBf, m, normed);
+  c.distinct("qk_pre", qk_pre, "qkv", qkv);
+  c.on_device();
+  kernel::RmsnormQkNormRopeArgs args;
+  args.r = f32(r);
+  args.q_gamma = bf(q_gamma);
+  args.k_gamma = bf(k_gamma);
+  args.pos = pos.as<const int32_t>();
+  args.freq_hi = words(rope_table, 0);
+  args.freq_lo = words(rope_table, 1);
+  args.qkv = bf_out(qkv);
+  args.ld_qkv = qkv.ld;
+  args.qk_pre = bf_out(qk_pre);
+  args.ld_qk_pre = qk_pre.ld;
+  args.head_dim = int(d);
+  args.q_width = qk.layout.q_width();
+  args.normed_width = int(normed);
+  args.eps = float(qk.eps);
+  // No D: the program's node stores qkv and qk_pre.
+  launch<Program::kRmsnormQkNormRope>(
+      c, Operands::kXWt,
+      {int(m), int(n), int(k), bf(h), h.ld, bf(w_qkv), w_qkv.ld, nullptr, 0, nullptr, n}, args,
+      stream);
+}
+
 PartialLayout rmsnorm_backward_partials_layout(int64_t m, int64_t hidden, int64_t n_out) {
   return checked_layout("coda::ops::rmsnorm_backward_partials_layout", Program::kRmsnormBackward,
                         Operands::kXW, {m, hidden, n_out});
@@ -399,6 +453,65 @@ void rope_backward(View qkv, View dqkv, View bias, View pos, View rope_table, in
   kernel::rope_backward(bf(qkv), bf(dqkv), bf(bias), pos.as<const int32_t>(), words(rope_table, 0),
                         words(rope_table, 1), m, width, hidden, bf_out(dqkv_pre), f32_out(zdz),
                         stream);
+}
+
+int64_t qk_norm_backward_partials_rows(int64_t m) {
+  CODA_CHECK(m > 0, "coda::ops::qk_norm_backward_partials_rows: M must be positive, got ", m);
+  return kernel::qk_norm_backward_blocks(m);
+}
+
+void qk_norm_rope_backward(View qk_pre, View qkv, View dqkv, View q_gamma, View k_gamma,
+                           const programs::QkNorm& qk, View pos, View rope_table, int64_t hidden,
+                           View dqkv_pre, View zdz, View dgamma_partials, View dq_gamma,
+                           View dk_gamma, cudaStream_t stream) {
+  Args c("coda::ops::qk_norm_rope_backward");
+  const int64_t m = dqkv.rows, width = dqkv.cols;
+  CODA_CHECK(m > 0 && hidden > 0, c.op(), ": need M > 0 and hidden > 0, got M=", m,
+             " hidden=", hidden);
+  check_qk_norm(c, qk, width);
+  const int64_t d = qk.layout.head_dim, normed = qk.normed_width();
+  c.matrix("dqkv", dqkv, kBf, m, width);
+  c.matrix("qkv", qkv, kBf, m, width);
+  c.matrix("qk_pre", qk_pre, kBf, m, normed);
+  c.vector("q_gamma", q_gamma, kBf, d);
+  c.vector("k_gamma", k_gamma, kBf, d);
+  c.vector("pos", pos, DType::kI32, m);
+  c.matrix("rope_table", rope_table, DType::kI32, 2, width);
+  c.matrix("dqkv_pre", dqkv_pre, kBf, m, width);
+  c.vector("zdz", zdz, kF, m);
+  c.partials("dgamma_partials", dgamma_partials,
+             PartialLayout{2 * d, qk_norm_backward_partials_rows(m), 2 * d});
+  c.vector("dq_gamma", dq_gamma, kF, d);
+  c.vector("dk_gamma", dk_gamma, kF, d);
+  c.distinct("dqkv_pre", dqkv_pre, "dqkv", dqkv);
+  c.on_device();
+  kernel::QkNormBackwardArgs a;
+  a.qk_pre = bf(qk_pre);
+  a.ld_qk_pre = qk_pre.ld;
+  a.qkv = bf(qkv);
+  a.ld_qkv = qkv.ld;
+  a.dy = bf(dqkv);
+  a.ld_dy = dqkv.ld;
+  a.q_gamma = bf(q_gamma);
+  a.k_gamma = bf(k_gamma);
+  a.pos = pos.as<const int32_t>();
+  a.freq_hi = words(rope_table, 0);
+  a.freq_lo = words(rope_table, 1);
+  a.dz = bf_out(dqkv_pre);
+  a.ld_dz = dqkv_pre.ld;
+  a.zdz = f32_out(zdz);
+  a.dgamma_partials = f32_out(dgamma_partials);
+  a.m = m;
+  a.width = width;
+  a.head_dim = int(d);
+  a.q_width = qk.layout.q_width();
+  a.normed_width = int(normed);
+  a.eps = float(qk.eps);
+  a.inv_hidden = 1.0f / float(hidden);
+  kernel::qk_norm_rope_backward(a, stream);
+  const int64_t rows = dgamma_partials.rows;
+  kernel::fold_column_sums(f32(dgamma_partials), d, 2 * d, rows, f32_out(dq_gamma), stream);
+  kernel::fold_column_sums(f32(dgamma_partials) + d, d, 2 * d, rows, f32_out(dk_gamma), stream);
 }
 
 void zdz_fold(View partials, int64_t hidden, View zdz, cudaStream_t stream) {

@@ -55,6 +55,13 @@ void gemm_rmsnorm_swiglu(View h, View w_gu, View r, View z, View a, cudaStream_t
 // high and low words of each column's programs::RopeFrequency (rows 0 and 1).
 void gemm_rmsnorm_rope(View h, View w_qkv, View r, View bias, View pos, View rope_table, View qkv,
                        cudaStream_t stream);
+// F3 with QK-norm (Qwen3): u = r ⊙ (h · W_qkvᵀ); on each Q and K head of a row,
+// qkv = rope(γ ⊙ u · rsqrt(mean u² + eps), pos, freq) with γ = q_gamma or k_gamma (head_dim,
+// bf16); V heads qkv = u; qk_pre (M, qk.normed_width()) = u on the Q and K columns. head_dim must
+// divide 128 and be >= 8 (a head lies in one 128-column tile).
+void gemm_rmsnorm_qk_norm_rope(View h, View w_qkv, View r, View q_gamma, View k_gamma,
+                               const programs::QkNorm& qk, View pos, View rope_table, View qkv,
+                               View qk_pre, cudaStream_t stream);
 // The two rows of a rope_table from the host table (for upload by the caller).
 void split_rope_table(const std::vector<programs::RopeFrequency>& table, std::vector<uint32_t>& hi,
                       std::vector<uint32_t>& lo);
@@ -75,6 +82,17 @@ void gemm_swiglu_backward(View dx_out, View w_down, View z, View dz, View a, Vie
 // / hidden (bias: F3's, or a null view).
 void rope_backward(View qkv, View dqkv, View bias, View pos, View rope_table, int64_t hidden,
                    View dqkv_pre, View zdz, cudaStream_t stream);
+
+// B3 with QK-norm (the backward of gemm_rmsnorm_qk_norm_rope, docs/math.md B3q): on Q and K
+// heads dqkv_pre = s · (γ ⊙ dy' − n · mean(γ ⊙ dy' ⊙ n)) with dy' = Rᵀ · dqkv, n = u · s, u =
+// qk_pre; on V heads dqkv_pre = dqkv; zdz[m] = Σ_n z · dqkv_pre / hidden (z = u on Q and K, qkv
+// on V); dq_gamma, dk_gamma (fp32, head_dim) = Σ over rows and heads of dy' ⊙ n, through
+// dgamma_partials (fp32, (qk_norm_backward_partials_rows(M), 2 · head_dim)).
+int64_t qk_norm_backward_partials_rows(int64_t m);
+void qk_norm_rope_backward(View qk_pre, View qkv, View dqkv, View q_gamma, View k_gamma,
+                           const programs::QkNorm& qk, View pos, View rope_table, int64_t hidden,
+                           View dqkv_pre, View zdz, View dgamma_partials, View dq_gamma,
+                           View dk_gamma, cudaStream_t stream);
 
 // A3: zdz[m] = Σ partials / hidden (per-row); dgamma[n] = Σ partials (per-column).
 void zdz_fold(View partials, int64_t hidden, View zdz, cudaStream_t stream);

@@ -433,6 +433,116 @@ TEST_F(GpuKernelTest, RopeBackwardAndZdZMatchReference) {
     }
 }
 
+// B3q (Qwen3's QK-norm backward) through the op API (the row kernel and the dγ folds): dz, ZdZ
+// and dγ_q, dγ_k against the CPU reference; head_dim 128, 64 and 8; M up to 4097 (more rows than
+// the kernel's blocks hold warps: each warp takes several rows).
+TEST_F(GpuKernelTest, QkNormRopeBackwardMatchesReference) {
+  testing::Rng rng(29);
+  const programs::QkvLayout layouts[] = {{4, 2, 128}, {3, 1, 64}, {6, 3, 8}};
+  for (const auto& ql : layouts)
+    for (int M : {1, 19, 111, 4097, 9000}) {
+      const programs::QkNorm qk{ql, 1e-6};
+      const int W = ql.width(), d = ql.head_dim, P = int(qk.normed_width()), H = 256;
+      const V pre = testing::bf16_uniform(size_t(M) * P, -2, 2, rng);
+      const V y = testing::bf16_uniform(size_t(M) * W, -2, 2, rng);
+      const V dy = testing::bf16_uniform(size_t(M) * W, -1, 1, rng);
+      const V qg = testing::bf16_uniform(d, 0.5, 1.5, rng),
+              kg = testing::bf16_uniform(d, 0.5, 1.5, rng);
+      std::vector<int32_t> pos(M);
+      for (auto& p : pos) p = static_cast<int32_t>(rng.integer(0, 1 << 17));
+      const auto inv = programs::rope_inv_freq(d, 1000000.0, {});
+      const auto table = programs::rope_column_table(ql, inv);
+      std::vector<uint32_t> hi, lo;
+      ops::split_rope_table(table, hi, lo);
+      std::vector<uint32_t> words(hi);
+      words.insert(words.end(), lo.begin(), lo.end());
+      auto dpre = upload_bf16(pre), dyv = upload_bf16(y), ddy = upload_bf16(dy),
+           dqg = upload_bf16(qg), dkg = upload_bf16(kg);
+      DeviceBuffer<int32_t> dpos(pos);
+      DeviceBuffer<uint32_t> dtable(words);
+      DeviceBuffer<bf16> ddz(size_t(M) * W);
+      const int64_t rows = ops::qk_norm_backward_partials_rows(M);
+      DeviceBuffer<float> dzdz(M), dpart(size_t(rows) * 2 * d), ddq(d), ddk(d);
+      ddz.poison();
+      dzdz.poison();
+      dpart.poison();
+      ddq.poison();
+      ddk.poison();
+      using TV = TensorView;
+      ops::qk_norm_rope_backward(TV::matrix(dpre.get(), DType::kBF16, M, P, P, 0),
+                                 TV::matrix(dyv.get(), DType::kBF16, M, W, W, 0),
+                                 TV::matrix(ddy.get(), DType::kBF16, M, W, W, 0),
+                                 TV::vector(dqg.get(), DType::kBF16, d, 0),
+                                 TV::vector(dkg.get(), DType::kBF16, d, 0), qk,
+                                 TV::vector(dpos.get(), DType::kI32, M, 0),
+                                 TV::matrix(dtable.get(), DType::kI32, 2, W, W, 0), H,
+                                 TV::matrix(ddz.get(), DType::kBF16, M, W, W, 0),
+                                 TV::vector(dzdz.get(), DType::kF32, M, 0),
+                                 TV::matrix(dpart.get(), DType::kF32, rows, 2 * d, 2 * d, 0),
+                                 TV::vector(ddq.get(), DType::kF32, d, 0),
+                                 TV::vector(ddk.get(), DType::kF32, d, 0), nullptr);
+      CODA_CUDA_CHECK(cudaDeviceSynchronize());
+      V dz(size_t(M) * W), zsum(M), dq(d), dk(d);
+      programs::qk_norm_rope_backward<double>(
+          {pre.data(), M, P, P}, {y.data(), M, W, W}, {dy.data(), M, W, W}, {qg.data(), d},
+          {kg.data(), d}, qk, {pos.data(), M}, {table.data(), W}, {dz.data(), M, W, W}, zsum.data(),
+          dq.data(), dk.data());
+      for (auto& v : zsum) v /= H;
+      // PyTorch (HF eager autograd, bf16): RoPE's transpose with bf16 cos / sin and rounded
+      // products; the head norm's backward in fp32 from dn = bf16(γ · dy'); dγ an fp32 sum of
+      // dy' · bf16(n) rounded to bf16; ZdZ an fp32 sum.
+      V dz_pt(dz.size()), z_pt(M), dq_pt(d, 0.0), dk_pt(d, 0.0);
+      std::vector<float> dqf(d, 0.f), dkf(d, 0.f);
+      for (int i = 0; i < M; ++i) {
+        float acc = 0.f;
+        for (int h0 = 0; h0 < W; h0 += d) {
+          const int kind = qk.kind(h0);
+          const size_t e0 = size_t(i) * W + h0;
+          if (kind == 2) {
+            for (int j = 0; j < d; ++j) {
+              dz_pt[e0 + j] = dy[e0 + j];
+              acc += float(y[e0 + j] * dy[e0 + j]);
+            }
+            continue;
+          }
+          const double* u = &pre[size_t(i) * P + h0];
+          float ss = 0.f;
+          for (int j = 0; j < d; ++j) ss += float(u[j] * u[j]);
+          const float s = 1.f / std::sqrt(ss / float(d) + 1e-6f);
+          const V& g = kind == 0 ? qg : kg;
+          std::vector<float>& dg = kind == 0 ? dqf : dkf;
+          V dyr(d);
+          float dn_n = 0.f;
+          for (int j = 0; j < d; j += 2) {
+            const double th = double(pos[i]) * inv[j / 2];
+            const double c = round_bf16(std::cos(th)), sn = round_bf16(std::sin(th));
+            dyr[j] = round_bf16(round_bf16(dy[e0 + j] * c) + round_bf16(dy[e0 + j + 1] * sn));
+            dyr[j + 1] = round_bf16(round_bf16(dy[e0 + j + 1] * c) - round_bf16(dy[e0 + j] * sn));
+          }
+          for (int j = 0; j < d; ++j) {
+            const float n = float(u[j]) * s;
+            dg[j] += float(dyr[j]) * float(round_bf16(n));
+            dn_n += float(round_bf16(g[j] * dyr[j])) * n;
+          }
+          for (int j = 0; j < d; ++j) {
+            const float dn = float(round_bf16(g[j] * dyr[j]));
+            const float du = s * (dn - float(u[j]) * s * dn_n / float(d));
+            dz_pt[e0 + j] = round_bf16(du);
+            acc += float(u[j] * dz_pt[e0 + j]);
+          }
+        }
+        z_pt[i] = double(acc) / H;
+      }
+      for (int j = 0; j < d; ++j) dq_pt[j] = round_bf16(dqf[j]), dk_pt[j] = round_bf16(dkf[j]);
+      const auto zg = dzdz.download(), qgot = ddq.download(), kgot = ddk.download();
+      const std::string l = "d=" + std::to_string(d) + " M=" + std::to_string(M);
+      expect_rule("B3q dz " + l, download_bf16(ddz), dz, dz_pt);
+      expect_rule("B3q ZdZ " + l, V(zg.begin(), zg.end()), zsum, z_pt);
+      expect_rule("B3q dq_gamma " + l, V(qgot.begin(), qgot.end()), dq, dq_pt);
+      expect_rule("B3q dk_gamma " + l, V(kgot.begin(), kgot.end()), dk, dk_pt);
+    }
+}
+
 TEST_F(GpuKernelTest, PartialFoldsMatchSums) {
   testing::Rng rng(28);
   for (int n : {1, 19, 4097}) {

@@ -349,6 +349,112 @@ TEST_F(GpuKernelTest, RmsnormRopeMatchesReferenceWithGqaLongPositionsAndBias) {
         }
 }
 
+// F3 with QK-norm (Qwen3): the tile normalizes whole heads (head_dim 128, 64, 32 and 8; N = 320
+// leaves a 64-column last tile) against the CPU reference with one head-wide subtile.
+TEST_F(GpuKernelTest, RmsnormQkNormRopeMatchesReference) {
+  const auto configs = compiled_configs(Program::kRmsnormQkNormRope);
+  ASSERT_FALSE(configs.empty());
+  testing::Rng rng(13);
+  const programs::QkvLayout layouts[] = {{4, 2, 128}, {3, 1, 64}, {2, 2, 32}, {6, 3, 8}};
+  for (Config c : configs)
+    for (const auto& ql : layouts)
+      for (int m : {1, 111, 4097}) {
+        const Shape s{m, ql.width(), 136};
+        if (skip_large(s)) continue;
+        const programs::QkNorm qk{ql, 1e-6};
+        const int d = ql.head_dim, normed = int(qk.normed_width());
+        const size_t mn = size_t(s.m) * s.n, mp = size_t(s.m) * normed;
+        const V h = testing::bf16_uniform(size_t(s.m) * s.k, -1, 1, rng);
+        const V w = testing::bf16_uniform(size_t(s.n) * s.k, -0.3, 0.3, rng);
+        const V qg = testing::bf16_uniform(d, 0.5, 1.5, rng),
+                kg = testing::bf16_uniform(d, 0.5, 1.5, rng);
+        std::vector<float> r(s.m);
+        std::vector<int32_t> pos(s.m);
+        for (int i = 0; i < s.m; ++i) {
+          r[i] = static_cast<float>(rng.uniform(0.3, 3));
+          pos[i] = static_cast<int32_t>(rng.integer(0, 1 << 17));
+        }
+        const auto inv = programs::rope_inv_freq(d, 1000000.0, {});
+        const auto table = programs::rope_column_table(ql, inv);
+        std::vector<uint32_t> hi, lo;
+        ops::split_rope_table(table, hi, lo);
+        auto dh = upload_bf16(h), dw = upload_bf16(w), dqg = upload_bf16(qg), dkg = upload_bf16(kg);
+        DeviceBuffer<float> dr(r);
+        DeviceBuffer<int32_t> dpos(pos);
+        DeviceBuffer<uint32_t> dhi(hi), dlo(lo);
+        DeviceBuffer<bf16> dq(mn), dpre(mp);
+        dq.poison();
+        dpre.poison();
+        RmsnormQkNormRopeArgs args;
+        args.r = dr.get();
+        args.q_gamma = dqg.get();
+        args.k_gamma = dkg.get();
+        args.pos = dpos.get();
+        args.freq_hi = dhi.get();
+        args.freq_lo = dlo.get();
+        args.qkv = dq.get();
+        args.ld_qkv = s.n;
+        args.qk_pre = dpre.get();
+        args.ld_qk_pre = normed;
+        args.head_dim = d;
+        args.q_width = ql.q_width();
+        args.normed_width = normed;
+        args.eps = float(qk.eps);
+        run<Program::kRmsnormQkNormRope>(
+            c, {s.m, s.n, s.k, dh.get(), s.k, dw.get(), s.k, nullptr, 0, nullptr, s.n}, args);
+
+        const V rd = as_double(r);
+        programs::RmsnormQkNormRope<double> p;
+        V q(mn), pre(mp);
+        p.r = {rd.data(), s.m};
+        p.q_gamma = {qg.data(), d};
+        p.k_gamma = {kg.data(), d};
+        p.qk = qk;
+        p.pos = {pos.data(), s.m};
+        p.freq = {table.data(), s.n};
+        p.qkv = {q.data(), s.m, s.n, s.n};
+        p.qk_pre = {pre.data(), s.m, normed, normed};
+        reference::TileConfig tiles = reference_tiles(c);
+        tiles.subtile_n = d;
+        reference::execute<double>(MatrixRef<double>::row_major(h.data(), s.m, s.k),
+                                   MatrixRef<double>::row_major(w.data(), s.n, s.k), p, tiles);
+        // PyTorch (HF eager Qwen3): u = bf16(bf16(y) r); the head norm in fp32 rounded to bf16,
+        // times γ rounded; cos, sin in bf16 and each product of the rotation rounded.
+        const V y = gemm_ref(h, w, s);
+        V q_pt(mn), pre_pt(mp);
+        for (int i = 0; i < s.m; ++i)
+          for (int h0 = 0; h0 < s.n; h0 += d) {
+            const int kind = qk.kind(h0);
+            const size_t e0 = size_t(i) * s.n + h0;
+            V u(d);
+            double ss = 0;
+            for (int j = 0; j < d; ++j) {
+              u[j] = round_bf16(round_bf16(y[e0 + j]) * rd[i]);
+              ss += u[j] * u[j];
+            }
+            if (kind == 2) {
+              for (int j = 0; j < d; ++j) q_pt[e0 + j] = u[j];
+              continue;
+            }
+            const double sc = 1.0 / std::sqrt(float(ss / d) + 1e-6);
+            const V& g = kind == 0 ? qg : kg;
+            for (int j = 0; j < d; j += 2) {
+              pre_pt[size_t(i) * normed + h0 + j] = u[j];
+              pre_pt[size_t(i) * normed + h0 + j + 1] = u[j + 1];
+              const double x0 = round_bf16(g[j] * round_bf16(u[j] * sc));
+              const double x1 = round_bf16(g[j + 1] * round_bf16(u[j + 1] * sc));
+              const double th = double(pos[i]) * inv[j / 2];
+              const double cs = round_bf16(std::cos(th)), sn = round_bf16(std::sin(th));
+              q_pt[e0 + j] = round_bf16(round_bf16(x0 * cs) - round_bf16(x1 * sn));
+              q_pt[e0 + j + 1] = round_bf16(round_bf16(x1 * cs) + round_bf16(x0 * sn));
+            }
+          }
+        const std::string l = label(c, s) + " d" + std::to_string(d);
+        expect_rule("F3q qkv " + l, download_bf16(dq), q, q_pt);
+        expect_rule("F3q qk_pre " + l, download_bf16(dpre), pre, pre_pt);
+      }
+}
+
 template <Program prog>
 void check_lse() {
   const auto configs = compiled_configs(prog);

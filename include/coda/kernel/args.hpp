@@ -130,6 +130,25 @@ struct RmsnormRopeArgs {              // F3: D = qkv
   const uint32_t* freq_lo = nullptr;  // (N)
 };
 
+// F3 with QK-norm (Qwen3; tile 128x128, cooperative): no D. u = r[m] · acc is staged over the
+// whole tile; each Q and K head of a row is RMS-normalized, scaled by its head-norm weight and
+// rotated into qkv, V heads stored as u; qk_pre gets the Q and K columns of u. head_dim divides
+// the tile's 128 columns, so every head lies in one tile.
+struct RmsnormQkNormRopeArgs {
+  const float* r = nullptr;           // (M)
+  const bf16* q_gamma = nullptr;      // (head_dim)
+  const bf16* k_gamma = nullptr;      // (head_dim)
+  const int32_t* pos = nullptr;       // (M)
+  const uint32_t* freq_hi = nullptr;  // (N)
+  const uint32_t* freq_lo = nullptr;  // (N)
+  bf16* qkv = nullptr;                // (M, N)
+  int64_t ld_qkv = 0;
+  bf16* qk_pre = nullptr;  // (M, normed_width)
+  int64_t ld_qk_pre = 0;
+  int head_dim = 0, q_width = 0, normed_width = 0;  // normed_width: the Q and K columns
+  float eps = 0.f;
+};
+
 struct RmsnormLseArgs {              // F4: D = logits (bf16) only for kRmsnormLseLogits
   const float* r = nullptr;          // (M)
   const int64_t* targets = nullptr;  // (M)

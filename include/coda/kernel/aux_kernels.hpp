@@ -41,6 +41,35 @@ void rope_backward(const bf16* y, const bf16* dy, const bf16* bias, const int32_
                    const uint32_t* freq_hi, const uint32_t* freq_lo, int64_t m, int64_t width,
                    int64_t hidden, bf16* dz, float* zdz, cudaStream_t stream);
 
+// B3 with QK-norm (docs/math.md B3q), one warp per row: on each Q and K head (u = qk_pre,
+// s = rsqrt(mean u² + eps), n = u·s, dy' = Rᵀ·dy) dz = s·(γ ⊙ dy' − n·mean(γ ⊙ dy' ⊙ n)); on V
+// heads dz = dy; zdz[m] = Σ_n z·dz · inv_hidden (z = u on Q and K, qkv on V). Block b writes
+// its Σ over its rows and heads of dy' ⊙ n to dgamma_partials[b · 2d ..]: the Q heads' d sums,
+// then the K heads'. head_dim even, <= 128; every pointer and row stride 4-byte aligned.
+struct QkNormBackwardArgs {
+  const bf16* qk_pre = nullptr;  // (M, normed_width)
+  int64_t ld_qk_pre = 0;
+  const bf16* qkv = nullptr;  // (M, width): read on the V columns
+  int64_t ld_qkv = 0;
+  const bf16* dy = nullptr;  // (M, width)
+  int64_t ld_dy = 0;
+  const bf16* q_gamma = nullptr;  // (head_dim)
+  const bf16* k_gamma = nullptr;  // (head_dim)
+  const int32_t* pos = nullptr;   // (M)
+  const uint32_t* freq_hi = nullptr;
+  const uint32_t* freq_lo = nullptr;  // (width)
+  bf16* dz = nullptr;                 // (M, width)
+  int64_t ld_dz = 0;
+  float* zdz = nullptr;              // (M)
+  float* dgamma_partials = nullptr;  // (qk_norm_backward_blocks(M), 2 · head_dim)
+  int64_t m = 0, width = 0;
+  int head_dim = 0, q_width = 0, normed_width = 0;
+  float eps = 0.f, inv_hidden = 0.f;
+};
+// The blocks (partial rows) qk_norm_rope_backward runs for M rows.
+int64_t qk_norm_backward_blocks(int64_t m);
+void qk_norm_rope_backward(const QkNormBackwardArgs& a, cudaStream_t stream);
+
 // A2 (per token): lse[m] = logsumexp over the tiles' (max, sumexp) partials (per_row layout);
 // token_loss[m] = lse − target_logit + z_loss·lse², 0 where targets[m] == ignore_index, NaN where
 // the target is neither ignored nor in [0, vocab) (no host check: the loss shows it).
