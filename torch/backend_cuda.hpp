@@ -97,9 +97,25 @@ class CudaBackend : public TorchTensors {
     else
       ops::gemm_xty(view(dz), view(h), view(dw), stream_);
   }
-  // QK-norm (Qwen3) has no CUDA kernel yet: the ops' validation refuses CUDA tensors first.
-  void gemm_rmsnorm_qk_norm_rope(const auto&...) const { no_qk_norm(); }
-  void qk_norm_rope_backward(const auto&...) const { no_qk_norm(); }
+  void gemm_rmsnorm_qk_norm_rope(const Tensor& h, const Tensor& w_qkv, const Tensor& r,
+                                 const Tensor& q_gamma, const Tensor& k_gamma,
+                                 const programs::QkNorm& qk, const Tensor& pos,
+                                 const Tensor& rope_table, Tensor& qkv, Tensor& qk_pre) const {
+    ops::gemm_rmsnorm_qk_norm_rope(view(h), view(w_qkv), view(r), view(q_gamma), view(k_gamma), qk,
+                                   view(pos), view(rope_table), view(qkv), view(qk_pre), stream_);
+  }
+  // B3q, its dγ partials from the caching allocator.
+  void qk_norm_rope_backward(const Tensor& qk_pre, const Tensor& qkv, const Tensor& dqkv,
+                             const Tensor& q_gamma, const Tensor& k_gamma,
+                             const programs::QkNorm& qk, const Tensor& pos,
+                             const Tensor& rope_table, int64_t hidden, Tensor& dpre, Tensor& zdz,
+                             Tensor& dq_gamma, Tensor& dk_gamma) const {
+    const int64_t d = qk.layout.head_dim, rows = ops::qk_norm_backward_partials_rows(dqkv.size(0));
+    const Tensor partials = stat(rows * 2 * d).view({rows, 2 * d});
+    ops::qk_norm_rope_backward(view(qk_pre), view(qkv), view(dqkv), view(q_gamma), view(k_gamma),
+                               qk, view(pos), view(rope_table), hidden, view(dpre), view(zdz),
+                               view(partials), view(dq_gamma), view(dk_gamma), stream_);
+  }
   // out[n] = Σ_m t[m, n] in fp32 (a bias gradient).
   void column_sum(const Tensor& t, Tensor& out) const {
     at::sum_out(out, t, {0}, false, at::kFloat);
@@ -107,9 +123,6 @@ class CudaBackend : public TorchTensors {
   cudaStream_t stream() const { return stream_; }
 
  private:
-  static void no_qk_norm() {
-    TORCH_CHECK(false, "coda: QK-norm (Qwen3) has no CUDA kernel in this build yet");
-  }
   static TensorView arg(const at::Tensor& t) { return view(t); }
   template <class Scalar>
   static Scalar arg(Scalar s) {

@@ -65,8 +65,6 @@ inline QkNormSizes validate_norm_qkv_qk_norm(const OpContext& c, const at::Tenso
                                              const at::Tensor& pos, const at::Tensor& rope_table,
                                              const at::Tensor& q_gamma, const at::Tensor& k_gamma,
                                              int64_t n_heads, int64_t n_kv_heads, double eps) {
-  TORCH_CHECK(!c.device.is_cuda(), c.op,
-              ": QK-norm (Qwen3) has no CUDA kernel in this build yet; it runs on the CPU");
   const auto s = validate_norm_qkv(c, x, gamma, w_qkv, h, r, pos, rope_table, at::Tensor());
   TORCH_CHECK(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0, c.op,
               ": n_heads and n_kv_heads must be positive with n_heads a multiple of n_kv_heads, "
@@ -77,6 +75,9 @@ inline QkNormSizes validate_norm_qkv_qk_norm(const OpContext& c, const at::Tenso
               ": the QKV width (w_qkv.size(0) = ", s.n,
               ") must be (n_heads + 2*n_kv_heads) = ", heads, " times an even head_dim");
   const int64_t d = s.n / heads;
+  // The CUDA epilogue normalizes a 128-column tile whose heads lie wholly in it.
+  TORCH_CHECK(!c.device.is_cuda() || (d >= 8 && 128 % d == 0), c.op,
+              ": on CUDA head_dim must divide 128 and be >= 8 (8, 16, 32, 64 or 128), got ", d);
   c.activation("q_gamma", q_gamma, {d});
   c.activation("k_gamma", k_gamma, {d});
   check_eps(c.op, eps);

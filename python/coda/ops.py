@@ -102,11 +102,9 @@ def norm_qkv_qk_norm(
     """F3 with QK-norm (Qwen3): :func:`norm_qkv` with an RMSNorm over every Q and K head before
     RoPE, ``q_gamma`` / ``k_gamma (head_dim)`` its weights and ``eps`` its epsilon; the heads
     give ``W = (n_heads + 2 * n_kv_heads) * head_dim``. Returns ``qkv (M, W)``. Differentiable in
-    ``x``, ``gamma``, ``w_qkv``, ``q_gamma`` and ``k_gamma``. CPU only in this build.
+    ``x``, ``gamma``, ``w_qkv``, ``q_gamma`` and ``k_gamma``. On CUDA ``head_dim`` must divide
+    128 (8 to 128: the epilogue normalizes whole heads inside a 128-column tile).
     """
-    if x.is_cuda:
-        raise NotImplementedError("coda.ops.norm_qkv_qk_norm: QK-norm (Qwen3) has no CUDA kernel "
-                                  "in this build yet; it runs on the CPU")
     if pos.dtype == torch.int64:
         pos = pos.to(torch.int32)
     qkv, _ = torch.ops.coda.norm_qkv_qk_norm(x, gamma, w_qkv, h, r, pos, rope_table, q_gamma,

@@ -111,6 +111,33 @@ def test_norm_qkv_matches_fp64_reference(s, bias):
 
 
 @OP_SHAPES
+def test_norm_qkv_qk_norm_matches_fp64_reference(s):
+    """Qwen3's QK-norm: F3q (per-head RMSNorm in F3's epilogue) and B3q; qkv, the saved pre-norm
+    Q and K columns, and every gradient by the §5 rule."""
+    from test_qk_norm_cpu import ref_norm_qkv_qk_norm_fn
+
+    gen = torch.Generator().manual_seed(9)
+    inp = qkv_inputs(gen, s)
+    inp["q_gamma"] = rand(s["d"], scale=0.3, shift=1.0, gen=gen)
+    inp["k_gamma"] = rand(s["d"], scale=0.3, shift=1.0, gen=gen)
+    inv = ops.rope_inv_freq(s["d"], 500000.0, {"factor": 8.0, "low_freq_factor": 1.0,
+                                                "high_freq_factor": 4.0,
+                                                "original_max_position_embeddings": 8192})
+    sizes = dict(n_heads=s["hq"], n_kv_heads=s["hkv"], eps=1e-6)
+    normed = (s["hq"] + s["hkv"]) * s["d"]
+
+    def ours(**a):
+        return CODA.norm_qkv_qk_norm(**a, **sizes)
+
+    def ref(**a):
+        qkv = ref_norm_qkv_qk_norm_fn(s, inv.to(a["x"].device))(**a, **sizes)
+        return qkv, (ref_norm(a["x"], a["gamma"]) @ a["w_qkv"].t())[:, :normed]
+
+    check_op("norm_qkv_qk_norm", ours, ref, inp, ["x", "gamma", "w_qkv", "q_gamma", "k_gamma"],
+             1)
+
+
+@OP_SHAPES
 def test_out_proj_residual_norm_matches_fp64_reference(s):
     gen = torch.Generator().manual_seed(2)
     K = s["hq"] * s["d"]
@@ -342,6 +369,17 @@ def test_opcheck_every_op_on_cuda():
                           (dq, qkv_b, qb["x"].detach(), qb["gamma"].detach(),
                            qb["w_qkv"].detach(), qb["r"], qb["pos"], qb["rope_table"],
                            qb["b_qkv"].detach()))
+    qn = qkv_inputs(gen)
+    for k in ("x", "gamma", "w_qkv"):
+        qn[k] = qn[k].requires_grad_()
+    qn["q_gamma"] = rand(S["d"], scale=0.3, shift=1.0, gen=gen).requires_grad_()
+    qn["k_gamma"] = rand(S["d"], scale=0.3, shift=1.0, gen=gen).requires_grad_()
+    torch.library.opcheck(CODA.norm_qkv_qk_norm, (*qn.values(), S["hq"], S["hkv"], 1e-6))
+    plain_qn = [v.detach() for v in qn.values()]
+    qkv_n, pre_n = CODA.norm_qkv_qk_norm(*plain_qn, S["hq"], S["hkv"], 1e-6)
+    torch.library.opcheck(CODA.norm_qkv_qk_norm_backward,
+                          (dq, qkv_n, pre_n, *plain_qn[:3], *plain_qn[4:], S["hq"], S["hkv"],
+                           1e-6))
     torch.library.opcheck(CODA.linear_backward, (rand(S["M"], S["H"], gen=gen), y.detach(),
                                                  w_o.detach()))
     z = CODA.mlp(x.detach(), gamma, w_gu.detach(), w_down.detach(), h, r, gamma, EPS)[3]
@@ -433,11 +471,13 @@ def test_each_op_forward_and_backward_capture_in_a_cuda_graph(case):
 # ---- whole model ---------------------------------------------------------------------------------
 
 
-def hf_llama(tie, scaling, dtype, device, seed=0, vocab=S["V"], qwen2=False):
-    """A small HF LlamaForCausalLM, or with `qwen2` a Qwen2ForCausalLM (Q/K/V biases)."""
+def hf_llama(tie, scaling, dtype, device, seed=0, vocab=S["V"], qwen2=False, qwen3=False):
+    """A small HF LlamaForCausalLM, or with `qwen2` a Qwen2ForCausalLM (Q/K/V biases), with
+    `qwen3` a Qwen3ForCausalLM (QK-norm)."""
     import transformers
 
-    HFConfig = transformers.Qwen2Config if qwen2 else transformers.LlamaConfig
+    HFConfig = (transformers.Qwen2Config if qwen2 else transformers.Qwen3Config if qwen3 else
+                transformers.LlamaConfig)
     cfg = HFConfig(vocab_size=vocab, hidden_size=S["H"], intermediate_size=S["I"],
                    num_hidden_layers=2, num_attention_heads=S["hq"],
                    num_key_value_heads=S["hkv"], head_dim=S["d"], rms_norm_eps=EPS,
@@ -447,7 +487,8 @@ def hf_llama(tie, scaling, dtype, device, seed=0, vocab=S["V"], qwen2=False):
                                      "original_max_position_embeddings": 64} if scaling else
                                     {"rope_type": "default", "rope_theta": 10000.0}))
     torch.manual_seed(seed)
-    model_class = transformers.Qwen2ForCausalLM if qwen2 else transformers.LlamaForCausalLM
+    model_class = (transformers.Qwen2ForCausalLM if qwen2 else transformers.Qwen3ForCausalLM
+                   if qwen3 else transformers.LlamaForCausalLM)
     model = model_class(cfg).to(torch.float64)
     with torch.no_grad():  # non-trivial norm weights so that every γ gradient matters
         for n, p in model.named_parameters():
@@ -586,6 +627,37 @@ def test_qwen2_model_loss_and_every_gradient(how):
     g_ref, g_pt = hf_grads(ref), hf_grads(plain)
     g_ours = hf_grads(ours) if how == "patched" else coda_grads_as_hf(ours)
     assert {n for n in g_ref if n.endswith("bias")}, "the reference has bias gradients"
+    assert set(g_ours) >= set(g_ref), sorted(set(g_ref) - set(g_ours))
+    for n in g_ref:
+        assert_ops_rule(g_ours[n].float().cpu(), g_ref[n], g_pt[n].float().cpu(), f"d {n}")
+
+
+@pytest.mark.parametrize("how", ["patched", "converted"])
+def test_qwen3_model_loss_and_every_gradient(how):
+    """Qwen3 (QK-norm inside F3's epilogue before RoPE, its backward in B3q), in bf16: patched in
+    place, or converted to coda.nn; loss and every gradient (the head norms' too) by the §5 rule
+    against HF Qwen3ForCausalLM in fp64 and in bf16."""
+    from coda.integrations import patch_hf
+
+    ids, labels = batch(5)
+    ref, ref_loss, plain, pt_loss = hf_references(ids, labels, False, True, qwen3=True)
+    ids, labels = ids.cuda(), labels.cuda()
+    model = hf_llama(False, True, BF16, "cuda", qwen3=True)
+    if how == "patched":
+        ours = patch_hf(model)
+        out = ours(input_ids=ids, labels=labels)
+        assert out.logits is None, "the patched model took the fused path"
+        loss = out.loss
+    else:
+        ours = coda.convert.from_hf(model)
+        assert ours.config.qk_norm
+        loss = ours(ids, labels)
+    loss.backward()
+    assert_ops_rule(loss.detach().float().cpu(), ref_loss.detach(),
+                    pt_loss.detach().float().cpu(), "loss")
+    g_ref, g_pt = hf_grads(ref), hf_grads(plain)
+    g_ours = hf_grads(ours) if how == "patched" else coda_grads_as_hf(ours)
+    assert {n for n in g_ref if n.endswith("q_norm.weight")}, "the reference has head norms"
     assert set(g_ours) >= set(g_ref), sorted(set(g_ref) - set(g_ours))
     for n in g_ref:
         assert_ops_rule(g_ours[n].float().cpu(), g_ref[n], g_pt[n].float().cpu(), f"d {n}")

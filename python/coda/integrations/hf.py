@@ -206,8 +206,8 @@ def _cuda_widths(c: LlamaConfig) -> str | None:
             return f"{what} = {width} is not a multiple of {multiple} (CUDA: 16-byte rows)"
     if c.vocab_size > _MAX_CUDA_VOCAB:
         return f"vocab_size = {c.vocab_size} exceeds {_MAX_CUDA_VOCAB} on CUDA"
-    if c.qk_norm:
-        return "QK-norm (Qwen3) has no CUDA kernel in this build yet"
+    if c.qk_norm and (c.head_dim < 8 or 128 % c.head_dim):
+        return f"QK-norm on CUDA needs head_dim dividing 128 (8 to 128), got {c.head_dim}"
     return None
 
 
