@@ -1,7 +1,8 @@
 """The suite's e2e section: a whole model's training step, forward + backward + AdamW, in tokens/s
 and peak memory, for the systems people train LLaMA with, from one initialization on one batch:
 
-  hf_eager        transformers' LlamaForCausalLM, eager (sdpa attention)
+  hf_eager        transformers' LlamaForCausalLM (Qwen3ForCausalLM for the Qwen3 shape), eager
+                  (sdpa attention)
   hf_compile      the same with each decoder block torch.compile'd (TorchTitan's per-block style)
   liger           the same patched by Liger Kernel (RMSNorm, RoPE, SwiGLU, fused linear
                   cross-entropy), eager
@@ -40,35 +41,43 @@ MODEL_SHAPES = {
     # LLaMA-3-8B's layer shape, 8 of its 32 layers; 2 x 4096 tokens per step.
     "llama3-8B": dict(layers=8, hidden=4096, heads=32, kv_heads=8, intermediate=14336,
                       vocab=128256, tie=False, batch=2, seq=4096),
+    # Qwen3-1.7B's layer shape (QK-norm, head_dim 128, 151936 vocabulary, tied), 8 of its 28
+    # layers; 4 x 4096 tokens per step.
+    "qwen3-1.7B": dict(family="qwen3", layers=8, hidden=2048, heads=16, kv_heads=8, head_dim=128,
+                       intermediate=6144, vocab=151936, tie=True, batch=4, seq=4096),
 }
 SYSTEMS = ("hf_eager", "hf_compile", "liger", "coda", "coda_compile", "coda_patched")
 
 
 def hf_config(s):
-    from transformers import LlamaConfig
+    import transformers
 
-    return LlamaConfig(vocab_size=s["vocab"], hidden_size=s["hidden"],
-                       intermediate_size=s["intermediate"], num_hidden_layers=s["layers"],
-                       num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
-                       head_dim=s["hidden"] // s["heads"], rms_norm_eps=1e-5,
-                       max_position_embeddings=s["seq"], tie_word_embeddings=s["tie"],
-                       attn_implementation="sdpa",
-                       rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0,
-                                        "factor": 32.0, "low_freq_factor": 1.0,
-                                        "high_freq_factor": 4.0,
-                                        "original_max_position_embeddings": 8192})
+    common = dict(vocab_size=s["vocab"], hidden_size=s["hidden"],
+                  intermediate_size=s["intermediate"], num_hidden_layers=s["layers"],
+                  num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
+                  head_dim=s.get("head_dim", s["hidden"] // s["heads"]),
+                  max_position_embeddings=s["seq"], tie_word_embeddings=s["tie"],
+                  attn_implementation="sdpa")
+    if s.get("family") == "qwen3":
+        return transformers.Qwen3Config(**common, rms_norm_eps=1e-6, rope_parameters={
+            "rope_type": "default", "rope_theta": 1000000.0})
+    return transformers.LlamaConfig(**common, rms_norm_eps=1e-5, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
 
 
 def new_hf(cfg):
-    """A bf16 LlamaForCausalLM on the GPU, initialized from the current seed (the caller seeds:
-    every system, each in its own process, starts from the same weights)."""
-    from transformers import LlamaForCausalLM
+    """A bf16 LlamaForCausalLM (Qwen3ForCausalLM) on the GPU, initialized from the current seed
+    (the caller seeds: every system, each in its own process, starts from the same weights)."""
+    import transformers
 
+    cls = (transformers.Qwen3ForCausalLM if cfg.model_type == "qwen3" else
+           transformers.LlamaForCausalLM)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device("cuda"):
-            model = LlamaForCausalLM(cfg)
+            model = cls(cfg)
     finally:
         torch.set_default_dtype(default)
     return model
@@ -82,11 +91,12 @@ def build(system, cfg):
             for layer in hf.model.layers:
                 layer.compile()
         if system == "liger":
-            from liger_kernel.transformers import apply_liger_kernel_to_llama
+            import liger_kernel.transformers as liger
 
-            apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True,
-                                        cross_entropy=False, fused_linear_cross_entropy=True,
-                                        model=hf)
+            apply = (liger.apply_liger_kernel_to_qwen3 if cfg.model_type == "qwen3" else
+                     liger.apply_liger_kernel_to_llama)
+            apply(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                  fused_linear_cross_entropy=True, model=hf)
         return hf, lambda m, ids: m(input_ids=ids, labels=ids).loss
     if system == "coda_patched":
         from coda.integrations import patch_hf
