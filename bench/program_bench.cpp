@@ -1,7 +1,7 @@
 // Each fused program (forward F1-F4, backward B1-B2) vs our plain GEMM of the same shape,
 // operand layout and configuration (the epilogue's cost), at the LLaMA-3 shapes of docs/math.md
-// §7. Every fused output is spot-checked against an fp64 host computation at random positions
-// before its time is reported.
+// §7, and F3 with and without QK-norm at Qwen3's QKV projections. Every fused output is
+// spot-checked against an fp64 host computation at random positions before its time is reported.
 //
 //   coda_program_bench [--quick] [--json results.json] [--commit sha] [--command "..."]
 //                      [--only MODEL:OP] [--op OP] [--m M] [--config NAME] [--swizzle S]
@@ -43,7 +43,7 @@ struct Case {
   std::string model, op;
   Program program;
   int m, n, k;
-  int heads = 0, kv_heads = 0, head_dim = 0;  // F3 only
+  int heads = 0, kv_heads = 0, head_dim = 0;  // F3 and F3q only
   kernel::Operands operands = kernel::Operands::kXWt;
 };
 
@@ -80,6 +80,10 @@ std::vector<Case> cases(bool quick) {
         out.push_back({md.name, "lm_head_bwd+B1", Program::kRmsnormBackward, kLmHeadChunk,
                        md.hidden, bench::kLlama3Vocab, 0, 0, 0, xw});
     }
+    for (const auto& md : bench::kQwen3Models)
+      for (Program p : {Program::kRmsnormRope, Program::kRmsnormQkNormRope})
+        out.push_back({md.name, p == Program::kRmsnormRope ? "qkv+F3" : "qkv+F3q", p, m,
+                       md.qkv_width(), md.hidden, md.q_heads, md.kv_heads, md.head_dim});
     if (quick) break;
   }
   return out;
@@ -167,6 +171,8 @@ int main(int argc, char** argv) {
     int32_t* pos = nullptr;
     int64_t* tgt = nullptr;
     uint32_t *fhi = nullptr, *flo = nullptr;
+    bf16 *qk_pre = nullptr, *qk_gamma = nullptr;  // F3q: (M, normed); q then k γ (2 · head_dim)
+    const int normed = (c.heads + c.kv_heads) * c.head_dim;
     CODA_CUDA_CHECK(cudaMalloc(&a, na * 2));
     CODA_CUDA_CHECK(cudaMalloc(&w, nw * 2));
     CODA_CUDA_CHECK(cudaMalloc(&d, nd * 2));
@@ -194,6 +200,7 @@ int main(int argc, char** argv) {
     kernel::ResidualRmsnormPartialArgs f1;
     kernel::RmsnormSwigluArgs f2;
     kernel::RmsnormRopeArgs f3;
+    kernel::RmsnormQkNormRopeArgs f3q;
     kernel::RmsnormLseArgs f4;
     kernel::SwigluBackwardArgs b2;
     kernel::RmsnormBackwardArgs b1;
@@ -210,7 +217,7 @@ int main(int argc, char** argv) {
       CODA_CUDA_CHECK(cudaMalloc(&h, nd));  // (M, N/2) bf16
       f2 = {r, h, c.n / 2};
       fargs = &f2;
-    } else if (c.program == Program::kRmsnormRope) {
+    } else if (c.program == Program::kRmsnormRope || c.program == Program::kRmsnormQkNormRope) {
       table = programs::rope_column_table(
           {c.heads, c.kv_heads, c.head_dim},
           programs::rope_inv_freq(c.head_dim, 500000.0, {.enabled = true}));
@@ -224,6 +231,26 @@ int main(int argc, char** argv) {
       CODA_CUDA_CHECK(cudaMemcpy(flo, lo.data(), c.n * 4, cudaMemcpyHostToDevice));
       f3 = {r, nullptr, pos, fhi, flo};  // no Q/K/V bias
       fargs = &f3;
+      if (c.program == Program::kRmsnormQkNormRope) {  // qkv goes to d, as F3's D
+        CODA_CUDA_CHECK(cudaMalloc(&qk_pre, size_t(c.m) * normed * 2));
+        CODA_CUDA_CHECK(cudaMalloc(&qk_gamma, size_t(2) * c.head_dim * 2));
+        kernel::fill_uniform_bf16(qk_gamma, 2 * c.head_dim, seed++, 0.5f, 1.5f, nullptr);
+        f3q.r = r;
+        f3q.q_gamma = qk_gamma;
+        f3q.k_gamma = qk_gamma + c.head_dim;
+        f3q.pos = pos;
+        f3q.freq_hi = fhi;
+        f3q.freq_lo = flo;
+        f3q.qkv = d;
+        f3q.ld_qkv = c.n;
+        f3q.qk_pre = qk_pre;
+        f3q.ld_qk_pre = normed;
+        f3q.head_dim = c.head_dim;
+        f3q.q_width = c.heads * c.head_dim;
+        f3q.normed_width = normed;
+        f3q.eps = 1e-6f;
+        fargs = &f3q;
+      }
     } else if (c.program == Program::kSwigluBackward) {  // z, dz: (M, N) bf16 pairs
       CODA_CUDA_CHECK(cudaMalloc(&zpair, nd * 4));
       CODA_CUDA_CHECK(cudaMalloc(&dzpair, nd * 4));
@@ -325,6 +352,27 @@ int main(int argc, char** argv) {
           programs::rope_cos_sin<double>(pos_host[mi], table[ni], cs, sn);
           const auto got = download(d, size_t(mi) * c.n + ni, 2);
           ok = close(bf(got[0]), x0 * cs - x1 * sn) && close(bf(got[1]), x0 * sn + x1 * cs);
+        } else if (c.program == Program::kRmsnormQkNormRope) {
+          // The whole head of (mi, ni): u, its norm, γ, the rotation of the pair at ni.
+          const int hd = c.head_dim, h0 = ni / hd * hd, j = ni - h0;
+          std::vector<double> u(hd);
+          double ss = 0;
+          for (int t = 0; t < hd; ++t) {
+            u[t] = r_host[mi] * dot_row(a, w, mi, h0 + t, c.k);
+            ss += u[t] * u[t];
+          }
+          const auto got = download(d, size_t(mi) * c.n + ni, 2);
+          if (ni >= normed) {
+            ok = close(bf(got[0]), u[j]) && close(bf(got[1]), u[j + 1]);
+          } else {
+            const auto g = download(qk_gamma, ni < c.heads * hd ? j : hd + j, 2);
+            const double sc = 1 / std::sqrt(ss / hd + 1e-6);
+            const double x0 = bf(g[0]) * u[j] * sc, x1 = bf(g[1]) * u[j + 1] * sc;
+            double cs, sn;
+            programs::rope_cos_sin<double>(pos_host[mi], table[ni], cs, sn);
+            ok = close(bf(got[0]), x0 * cs - x1 * sn) && close(bf(got[1]), x0 * sn + x1 * cs) &&
+                 close(bf(download(qk_pre, size_t(mi) * normed + ni, 1)[0]), u[j]);
+          }
         } else if (c.program == Program::kSwigluBackward) {
           const double da = dot_row(a, w, mi, ni, c.k, c.n);
           const auto zz = download(reinterpret_cast<const bf16*>(zpair), size_t(mi) * 2 * c.n + 2 * ni, 2);
@@ -447,10 +495,10 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
       if (args.count("json")) bench::write_results(args["json"], header, rows);
     }
-    for (void* p :
-         {(void*)a, (void*)w, (void*)d, (void*)res, (void*)h, (void*)gamma, (void*)r, (void*)part,
-          (void*)part2, (void*)tl, (void*)pos, (void*)tgt, (void*)fhi, (void*)flo, (void*)x,
-          (void*)zdz, (void*)zpair, (void*)dzpair})
+    for (void* p : {(void*)a,     (void*)w,     (void*)d,      (void*)res,    (void*)h,
+                    (void*)gamma, (void*)r,     (void*)part,   (void*)part2,  (void*)tl,
+                    (void*)pos,   (void*)tgt,   (void*)fhi,    (void*)flo,    (void*)x,
+                    (void*)zdz,   (void*)zpair, (void*)dzpair, (void*)qk_pre, (void*)qk_gamma})
       if (p) cudaFree(p);
   }
   return 0;
