@@ -601,17 +601,17 @@ def test_hf_model_patched_in_place_at_an_odd_vocabulary(vocab, tie):
         assert_ops_rule(g_ours[n].float().cpu(), g_ref[n], g_pt[n].float().cpu(), f"d {n}")
 
 
-@pytest.mark.parametrize("how", ["patched", "converted"])
-def test_qwen2_model_loss_and_every_gradient(how):
-    """Qwen2 (Q/K/V bias added in F3's epilogue before RoPE, its gradient from B3's output), in
-    bf16: patched in place, or converted to coda.nn; loss and every gradient (the biases' too) by
-    the §5 rule against HF Qwen2ForCausalLM in fp64 and in bf16."""
+def check_family_model(how, seed, tie, scaling, family, config_flag, grad_suffix):
+    """A Qwen-family HF model (`family`: hf_llama's qwen2= / qwen3= flag) in bf16, patched in
+    place or converted to coda.nn: loss and every gradient by the §5 rule against the same HF
+    model in fp64 and in bf16. The converted config must have `config_flag` set and the
+    reference a gradient whose name ends in `grad_suffix` (the family's own parameters)."""
     from coda.integrations import patch_hf
 
-    ids, labels = batch(4)
-    ref, ref_loss, plain, pt_loss = hf_references(ids, labels, True, False, qwen2=True)
+    ids, labels = batch(seed)
+    ref, ref_loss, plain, pt_loss = hf_references(ids, labels, tie, scaling, **{family: True})
     ids, labels = ids.cuda(), labels.cuda()
-    model = hf_llama(True, False, BF16, "cuda", qwen2=True)
+    model = hf_llama(tie, scaling, BF16, "cuda", **{family: True})
     if how == "patched":
         ours = patch_hf(model)
         out = ours(input_ids=ids, labels=labels)
@@ -619,48 +619,31 @@ def test_qwen2_model_loss_and_every_gradient(how):
         loss = out.loss
     else:
         ours = coda.convert.from_hf(model)
-        assert ours.config.qkv_bias
+        assert getattr(ours.config, config_flag)
         loss = ours(ids, labels)
     loss.backward()
     assert_ops_rule(loss.detach().float().cpu(), ref_loss.detach(),
                     pt_loss.detach().float().cpu(), "loss")
     g_ref, g_pt = hf_grads(ref), hf_grads(plain)
     g_ours = hf_grads(ours) if how == "patched" else coda_grads_as_hf(ours)
-    assert {n for n in g_ref if n.endswith("bias")}, "the reference has bias gradients"
+    assert {n for n in g_ref if n.endswith(grad_suffix)}, f"the reference has no {grad_suffix}"
     assert set(g_ours) >= set(g_ref), sorted(set(g_ref) - set(g_ours))
     for n in g_ref:
         assert_ops_rule(g_ours[n].float().cpu(), g_ref[n], g_pt[n].float().cpu(), f"d {n}")
+
+
+@pytest.mark.parametrize("how", ["patched", "converted"])
+def test_qwen2_model_loss_and_every_gradient(how):
+    """Qwen2 (Q/K/V bias added in F3's epilogue before RoPE, its gradient from B3's output): the
+    biases' gradients too."""
+    check_family_model(how, 4, True, False, "qwen2", "qkv_bias", "bias")
 
 
 @pytest.mark.parametrize("how", ["patched", "converted"])
 def test_qwen3_model_loss_and_every_gradient(how):
-    """Qwen3 (QK-norm inside F3's epilogue before RoPE, its backward in B3q), in bf16: patched in
-    place, or converted to coda.nn; loss and every gradient (the head norms' too) by the §5 rule
-    against HF Qwen3ForCausalLM in fp64 and in bf16."""
-    from coda.integrations import patch_hf
-
-    ids, labels = batch(5)
-    ref, ref_loss, plain, pt_loss = hf_references(ids, labels, False, True, qwen3=True)
-    ids, labels = ids.cuda(), labels.cuda()
-    model = hf_llama(False, True, BF16, "cuda", qwen3=True)
-    if how == "patched":
-        ours = patch_hf(model)
-        out = ours(input_ids=ids, labels=labels)
-        assert out.logits is None, "the patched model took the fused path"
-        loss = out.loss
-    else:
-        ours = coda.convert.from_hf(model)
-        assert ours.config.qk_norm
-        loss = ours(ids, labels)
-    loss.backward()
-    assert_ops_rule(loss.detach().float().cpu(), ref_loss.detach(),
-                    pt_loss.detach().float().cpu(), "loss")
-    g_ref, g_pt = hf_grads(ref), hf_grads(plain)
-    g_ours = hf_grads(ours) if how == "patched" else coda_grads_as_hf(ours)
-    assert {n for n in g_ref if n.endswith("q_norm.weight")}, "the reference has head norms"
-    assert set(g_ours) >= set(g_ref), sorted(set(g_ref) - set(g_ours))
-    for n in g_ref:
-        assert_ops_rule(g_ours[n].float().cpu(), g_ref[n], g_pt[n].float().cpu(), f"d {n}")
+    """Qwen3 (QK-norm inside F3's epilogue before RoPE, its backward in B3q): the head norms'
+    gradients too."""
+    check_family_model(how, 5, False, True, "qwen3", "qk_norm", "q_norm.weight")
 
 
 def test_torch_compile_fullgraph_inductor_matches_eager():
