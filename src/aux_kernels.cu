@@ -215,8 +215,8 @@ __global__ void __launch_bounds__(kQkWarps * 32)
     }
     for (int64_t j = a.normed_width / 2 + lane; j < a.width / 2; j += 32) {  // V: dz = dy
       const bf2 g = dy2[j];
-      dz2[j] = g;
       const float2 y = __bfloat1622float2(y2[j]), gf = __bfloat1622float2(g);
+      dz2[j] = g;
       zdz += programs::PairDot{}(y.x, y.y, gf.x, gf.y);
     }
     zdz = warp_sum(zdz);

@@ -325,7 +325,8 @@ void gemm_rmsnorm_rope(View h, View w_qkv, View r, View bias, View pos, View rop
 
 namespace {
 // The head geometry both QK-norm programs take: the QKV width and a head_dim that divides the
-// forward's 128-column tile (so a head never spans two tiles) and is >= 8 (whole 16-byte stores).
+// forward's 128-column tile (so a head never spans two tiles), from 8 (the narrowest head the GPU
+// tests cover) to 128.
 void check_qk_norm(const Args& c, const programs::QkNorm& qk, int64_t width) {
   qk.validate(c.op());
   const int d = qk.layout.head_dim;
@@ -468,9 +469,9 @@ void qk_norm_rope_backward(View qk_pre, View qkv, View dqkv, View q_gamma, View 
   const int64_t m = dqkv.rows, width = dqkv.cols;
   CODA_CHECK(m > 0 && hidden > 0, c.op(), ": need M > 0 and hidden > 0, got M=", m,
              " hidden=", hidden);
+  c.matrix("dqkv", dqkv, kBf, m, width);  // first: the width below comes from it
   check_qk_norm(c, qk, width);
   const int64_t d = qk.layout.head_dim, normed = qk.normed_width();
-  c.matrix("dqkv", dqkv, kBf, m, width);
   c.matrix("qkv", qkv, kBf, m, width);
   c.matrix("qk_pre", qk_pre, kBf, m, normed);
   c.vector("q_gamma", q_gamma, kBf, d);
@@ -484,6 +485,8 @@ void qk_norm_rope_backward(View qk_pre, View qkv, View dqkv, View q_gamma, View 
   c.vector("dq_gamma", dq_gamma, kF, d);
   c.vector("dk_gamma", dk_gamma, kF, d);
   c.distinct("dqkv_pre", dqkv_pre, "dqkv", dqkv);
+  c.distinct("dqkv_pre", dqkv_pre, "qkv", qkv);
+  c.distinct("dqkv_pre", dqkv_pre, "qk_pre", qk_pre);
   c.on_device();
   kernel::QkNormBackwardArgs a;
   a.qk_pre = bf(qk_pre);

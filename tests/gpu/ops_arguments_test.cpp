@@ -161,6 +161,42 @@ TEST(OpArguments, TableAndPartialShapesAreNamed) {
               HasSubstr("sumsq_partials is null"));
 }
 
+TEST(OpArguments, QkNormHeadsAndAliasesAreNamed) {
+  const auto i32 = [](uintptr_t address, int64_t rows, int64_t cols) {
+    return rows == 1 ? TensorView::vector(reinterpret_cast<void*>(address), DType::kI32, cols, 0)
+                     : TensorView::matrix(reinterpret_cast<void*>(address), DType::kI32, rows, cols,
+                                          cols, 0);
+  };
+  const auto bf16_vector = [](uintptr_t address, int64_t n) {
+    return TensorView::vector(reinterpret_cast<void*>(address), DType::kBF16, n, 0);
+  };
+  // head_dim 96 does not divide the forward's 128-column tile.
+  const programs::QkNorm wide{{2, 1, 96}, 1e-6};
+  EXPECT_THAT(error_of([&] {
+                gemm_rmsnorm_qk_norm_rope(bf16_matrix(256, 4, 16), bf16_matrix(512, 384, 16),
+                                          f32_vector(1024, 4), bf16_vector(2048, 96),
+                                          bf16_vector(4096, 96), wide, i32(8192, 1, 4),
+                                          i32(16384, 2, 384), bf16_matrix(32768, 4, 384),
+                                          bf16_matrix(65536, 4, 288), nullptr);
+              }),
+              AllOf(HasSubstr("coda::ops::gemm_rmsnorm_qk_norm_rope"),
+                    HasSubstr("head_dim must divide 128"), HasSubstr("got 96")));
+  // The backward's output may not alias an input it reads.
+  const programs::QkNorm qk{{2, 1, 64}, 1e-6};
+  const uintptr_t qkv = 1 << 16;
+  EXPECT_THAT(error_of([&] {
+                qk_norm_rope_backward(
+                    bf16_matrix(1 << 12, 4, 192), bf16_matrix(qkv, 4, 256),
+                    bf16_matrix(1 << 17, 4, 256), bf16_vector(1 << 18, 64),
+                    bf16_vector(1 << 19, 64), qk, i32(1 << 20, 1, 4), i32(1 << 21, 2, 256), 128,
+                    bf16_matrix(qkv, 4, 256), f32_vector(1 << 22, 4),
+                    TensorView::matrix(reinterpret_cast<void*>(uintptr_t(1) << 23), DType::kF32,
+                                       qk_norm_backward_partials_rows(4), 128, 128, 0),
+                    f32_vector(1 << 24, 64), f32_vector(1 << 25, 64), nullptr);
+              }),
+              HasSubstr("dqkv_pre must not alias qkv"));
+}
+
 TEST(OpArguments, SplitRopeTableKeepsBothWords) {
   const std::vector<programs::RopeFrequency> t{{1, 2}, {3, 4}, {0xffffffffu, 0}};
   std::vector<uint32_t> hi, lo;

@@ -1,6 +1,6 @@
 """A transformers ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM`` patched in
 place to train through coda's fused ops (Qwen2's Q/K/V bias is added in the QKV GEMM's epilogue,
-before RoPE; Qwen3's QK-norm is the QKV op's per-head RMSNorm, CPU only in this build).
+before RoPE; Qwen3's QK-norm is the per-head RMSNorm inside the QKV GEMM's epilogue).
 
 :func:`patch_hf` replaces the model instance's ``forward`` and nothing else: the parameters, their
 names and layouts, the config and the module tree stay Hugging Face's. So the model is still a

@@ -48,9 +48,14 @@ struct QkNormRopeStore : NoWorkspaceNoProducerLoads {
   }
   template <class ProblemShape>
   static bool can_implement(ProblemShape const&, Arguments const& a) {
+    // The finish moves 4 bf16 (8 bytes) per lane: rows and head-norm weights 8-byte aligned.
+    const auto aligned8 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 8 == 0; };
     const int d = a.head_dim;
     return a.qkv && a.qk_pre && a.q_gamma && a.k_gamma && a.pos && a.freq_hi && a.freq_lo &&
-           d >= 8 && kTileN % d == 0 && a.q_width % d == 0 && a.normed_width % d == 0;
+           d >= 8 && kTileN % d == 0 && a.q_width % d == 0 && a.normed_width % d == 0 &&
+           0 < a.q_width && a.q_width < a.normed_width && a.ld_qkv % 4 == 0 &&
+           a.ld_qk_pre % 4 == 0 && a.ld_qk_pre >= a.normed_width && aligned8(a.qkv) &&
+           aligned8(a.qk_pre) && aligned8(a.q_gamma) && aligned8(a.k_gamma);
   }
   CUTLASS_HOST_DEVICE QkNormRopeStore() {}
   CUTLASS_HOST_DEVICE QkNormRopeStore(Params const& p, SharedStorage const& s)
