@@ -97,11 +97,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int j = 0; j < kChunks; ++j) {
     const int i = threadIdx.x + j * kThreads, r = i / (kTile / 8), c = i % (kTile / 8) * 8;
-    uint32_t* dst = reinterpret_cast<uint32_t*>(staged.tile) + (r * kPitch + c) / 2;
-    dst[0] = v[j].x;
-    dst[1] = v[j].y;
-    dst[2] = v[j].z;
-    dst[3] = v[j].w;
+    *reinterpret_cast<uint4*>(staged.tile + r * kPitch + c) = v[j];
   }
   __syncthreads();
 

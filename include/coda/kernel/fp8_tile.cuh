@@ -18,9 +18,10 @@ namespace coda::kernel::fp8_tile {
 constexpr int kTile = ScaleLayout::kBlock;  // 128
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-// A tile row in shared memory: 128 bf16 plus 2, so that a row is 65 words and a warp reading one
-// column (a row per lane) touches 32 distinct banks.
-constexpr int kPitch = kTile + 2;
+// A tile row in shared memory: 128 bf16 plus 8, so that rows start 16-byte aligned (16-byte loads
+// and cp.async) and a row is 68 words: 8 lanes reading 16 bytes from 8 consecutive rows, or a
+// warp writing the accumulator's column pairs, touch 32 distinct banks.
+constexpr int kPitch = kTile + 8;
 constexpr int kSmemBytes = kTile * kPitch * 2;
 
 // Magnitudes as the bits of |v|: for non-negative floats the unsigned order of the bits is the
@@ -91,101 +92,154 @@ __device__ __forceinline__ void warp_block_scales(uint32_t (&m)[kBatch], float (
   }
 }
 
-// Rows: lane holds columns 4·lane .. 4·lane + 3 of row r. Under 1x128 blocks the rows past the
-// tensor up to a multiple of 4 get scale 1 (their amax is 0): the GEMM's TMA reads whole 16 bytes
-// of scales.
+// The amax of a bf16 pair's two values as |bits| of fp32 (bf16 is fp32's high half): lo and hi.
+__device__ __forceinline__ uint32_t pair_magnitudes(uint32_t pair) { return pair & 0x7fff7fffu; }
+__device__ __forceinline__ uint32_t low_amax(uint32_t mags) { return mags << 16; }
+__device__ __forceinline__ uint32_t high_amax(uint32_t mags) { return mags & 0xffff0000u; }
+__device__ __forceinline__ float low_value(uint32_t pair) { return __uint_as_float(pair << 16); }
+__device__ __forceinline__ float high_value(uint32_t pair) {
+  return __uint_as_float(pair & 0xffff0000u);
+}
+
+// Eight bf16 (one 16-byte read) as four pairs.
+struct Eight {
+  uint32_t p[4];
+};
+__device__ __forceinline__ Eight load8(const __nv_bfloat16* at) {
+  const uint4 u = *reinterpret_cast<const uint4*>(at);
+  return {{u.x, u.y, u.z, u.w}};
+}
+// The e4m3 codes of v[0..7] · inv, v[i] from pairs (i even: low half), byte i = value i.
+__device__ __forceinline__ uint2 encode8(const Eight& e, float inv) {
+  return make_uint2(pack4(low_value(e.p[0]), high_value(e.p[0]), low_value(e.p[1]),
+                          high_value(e.p[1]), inv),
+                    pack4(low_value(e.p[2]), high_value(e.p[2]), low_value(e.p[3]),
+                          high_value(e.p[3]), inv));
+}
+__device__ __forceinline__ uint32_t amax8(const Eight& e) {  // as |bits|
+  const uint32_t m2 = __vmaxu2(__vmaxu2(pair_magnitudes(e.p[0]), pair_magnitudes(e.p[1])),
+                               __vmaxu2(pair_magnitudes(e.p[2]), pair_magnitudes(e.p[3])));
+  return max(low_amax(m2), high_amax(m2));
+}
+
+// Rows: warp w takes rows 16w .. 16w + 15; lane (g, s) = (lane / 8, lane % 8) holds rows
+// 16w + g + 4u (u < 4), columns 8s .. 8s + 7 and 64 + 8s .. 64 + 8s + 7 (16-byte reads, 8 lanes
+// reading 128 contiguous bytes of a row), so a row's amax takes 3 shuffle rounds and its codes go
+// out 8 bytes at a time. Under 1x128 blocks the rows past the tensor up to a multiple of 4 get
+// scale 1 (their staged values are 0): the GEMM's TMA reads whole 16 bytes of scales.
 template <Blocks kBlocks>
 __device__ __forceinline__ void quantize_rows(const Staged& s, const TilePlace& t, Fp8Output out,
                                               int thread, float tile_inv = 0.0f) {
-  using epilogue::E4m3;
-  const int warp = thread / 32, lane = thread % 32;
+  constexpr int kRowsPerLane = kTile / kWarps / 4;  // 4
+  const int warp = thread / 32, lane = thread % 32, g = lane / 8, seg = lane % 8;
   constexpr bool per_row = kBlocks == Blocks::kRows;
   const int64_t rows_scaled = per_row ? ScaleLayout::row_scales_ld(t.rows) - t.row0 : t.rows_here;
   const int row_end = rows_scaled < kTile ? int(rows_scaled) : kTile;
-  const __nv_bfloat162* tile = reinterpret_cast<const __nv_bfloat162*>(s.tile);
-  for (int r0 = warp; r0 < row_end; r0 += kBatch * kWarps) {
-    float2 a[kBatch], b[kBatch];
-    float inv[kBatch];
+  Eight a[kRowsPerLane], b[kRowsPerLane];
+  float inv[kRowsPerLane];
 #pragma unroll
-    for (int i = 0; i < kBatch; ++i) {  // rows r0 + i·kWarps < 128: inside the staged tile
-      const int r = r0 + i * kWarps;
-      a[i] = __bfloat1622float2(tile[(r * kPitch) / 2 + 2 * lane]);
-      b[i] = __bfloat1622float2(tile[(r * kPitch) / 2 + 2 * lane + 1]);
-      inv[i] = tile_inv;
+  for (int u = 0; u < kRowsPerLane; ++u) {
+    const __nv_bfloat16* row = s.tile + (16 * warp + g + 4 * u) * kPitch + 8 * seg;
+    a[u] = load8(row);
+    b[u] = load8(row + 64);
+    inv[u] = tile_inv;
+  }
+  if constexpr (per_row) {
+    uint32_t m[kRowsPerLane];
+#pragma unroll
+    for (int u = 0; u < kRowsPerLane; ++u) m[u] = max(amax8(a[u]), amax8(b[u]));
+#pragma unroll
+    for (int o = 4; o > 0; o /= 2)
+#pragma unroll
+      for (int u = 0; u < kRowsPerLane; ++u) m[u] = max(m[u], __shfl_xor_sync(0xffffffffu, m[u], o));
+#pragma unroll
+    for (int u = 0; u < kRowsPerLane; ++u) {
+      const float sc = epilogue::E4m3::scale(as_amax(m[u]));
+      inv[u] = epilogue::E4m3::inverse(sc);
+      const int r = 16 * warp + g + 4 * u;
+      if (seg == 0 && r < row_end) out.scales[t.tile_col * out.ld_scales + t.row0 + r] = sc;
     }
-    if constexpr (per_row) {
-      uint32_t m[kBatch];
+  }
 #pragma unroll
-      for (int i = 0; i < kBatch; ++i)
-        m[i] = amax_of(amax_of(amax_of(magnitude(a[i].x), a[i].y), b[i].x), b[i].y);
-      float sc[kBatch];
-      warp_block_scales(m, sc, inv);
-#pragma unroll
-      for (int i = 0; i < kBatch; ++i) {
-        const int r = r0 + i * kWarps;
-        if (lane == 0 && r < row_end) out.scales[t.tile_col * out.ld_scales + t.row0 + r] = sc[i];
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < kBatch; ++i) {
-      const int r = r0 + i * kWarps;
-      if (r < t.rows_here && 4 * lane < t.cols_here)
-        *reinterpret_cast<uint32_t*>(out.codes + (t.row0 + r) * out.ld + t.col0 + 4 * lane) =
-            pack4(a[i].x, a[i].y, b[i].x, b[i].y, inv[i]);
-    }
+  for (int u = 0; u < kRowsPerLane; ++u) {
+    const int r = 16 * warp + g + 4 * u;
+    if (r >= t.rows_here) continue;
+    uint8_t* row = out.codes + (t.row0 + r) * out.ld + t.col0;
+    // cols_here is a multiple of 16: an 8-column chunk is wholly in or out.
+    if (8 * seg < t.cols_here) *reinterpret_cast<uint2*>(row + 8 * seg) = encode8(a[u], inv[u]);
+    if (64 + 8 * seg < t.cols_here)
+      *reinterpret_cast<uint2*>(row + 64 + 8 * seg) = encode8(b[u], inv[u]);
   }
 }
 
-// Columns (the transposed copy, codes (cols, padded_tokens(rows))): lane holds rows lane + 32·j
-// of column c and stores their codes, a warp's 32 bytes contiguous. Rows past the tensor up to
-// the next multiple of 16 hold code 0, even in a block whose scale is NaN.
+// Columns (the transposed copy, codes (cols, padded_tokens(rows))): warp w takes columns
+// 16w .. 16w + 15, each half-warp 8 of them; lane i of a half holds rows 8i .. 8i + 7 of its 8
+// columns, so a column's amax takes 4 shuffle rounds and its codes go out 8 bytes at a time. The
+// lane reads its rows rotated by i (row 8i + (j + i) mod 8 at step j): the 8 lanes of a 16-byte
+// phase then hit 8 distinct bank groups; the codes are rotated back before the store. Rows past
+// the tensor up to the next multiple of 16 hold code 0, even in a block whose scale is NaN.
 template <Blocks kBlocks>
 __device__ __forceinline__ void quantize_columns(const Staged& s, const TilePlace& t,
                                                  Fp8Output out_t, int thread,
                                                  float tile_inv = 0.0f) {
   using epilogue::E4m3;
-  const int warp = thread / 32, lane = thread % 32;
+  const int warp = thread / 32, lane = thread % 32, i = lane % 16, turn = i % 8;
+  const int c0 = 16 * warp + 8 * (lane / 16);
+  // cols_here is a multiple of 16 (the casts and the epilogue take N a multiple of 16).
+  if (c0 >= t.cols_here) return;
   const int64_t rows_padded = ScaleLayout::padded_tokens(t.rows) - t.row0;
   const int rows_written = rows_padded < kTile ? int(rows_padded) : kTile;
-  for (int c0 = warp; c0 < t.cols_here; c0 += kBatch * kWarps) {
-    float v[kBatch][4], inv[kBatch];
-    uint32_t m[kBatch];
+  Eight w[8];  // w[j]: row 8i + (j + turn) % 8, columns c0 .. c0 + 7
 #pragma unroll
-    for (int i = 0; i < kBatch; ++i) {  // columns c0 + i·kWarps < 128: inside the staged tile
-      const int c = c0 + i * kWarps;
-      m[i] = 0;
-      inv[i] = tile_inv;
+  for (int j = 0; j < 8; ++j) w[j] = load8(s.tile + (8 * i + (j + turn) % 8) * kPitch + c0);
+  float inv[8];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        v[i][j] = __bfloat162float(s.tile[(lane + 32 * j) * kPitch + c]);
-        m[i] = amax_of(m[i], v[i][j]);
-      }
-    }
-    if constexpr (kBlocks == Blocks::kRows) {
-      float sc[kBatch];
-      warp_block_scales(m, sc, inv);
+  for (int k = 0; k < 8; ++k) inv[k] = tile_inv;
+  if constexpr (kBlocks == Blocks::kRows) {
+    uint32_t m[8];
 #pragma unroll
-      for (int i = 0; i < kBatch; ++i) {
-        const int c = c0 + i * kWarps;
-        if (lane == 0 && c < t.cols_here)
-          out_t.scales[t.tile_row * out_t.ld_scales + t.col0 + c] = sc[i];
-      }
+    for (int k = 0; k < 4; ++k) {
+      uint32_t m2 = pair_magnitudes(w[0].p[k]);
+#pragma unroll
+      for (int j = 1; j < 8; ++j) m2 = __vmaxu2(m2, pair_magnitudes(w[j].p[k]));
+      m[2 * k] = low_amax(m2);
+      m[2 * k + 1] = high_amax(m2);
     }
 #pragma unroll
-    for (int i = 0; i < kBatch; ++i) {
-      const int c = c0 + i * kWarps;
-      if (c >= t.cols_here) continue;
-      uint8_t* row = out_t.codes + (t.col0 + c) * out_t.ld + t.row0;
+    for (int o = 8; o > 0; o /= 2)
 #pragma unroll
-      for (int j = 0; j < 4; j += 2) {  // rows lane + 32·j and lane + 32·(j + 1)
-        const int r = lane + 32 * j;
-        const float lo = t.row0 + r < t.rows ? v[i][j] * inv[i] : 0.0f;
-        const float hi = t.row0 + r + 32 < t.rows ? v[i][j + 1] * inv[i] : 0.0f;
-        const uint16_t q = E4m3::encode2(lo, hi);  // code 0 past the tensor, whatever the scale
-        if (r < rows_written) row[r] = uint8_t(q);
-        if (r + 32 < rows_written) row[r + 32] = uint8_t(q >> 8);
-      }
+      for (int k = 0; k < 8; ++k) m[k] = max(m[k], __shfl_xor_sync(0xffffffffu, m[k], o));
+    float mine = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const float sc = E4m3::scale(as_amax(m[k]));
+      inv[k] = E4m3::inverse(sc);
+      mine = i == k ? sc : mine;
     }
+    if (i < 8) out_t.scales[t.tile_row * out_t.ld_scales + t.col0 + c0 + i] = mine;
+  }
+  if (8 * i >= rows_written) return;
+  const bool whole = t.row0 + kTile <= t.rows;  // else rows past the tensor encode as 0
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    uint32_t half[2];
+#pragma unroll
+    for (int j = 0; j < 8; j += 4) {
+      float v[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const uint32_t pair = w[j + q].p[k / 2];
+        v[q] = (k % 2 ? high_value(pair) : low_value(pair)) * inv[k];
+        if (!whole && t.row0 + 8 * i + (j + q + turn) % 8 >= t.rows) v[q] = 0.0f;
+      }
+      half[j / 4] = uint32_t(E4m3::encode2(v[0], v[1])) | uint32_t(E4m3::encode2(v[2], v[3])) << 16;
+    }
+    // Byte j holds row 8i + (j + turn) % 8: rotate left by `turn` bytes into row order.
+    const bool swap = turn >= 4;
+    const uint32_t lo = swap ? half[1] : half[0], hi = swap ? half[0] : half[1];
+    const int sh = 8 * (turn % 4);
+    const uint2 codes = make_uint2(__funnelshift_l(hi, lo, sh), __funnelshift_l(lo, hi, sh));
+    *reinterpret_cast<uint2*>(out_t.codes + (t.col0 + c0 + k) * out_t.ld + t.row0 + 8 * i) = codes;
   }
 }
 
