@@ -72,26 +72,6 @@ __device__ __forceinline__ Staged staged(unsigned char* smem) {
 // and gradients); kTiles, one 128x128 block (weights), whose scale's inverse the caller passes.
 enum class Blocks { kRows, kTiles };
 
-// A warp's rows (or columns) go kBatch at a time: their loads, shuffle rounds and stores
-// interleave, where one at a time each waited on the last one's shuffles.
-constexpr int kBatch = 8;
-
-// The block scales of a batch of 32-lane blocks (rows or columns), from each lane's amax (as
-// |bits|): merged over the warp, every lane gets each block's scale and its exact inverse.
-__device__ __forceinline__ void warp_block_scales(uint32_t (&m)[kBatch], float (&sc)[kBatch],
-                                                  float (&inv)[kBatch]) {
-  using epilogue::E4m3;
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2)
-#pragma unroll
-    for (int i = 0; i < kBatch; ++i) m[i] = max(m[i], __shfl_xor_sync(0xffffffffu, m[i], o));
-#pragma unroll
-  for (int i = 0; i < kBatch; ++i) {
-    sc[i] = E4m3::scale(as_amax(m[i]));
-    inv[i] = E4m3::inverse(sc[i]);
-  }
-}
-
 // The amax of a bf16 pair's two values as |bits| of fp32 (bf16 is fp32's high half): lo and hi.
 __device__ __forceinline__ uint32_t pair_magnitudes(uint32_t pair) { return pair & 0x7fff7fffu; }
 __device__ __forceinline__ uint32_t low_amax(uint32_t mags) { return mags << 16; }
@@ -111,10 +91,9 @@ __device__ __forceinline__ Eight load8(const __nv_bfloat16* at) {
 }
 // The e4m3 codes of v[0..7] · inv, v[i] from pairs (i even: low half), byte i = value i.
 __device__ __forceinline__ uint2 encode8(const Eight& e, float inv) {
-  return make_uint2(pack4(low_value(e.p[0]), high_value(e.p[0]), low_value(e.p[1]),
-                          high_value(e.p[1]), inv),
-                    pack4(low_value(e.p[2]), high_value(e.p[2]), low_value(e.p[3]),
-                          high_value(e.p[3]), inv));
+  return make_uint2(
+      pack4(low_value(e.p[0]), high_value(e.p[0]), low_value(e.p[1]), high_value(e.p[1]), inv),
+      pack4(low_value(e.p[2]), high_value(e.p[2]), low_value(e.p[3]), high_value(e.p[3]), inv));
 }
 __device__ __forceinline__ uint32_t amax8(const Eight& e) {  // as |bits|
   const uint32_t m2 = __vmaxu2(__vmaxu2(pair_magnitudes(e.p[0]), pair_magnitudes(e.p[1])),
@@ -151,7 +130,8 @@ __device__ __forceinline__ void quantize_rows(const Staged& s, const TilePlace& 
 #pragma unroll
     for (int o = 4; o > 0; o /= 2)
 #pragma unroll
-      for (int u = 0; u < kRowsPerLane; ++u) m[u] = max(m[u], __shfl_xor_sync(0xffffffffu, m[u], o));
+      for (int u = 0; u < kRowsPerLane; ++u)
+        m[u] = max(m[u], __shfl_xor_sync(0xffffffffu, m[u], o));
 #pragma unroll
     for (int u = 0; u < kRowsPerLane; ++u) {
       const float sc = epilogue::E4m3::scale(as_amax(m[u]));
