@@ -19,7 +19,7 @@ constexpr int kTile = ScaleLayout::kBlock;  // 128
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 // A tile row in shared memory: 128 bf16 plus 8, so that rows start 16-byte aligned (16-byte loads
-// and cp.async) and a row is 68 words: 8 lanes reading 16 bytes from 8 consecutive rows, or a
+// and stores) and a row is 68 words: 8 lanes reading 16 bytes from 8 consecutive rows, or a
 // warp writing the accumulator's column pairs, touch 32 distinct banks.
 constexpr int kPitch = kTile + 8;
 constexpr int kSmemBytes = kTile * kPitch * 2;
