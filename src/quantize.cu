@@ -1,7 +1,8 @@
 // The FP8 cast kernels of kernel/quantize.hpp. Rows alone (1x128 blocks): straight from global
 // memory, a half-warp per block with a shuffle amax. With the transposed copy, and for 128x128
-// blocks: one CTA per 128x128 tile of x, which goes through shared memory once; rows and columns
-// are quantized from it by one warp per row or column.
+// blocks: one CTA per 128x128 tile of x, which goes through shared memory once; its rows and
+// columns are quantized from there by fp8_tile.cuh's passes (8 lanes per row block, a half-warp
+// per 8 column blocks).
 #include <cuda_bf16.h>
 
 #include <cstdint>
