@@ -153,6 +153,9 @@ KernelChoice program_config(Program p, const GemmShape& s) {
     case Program::kPairLayoutProbe:
     case Program::kAccumulateF32:
     case Program::kResidualRmsnormFp8:
+    case Program::kRmsnormSwigluFp8:
+    case Program::kRmsnormBackwardFp8:
+    case Program::kSwigluBackwardFp8:
     case Program::kPlain:
     case Program::kCount:
       break;

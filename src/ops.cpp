@@ -169,8 +169,9 @@ void launch(const Args& c, Operands o, const kernel::GemmProblem& prob, const ke
 
 PartialLayout layout_of(Program p, const kernel::KernelChoice& k, int64_t m, int64_t n) {
   const auto t = kernel::tile_shape(k.config);
-  return p == Program::kRmsnormBackward ? PartialLayout::per_column(m, n, t.m, t.n)
-                                        : PartialLayout::per_row(m, n, t.m, t.n);
+  return p == Program::kRmsnormBackward || p == Program::kRmsnormBackwardFp8
+             ? PartialLayout::per_column(m, n, t.m, t.n)
+             : PartialLayout::per_row(m, n, t.m, t.n);
 }
 // The programs whose epilogue takes any N: D through the TMA store (16-byte granules, zeros past
 // N) and nodes that mask each column against N (the LM head's, over a vocabulary of any size).
@@ -756,40 +757,48 @@ void quantize_fp8_blocks(View w, View codes, View scales, View codes_t, View sca
 }
 
 namespace {
-// An FP8 GEMM's operands, checked: x (M, K) in 1x128 blocks and b (N, K) in 128x128 blocks
+// An FP8 GEMM's operands, checked: a (M, K) in 1x128 blocks and b (N, K) in 128x128 blocks
 // (`b_blocks`) or 1x128 blocks, K a multiple of 16; the problem without C and D.
-kernel::GemmProblem fp8_problem(Args& c, View x, View x_scales, const char* b_name, View b,
-                                const char* b_scales_name, View b_scales, bool b_blocks) {
-  const GemmSizes s{x.rows, b.rows, x.cols};
-  CODA_CHECK(x.dims == 2 && b.dims == 2, c.op(), ": x and ", b_name, " must be matrices");
+struct Fp8Operand {
+  const char* name;
+  View codes;
+  const char* scales_name;
+  View scales;
+};
+kernel::GemmProblem fp8_problem(Args& c, const Fp8Operand& a, const Fp8Operand& b, bool b_blocks) {
+  const View x = a.codes, x_scales = a.scales, w = b.codes, w_scales = b.scales;
+  const GemmSizes s{x.rows, w.rows, x.cols};
+  CODA_CHECK(x.dims == 2 && w.dims == 2, c.op(), ": ", a.name, " and ", b.name,
+             " must be matrices");
   c.gemm_sizes(s);
   CODA_CHECK(s.k % 16 == 0, c.op(), ": K must be a multiple of 16 (16-byte rows of e4m3), got ",
              s.k);
-  fp8_operand(c, "x", x, s.m, s.k);
-  fp8_operand(c, b_name, b, s.n, s.k);
-  c.scales("x_scales", x_scales, blocks(s.k), s.m, true);
+  fp8_operand(c, a.name, x, s.m, s.k);
+  fp8_operand(c, b.name, w, s.n, s.k);
+  c.scales(a.scales_name, x_scales, blocks(s.k), s.m, true);
   if (b_blocks)
-    c.scales(b_scales_name, b_scales, blocks(s.n), blocks(s.k), false);
+    c.scales(b.scales_name, w_scales, blocks(s.n), blocks(s.k), false);
   else
-    c.scales(b_scales_name, b_scales, blocks(s.k), s.n, false);
+    c.scales(b.scales_name, w_scales, blocks(s.k), s.n, false);
   // The mainloop's scale layouts hold 32-bit strides (their batch stride is ld · blocks).
   const int64_t limit = int64_t(1) << 31;
   CODA_CHECK(x_scales.ld * blocks(s.k) < limit &&
-                 b_scales.ld * (b_blocks ? blocks(s.n) : blocks(s.k)) < limit,
+                 w_scales.ld * (b_blocks ? blocks(s.n) : blocks(s.k)) < limit,
              c.op(), ": the scales must span fewer than 2^31 entries, got row strides ",
-             x_scales.ld, " and ", b_scales.ld);
-  kernel::GemmProblem p{int(s.m), int(s.n), int(s.k), x.data, x.ld, b.data, b.ld};
+             x_scales.ld, " and ", w_scales.ld);
+  kernel::GemmProblem p{int(s.m), int(s.n), int(s.k), x.data, x.ld, w.data, w.ld};
   p.scale_a = f32(x_scales);
   p.ld_scale_a = x_scales.ld;
-  p.scale_b = f32(b_scales);
-  p.ld_scale_b = b_scales.ld;
+  p.scale_b = f32(w_scales);
+  p.ld_scale_b = w_scales.ld;
   return p;
 }
 }  // namespace
 
 void gemm_fp8(View x, View x_scales, View w, View w_scales, View d, cudaStream_t stream) {
   Args c("coda::ops::gemm_fp8");
-  kernel::GemmProblem p = fp8_problem(c, x, x_scales, "w", w, "w_scales", w_scales, true);
+  kernel::GemmProblem p =
+      fp8_problem(c, {"x", x, "x_scales", x_scales}, {"w", w, "w_scales", w_scales}, true);
   c.matrix("d", d, kBf, p.m, p.n);
   c.on_device();
   p.d = bf_out(d);
@@ -806,7 +815,8 @@ void gemm_fp8_residual_rmsnorm(View a, View a_scales, View w, View w_scales, Vie
                                View gamma, View x, View h, View h_scales, View h_t, View h_t_scales,
                                View sumsq_partials, cudaStream_t stream) {
   Args c("coda::ops::gemm_fp8_residual_rmsnorm");
-  kernel::GemmProblem p = fp8_problem(c, a, a_scales, "w", w, "w_scales", w_scales, true);
+  kernel::GemmProblem p =
+      fp8_problem(c, {"a", a, "a_scales", a_scales}, {"w", w, "w_scales", w_scales}, true);
   const int64_t m = p.m, n = p.n;
   CODA_CHECK(n % 16 == 0, c.op(), ": N (w's rows) must be a multiple of 16 (16-byte rows of h's ",
              "codes), got ", n);
@@ -827,10 +837,98 @@ void gemm_fp8_residual_rmsnorm(View a, View a_scales, View w, View w_scales, Vie
   launch<Program::kResidualRmsnormFp8>(c, Operands::kFp8XWt, kc, p, args, stream);
 }
 
+void gemm_fp8_rmsnorm_swiglu(View h, View h_scales, View w_gu, View w_gu_scales, View r, View z,
+                             View a, View a_scales, View a_t, View a_t_scales,
+                             cudaStream_t stream) {
+  Args c("coda::ops::gemm_fp8_rmsnorm_swiglu");
+  kernel::GemmProblem p = fp8_problem(c, {"h", h, "h_scales", h_scales},
+                                      {"w_gu", w_gu, "w_gu_scales", w_gu_scales}, true);
+  const int64_t m = p.m, two_i = p.n;
+  CODA_CHECK(two_i % 32 == 0, c.op(), ": 2I (w_gu's rows) must be a multiple of 32 (16-byte ",
+             "rows of a's codes), got ", two_i);
+  c.vector("r", r, kF, m);
+  c.matrix("z", z, kBf, m, two_i);
+  CODA_CHECK(a.data || a_t.data, c.op(), ": neither a nor a_t is wanted");
+  const RowOutputs out = row_outputs(c, "a", a, "a_scales", a_scales, "a_t", a_t, "a_t_scales",
+                                     a_t_scales, m, two_i / 2);
+  c.on_device();
+  p.d = bf_out(z);
+  p.ldd = z.ld;
+  launch<Program::kRmsnormSwigluFp8>(c, Operands::kFp8XWt, p, {f32(r), out.rows, out.cols}, stream);
+}
+
+PartialLayout fp8_rmsnorm_backward_partials_layout(int64_t m, int64_t hidden, int64_t n_out) {
+  return checked_layout("coda::ops::fp8_rmsnorm_backward_partials_layout",
+                        Program::kRmsnormBackwardFp8, Operands::kFp8XWt, {m, hidden, n_out});
+}
+
+void gemm_fp8_rmsnorm_backward(View dz, View dz_scales, View w_t, View w_t_scales, View x, View r,
+                               View gamma, View zdz, View dres, View dx, View dx_fp8,
+                               View dx_scales, View dx_t, View dx_t_scales, View dgamma_partials,
+                               cudaStream_t stream) {
+  Args c("coda::ops::gemm_fp8_rmsnorm_backward");
+  kernel::GemmProblem p = fp8_problem(c, {"dz", dz, "dz_scales", dz_scales},
+                                      {"w_t", w_t, "w_t_scales", w_t_scales}, true);
+  const int64_t m = p.m, hidden = p.n;
+  CODA_CHECK(hidden % 16 == 0, c.op(), ": H (w_t's rows) must be a multiple of 16 (16-byte rows ",
+             "of dx's codes), got ", hidden);
+  c.matrix("x", x, kBf, m, hidden);
+  c.vector("r", r, kF, m);
+  c.vector("gamma", gamma, kBf, hidden);
+  c.vector("zdz", zdz, kF, m);
+  c.matrix("dres", dres, kBf, m, hidden);
+  c.matrix("dx", dx, kBf, m, hidden);
+  CODA_CHECK(dx_fp8.data || dx_t.data, c.op(), ": neither dx_fp8 nor dx_t is wanted");
+  const RowOutputs out = row_outputs(c, "dx_fp8", dx_fp8, "dx_scales", dx_scales, "dx_t", dx_t,
+                                     "dx_t_scales", dx_t_scales, m, hidden);
+  const auto kc = choose_with_partials(c, Program::kRmsnormBackwardFp8, Operands::kFp8XWt,
+                                       {m, hidden, p.k}, "dgamma_partials", dgamma_partials);
+  c.on_device();
+  p.c = bf(dres);
+  p.ldc = dres.ld;
+  p.d = bf_out(dx);
+  p.ldd = dx.ld;
+  const kernel::RmsnormBackwardArgs b1{bf(x),    x.ld,    f32(r), bf(gamma),
+                                       f32(zdz), nullptr, 0,      f32_out(dgamma_partials)};
+  launch<Program::kRmsnormBackwardFp8>(c, Operands::kFp8XWt, kc, p, {b1, out.rows, out.cols},
+                                       stream);
+}
+
+PartialLayout fp8_swiglu_backward_partials_layout(int64_t m, int64_t intermediate, int64_t hidden) {
+  return checked_layout("coda::ops::fp8_swiglu_backward_partials_layout",
+                        Program::kSwigluBackwardFp8, Operands::kFp8XWt, {m, intermediate, hidden});
+}
+
+void gemm_fp8_swiglu_backward(View dx_out, View dx_out_scales, View w_down_t, View w_down_t_scales,
+                              View z, View dz, View dz_scales, View dz_t, View dz_t_scales,
+                              View zdz_partials, cudaStream_t stream) {
+  Args c("coda::ops::gemm_fp8_swiglu_backward");
+  kernel::GemmProblem p =
+      fp8_problem(c, {"dx_out", dx_out, "dx_out_scales", dx_out_scales},
+                  {"w_down_t", w_down_t, "w_down_t_scales", w_down_t_scales}, true);
+  const int64_t m = p.m, inter = p.n;
+  c.matrix("z", z, kBf, m, 2 * inter);
+  CODA_CHECK(dz.data || dz_t.data, c.op(), ": neither dz nor dz_t is wanted");
+  const RowOutputs out = row_outputs(c, "dz", dz, "dz_scales", dz_scales, "dz_t", dz_t,
+                                     "dz_t_scales", dz_t_scales, m, 2 * inter);
+  const auto kc = choose_with_partials(c, Program::kSwigluBackwardFp8, Operands::kFp8XWt,
+                                       {m, inter, p.k}, "zdz_partials", zdz_partials);
+  c.on_device();
+  // (g, u) bf16 pairs travel as one 32-bit element each: row strides in pairs.
+  kernel::SwigluBackwardFp8Args args;
+  args.z = z.as<const uint32_t>();
+  args.ldz = z.ld / 2;
+  args.zdz_partials = f32_out(zdz_partials);
+  args.dz = out.rows;
+  args.dz_t = out.cols;
+  launch<Program::kSwigluBackwardFp8>(c, Operands::kFp8XWt, kc, p, args, stream);
+}
+
 void gemm_fp8_xyt(View x, View x_scales, View y, View y_scales, View d, bool accumulate,
                   cudaStream_t stream) {
   Args c(accumulate ? "coda::ops::gemm_fp8_xyt (accumulate)" : "coda::ops::gemm_fp8_xyt");
-  kernel::GemmProblem p = fp8_problem(c, x, x_scales, "y", y, "y_scales", y_scales, false);
+  kernel::GemmProblem p =
+      fp8_problem(c, {"x", x, "x_scales", x_scales}, {"y", y, "y_scales", y_scales}, false);
   c.matrix("d", d, accumulate ? kF : kBf, p.m, p.n);
   c.on_device();
   if (accumulate) {

@@ -169,6 +169,33 @@ PartialLayout fp8_residual_rmsnorm_partials_layout(int64_t m, int64_t n, int64_t
 void gemm_fp8_residual_rmsnorm(View a, View a_scales, View w, View w_scales, View residual,
                                View gamma, View x, View h, View h_scales, View h_t, View h_t_scales,
                                View sumsq_partials, cudaStream_t stream);
+// F2 over FP8 operands (h in 1x128 blocks, w_gu (2I, K) in 128x128 blocks): z (M, 2I) = r ⊙
+// (h · w_guᵀ) in bf16 (interleaved gate/up, saved for the backward); a = bf16(silu(z_g) · z_u)
+// quantized in the epilogue as quantize_fp8_rows would quantize it: a (M, I) with a_scales
+// (ceil(I/128), M rounded up to 4) and its transposed copy a_t (I, M16) with a_t_scales
+// (ceil(M/128), I), either of which may be left out. 2I a multiple of 32.
+void gemm_fp8_rmsnorm_swiglu(View h, View h_scales, View w_gu, View w_gu_scales, View r, View z,
+                             View a, View a_scales, View a_t, View a_t_scales, cudaStream_t stream);
+// B1 over FP8 operands: g = dz · W from dz (M, K) in 1x128 blocks and w_t = Wᵀ's codes (H, K) in
+// 128x128 blocks (quantize_fp8_blocks' codes_t of W (K, H)); dx = dres + r·(g·γ − x·r·ZdZ) in
+// bf16 (may alias dres), also quantized in the epilogue as quantize_fp8_rows would quantize it:
+// dx_fp8 (M, H) with dx_scales, dx_t (H, M16) with dx_t_scales, either may be left out; dγ
+// partials. h is not recomputed (the FP8 forward keeps F1's h_t). H a multiple of 16.
+PartialLayout fp8_rmsnorm_backward_partials_layout(int64_t m, int64_t hidden, int64_t n_out);
+void gemm_fp8_rmsnorm_backward(View dz, View dz_scales, View w_t, View w_t_scales, View x, View r,
+                               View gamma, View zdz, View dres, View dx, View dx_fp8,
+                               View dx_scales, View dx_t, View dx_t_scales, View dgamma_partials,
+                               cudaStream_t stream);
+// B2 over FP8 operands: da = dx_out · W_down from dx_out (M, H) in 1x128 blocks and w_down_t =
+// W_downᵀ's codes (I, H) in 128x128 blocks; with z (M, 2I) the saved interleaved pre-activation,
+// dz (M, 2I) = dSwiGLU rounded to bf16, quantized in the epilogue as quantize_fp8_rows would
+// quantize it: dz (M, 2I) codes with dz_scales (ceil(2I/128), M rounded up to 4), dz_t (2I, M16)
+// with dz_t_scales (ceil(M/128), 2I), either may be left out; ZdZ partials (Σ g·dg + u·du). a is
+// not recomputed (the FP8 forward keeps F2's a_t). I a multiple of 8.
+PartialLayout fp8_swiglu_backward_partials_layout(int64_t m, int64_t intermediate, int64_t hidden);
+void gemm_fp8_swiglu_backward(View dx_out, View dx_out_scales, View w_down_t, View w_down_t_scales,
+                              View z, View dz, View dz_scales, View dz_t, View dz_t_scales,
+                              View zdz_partials, cudaStream_t stream);
 // d (M, N) = x · yᵀ with x (M, K) and y (N, K) both in 1x128 blocks (the weight gradient from
 // the transposed copies, K = tokens): d bf16, or with `accumulate` fp32 d += x · yᵀ.
 void gemm_fp8_xyt(View x, View x_scales, View y, View y_scales, View d, bool accumulate,

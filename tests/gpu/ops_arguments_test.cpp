@@ -263,5 +263,64 @@ TEST(OpArguments, Fp8OperandsAndScalesAreChecked) {
               HasSubstr("codes_t must have shape (32, 32), got (32, 20)"));
 }
 
+// The FP8 programs' own checks, each before anything reaches the device: operand names, the
+// widths their quantized outputs need, the outputs' shapes.
+TEST(OpArguments, Fp8ProgramArgumentsAreChecked) {
+  const auto e4 = DType::kE4M3, f = DType::kF32;
+  const TensorView none{};
+  // F2: 2I = 48 is a multiple of 16 but a's codes need I a multiple of 16.
+  EXPECT_THAT(error_of([&] {
+                gemm_fp8_rmsnorm_swiglu(
+                    typed(256, e4, 4, 32), typed(512, f, 1, 4), typed(768, e4, 48, 32),
+                    typed(1024, f, 1, 1), f32_vector(1280, 4), bf16_matrix(1536, 4, 48),
+                    typed(1792, e4, 4, 24, 32), typed(2048, f, 1, 4), none, none, nullptr);
+              }),
+              AllOf(HasSubstr("coda::ops::gemm_fp8_rmsnorm_swiglu"),
+                    HasSubstr("2I (w_gu's rows) must be a multiple of 32"), HasSubstr("got 48")));
+  // F2's operand names: h's scales of the wrong grid.
+  EXPECT_THAT(error_of([&] {
+                gemm_fp8_rmsnorm_swiglu(
+                    typed(256, e4, 4, 256), typed(512, f, 1, 4), typed(768, e4, 64, 256),
+                    typed(1024, f, 1, 2), f32_vector(1280, 4), bf16_matrix(1536, 4, 64),
+                    typed(1792, e4, 4, 32), typed(2048, f, 1, 4), none, none, nullptr);
+              }),
+              HasSubstr("h_scales must be fp32 scales of shape (2, 4), got (1, 4)"));
+  EXPECT_THAT(error_of([&] {
+                gemm_fp8_rmsnorm_swiglu(typed(256, e4, 4, 32), typed(512, f, 1, 4),
+                                        typed(768, e4, 64, 32), typed(1024, f, 1, 1),
+                                        f32_vector(1280, 4), bf16_matrix(1536, 4, 64), none, none,
+                                        none, none, nullptr);
+              }),
+              HasSubstr("neither a nor a_t is wanted"));
+  // B1: the transposed copy of dx covers the tokens padded to 16.
+  EXPECT_THAT(error_of([&] {
+                gemm_fp8_rmsnorm_backward(
+                    typed(256, e4, 20, 32), typed(512, f, 1, 20), typed(768, e4, 32, 32),
+                    typed(1024, f, 1, 1), bf16_matrix(1280, 20, 32), f32_vector(1536, 20),
+                    TensorView::vector(reinterpret_cast<void*>(1792), DType::kBF16, 32, 0),
+                    f32_vector(2048, 20), bf16_matrix(2304, 20, 32), bf16_matrix(2560, 20, 32),
+                    none, none, typed(2816, e4, 32, 20, 32), typed(3072, f, 1, 32),
+                    typed(3328, f, 1, 32), nullptr);
+              }),
+              AllOf(HasSubstr("coda::ops::gemm_fp8_rmsnorm_backward"),
+                    HasSubstr("dx_t must have shape (32, 32), got (32, 20)")));
+  // B2: z holds the interleaved pairs, twice dz's GEMM width.
+  EXPECT_THAT(error_of([&] {
+                gemm_fp8_swiglu_backward(
+                    typed(256, e4, 4, 32), typed(512, f, 1, 4), typed(768, e4, 16, 32),
+                    typed(1024, f, 1, 1), bf16_matrix(1280, 4, 16), typed(1536, e4, 4, 32),
+                    typed(1792, f, 1, 4), none, none, typed(2048, f, 1, 4), nullptr);
+              }),
+              AllOf(HasSubstr("coda::ops::gemm_fp8_swiglu_backward"),
+                    HasSubstr("z must have shape (4, 32), got (4, 16)")));
+  EXPECT_THAT(error_of([&] {
+                gemm_fp8_swiglu_backward(
+                    bf16_matrix(256, 4, 32), typed(512, f, 1, 4), typed(768, e4, 16, 32),
+                    typed(1024, f, 1, 1), bf16_matrix(1280, 4, 32), typed(1536, e4, 4, 32),
+                    typed(1792, f, 1, 4), none, none, typed(2048, f, 1, 4), nullptr);
+              }),
+              AllOf(HasSubstr("dx_out must be float8_e4m3fn"), HasSubstr("got bfloat16")));
+}
+
 }  // namespace
 }  // namespace coda::ops

@@ -30,7 +30,6 @@ constexpr bool is_fp8(Operands o) { return o == Operands::kFp8XWt || o == Operan
 constexpr Operands kAllOperands[] = {Operands::kXWt, Operands::kXW, Operands::kXtY,
                                      Operands::kFp8XWt, Operands::kFp8XYt};
 
-
 struct GemmProblem {
   int m = 0, n = 0, k = 0;
   const void* a = nullptr;  // bf16, or e4m3 codes for the FP8 operands
@@ -116,6 +115,19 @@ struct ResidualRmsnormFp8Args {     // C = residual, D = x
   float* sumsq_partials = nullptr;  // PartialLayout::per_row(M, N, 128, 128)
 };
 
+// F2 with a in FP8 (tile 128x128, its tiles scheduled in pairs along N: a 1x128 block of a is
+// two tiles of z): D = z (M, 2I) as F2; a = silu(z_g)·z_u rounded to bf16, then quantized as the
+// cast kernels do: a in 1x128 blocks (the down-projection's A) and aᵀ, its transposed 128x1 copy
+// (the down-projection weight gradient's B); either may be left out (null codes). a_copy, when
+// set, gets the bf16 a itself (tests).
+struct RmsnormSwigluFp8Args {
+  const float* r = nullptr;  // (M)
+  Fp8Output a;               // codes (M, I), scales (ceil(I / 128), row_scales_ld(M))
+  Fp8Output a_t;             // codes (I, padded_tokens(M)), scales (ceil(M / 128), I)
+  bf16* a_copy = nullptr;    // (M, I), leading dimension ld_a_copy
+  int64_t ld_a_copy = 0;
+};
+
 struct RmsnormSwigluArgs {   // F2: D = z (M, 2I)
   const float* r = nullptr;  // (M)
   bf16* a = nullptr;         // (M, I)
@@ -168,23 +180,49 @@ struct RmsnormBackwardArgs {  // B1: A = dz, B = W (K = N_out, N = H); C = dres,
   float* dgamma_partials = nullptr;  // PartialLayout::per_column(M, H, tile_m, tile_n)
 };
 
+// B1 over FP8 operands (tile 128x128): A = dz in 1x128 blocks, B = Wᵀ's codes in 128x128 blocks;
+// C = dres, D = dx and dγ as B1 (b1.h_out null: h is not recomputed, the FP8 forward keeps F1's
+// hᵀ for the weight gradient). dx rounded to bf16 is also quantized as the cast kernels do: dx in
+// 1x128 blocks (the next data gradient's A) and dxᵀ (the next weight gradient's A); either may
+// be left out.
+struct RmsnormBackwardFp8Args {
+  RmsnormBackwardArgs b1;
+  Fp8Output dx;    // codes (M, H), scales (ceil(H / 128), row_scales_ld(M))
+  Fp8Output dx_t;  // codes (H, padded_tokens(M)), scales (ceil(M / 128), H)
+};
+
 struct RmsnormCrossEntropyBackwardArgs {  // B4: A = h, B = W_vocab; D = dℓ (M, V)
-  const float* r = nullptr;          // (M)
-  const float* lse = nullptr;        // (M)
-  const float* scale = nullptr;      // (M): d loss / d token loss (0 for ignored tokens)
-  const int64_t* targets = nullptr;  // (M)
-  float* zdz_partials = nullptr;     // PartialLayout::per_row(M, V, tile_m, tile_n): Σ ℓ·dℓ
+  const float* r = nullptr;               // (M)
+  const float* lse = nullptr;             // (M)
+  const float* scale = nullptr;           // (M): d loss / d token loss (0 for ignored tokens)
+  const int64_t* targets = nullptr;       // (M)
+  float* zdz_partials = nullptr;  // PartialLayout::per_row(M, V, tile_m, tile_n): Σ ℓ·dℓ
   float z_loss = 0.0f;
 };
 
 // B2: A = dx_out (M, H), B = W_down (H, I); the problem's D (p.d) = a (M, I). The kernel writes a
 // through a node and dz as the collective's own D (fusions/swiglu_backward.cuh).
 struct SwigluBackwardArgs {
-  const uint32_t* z = nullptr;       // (M, I) interleaved (g, u) bf16 pairs, one 32-bit element each
-  int64_t ldz = 0;                   // in pairs
-  uint32_t* dz = nullptr;            // (M, I) (dg, du) pairs
+  const uint32_t* z = nullptr;  // (M, I) interleaved (g, u) bf16 pairs, one 32-bit element each
+  int64_t ldz = 0;              // in pairs
+  uint32_t* dz = nullptr;       // (M, I) (dg, du) pairs
   int64_t lddz = 0;
-  float* zdz_partials = nullptr;     // PartialLayout::per_row(M, I, tile_m, tile_n): Σ g·dg + u·du
+  float* zdz_partials = nullptr;  // PartialLayout::per_row(M, I, tile_m, tile_n): Σ g·dg + u·du
+};
+
+// B2 over FP8 operands (tile 128x128): A = dx_out in 1x128 blocks, B = W_downᵀ's codes (I, H) in
+// 128x128 blocks, so the GEMM's N is I. z comes in as B2's (the kernel's C, 32-bit pairs); dz,
+// rounded to bf16 pairs, is quantized in 1x128 blocks along its 2I columns (the gate/up data
+// gradient's A) and as dzᵀ (its weight gradient's A); ZdZ partials as B2. No D and no a (the FP8
+// forward keeps F2's aᵀ). dz_copy, when set, gets the bf16 dz itself (tests).
+struct SwigluBackwardFp8Args {
+  const uint32_t* z = nullptr;    // (M, I) interleaved (g, u) bf16 pairs
+  int64_t ldz = 0;                // in pairs
+  float* zdz_partials = nullptr;  // PartialLayout::per_row(M, I, 128, 128): Σ g·dg + u·du
+  Fp8Output dz;                   // codes (M, 2I), scales (ceil(2I / 128), row_scales_ld(M))
+  Fp8Output dz_t;                 // codes (2I, padded_tokens(M)), scales (ceil(M / 128), 2I)
+  bf16* dz_copy = nullptr;        // (M, 2I), leading dimension ld_dz_copy
+  int64_t ld_dz_copy = 0;
 };
 
 // ---- the program / configuration table (kernel/table.def) ----------------------------------
@@ -219,7 +257,7 @@ struct TileShapeMN {
 constexpr TileShapeMN tile_shape(Config c) {
   switch (c) {
 #define CODA_CONFIG(name, str, tile_m, tile_n, tile_k, cluster_m, cluster_n, cooperative) \
-  case Config::k##name:                                                               \
+  case Config::k##name:                                                                   \
     return {tile_m, tile_n};
 #include "coda/kernel/table.def"
     case Config::kCount:
@@ -229,9 +267,8 @@ constexpr TileShapeMN tile_shape(Config c) {
 }
 // Whether the table lists the kernel (program, config, operands): what a full build compiles.
 constexpr bool in_table(Program p, Config c, Operands o) {
-#define CODA_KERNEL(program, config, operands)                                        \
-  if (p == Program::k##program && c == Config::k##config && o == Operands::k##operands) \
-    return true;
+#define CODA_KERNEL(program, config, operands) \
+  if (p == Program::k##program && c == Config::k##config && o == Operands::k##operands) return true;
 #include "coda/kernel/table.def"
   return false;
 }

@@ -81,6 +81,17 @@ struct WithStagesC<
       Rest...>;
 };
 
+// A fusion may name its tile scheduler tag (Scheduler); the stock persistent scheduler otherwise.
+// F2 with FP8 a runs each CTA's tiles in pairs along N (paired_scheduler.cuh).
+template <class F, class = void>
+struct FusionScheduler {
+  using type = cutlass::gemm::PersistentScheduler;
+};
+template <class F>
+struct FusionScheduler<F, std::void_t<typename F::Scheduler>> {
+  using type = typename F::Scheduler;
+};
+
 // How each operand layout reaches the mainloop: the element type, the CUTLASS layout tags (with
 // the scale layout, for the blockwise FP8 operands) and the kernel schedule.
 template <Operands O>
@@ -212,9 +223,9 @@ struct GemmLauncher {
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       MainloopScheduleOf<Cfg, Operand::kBlockwise>>::CollectiveOp;
 
-  using Kernel =
-      cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, CollectiveMainloop,
-                                           CollectiveEpilogue, cutlass::gemm::PersistentScheduler>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>,
+                                                      CollectiveMainloop, CollectiveEpilogue,
+                                                      typename FusionScheduler<Fusion>::type>;
   using Adapter = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
   // Programmatic dependent launch needs the kernels' waits (griddepcontrol.wait), which CUTLASS

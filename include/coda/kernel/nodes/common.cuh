@@ -80,6 +80,18 @@ struct ConsumerOnlyNode : NoWorkspaceNoProducerLoads {
   Params params;
 };
 
+// Stands in for a held aux store (B1's h, B2's a) where the output leaves from registers or is
+// not written.
+struct NoAuxStore {
+  struct SharedStorage {};
+  struct Params {};
+  CUTLASS_HOST_DEVICE NoAuxStore() {}
+  CUTLASS_HOST_DEVICE NoAuxStore(Params const&, SharedStorage const&) {}
+};
+// As a node's output store: the output is not written (the FP8 backward keeps the forward's
+// quantized copy instead of B1's h and B2's a).
+struct WithoutOutput {};
+
 // Params of a stock bf16 Sm90AuxStore that a node holds for one of its outputs (B1's h, B2's a):
 // a row-major (M, N) tensor at ptr with leading dimension ld (elements).
 template <class Store, class ProblemShape>

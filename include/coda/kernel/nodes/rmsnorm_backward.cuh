@@ -21,25 +21,19 @@ namespace coda::kernel {
 // h leaves through HStore, a stock bf16 Sm90AuxStore held in this node (its own swizzled ring,
 // TMA stores in step with D's), or, with HStore = void, from registers: a 32-bit store per
 // column pair (fragment elements (2j, 2j+1) are adjacent columns, N % 8 == 0, so a pair is
-// wholly inside or outside). dγ is merged across the lanes sharing a column (shuffles), then
-// across the warps through the collective's store buffer (fixed order, so the result is
-// deterministic), and written once per (column, M-tile) as PartialLayout::per_column.
+// wholly inside or outside), or, with HStore = WithoutOutput, not at all (h_out null: the FP8
+// backward reads the hᵀ its forward quantized). dγ is merged across the lanes sharing a column
+// (shuffles), then across the warps through the collective's store buffer (fixed order, so the
+// result is deterministic), and written once per (column, M-tile) as PartialLayout::per_column.
 // Replaces a topological visitor whose fp32 fragments lived in a 1040-byte stack frame and whose
 // stock column reduction had 205-way shared-memory bank conflicts (docs/experiments.md).
 // ---------------------------------------------------------------------------------------------
-// Stands in for HStore when h is stored from registers.
-struct NoAuxStore {
-  struct SharedStorage {};
-  struct Params {};
-  CUTLASS_HOST_DEVICE NoAuxStore() {}
-  CUTLASS_HOST_DEVICE NoAuxStore(Params const&, SharedStorage const&) {}
-};
-
 template <class CtaTile, class HStore = void>
 struct RmsnormBackwardNode : NoWorkspaceNoProducerLoads {
   static constexpr int kCtaM = cute::size<0>(CtaTile{});
   static constexpr int kCtaN = cute::size<1>(CtaTile{});
-  static constexpr bool kHByTma = !std::is_void_v<HStore>;
+  static constexpr bool kHStored = !std::is_same_v<HStore, WithoutOutput>;
+  static constexpr bool kHByTma = kHStored && !std::is_void_v<HStore>;
   using HStoreOrNone = std::conditional_t<kHByTma, HStore, NoAuxStore>;
   struct SharedStorage {
     typename HStoreOrNone::SharedStorage h;
@@ -63,8 +57,8 @@ struct RmsnormBackwardNode : NoWorkspaceNoProducerLoads {
   static bool can_implement(ProblemShape const& shape, Arguments const& a) {
     auto [M, N, K, L] = cute::append<4>(shape, 1);
     // x is read by TMA: 16-byte aligned rows; so is h when it leaves by TMA.
-    return a.x && a.h_out && a.dgamma_partials && N % 2 == 0 && a.ldx % 8 == 0 &&
-           a.ldh % (kHByTma ? 8 : 2) == 0;
+    return a.x && (a.h_out != nullptr) == kHStored && a.dgamma_partials && N % 2 == 0 &&
+           a.ldx % 8 == 0 && (!kHStored || a.ldh % (kHByTma ? 8 : 2) == 0);
   }
   CUTLASS_HOST_DEVICE RmsnormBackwardNode() {}
   // h_store keeps a pointer to its Params: it gets the kernel's (p.h), not this node's copy.
@@ -137,7 +131,7 @@ struct RmsnormBackwardNode : NoWorkspaceNoProducerLoads {
         if constexpr (kHByTma) {
           h_frg[i] = h[0];
           h_frg[i + 1] = h[1];
-        } else if (full_tile || cute::elem_less(c(e), shape_mnl)) {
+        } else if (kHStored && (full_tile || cute::elem_less(c(e), shape_mnl))) {
           *reinterpret_cast<uint32_t*>(&g_h(e)) = pack_bf16_pair(h[0], h[1]);
         }
       }

@@ -1,0 +1,201 @@
+// The FP8 programs whose epilogues quantize their output (F2's a, B1's dx, B2's dz; F1's h is in
+// fp8_gemm_test.cu) against the host recipe, on fresh random inputs over ragged shapes (M = 1,
+// 130, 300, 4097; N not a multiple of 128; a unit of F2's tile pairs half past N):
+//   - the bf16 outputs (z, dx, and a and dz as the staged bf16 copy the kernel can write) and the
+//     partials against the program's functors on the GEMM of the dequantized operands in fp64
+//     (reference/fp8_programs.hpp), by the FP8 GEMM tolerance of fp8_check.hpp;
+//   - the codes and scales, rows and the transposed copy, byte for byte against the host recipe's
+//     quantization of the kernel's own bf16 values (what the cast kernel writes for them, which
+//     fp8_gemm_test.cu checks byte for byte against the same recipe).
+// Every output is poisoned first. Skipped with a message when no Hopper GPU is present.
+
+#include "coda/reference/fp8_programs.hpp"
+
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "support/fp8_check.hpp"
+#include "support/gpu_check.hpp"
+
+namespace coda::kernel {
+namespace {
+
+constexpr Config kConfig = Config::kCoop128x128x128_1x2;
+
+// A quantized output on the device: codes (rows, cols) with 1x128 scales and the transposed copy
+// (cols, rows padded to 16) with its scales, all poisoned.
+struct QuantizedOut {
+  int64_t rows, cols;
+  DeviceBuffer<uint8_t> codes, codes_t;
+  DeviceBuffer<float> scales, scales_t;
+  QuantizedOut(int64_t r, int64_t c)
+      : rows(r),
+        cols(c),
+        codes(size_t(r * c)),
+        codes_t(size_t(c * pad(r, 16))),
+        scales(size_t(pad(c, 128) / 128 * pad(r, 4))),
+        scales_t(size_t(pad(r, 128) / 128 * c)) {
+    codes.poison();
+    codes_t.poison();
+    scales.poison();
+    scales_t.poison();
+  }
+  Fp8Output rows_out() { return {codes.get(), cols, scales.get(), pad(rows, 4)}; }
+  Fp8Output cols_out() { return {codes_t.get(), pad(rows, 16), scales_t.get(), cols}; }
+
+  // Both copies against the recipe's quantization of v (rows, cols), the kernel's bf16 values.
+  void expect_quantizes(const std::string& what, const std::vector<double>& v) const {
+    const auto q =
+        reference::quantize_blockwise(MatrixRef<double>::row_major(v.data(), rows, cols), 1, 128);
+    const auto qt =
+        reference::quantize_blockwise(MatrixRef<double>::transposed(v.data(), cols, rows), 1, 128);
+    expect_same_bytes(what + " codes", codes.download(), q.codes);
+    expect_same_floats(what + " scales", scales.download(), row_scales(q, pad(rows, 4)));
+    expect_same_bytes(what + "ᵀ codes", codes_t.download(), padded_codes(qt, pad(rows, 16)));
+    expect_same_floats(what + "ᵀ scales", scales_t.download(), row_scales(qt, cols));
+  }
+};
+
+std::vector<double> uniform_bf16(size_t n, double lo, double hi, testing::Rng& rng) {
+  std::vector<double> v(n);
+  for (double& e : v) e = round_bf16(rng.uniform(lo, hi));
+  return v;
+}
+
+// The partials a kernel defines, and the reference's: entries past `valid` rows (per_row) or
+// columns (per_column) of the padded extent are not outputs, and are zeroed in both.
+std::vector<double> defined_partials(const std::vector<float>& got, std::vector<double>& ref,
+                                     const epilogue::PartialLayout& l, int64_t valid) {
+  std::vector<double> out(got.begin(), got.end());
+  for (int64_t t = 0; t < l.tiles; ++t)
+    for (int64_t i = valid; i < l.extent; ++i) out[l.index(i, t)] = ref[l.index(i, t)] = 0.0;
+  return out;
+}
+
+std::string at(const Shape& s) {
+  return "M=" + std::to_string(s.m) + " N=" + std::to_string(s.n) + " K=" + std::to_string(s.k);
+}
+
+// F2 with FP8 a: {M, 2I, K}. 2I = 384 leaves the second tile of a unit past N; 2752 ends in a
+// partial tile (a's last block 96 columns wide).
+TEST_F(GpuKernelTest, Fp8RmsnormSwigluQuantizesAAsTheRecipe) {
+  testing::Rng rng(21);
+  const Shape shapes[] = {{1, 256, 144},    {130, 384, 272},   {300, 2752, 1040},
+                          {4097, 512, 272}, {256, 1024, 2048}, {19, 4096, 128}};
+  for (const Shape& s : shapes) {
+    if (skip_large(s)) continue;
+    const int64_t m = s.m, two_i = s.n, inter = two_i / 2;
+    const auto qh = quantized(wide_values(m, s.k, rng), s.m, s.k, 1);
+    const auto qw = quantized(wide_values(two_i, s.k, rng), s.n, s.k, 128);
+    const std::vector<double> r = uniform_bf16(size_t(m), 0.5, 1.5, rng);
+    const Fp8Operand dh = upload_rows(qh), dw = upload_blocks(qw);
+    DeviceBuffer<float> dr(std::vector<float>(r.begin(), r.end()));
+    DeviceBuffer<bf16> z(size_t(m * two_i)), a_copy(size_t(m * inter));
+    z.poison();
+    a_copy.poison();
+    QuantizedOut a(m, inter);
+    GemmProblem p = fp8_problem(s, dh, dw);
+    p.d = z.get();
+    p.ldd = two_i;
+    run<Program::kRmsnormSwigluFp8>(
+        kConfig, p, {dr.get(), a.rows_out(), a.cols_out(), a_copy.get(), inter}, Operands::kFp8XWt);
+
+    const auto ref = reference::fp8_rmsnorm_swiglu<double>(qh, qw, r);
+    const std::vector<double> a_got = download_bf16(a_copy);
+    expect_close("z " + at(s), download_bf16(z), ref.z);
+    expect_close("a " + at(s), a_got, ref.a);
+    a.expect_quantizes("a " + at(s), a_got);
+  }
+}
+
+// B1 with FP8 dx: {M, H, K}, K the consumer's width (dz's columns). One shape accumulates in
+// place (dx aliases dres).
+TEST_F(GpuKernelTest, Fp8RmsnormBackwardQuantizesDxAsTheRecipe) {
+  testing::Rng rng(22);
+  const Shape shapes[] = {
+      {1, 272, 144}, {130, 128, 400}, {300, 400, 1040}, {4097, 272, 272}, {256, 1024, 2048}};
+  for (const Shape& s : shapes) {
+    if (skip_large(s)) continue;
+    const int64_t m = s.m, hid = s.n;
+    const bool in_place = s.m == 300;
+    const auto qdz = quantized(wide_values(m, s.k, rng), s.m, s.k, 1);
+    const auto qwt = quantized(wide_values(hid, s.k, rng), s.n, s.k, 128);  // Wᵀ (H, K)
+    const std::vector<double> x = uniform_bf16(size_t(m * hid), -2, 2, rng),
+                              dres = uniform_bf16(size_t(m * hid), -1, 1, rng),
+                              gam = uniform_bf16(size_t(hid), 0.5, 1.5, rng),
+                              r = uniform_bf16(size_t(m), 0.5, 1.5, rng),
+                              zdz = uniform_bf16(size_t(m), -0.1, 0.1, rng);
+    const Fp8Operand ddz = upload_rows(qdz), dwt = upload_blocks(qwt);
+    auto dx_in = upload_bf16(x), dres_in = upload_bf16(dres), dgam = upload_bf16(gam);
+    DeviceBuffer<float> dr(std::vector<float>(r.begin(), r.end())),
+        dzdz(std::vector<float>(zdz.begin(), zdz.end()));
+    DeviceBuffer<bf16> dx(size_t(m * hid));
+    dx.poison();
+    const auto layout = epilogue::PartialLayout::per_column(m, hid, 128, 128);
+    DeviceBuffer<float> dgamma(size_t(layout.tiles * layout.extent));
+    dgamma.poison();
+    QuantizedOut q(m, hid);
+    GemmProblem p = fp8_problem(s, ddz, dwt);
+    p.c = dres_in.get();
+    p.ldc = hid;
+    p.d = in_place ? dres_in.get() : dx.get();
+    p.ldd = hid;
+    const RmsnormBackwardArgs b1{dx_in.get(), hid,     dr.get(), dgam.get(),
+                                 dzdz.get(),  nullptr, 0,        dgamma.get()};
+    run<Program::kRmsnormBackwardFp8>(kConfig, p, {b1, q.rows_out(), q.cols_out()},
+                                      Operands::kFp8XWt);
+
+    auto ref = reference::fp8_rmsnorm_backward<double>(qdz, qwt, x, r, gam, zdz, dres);
+    const std::vector<double> dx_got = download_bf16(in_place ? dres_in : dx);
+    const std::string what = at(s) + (in_place ? " in place" : "");
+    expect_close("dx " + what, dx_got, ref.dx);
+    expect_close("dγ partials " + what,
+                 defined_partials(dgamma.download(), ref.dgamma_partials, layout, hid),
+                 ref.dgamma_partials);
+    q.expect_quantizes("dx " + what, dx_got);
+  }
+}
+
+// B2 with FP8 dz: {M, I, H}. I = 200: the last tile's second part is 16 columns of dz wide.
+TEST_F(GpuKernelTest, Fp8SwigluBackwardQuantizesDzAsTheRecipe) {
+  testing::Rng rng(23);
+  const Shape shapes[] = {
+      {1, 128, 144}, {130, 200, 272}, {300, 456, 1040}, {4097, 128, 272}, {256, 512, 2048}};
+  for (const Shape& s : shapes) {
+    if (skip_large(s)) continue;
+    const int64_t m = s.m, inter = s.n;
+    const auto qdx = quantized(wide_values(m, s.k, rng), s.m, s.k, 1);
+    const auto qwdt = quantized(wide_values(inter, s.k, rng), s.n, s.k, 128);  // W_downᵀ (I, H)
+    const std::vector<double> z = uniform_bf16(size_t(m * 2 * inter), -3, 3, rng);
+    const Fp8Operand ddx = upload_rows(qdx), dwdt = upload_blocks(qwdt);
+    auto dz_in = upload_bf16(z);
+    DeviceBuffer<bf16> dz_copy(size_t(m * 2 * inter));
+    dz_copy.poison();
+    const auto layout = epilogue::PartialLayout::per_row(m, inter, 128, 128);
+    DeviceBuffer<float> zdz(size_t(layout.tiles * layout.extent));
+    zdz.poison();
+    QuantizedOut q(m, 2 * inter);
+    const GemmProblem p = fp8_problem(s, ddx, dwdt);
+    SwigluBackwardFp8Args args;
+    args.z = reinterpret_cast<const uint32_t*>(dz_in.get());
+    args.ldz = inter;
+    args.zdz_partials = zdz.get();
+    args.dz = q.rows_out();
+    args.dz_t = q.cols_out();
+    args.dz_copy = dz_copy.get();
+    args.ld_dz_copy = 2 * inter;
+    run<Program::kSwigluBackwardFp8>(kConfig, p, args, Operands::kFp8XWt);
+
+    auto ref = reference::fp8_swiglu_backward<double>(qdx, qwdt, z);
+    const std::vector<double> dz_got = download_bf16(dz_copy);
+    expect_close("dz " + at(s), dz_got, ref.dz);
+    expect_close("ZdZ partials " + at(s),
+                 defined_partials(zdz.download(), ref.zdz_partials, layout, m), ref.zdz_partials);
+    q.expect_quantizes("dz " + at(s), dz_got);
+  }
+}
+
+}  // namespace
+}  // namespace coda::kernel
