@@ -857,6 +857,25 @@ void gemm_fp8_rmsnorm_swiglu(View h, View h_scales, View w_gu, View w_gu_scales,
   launch<Program::kRmsnormSwigluFp8>(c, Operands::kFp8XWt, p, {f32(r), out.rows, out.cols}, stream);
 }
 
+void gemm_fp8_rmsnorm_rope(View h, View h_scales, View w_qkv, View w_qkv_scales, View r, View bias,
+                           View pos, View rope_table, View qkv, cudaStream_t stream) {
+  Args c("coda::ops::gemm_fp8_rmsnorm_rope");
+  kernel::GemmProblem p = fp8_problem(c, {"h", h, "h_scales", h_scales},
+                                      {"w_qkv", w_qkv, "w_qkv_scales", w_qkv_scales}, true);
+  const int64_t m = p.m, n = p.n;
+  c.vector("r", r, kF, m);
+  if (bias.data) c.vector("bias", bias, kBf, n);
+  c.vector("pos", pos, DType::kI32, m);
+  c.matrix("rope_table", rope_table, DType::kI32, 2, n);
+  c.matrix("qkv", qkv, kBf, m, n);
+  c.on_device();
+  p.d = bf_out(qkv);
+  p.ldd = qkv.ld;
+  const kernel::RmsnormRopeArgs args{f32(r), bf(bias), pos.as<const int32_t>(),
+                                     words(rope_table, 0), words(rope_table, 1)};
+  launch<Program::kRmsnormRope>(c, Operands::kFp8XWt, p, args, stream);
+}
+
 PartialLayout fp8_rmsnorm_backward_partials_layout(int64_t m, int64_t hidden, int64_t n_out) {
   return checked_layout("coda::ops::fp8_rmsnorm_backward_partials_layout",
                         Program::kRmsnormBackwardFp8, Operands::kFp8XWt, {m, hidden, n_out});

@@ -176,6 +176,10 @@ void gemm_fp8_residual_rmsnorm(View a, View a_scales, View w, View w_scales, Vie
 // (ceil(M/128), I), either of which may be left out. 2I a multiple of 32.
 void gemm_fp8_rmsnorm_swiglu(View h, View h_scales, View w_gu, View w_gu_scales, View r, View z,
                              View a, View a_scales, View a_t, View a_t_scales, cudaStream_t stream);
+// F3 over FP8 operands (h in 1x128 blocks, w_qkv (N, K) in 128x128 blocks): qkv (M, N) bf16 =
+// rope(r ⊙ (h · w_qkvᵀ) + bias, pos, freq), the arguments as gemm_rmsnorm_rope's.
+void gemm_fp8_rmsnorm_rope(View h, View h_scales, View w_qkv, View w_qkv_scales, View r, View bias,
+                           View pos, View rope_table, View qkv, cudaStream_t stream);
 // B1 over FP8 operands: g = dz · W from dz (M, K) in 1x128 blocks and w_t = Wᵀ's codes (H, K) in
 // 128x128 blocks (quantize_fp8_blocks' codes_t of W (K, H)); dx = dres + r·(g·γ − x·r·ZdZ) in
 // bf16 (may alias dres), also quantized in the epilogue as quantize_fp8_rows would quantize it:

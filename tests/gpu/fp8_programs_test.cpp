@@ -1,6 +1,6 @@
-// The FP8 programs whose epilogues quantize their output (F2's a, B1's dx, B2's dz; F1's h is in
-// fp8_gemm_test.cu) against the host recipe, on fresh random inputs over ragged shapes (M = 1,
-// 130, 300, 4097; N not a multiple of 128; a unit of F2's tile pairs half past N):
+// The FP8 programs (F2's a, B1's dx, B2's dz quantized in the epilogue; F3 on FP8 operands; F1's
+// h is in fp8_gemm_test.cu) against the host recipe, on fresh random inputs over ragged shapes (M =
+// 1, 130, 300, 4097; N not a multiple of 128; a unit of F2's tile pairs half past N):
 //   - the bf16 outputs (z, dx, and a and dz as the staged bf16 copy the kernel can write) and the
 //     partials against the program's functors on the GEMM of the dequantized operands in fp64
 //     (reference/fp8_programs.hpp), by the FP8 GEMM tolerance of fp8_check.hpp;
@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "coda/programs/rope.hpp"
 #include "support/fp8_check.hpp"
 #include "support/gpu_check.hpp"
 
@@ -108,6 +109,46 @@ TEST_F(GpuKernelTest, Fp8RmsnormSwigluQuantizesAAsTheRecipe) {
     expect_close("a " + at(s), a_got, ref.a);
     a.expect_quantizes("a " + at(s), a_got);
   }
+}
+
+// F3 on FP8 operands: GQA layouts, long positions, with and without the q/k/v bias; head_dim 48
+// leaves the last tile ragged.
+TEST_F(GpuKernelTest, Fp8RmsnormRopeMatchesTheRecipe) {
+  testing::Rng rng(24);
+  const programs::QkvLayout layouts[] = {{3, 1, 64}, {4, 2, 128}, {2, 1, 48}};
+  for (const auto& ql : layouts)
+    for (int m : {1, 130, 4097})
+      for (bool with_bias : {false, true}) {
+        const Shape s{m, ql.width(), 272};
+        if (skip_large(s)) continue;
+        const auto qh = quantized(wide_values(s.m, s.k, rng), s.m, s.k, 1);
+        const auto qw = quantized(wide_values(s.n, s.k, rng), s.n, s.k, 128);
+        const std::vector<double> r = uniform_bf16(size_t(s.m), 0.3, 3, rng);
+        const std::vector<double> b =
+            with_bias ? uniform_bf16(size_t(s.n), -4, 4, rng) : std::vector<double>{};
+        std::vector<int32_t> pos(size_t(s.m));
+        for (int32_t& p : pos) p = int32_t(rng.integer(0, 1 << 17));
+        const auto table = programs::rope_column_table(
+            ql, programs::rope_inv_freq(ql.head_dim, 500000.0, {.enabled = true}));
+        std::vector<uint32_t> hi, lo;
+        for (const auto& f : table) hi.push_back(f.hi), lo.push_back(f.lo);
+        const Fp8Operand dh = upload_rows(qh), dw = upload_blocks(qw);
+        DeviceBuffer<float> dr(std::vector<float>(r.begin(), r.end()));
+        auto db = upload_bf16(with_bias ? b : std::vector<double>(8, 0.0));
+        DeviceBuffer<int32_t> dpos(pos);
+        DeviceBuffer<uint32_t> dhi(hi), dlo(lo);
+        DeviceBuffer<bf16> qkv(size_t(s.m) * s.n);
+        qkv.poison();
+        GemmProblem p = fp8_problem(s, dh, dw);
+        p.d = qkv.get();
+        p.ldd = s.n;
+        run<Program::kRmsnormRope>(
+            kConfig, p,
+            {dr.get(), with_bias ? db.get() : nullptr, dpos.get(), dhi.get(), dlo.get()},
+            Operands::kFp8XWt);
+        expect_close("qkv " + at(s) + (with_bias ? " bias" : ""), download_bf16(qkv),
+                     reference::fp8_rmsnorm_rope<double>(qh, qw, r, b, pos, table));
+      }
 }
 
 // B1 with FP8 dx: {M, H, K}, K the consumer's width (dz's columns). One shape accumulates in

@@ -86,6 +86,28 @@ Fp8RmsnormSwiglu<Real> fp8_rmsnorm_swiglu(const BlockQuantized& h, const BlockQu
   return out;
 }
 
+// F3 over FP8 operands (Program::kRmsnormRope on Operands::kFp8XWt), in Real: qkv = rope(r ⊙
+// (h · w_qkvᵀ) + bias) (programs::RmsnormRope; bias empty for none, freq the column table).
+template <class Real>
+std::vector<Real> fp8_rmsnorm_rope(const BlockQuantized& h, const BlockQuantized& w_qkv,
+                                   const std::vector<Real>& r, const std::vector<Real>& bias,
+                                   const std::vector<int32_t>& pos,
+                                   const std::vector<programs::RopeFrequency>& freq) {
+  const int64_t m = h.rows, n = w_qkv.rows;
+  CODA_CHECK(int64_t(r.size()) == m && int64_t(pos.size()) == m && int64_t(freq.size()) == n &&
+                 (bias.empty() || int64_t(bias.size()) == n),
+             "fp8_rmsnorm_rope: r and pos must have ", m, " entries, freq (and bias, if any) ", n);
+  std::vector<Real> qkv(size_t(m * n));
+  programs::RmsnormRope<Real> p;
+  p.r = {r.data(), m};
+  p.bias = {bias.empty() ? nullptr : bias.data(), int64_t(bias.size())};
+  p.pos = {pos.data(), m};
+  p.freq = {freq.data(), n};
+  p.qkv = {qkv.data(), m, n, n};
+  execute_fp8<Real>(h, w_qkv, p);
+  return qkv;
+}
+
 // B1 over FP8 operands (Program::kRmsnormBackwardFp8), in Real: g = dz · W from dz (M, K) and
 // w_t = Wᵀ (H, K); dx = dres + r·(g·γ − x·r·ZdZ) (M, H) and the dγ partials,
 // PartialLayout::per_column(M, H, 128, 128) (programs::RmsnormBackward; its h is dropped). The
