@@ -1,4 +1,5 @@
-// The blockwise FP8 ops (docs/torch-ops.md, "FP8"): the cast passes and the FP8 GEMMs. On CUDA
+// The blockwise FP8 ops (docs/torch-ops.md, "FP8"): the cast passes, the FP8 GEMMs and the FP8
+// programs (F1, F2, B1, B2 with their output quantized in the epilogue). On CUDA
 // they run the Hopper kernels through include/coda/ops.hpp; on the CPU the reference recipe
 // (reference/fp8.hpp), which emulates e4m3 exactly and writes the same layouts, so CPU and CUDA
 // results compare code for code. Codes are torch.float8_e4m3fn tensors; scales fp32 as in
@@ -7,6 +8,7 @@
 // (ceil(rows / 128), ceil(cols / 128)).
 #include <torch/library.h>
 
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -208,23 +210,24 @@ void check_scale_shape(const char* op, const char* name, const Tensor& s, int64_
     TORCH_CHECK(s.stride(0) >= cols, op, ": ", name, "'s row stride must be >= ", cols);
 }
 
-// x (M, K) 1x128 · w (N, K) (128x128 blocks when `w_blocks`, else 1x128) -> (M, N).
-// An FP8 GEMM's operand pair, checked: `x_name` (M, K) in 1x128 blocks, w (N, K) in 128x128 blocks
-// when `w_blocks`, else 1x128, with their scales; returns (M, N, K).
+// An FP8 GEMM's operand pair, checked: `x_name` (M, K) in 1x128 blocks, `w_name` (N, K) in
+// 128x128 blocks when `w_blocks`, else 1x128, with their scales; returns (M, N, K).
 std::tuple<int64_t, int64_t, int64_t> check_pair(const char* op, const char* x_name,
                                                  const Tensor& x, const char* xs_name,
                                                  const Tensor& xs, const Tensor& w,
-                                                 const Tensor& ws, bool w_blocks) {
+                                                 const Tensor& ws, bool w_blocks,
+                                                 const char* w_name = "w",
+                                                 const char* ws_name = "w_scales") {
   check_operand(op, x_name, x, xs_name, xs, x);
-  check_operand(op, "w", w, "w_scales", ws, x);
-  TORCH_CHECK(x.size(1) == w.size(1), op, ": ", x_name, " is ", shape_string(x.sizes()),
-              " and w is ", shape_string(w.sizes()), ": their K differ");
+  check_operand(op, w_name, w, ws_name, ws, x);
+  TORCH_CHECK(x.size(1) == w.size(1), op, ": ", x_name, " is ", shape_string(x.sizes()), " and ",
+              w_name, " is ", shape_string(w.sizes()), ": their K differ");
   const int64_t m = x.size(0), n = w.size(0), k = x.size(1);
   check_scale_shape(op, xs_name, xs, blocks(k), m);
   if (w_blocks)
-    check_scale_shape(op, "w_scales", ws, blocks(n), blocks(k));
+    check_scale_shape(op, ws_name, ws, blocks(n), blocks(k));
   else
-    check_scale_shape(op, "w_scales", ws, blocks(k), n);
+    check_scale_shape(op, ws_name, ws, blocks(k), n);
   return {m, n, k};
 }
 
@@ -276,6 +279,116 @@ void fp8_gemm_xyt_accumulate_(const Tensor& d, const Tensor& x, const Tensor& x_
   gemm("coda::fp8_gemm_xyt_accumulate_", x, x_scales, y, y_scales, false, &d);
 }
 
+// ---- the FP8 programs: a GEMM whose epilogue quantizes its output ----------------------------
+// Each writes one (rows, cols) tensor in 1x128 blocks (`rows`) and / or as its transposed 128x1
+// copy (`transposed`), in the layouts fp8_quantize_rows writes; the copies not asked for are
+// empty. On the CPU the oracle of reference/fp8_programs.hpp runs in fp64, its output is rounded
+// to the activation dtype (as the epilogue rounds it to bf16) and cast by quantize_blockwise.
+struct RowCast {
+  Tensor codes, scales, codes_t, scales_t;
+};
+RowCast row_cast_outputs(const Tensor& like, int64_t rows, int64_t cols, bool want_rows,
+                         bool want_t) {
+  RowCast o{none(like), none(like), none(like), none(like)};
+  if (want_rows) {
+    o.codes = at::empty({rows, cols}, codes_options(like));
+    o.scales = scales_with_ld(like, blocks(cols), rows, ScaleLayout::row_scales_ld(rows));
+  }
+  if (want_t) {
+    o.codes_t = at::empty({cols, ScaleLayout::padded_tokens(rows)}, codes_options(like));
+    o.scales_t = at::empty({blocks(rows), cols}, scale_options(like));
+  }
+  return o;
+}
+
+std::vector<double> to_doubles(const Tensor& t) {
+  const Tensor d = t.to(at::kDouble).contiguous();
+  return std::vector<double>(d.data_ptr<double>(), d.data_ptr<double>() + d.numel());
+}
+Tensor from_doubles(const std::vector<double>& v, int64_t rows, int64_t cols) {
+  return at::from_blob(const_cast<double*>(v.data()), {rows, cols}, at::kDouble).clone();
+}
+// The statistic dtype of an activation dtype: float64 for float64 (CPU), else float32.
+at::ScalarType stat_of(at::ScalarType act) { return act == at::kDouble ? at::kDouble : at::kFloat; }
+
+// v (rows, cols), the oracle's fp64 values: rounded to `act`, then cast into o's outputs.
+void cast_on_cpu(const std::vector<double>& v, int64_t rows, int64_t cols, at::ScalarType act,
+                 RowCast& o) {
+  const Tensor rounded = from_doubles(v, rows, cols).to(act).to(at::kDouble).contiguous();
+  const double* p = rounded.data_ptr<double>();
+  if (o.codes.numel() > 0) {
+    const auto q = reference::quantize_blockwise(
+        reference::MatrixRef<double>::row_major(p, rows, cols), 1, 128);
+    put_codes(q, o.codes);
+    put_row_scales(q, o.scales);
+  }
+  if (o.codes_t.numel() > 0) {
+    const auto q = reference::quantize_blockwise(
+        reference::MatrixRef<double>::transposed(p, cols, rows), 1, 128);
+    o.codes_t.zero_();
+    put_codes(q, o.codes_t);
+    put_row_scales(q, o.scales_t);
+  }
+}
+
+// An activation argument of an FP8 program: a contiguous (rows, cols) matrix on `first`'s device,
+// bf16 (or float32 / float64 on the CPU).
+void check_activation(const char* op, const char* name, const Tensor& t, int64_t rows, int64_t cols,
+                      const Tensor& first) {
+  TORCH_CHECK(t.defined(), op, ": ", name, " is undefined");
+  TORCH_CHECK(t.device() == first.device(), op, ": ", name, " must be on ", first.device(),
+              ", got ", t.device());
+  TORCH_CHECK(t.sizes() == c10::IntArrayRef({rows, cols}), op, ": ", name, " must be (", rows, ", ",
+              cols, "), got ", shape_string(t.sizes()));
+  check_input(op, name, t);
+}
+// A per-row (or per-column) statistic: a contiguous (n) vector, float32 (or float64 on the CPU).
+void check_statistic(const char* op, const char* name, const Tensor& t, int64_t n,
+                     const Tensor& first) {
+  TORCH_CHECK(t.defined(), op, ": ", name, " is undefined");
+  TORCH_CHECK(t.device() == first.device(), op, ": ", name, " must be on ", first.device(),
+              ", got ", t.device());
+  const auto s = t.scalar_type();
+  TORCH_CHECK(s == at::kFloat || (t.is_cpu() && s == at::kDouble), op, ": ", name,
+              " must be float32", t.is_cpu() ? " (or float64 on the CPU)" : "", ", got ", s);
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == n && t.is_contiguous(), op, ": ", name,
+              " must be a contiguous (", n, ") vector, got ", shape_string(t.sizes()), " strides ",
+              shape_string(t.strides()));
+}
+// A per-column weight (γ): a contiguous (n) vector of `like`'s dtype.
+void check_weight_vector(const char* op, const char* name, const Tensor& t, int64_t n,
+                         const char* like_name, const Tensor& like) {
+  TORCH_CHECK(t.defined(), op, ": ", name, " is undefined");
+  TORCH_CHECK(t.device() == like.device(), op, ": ", name, " must be on ", like.device(), ", got ",
+              t.device());
+  TORCH_CHECK(
+      t.dim() == 1 && t.size(0) == n && t.is_contiguous() && t.scalar_type() == like.scalar_type(),
+      op, ": ", name, " must be a contiguous (", n, ") vector of ", like_name, "'s dtype ",
+      like.scalar_type(), ", got ", shape_string(t.sizes()), " ", t.scalar_type());
+}
+
+#if CODA_TORCH_CUDA
+TensorView vector_view(const Tensor& t, DType d) {
+  return TensorView::vector(t.data_ptr(), d, t.numel(), t.device().index());
+}
+// A RowCast's four views; the outputs not asked for are absent (null).
+struct RowCastViews {
+  TensorView codes, scales, codes_t, scales_t;
+};
+RowCastViews views_of(const RowCast& o) {
+  RowCastViews v;
+  if (o.codes.numel() > 0) {
+    v.codes = codes_view(o.codes);
+    v.scales = scales_view(o.scales);
+  }
+  if (o.codes_t.numel() > 0) {
+    v.codes_t = codes_view(o.codes_t);
+    v.scales_t = scales_view(o.scales_t);
+  }
+  return v;
+}
+#endif
+
 // F1 over FP8 operands (ops::gemm_fp8_residual_rmsnorm): x = a · wᵀ + residual, h = x ⊙ γ in
 // residual's dtype quantized in 1x128 blocks (`rows`) and as its transposed 128x1 copy
 // (`transposed`), Σx² partials per 128x128 tile for rmsnorm_fold. On the CPU residual and gamma
@@ -299,45 +412,14 @@ Fp8F1 fp8_gemm_residual_rmsnorm(const Tensor& a, const Tensor& a_scales, const T
               gamma.scalar_type());
   TORCH_CHECK(rows || transposed, op, ": neither rows nor transposed is asked for");
   const at::ScalarType act = residual.scalar_type();
-  Tensor h = none(a), hs = none(a), h_t = none(a), h_ts = none(a);
-  if (rows) {
-    h = at::empty({m, n}, codes_options(a));
-    hs = scales_with_ld(a, blocks(n), m, ScaleLayout::row_scales_ld(m));
-  }
-  if (transposed) {
-    h_t = at::empty({n, ScaleLayout::padded_tokens(m)}, codes_options(a));
-    h_ts = at::empty({blocks(m), n}, scale_options(a));
-  }
+  RowCast h = row_cast_outputs(a, m, n, rows, transposed);
   if (a.is_cpu()) {
-    const auto to_doubles = [](const Tensor& t) {
-      const Tensor d = t.to(at::kDouble).contiguous();
-      return std::vector<double>(d.data_ptr<double>(), d.data_ptr<double>() + d.numel());
-    };
     const auto f = reference::fp8_residual_rmsnorm<double>(read_operand(a, a_scales, false),
                                                            read_operand(w, w_scales, true),
                                                            to_doubles(residual), to_doubles(gamma));
-    const auto tensor = [](const std::vector<double>& v, int64_t r, int64_t c) {
-      return at::from_blob(const_cast<double*>(v.data()), {r, c}, at::kDouble).clone();
-    };
-    const Tensor x = tensor(f.x, m, n).to(act);
-    const Tensor hv = tensor(f.h, m, n).to(act).to(at::kDouble).contiguous();
-    const double* hp = hv.data_ptr<double>();
-    if (rows) {
-      const auto q =
-          reference::quantize_blockwise(reference::MatrixRef<double>::row_major(hp, m, n), 1, 128);
-      put_codes(q, h);
-      put_row_scales(q, hs);
-    }
-    if (transposed) {
-      const auto q =
-          reference::quantize_blockwise(reference::MatrixRef<double>::transposed(hp, n, m), 1, 128);
-      h_t.zero_();
-      put_codes(q, h_t);
-      put_row_scales(q, h_ts);
-    }
-    const Tensor s = tensor(f.partials, f.layout.tiles, f.layout.extent)
-                         .to(act == at::kDouble ? at::kDouble : at::kFloat);
-    return {x, h, hs, h_t, h_ts, s};
+    cast_on_cpu(f.h, m, n, act, h);
+    const Tensor s = from_doubles(f.partials, f.layout.tiles, f.layout.extent).to(stat_of(act));
+    return {from_doubles(f.x, m, n).to(act), h.codes, h.scales, h.codes_t, h.scales_t, s};
   }
 #if CODA_TORCH_CUDA
   const c10::cuda::CUDAGuard guard(a.device());
@@ -345,15 +427,147 @@ Fp8F1 fp8_gemm_residual_rmsnorm(const Tensor& a, const Tensor& a_scales, const T
   const Tensor x = at::empty({m, n}, residual.options());
   const auto l = ops::fp8_residual_rmsnorm_partials_layout(m, n, k);
   const Tensor s = at::empty({l.tiles, l.extent}, scale_options(a));
-  const TensorView absent{};
+  const RowCastViews v = views_of(h);
   ops::gemm_fp8_residual_rmsnorm(
       codes_view(a), scales_view(a_scales), codes_view(w), scales_view(w_scales),
-      view(residual, DType::kBF16),
-      TensorView::vector(gamma.data_ptr(), DType::kBF16, n, gamma.device().index()),
-      view(x, DType::kBF16), rows ? codes_view(h) : absent, rows ? scales_view(hs) : absent,
-      transposed ? codes_view(h_t) : absent, transposed ? scales_view(h_ts) : absent,
-      view(s, DType::kF32), stream_of(a));
-  return {x, h, hs, h_t, h_ts, s};
+      view(residual, DType::kBF16), vector_view(gamma, DType::kBF16), view(x, DType::kBF16),
+      v.codes, v.scales, v.codes_t, v.scales_t, view(s, DType::kF32), stream_of(a));
+  return {x, h.codes, h.scales, h.codes_t, h.scales_t, s};
+#else
+  TORCH_CHECK(false, op, ": this build has no CUDA kernels");
+#endif
+}
+
+// F2 over FP8 operands (ops::gemm_fp8_rmsnorm_swiglu): z = r ⊙ (h · w_guᵀ) (M, 2I), gate / up
+// interleaved, and a = silu(z_g) · z_u (M, I) from the unrounded z, rounded to the activation
+// dtype and quantized (`rows`, `transposed`). No input carries the activation dtype: `dtype`
+// names it, bfloat16 by default and on CUDA; on the CPU float32 or float64 keep z and a (before
+// the cast) in that precision. r (M): float32 (or float64 on the CPU).
+using Fp8F2 = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
+Fp8F2 fp8_gemm_rmsnorm_swiglu(const Tensor& h, const Tensor& h_scales, const Tensor& w_gu,
+                              const Tensor& w_gu_scales, const Tensor& r, bool rows,
+                              bool transposed, std::optional<at::ScalarType> dtype) {
+  const char* op = "coda::fp8_gemm_rmsnorm_swiglu";
+  const auto [m, two_i, k] =
+      check_pair(op, "h", h, "h_scales", h_scales, w_gu, w_gu_scales, true, "w_gu", "w_gu_scales");
+  TORCH_CHECK(two_i % 32 == 0, op, ": w_gu's rows (2I) must be a multiple of 32 (a's codes are ",
+              "rows of I e4m3 bytes, 16-byte aligned), got ", two_i);
+  check_statistic(op, "r", r, m, h);
+  const at::ScalarType act = dtype.value_or(at::kBFloat16);
+  TORCH_CHECK(act == at::kBFloat16 || (h.is_cpu() && (act == at::kFloat || act == at::kDouble)), op,
+              ": dtype must be bfloat16", h.is_cpu() ? " (or float32 / float64 on the CPU)" : "",
+              ", got ", act);
+  TORCH_CHECK(rows || transposed, op, ": neither rows nor transposed is asked for");
+  const int64_t inter = two_i / 2;
+  RowCast a = row_cast_outputs(h, m, inter, rows, transposed);
+  if (h.is_cpu()) {
+    const auto f = reference::fp8_rmsnorm_swiglu<double>(
+        read_operand(h, h_scales, false), read_operand(w_gu, w_gu_scales, true), to_doubles(r));
+    cast_on_cpu(f.a, m, inter, act, a);
+    return {from_doubles(f.z, m, two_i).to(act), a.codes, a.scales, a.codes_t, a.scales_t};
+  }
+#if CODA_TORCH_CUDA
+  const c10::cuda::CUDAGuard guard(h.device());
+  const Tensor z = at::empty({m, two_i}, h.options().dtype(at::kBFloat16));
+  const RowCastViews v = views_of(a);
+  ops::gemm_fp8_rmsnorm_swiglu(codes_view(h), scales_view(h_scales), codes_view(w_gu),
+                               scales_view(w_gu_scales), vector_view(r, DType::kF32),
+                               view(z, DType::kBF16), v.codes, v.scales, v.codes_t, v.scales_t,
+                               stream_of(h));
+  return {z, a.codes, a.scales, a.codes_t, a.scales_t};
+#else
+  TORCH_CHECK(false, op, ": this build has no CUDA kernels");
+#endif
+}
+
+// B1 over FP8 operands (ops::gemm_fp8_rmsnorm_backward): g = dz · W from dz (M, K) in 1x128
+// blocks and w_t = Wᵀ's codes (H, K) in 128x128 blocks (fp8_quantize_blocks(W, transposed=True)'s
+// codes_t); dx = dres + r·(g·γ − x·r·ZdZ) (M, H) in x's dtype, also quantized (`rows`,
+// `transposed`), and the dγ partials PartialLayout::per_column(M, H, 128, 128) for dgamma_fold.
+// zdz is the folded ZdZ (already / H). On the CPU x, dres and γ may be float32 or float64 too.
+using Fp8B1 = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
+Fp8B1 fp8_gemm_rmsnorm_backward(const Tensor& dz, const Tensor& dz_scales, const Tensor& w_t,
+                                const Tensor& w_t_scales, const Tensor& x, const Tensor& r,
+                                const Tensor& gamma, const Tensor& zdz, const Tensor& dres,
+                                bool rows, bool transposed) {
+  const char* op = "coda::fp8_gemm_rmsnorm_backward";
+  const auto [m, hidden, k] =
+      check_pair(op, "dz", dz, "dz_scales", dz_scales, w_t, w_t_scales, true, "w_t", "w_t_scales");
+  TORCH_CHECK(hidden % 16 == 0, op, ": w_t's rows (H) must be a multiple of 16 (16-byte rows of ",
+              "dx's codes), got ", hidden);
+  check_activation(op, "x", x, m, hidden, dz);
+  check_activation(op, "dres", dres, m, hidden, dz);
+  TORCH_CHECK(dres.scalar_type() == x.scalar_type(), op, ": dres must have x's dtype ",
+              x.scalar_type(), ", got ", dres.scalar_type());
+  check_weight_vector(op, "gamma", gamma, hidden, "x", x);
+  check_statistic(op, "r", r, m, dz);
+  check_statistic(op, "zdz", zdz, m, dz);
+  TORCH_CHECK(rows || transposed, op, ": neither rows nor transposed is asked for");
+  const at::ScalarType act = x.scalar_type();
+  RowCast q = row_cast_outputs(dz, m, hidden, rows, transposed);
+  if (dz.is_cpu()) {
+    const auto f = reference::fp8_rmsnorm_backward<double>(
+        read_operand(dz, dz_scales, false), read_operand(w_t, w_t_scales, true), to_doubles(x),
+        to_doubles(r), to_doubles(gamma), to_doubles(zdz), to_doubles(dres));
+    cast_on_cpu(f.dx, m, hidden, act, q);
+    const Tensor s =
+        from_doubles(f.dgamma_partials, f.layout.tiles, f.layout.extent).to(stat_of(act));
+    return {from_doubles(f.dx, m, hidden).to(act), q.codes, q.scales, q.codes_t, q.scales_t, s};
+  }
+#if CODA_TORCH_CUDA
+  const c10::cuda::CUDAGuard guard(dz.device());
+  const Tensor dx = at::empty({m, hidden}, x.options());
+  const auto l = ops::fp8_rmsnorm_backward_partials_layout(m, hidden, k);
+  const Tensor s = at::empty({l.tiles, l.extent}, scale_options(dz));
+  const RowCastViews v = views_of(q);
+  ops::gemm_fp8_rmsnorm_backward(
+      codes_view(dz), scales_view(dz_scales), codes_view(w_t), scales_view(w_t_scales),
+      view(x, DType::kBF16), vector_view(r, DType::kF32), vector_view(gamma, DType::kBF16),
+      vector_view(zdz, DType::kF32), view(dres, DType::kBF16), view(dx, DType::kBF16), v.codes,
+      v.scales, v.codes_t, v.scales_t, view(s, DType::kF32), stream_of(dz));
+  return {dx, q.codes, q.scales, q.codes_t, q.scales_t, s};
+#else
+  TORCH_CHECK(false, op, ": this build has no CUDA kernels");
+#endif
+}
+
+// B2 over FP8 operands (ops::gemm_fp8_swiglu_backward): da = dx_out · W_down from dx_out (M, H)
+// in 1x128 blocks and w_down_t = W_downᵀ's codes (I, H) in 128x128 blocks; with z (M, 2I) the
+// saved interleaved pre-activation, dz (M, 2I) = dSwiGLU (docs/math.md B2) rounded to z's dtype
+// and quantized (`rows`, `transposed`), and the ZdZ partials Σ g·dg + u·du (not yet / H),
+// PartialLayout::per_row(M, I, 128, 128), for zdz_fold. On the CPU z may be float32 or float64.
+using Fp8B2 = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
+Fp8B2 fp8_gemm_swiglu_backward(const Tensor& dx_out, const Tensor& dx_out_scales,
+                               const Tensor& w_down_t, const Tensor& w_down_t_scales,
+                               const Tensor& z, bool rows, bool transposed) {
+  const char* op = "coda::fp8_gemm_swiglu_backward";
+  const auto [m, inter, k] =
+      check_pair(op, "dx_out", dx_out, "dx_out_scales", dx_out_scales, w_down_t, w_down_t_scales,
+                 true, "w_down_t", "w_down_t_scales");
+  TORCH_CHECK(inter % 8 == 0, op, ": w_down_t's rows (I) must be a multiple of 8 (dz's codes are ",
+              "rows of 2I e4m3 bytes, 16-byte aligned), got ", inter);
+  check_activation(op, "z", z, m, 2 * inter, dx_out);
+  TORCH_CHECK(rows || transposed, op, ": neither rows nor transposed is asked for");
+  const at::ScalarType act = z.scalar_type();
+  RowCast q = row_cast_outputs(dx_out, m, 2 * inter, rows, transposed);
+  if (dx_out.is_cpu()) {
+    const auto f = reference::fp8_swiglu_backward<double>(
+        read_operand(dx_out, dx_out_scales, false), read_operand(w_down_t, w_down_t_scales, true),
+        to_doubles(z));
+    cast_on_cpu(f.dz, m, 2 * inter, act, q);
+    const Tensor s = from_doubles(f.zdz_partials, f.layout.tiles, f.layout.extent).to(stat_of(act));
+    return {q.codes, q.scales, q.codes_t, q.scales_t, s};
+  }
+#if CODA_TORCH_CUDA
+  const c10::cuda::CUDAGuard guard(dx_out.device());
+  const auto l = ops::fp8_swiglu_backward_partials_layout(m, inter, k);
+  const Tensor s = at::empty({l.tiles, l.extent}, scale_options(dx_out));
+  const RowCastViews v = views_of(q);
+  ops::gemm_fp8_swiglu_backward(codes_view(dx_out), scales_view(dx_out_scales),
+                                codes_view(w_down_t), scales_view(w_down_t_scales),
+                                view(z, DType::kBF16), v.codes, v.scales, v.codes_t, v.scales_t,
+                                view(s, DType::kF32), stream_of(dx_out));
+  return {q.codes, q.scales, q.codes_t, q.scales_t, s};
 #else
   TORCH_CHECK(false, op, ": this build has no CUDA kernels");
 #endif
@@ -376,6 +590,9 @@ inline constexpr char gemm_blocks[] = "coda::fp8_gemm";
 inline constexpr char gemm_xyt[] = "coda::fp8_gemm_xyt";
 inline constexpr char gemm_xyt_acc[] = "coda::fp8_gemm_xyt_accumulate_";
 inline constexpr char residual_rmsnorm[] = "coda::fp8_gemm_residual_rmsnorm";
+inline constexpr char rmsnorm_swiglu[] = "coda::fp8_gemm_rmsnorm_swiglu";
+inline constexpr char rmsnorm_backward[] = "coda::fp8_gemm_rmsnorm_backward";
+inline constexpr char swiglu_backward[] = "coda::fp8_gemm_swiglu_backward";
 }  // namespace names
 
 void register_fp8(torch::Library& m) {
@@ -386,6 +603,11 @@ void register_fp8(torch::Library& m) {
   m.impl("fp8_gemm_xyt_accumulate_", CODA_GUARDED(names::gemm_xyt_acc, fp8_gemm_xyt_accumulate_));
   m.impl("fp8_gemm_residual_rmsnorm",
          CODA_GUARDED(names::residual_rmsnorm, fp8_gemm_residual_rmsnorm));
+  m.impl("fp8_gemm_rmsnorm_swiglu", CODA_GUARDED(names::rmsnorm_swiglu, fp8_gemm_rmsnorm_swiglu));
+  m.impl("fp8_gemm_rmsnorm_backward",
+         CODA_GUARDED(names::rmsnorm_backward, fp8_gemm_rmsnorm_backward));
+  m.impl("fp8_gemm_swiglu_backward",
+         CODA_GUARDED(names::swiglu_backward, fp8_gemm_swiglu_backward));
 }
 
 }  // namespace
@@ -406,6 +628,19 @@ TORCH_LIBRARY_FRAGMENT(coda, m) {
       "fp8_gemm_residual_rmsnorm(Tensor a, Tensor a_scales, Tensor w, Tensor w_scales, "
       "Tensor residual, Tensor gamma, bool rows=True, bool transposed=False) -> (Tensor x, "
       "Tensor h, Tensor h_scales, Tensor h_t, Tensor h_t_scales, Tensor sumsq_partials)");
+  m.def(
+      "fp8_gemm_rmsnorm_swiglu(Tensor h, Tensor h_scales, Tensor w_gu, Tensor w_gu_scales, "
+      "Tensor r, bool rows=True, bool transposed=False, ScalarType? dtype=None) -> (Tensor z, "
+      "Tensor a, Tensor a_scales, Tensor a_t, Tensor a_t_scales)");
+  m.def(
+      "fp8_gemm_rmsnorm_backward(Tensor dz, Tensor dz_scales, Tensor w_t, Tensor w_t_scales, "
+      "Tensor x, Tensor r, Tensor gamma, Tensor zdz, Tensor dres, bool rows=True, "
+      "bool transposed=False) -> (Tensor dx, Tensor dx_fp8, Tensor dx_scales, Tensor dx_t, "
+      "Tensor dx_t_scales, Tensor dgamma_partials)");
+  m.def(
+      "fp8_gemm_swiglu_backward(Tensor dx_out, Tensor dx_out_scales, Tensor w_down_t, "
+      "Tensor w_down_t_scales, Tensor z, bool rows=True, bool transposed=False) -> (Tensor dz, "
+      "Tensor dz_scales, Tensor dz_t, Tensor dz_t_scales, Tensor zdz_partials)");
   m.def("set_kernel_overrides(str spec) -> ()",
         CODA_GUARDED(names::overrides, set_kernel_overrides));
 }

@@ -856,6 +856,120 @@ def test_fp8_residual_rmsnorm_matches_the_cpu_recipe(m, n, k):
     assert (h_t[:, m:].cpu().view(torch.uint8) == 0).all()
 
 
+def fp8_codes_near(codes, scales, want, what):
+    """1x128 codes of (rows, cols) dequantized against want (fp64, CPU), within e4m3's half step
+    (2^-4 relative, or the subnormal step 2^-9 of the block's scale) of a value that is itself
+    within the FP8 GEMM tolerance of tests/gpu (2^-8 relative + 2^-10 of the largest entry)."""
+    cols = want.shape[1]
+    blocks = scales.t().cpu().double().repeat_interleave(128, 1)[:, :cols]
+    got = codes[:, :cols].cpu().double() * blocks
+    rel = 2.0**-4 + 2.0**-7
+    bound = rel * want.abs() + 2.0**-9 * blocks + 2.0**-9 * want.abs().max()
+    assert torch.isfinite(got).all(), what
+    assert ((got - want).abs() <= bound).all(), what
+
+
+def fp8_row_cast_near(outs, want, what):
+    """Both copies of a 1x128 cast (codes, scales, codes_t, scales_t) against want (rows, cols);
+    the transposed copy's padded tokens hold code 0."""
+    codes, scales, codes_t, scales_t = outs
+    m = want.shape[0]
+    fp8_codes_near(codes, scales, want, what)
+    fp8_codes_near(codes_t[:, :m], scales_t, want.t(), f"{what}ᵀ")
+    assert (codes_t[:, m:].cpu().view(torch.uint8) == 0).all(), f"{what}ᵀ padding"
+
+
+def fp8_gemm_close(got, ref, what):
+    """The FP8 GEMM tolerance of tests/gpu/fp8_programs_test.cpp: bf16 rounding and the tensor
+    cores' fp32 partial sums, 2^-8 relative + 2^-10 of the largest entry."""
+    err = (got.double().cpu() - ref).abs()
+    assert torch.isfinite(got).all(), what
+    assert (err <= 2.0**-8 * ref.abs() + 2.0**-10 * ref.abs().max()).all(), what
+
+
+F2_FP8_SHAPES = [(77, 288, 400), (300, 1056, 2048), (4097, 256, 144)]  # (M, 2I, K), 2I % 32 == 0
+
+
+@pytest.mark.parametrize("m,two_i,k", F2_FP8_SHAPES)
+def test_fp8_rmsnorm_swiglu_matches_the_cpu_recipe(m, two_i, k):
+    """F2 over FP8 operands with a quantized in the epilogue, against the CPU op in fp64 on the
+    same codes: z by the FP8 GEMM tolerance, a's codes (both copies) dequantized against
+    silu(z_g) · z_u from the CPU's z. The bit-for-bit match of the codes with the recipe's cast of
+    the kernel's bf16 a is tests/gpu/fp8_programs_test.cpp's."""
+    gen = torch.Generator().manual_seed(m + 5 * two_i)
+    h, w = wide_bf16(m, k, gen).cuda(), wide_bf16(two_i, k, gen).cuda()
+    r = (torch.rand(m, generator=gen) + 0.5).cuda()
+    hc, hs, _, _ = CODA.fp8_quantize_rows(h)
+    wc, ws, _, _ = CODA.fp8_quantize_blocks(w)
+    z, *a = CODA.fp8_gemm_rmsnorm_swiglu(hc, hs, wc, ws, r, True, True)
+    assert z.dtype == BF16 and z.shape == (m, two_i)
+    args = [t.cpu() for t in (hc, hs, wc, ws)] + [r.cpu().double()]
+    z_ref = CODA.fp8_gemm_rmsnorm_swiglu(*args, dtype=torch.float64)[0]
+    fp8_gemm_close(z, z_ref, "z")
+    a_ref = F.silu(z_ref[:, 0::2]) * z_ref[:, 1::2]
+    fp8_row_cast_near(a, a_ref, "a")
+
+
+B1_FP8_SHAPES = [(77, 272, 400), (300, 1040, 2048), (4097, 256, 144)]  # (M, H, K)
+
+
+@pytest.mark.parametrize("m,hidden,k", B1_FP8_SHAPES)
+def test_fp8_rmsnorm_backward_matches_the_cpu_recipe(m, hidden, k):
+    """B1 over FP8 operands with dx quantized in the epilogue, against the CPU op in fp64 on the
+    same codes (w_t: the transposed copy of W's blocks): dx and the dγ partials (the columns < H
+    the kernel defines) by the FP8 GEMM tolerance; dx's codes and scales, both copies, bit for
+    bit what fp8_quantize_rows writes for the kernel's own bf16 dx."""
+    gen = torch.Generator().manual_seed(m + 11 * hidden)
+    dz, w = wide_bf16(m, k, gen).cuda(), wide_bf16(k, hidden, gen).cuda()
+    x = torch.randn(m, hidden, generator=gen).to(BF16).cuda()
+    r = (torch.rand(m, generator=gen) + 0.5).cuda()
+    gamma = (torch.rand(hidden, generator=gen) + 0.5).to(BF16).cuda()
+    zdz = (torch.randn(m, generator=gen) * 0.1).cuda()
+    dres = torch.randn(m, hidden, generator=gen).to(BF16).cuda()
+    dzc, dzs, _, _ = CODA.fp8_quantize_rows(dz)
+    _, _, wtc, wts = CODA.fp8_quantize_blocks(w, False, True)
+    dx, *q, s = CODA.fp8_gemm_rmsnorm_backward(dzc, dzs, wtc, wts, x, r, gamma, zdz, dres, True,
+                                               True)
+    assert dx.dtype == BF16 and s.dtype == torch.float32
+    args = [t.cpu() for t in (dzc, dzs, wtc, wts)] + [
+        t.cpu().double() for t in (x, r, gamma, zdz, dres)
+    ]
+    dx_ref, _, _, _, _, s_ref = CODA.fp8_gemm_rmsnorm_backward(*args)
+    fp8_gemm_close(dx, dx_ref, "dx")
+    for name, got, want in zip(["codes", "scales", "codes_t", "scales_t"], q,
+                               CODA.fp8_quantize_rows(dx.cpu(), True, True)):
+        same_bits(got, want, f"dx {name}")
+    assert s.shape == s_ref.shape
+    fp8_gemm_close(s[:, :hidden], s_ref[:, :hidden], "dγ partials")
+
+
+B2_FP8_SHAPES = [(77, 272, 400), (300, 1040, 2048), (4097, 200, 144)]  # (M, I, H)
+
+
+@pytest.mark.parametrize("m,inter,hidden", B2_FP8_SHAPES)
+def test_fp8_swiglu_backward_matches_the_cpu_recipe(m, inter, hidden):
+    """B2 over FP8 operands with dz quantized in the epilogue, against the CPU recipe on the same
+    codes: dz's codes (both copies) dequantized against dSwiGLU of the CPU's fp64 da = dx_out ·
+    W_down (fp8_gemm), the ZdZ partials (the rows < M the kernel defines) against the CPU op's by
+    the FP8 GEMM tolerance."""
+    gen = torch.Generator().manual_seed(m + 13 * inter)
+    dx_out, w_t = wide_bf16(m, hidden, gen).cuda(), wide_bf16(inter, hidden, gen).cuda()
+    z = (torch.randn(m, 2 * inter, generator=gen) * 2).to(BF16).cuda()
+    dxc, dxs, _, _ = CODA.fp8_quantize_rows(dx_out)
+    wtc, wts, _, _ = CODA.fp8_quantize_blocks(w_t)  # W_downᵀ (I, H)
+    *q, s = CODA.fp8_gemm_swiglu_backward(dxc, dxs, wtc, wts, z, True, True)
+    assert s.dtype == torch.float32
+    ops_cpu = [t.cpu() for t in (dxc, dxs, wtc, wts)]
+    s_ref = CODA.fp8_gemm_swiglu_backward(*ops_cpu, z.cpu().double())[-1]
+    da = CODA.fp8_gemm(*ops_cpu)  # fp64 on the CPU
+    gate, up = z.cpu().double()[:, 0::2], z.cpu().double()[:, 1::2]
+    sig = torch.sigmoid(gate)
+    dz_ref = torch.stack([da * up * sig * (1 + gate * (1 - sig)), da * gate * sig], 2).flatten(1)
+    fp8_row_cast_near(q, dz_ref, "dz")
+    assert s.shape == s_ref.shape
+    fp8_gemm_close(s[:, :m], s_ref[:, :m], "ZdZ partials")
+
+
 def test_fp8_bad_arguments_on_cuda():
     x = torch.randn(19, 32, device="cuda").to(BF16)
     with pytest.raises(RuntimeError, match=r"x must be bfloat16, got Float"):

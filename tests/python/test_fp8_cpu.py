@@ -166,16 +166,32 @@ def test_bad_arguments_name_what_is_wrong(g):
         CODA.fp8_gemm_xyt_accumulate_(torch.zeros(19, 19, dtype=torch.float64), xc, xs, xc, xs)
 
 
+def per_row_partials(v):
+    """Row sums of v (M, N) over each 128-column tile, in PartialLayout::per_row(M, N, 128, 128):
+    (tiles, M rounded up to 128), padding rows 0."""
+    m, n = v.shape
+    tiles = -(-n // 128)
+    p = torch.zeros(-(-m // 128) * 128, tiles * 128, dtype=torch.float64)
+    p[:m, :n] = v
+    return p.view(-1, tiles, 128).sum(2).t()
+
+
+def per_column_partials(v):
+    """Column sums of v (M, N) over each 128-row tile, in PartialLayout::per_column(M, N, 128,
+    128): (tiles, N rounded up to 128), padding columns 0."""
+    m, n = v.shape
+    tiles = -(-m // 128)
+    p = torch.zeros(tiles * 128, -(-n // 128) * 128, dtype=torch.float64)
+    p[:m, :n] = v
+    return p.view(tiles, 128, -1).sum(1)
+
+
 def f1_fp64(a, a_scales, w, w_scales, residual, gamma):
     """F1 over FP8 operands in fp64 from the dequantized operands: x, h = x ⊙ γ, Σx² per row and
     128-column tile (rows padded to 128 with zeros: the partials' layout)."""
     x = dequantize(a, a_scales.t(), 1) @ dequantize(w, w_scales, 128).t() + residual.double()
     h = x * gamma.double()
-    m, n = x.shape
-    tiles = -(-n // 128)
-    sq = torch.zeros(-(-m // 128) * 128, tiles * 128, dtype=torch.float64)
-    sq[:m, :n] = x * x
-    return x, h, sq.view(-1, tiles, 128).sum(2).t()
+    return x, h, per_row_partials(x * x)
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 16, 16), (19, 272, 144), (130, 400, 272)])
@@ -237,3 +253,273 @@ def test_fp8_residual_rmsnorm_bad_arguments(g):
         CODA.fp8_gemm_residual_rmsnorm(ac, acs, wc, wcs, r, gm, False, False)
     with pytest.raises(RuntimeError, match=r"a_scales must have shape \(1, 19\)"):
         CODA.fp8_gemm_residual_rmsnorm(ac, torch.ones(2, 19), wc, wcs, r, gm)
+
+
+# ---- F2, B1, B2 with their output quantized in the epilogue ----------------------------------
+def raises(pattern):
+    return pytest.raises(RuntimeError, match=pattern)
+
+
+def check_row_cast(outs, v, what):
+    """outs = (codes, scales, codes_t, scales_t) are quantize_ref of v (rows, cols) and of vᵀ in
+    fp8_quantize_rows' layouts: scales' row stride rows rounded up to 4, the transposed codes'
+    rows padded to 16 tokens with code 0."""
+    codes, scales, codes_t, scales_t = outs
+    m, n = v.shape
+    want, want_s = quantize_ref(v, 1)
+    same_codes(codes, want, f"{what} codes")
+    assert scales.shape == (-(-n // 128), m) and scales.stride(0) == -(-m // 4) * 4, what
+    assert torch.equal(scales, want_s.t()), f"{what} scales"
+    want_t, want_ts = quantize_ref(v.t(), 1)
+    assert codes_t.shape == (n, -(-m // 16) * 16), f"{what}ᵀ shape {tuple(codes_t.shape)}"
+    same_codes(codes_t[:, :m], want_t, f"{what}ᵀ codes")
+    assert (codes_t[:, m:].view(torch.uint8) == 0).all(), f"{what}ᵀ padding"
+    assert torch.equal(scales_t, want_ts.t()), f"{what}ᵀ scales"
+
+
+def same_cast(outs, want, what):
+    """Two (codes, scales, codes_t, scales_t) tuples, bit for bit (scales' strides included)."""
+    for name, a, b in zip(["codes", "scales", "codes_t", "scales_t"], outs, want):
+        if a.dtype == E4M3:
+            same_codes(a, b, f"{what} {name}")
+        else:
+            assert torch.equal(a, b) and a.stride() == b.stride(), f"{what} {name}"
+
+
+def close64(got, want, what):
+    """fp64 algebra: the op's fp64 result against the formula's, to 1e-12 of the largest entry."""
+    assert got.dtype == torch.float64 and got.shape == want.shape, what
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12 * want.abs().max().item(),
+                               msg=what)
+
+
+def f2_fp64(h, h_scales, w_gu, w_gu_scales, r):
+    """F2 on the dequantized operands: z = r ⊙ (h · w_guᵀ), a = silu(z_g) · z_u with gate / up in
+    the even / odd columns."""
+    z = dequantize(h, h_scales.t(), 1) @ dequantize(w_gu, w_gu_scales, 128).t()
+    z = z * r.double()[:, None]
+    return z, torch.nn.functional.silu(z[:, 0::2]) * z[:, 1::2]
+
+
+F2_SHAPES = [(1, 32, 16), (19, 288, 144), (130, 416, 272)]  # (M, 2I, K): I = 16, 144, 208
+
+
+@pytest.mark.parametrize("m,two_i,k", F2_SHAPES)
+def test_fp8_rmsnorm_swiglu_is_f2_then_the_cast(m, two_i, k, g):
+    """F2 over FP8 operands in fp64 (dtype=float64): z is the formula on the dequantized operands,
+    and a's codes and scales (both copies) are the recipe's cast of silu(z_g) · z_u from the op's
+    own z (a itself is not an output)."""
+    hc, hs, _, _ = CODA.fp8_quantize_rows(wide(m, k, g))
+    wc, ws, _, _ = CODA.fp8_quantize_blocks(wide(two_i, k, g))
+    r = torch.rand(m, generator=g, dtype=torch.float64) + 0.5
+    z, *a = CODA.fp8_gemm_rmsnorm_swiglu(hc, hs, wc, ws, r, True, True, dtype=torch.float64)
+    z_ref, a_ref = f2_fp64(hc, hs, wc, ws, r)
+    close64(z, z_ref, "z")
+    a_own = torch.nn.functional.silu(z[:, 0::2]) * z[:, 1::2]
+    close64(a_own, a_ref, "a")
+    check_row_cast(a, a_own, "a")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_rmsnorm_swiglu_rounds_a_to_the_dtype_before_the_cast(dtype, g):
+    """With bf16 (the default, as on CUDA) or float32, z is the formula rounded to that dtype and
+    a = silu(z_g) · z_u from the unrounded z is rounded to it before the cast: its codes are what
+    fp8_quantize_rows writes for that tensor. Outputs not asked for are empty."""
+    m, two_i, k = 40, 288, 160
+    hc, hs, _, _ = CODA.fp8_quantize_rows(wide(m, k, g))
+    wc, ws, _, _ = CODA.fp8_quantize_blocks(wide(two_i, k, g))
+    r = torch.rand(m, generator=g) + 0.5
+    kwargs = {} if dtype == torch.bfloat16 else {"dtype": dtype}
+    z, *a = CODA.fp8_gemm_rmsnorm_swiglu(hc, hs, wc, ws, r, True, True, **kwargs)
+    z_ref, a_ref = f2_fp64(hc, hs, wc, ws, r)
+    assert z.dtype == dtype
+    assert torch.equal(z, z_ref.to(dtype))
+    same_cast(a, CODA.fp8_quantize_rows(a_ref.to(dtype), True, True), "a")
+    _, codes, scales, codes_t, scales_t = CODA.fp8_gemm_rmsnorm_swiglu(hc, hs, wc, ws, r, False,
+                                                                       True, **kwargs)
+    assert codes.numel() == 0 and scales.numel() == 0
+    same_codes(codes_t, a[2], "a_t alone")
+    assert torch.equal(scales_t, a[3])
+
+
+def test_fp8_rmsnorm_swiglu_bad_arguments(g):
+    hc, hs, _, _ = CODA.fp8_quantize_rows(wide(19, 32, g))
+    wc, ws, _, _ = CODA.fp8_quantize_blocks(wide(32, 32, g))
+    r = torch.ones(19)
+    op = CODA.fp8_gemm_rmsnorm_swiglu
+    with raises(r"w_gu's rows \(2I\) must be a multiple of 32 .*got 48"):
+        op(hc, hs, *CODA.fp8_quantize_blocks(wide(48, 32, g))[:2], r)
+    with raises(r"r must be a contiguous \(19\) vector, got \(18,\)"):
+        op(hc, hs, wc, ws, torch.ones(18))
+    with raises(r"r must be float32 \(or float64 on the CPU\), got Int"):
+        op(hc, hs, wc, ws, r.int())
+    with raises(r"dtype must be bfloat16 \(or float32 / float64 on the CPU\), got Half"):
+        op(hc, hs, wc, ws, r, dtype=torch.float16)
+    with raises(r"rmsnorm_swiglu: neither rows nor transposed"):
+        op(hc, hs, wc, ws, r, False, False)
+    with raises(r"w_gu_scales must have shape \(1, 1\), got \(1, 2\)"):
+        op(hc, hs, wc, torch.ones(1, 2), r)
+    with raises(r"h is \(19, 32\) and w_gu is \(32, 48\): their K"):
+        op(hc, hs, *CODA.fp8_quantize_blocks(wide(32, 48, g))[:2], r)
+    with raises(r"w_gu must be float8_e4m3fn, got Float"):
+        op(hc, hs, wc.float(), ws, r)
+
+
+def b1_fp64(dz, dz_scales, w, w_scales, x, r, gamma, zdz, dres):
+    """B1 on the dequantized operands, W (K, H) from its own (row) codes: g = dz · W, n = x·r,
+    dx = dres + r·(g·γ − n·ZdZ), and g·n (whose column sums are dγ)."""
+    gr = dequantize(dz, dz_scales.t(), 1) @ dequantize(w, w_scales, 128)
+    r, zdz = r.double()[:, None], zdz.double()[:, None]
+    n = x.double() * r
+    return dres.double() + r * (gr * gamma.double() - n * zdz), gr * n
+
+
+def b1_inputs(m, hidden, k, g, dtype):
+    """dz codes (M, K); W (K, H) quantized in 128x128 blocks, its rows and its transposed copy
+    (the op's w_t); x, r, γ, ZdZ, dres in dtype (r and ZdZ float32 unless dtype is float64)."""
+    dzc, dzs, _, _ = CODA.fp8_quantize_rows(wide(m, k, g))
+    wc, ws, wtc, wts = CODA.fp8_quantize_blocks(wide(k, hidden, g), True, True)
+    stat = torch.float64 if dtype == torch.float64 else torch.float32
+    x = torch.randn(m, hidden, generator=g, dtype=torch.float64).to(dtype)
+    r = (torch.rand(m, generator=g, dtype=torch.float64) + 0.5).to(stat)
+    gamma = (torch.rand(hidden, generator=g, dtype=torch.float64) + 0.5).to(dtype)
+    zdz = (torch.randn(m, generator=g, dtype=torch.float64) * 0.1).to(stat)
+    dres = torch.randn(m, hidden, generator=g, dtype=torch.float64).to(dtype)
+    return (dzc, dzs, wtc, wts, x, r, gamma, zdz, dres), (wc, ws)
+
+
+B1_SHAPES = [(1, 16, 16), (19, 272, 144), (130, 400, 272)]  # (M, H, K)
+
+
+@pytest.mark.parametrize("m,hidden,k", B1_SHAPES)
+def test_fp8_rmsnorm_backward_is_b1_then_the_cast(m, hidden, k, g):
+    """B1 over FP8 operands in fp64, w_t the transposed copy of W's blocks: dx and the dγ
+    partials are the formula with W's own codes; dx's codes and scales (both copies) are the
+    recipe's cast of the op's dx; folded, the partials are dγ."""
+    args, (wc, ws) = b1_inputs(m, hidden, k, g, torch.float64)
+    dx, *q, s = CODA.fp8_gemm_rmsnorm_backward(*args, True, True)
+    dx_ref, gn = b1_fp64(args[0], args[1], wc, ws, *args[4:])
+    close64(dx, dx_ref, "dx")
+    check_row_cast(q, dx, "dx")
+    close64(s, per_column_partials(gn), "dγ partials")
+    close64(CODA.dgamma_fold(s, hidden), gn.sum(0), "dγ")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_rmsnorm_backward_rounds_dx_to_the_dtype_before_the_cast(dtype, g):
+    """With x, dres and γ in bf16 (or float32) dx is the formula rounded to that dtype, its codes
+    what fp8_quantize_rows writes for that dx; the partials are float32."""
+    m, hidden, k = 40, 144, 160
+    args, (wc, ws) = b1_inputs(m, hidden, k, g, dtype)
+    dx, *q, s = CODA.fp8_gemm_rmsnorm_backward(*args, True, True)
+    dx_ref, gn = b1_fp64(args[0], args[1], wc, ws, *args[4:])
+    assert dx.dtype == dtype and s.dtype == torch.float32
+    assert torch.equal(dx, dx_ref.to(dtype))
+    same_cast(q, CODA.fp8_quantize_rows(dx, True, True), "dx")
+    want = per_column_partials(gn)
+    torch.testing.assert_close(s.double(), want, rtol=2**-23, atol=2**-23 * want.abs().max())
+    dx2, codes, scales, codes_t, _, _ = CODA.fp8_gemm_rmsnorm_backward(*args)
+    assert torch.equal(dx2, dx) and codes_t.numel() == 0
+    same_codes(codes, q[0], "dx codes alone")
+    assert torch.equal(scales, q[1])
+
+
+def test_fp8_rmsnorm_backward_bad_arguments(g):
+    args, _ = b1_inputs(19, 16, 32, g, torch.float64)
+    r, gamma, zdz, dres = args[5:]
+    op = CODA.fp8_gemm_rmsnorm_backward
+
+    def call(**changed):
+        names = ["dz", "dz_scales", "w_t", "w_t_scales", "x", "r", "gamma", "zdz", "dres"]
+        return op(*[changed.get(n, a) for n, a in zip(names, args)])
+
+    with raises(r"w_t's rows \(H\) must be a multiple of 16 .*got 24"):
+        call(**dict(zip(["w_t", "w_t_scales"], CODA.fp8_quantize_blocks(wide(24, 32, g))[:2])))
+    with raises(r"rmsnorm_backward: x must be \(19, 16\), got \(19, 32\)"):
+        call(x=torch.zeros(19, 32, dtype=torch.float64))
+    with raises(r"dres must have x's dtype Double, got Float"):
+        call(dres=dres.float())
+    with raises(r"gamma must be a contiguous \(16\) vector of x's dtype"):
+        call(gamma=gamma.float())
+    with raises(r"zdz must be a contiguous \(19\) vector, got \(19, 1\)"):
+        call(zdz=zdz[:, None])
+    with raises(r"r must be float32 \(or float64 on the CPU\), got BFloat16"):
+        call(r=r.bfloat16())
+    with raises(r"w_t_scales must have shape \(1, 1\), got \(2, 1\)"):
+        call(w_t_scales=torch.ones(2, 1))
+    with raises(r"rmsnorm_backward: neither rows nor transposed"):
+        op(*args, False, False)
+
+
+def b2_fp64(dx_out, dx_out_scales, w_down_t, w_down_t_scales, z):
+    """B2 on the dequantized operands: da = dx_out · W_down (w_down_t = W_downᵀ); with (g, u) the
+    interleaved pairs of z, σ = sigmoid(g): dg = da·u·σ·(1 + g·(1 − σ)), du = da·silu(g), dz
+    interleaved; and g·dg + u·du per (row, pair)."""
+    da = dequantize(dx_out, dx_out_scales.t(), 1) @ dequantize(w_down_t, w_down_t_scales, 128).t()
+    gate, up = z.double()[:, 0::2], z.double()[:, 1::2]
+    sig = torch.sigmoid(gate)
+    dg, du = da * up * sig * (1 + gate * (1 - sig)), da * gate * sig
+    return torch.stack([dg, du], 2).flatten(1), gate * dg + up * du
+
+
+def b2_inputs(m, inter, hidden, g, dtype):
+    """dx_out codes (M, H); W_downᵀ (I, H) in 128x128 blocks (quantized as such: W_down's own
+    transposed copy needs I a multiple of 16, B2 only a multiple of 8); z (M, 2I) in dtype."""
+    dxc, dxs, _, _ = CODA.fp8_quantize_rows(wide(m, hidden, g))
+    wtc, wts, _, _ = CODA.fp8_quantize_blocks(wide(inter, hidden, g))
+    z = (torch.randn(m, 2 * inter, generator=g, dtype=torch.float64) * 2).to(dtype)
+    return dxc, dxs, wtc, wts, z
+
+
+B2_SHAPES = [(1, 8, 16), (19, 200, 144), (130, 136, 272)]  # (M, I, H)
+
+
+@pytest.mark.parametrize("m,inter,hidden", B2_SHAPES)
+def test_fp8_swiglu_backward_is_b2_then_the_cast(m, inter, hidden, g):
+    """B2 over FP8 operands in fp64: dz's codes and scales (both copies) are the recipe's cast of
+    the formula's dz (dz itself is not an output: equal codes need the op's fp64 dz and the
+    formula's on one side of every fp32 rounding boundary, which holds for these seeds), the ZdZ
+    partials the formula's; folded (zdz_fold divides by H) they are ZdZ."""
+    args = b2_inputs(m, inter, hidden, g, torch.float64)
+    *q, s = CODA.fp8_gemm_swiglu_backward(*args, True, True)
+    dz_ref, pair_dot = b2_fp64(*args)
+    check_row_cast(q, dz_ref, "dz")
+    close64(s, per_row_partials(pair_dot), "ZdZ partials")
+    close64(CODA.zdz_fold(s, m, hidden), pair_dot.sum(1) / hidden, "ZdZ")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_swiglu_backward_rounds_dz_to_the_dtype_before_the_cast(dtype, g):
+    """With z in bf16 (or float32) dz is rounded to that dtype before the cast: its codes are what
+    fp8_quantize_rows writes for the formula's dz in that dtype; the partials are float32."""
+    m, inter, hidden = 40, 200, 160
+    args = b2_inputs(m, inter, hidden, g, dtype)
+    *q, s = CODA.fp8_gemm_swiglu_backward(*args, True, True)
+    dz_ref, pair_dot = b2_fp64(*args)
+    assert s.dtype == torch.float32
+    same_cast(q, CODA.fp8_quantize_rows(dz_ref.to(dtype), True, True), "dz")
+    want = per_row_partials(pair_dot)
+    torch.testing.assert_close(s.double(), want, rtol=2**-23, atol=2**-23 * want.abs().max())
+    codes, scales, codes_t, scales_t, _ = CODA.fp8_gemm_swiglu_backward(*args, False, True)
+    assert codes.numel() == 0 and scales.numel() == 0
+    same_codes(codes_t, q[2], "dz_t alone")
+    assert torch.equal(scales_t, q[3])
+
+
+def test_fp8_swiglu_backward_bad_arguments(g):
+    args = b2_inputs(19, 16, 32, g, torch.float64)
+    dxc, dxs, wtc, wts, z = args
+    op = CODA.fp8_gemm_swiglu_backward
+    w20 = CODA.fp8_quantize_blocks(wide(20, 32, g))[:2]
+    with raises(r"w_down_t's rows \(I\) must be a multiple of 8 .*got 20"):
+        op(dxc, dxs, *w20, torch.zeros(19, 40, dtype=torch.float64))
+    with raises(r"swiglu_backward: z must be \(19, 32\), got \(19, 16\)"):
+        op(dxc, dxs, wtc, wts, z[:, :16])
+    with raises(r"z must be bfloat16 \(or float32 / float64 on the CPU\)"):
+        op(dxc, dxs, wtc, wts, z.int())
+    with raises(r"dx_out_scales must have shape \(1, 19\), got \(1, 18\)"):
+        op(dxc, dxs[:, :18], wtc, wts, z)
+    with raises(r"w_down_t must be float8_e4m3fn, got Float"):
+        op(dxc, dxs, wtc.float(), wts, z)
+    with raises(r"swiglu_backward: neither rows nor transposed"):
+        op(*args, False, False)
