@@ -144,8 +144,7 @@ def fp8_fused_table(d):
     out = []
     fused = [r for r in d.get("fused_rows", []) if r.get("ok") and "ms" in r]
     if fused:
-        out += ["", "### FP8 programs with quantizing epilogues vs the plain FP8 GEMM
-",
+        out += ["", "### FP8 programs with quantizing epilogues vs the plain FP8 GEMM\n",
                 "F1: x = a·wᵀ + residual, h = x ⊙ γ quantized (`fp8_gemm_residual_rmsnorm`); F2: "
                 "z = r ⊙ h·w_guᵀ, a = silu(z_g)·z_u quantized (`fp8_gemm_rmsnorm_swiglu`); B1: "
                 "dx = dres + r·(g·γ − x·r·ZdZ) quantized, g = dz·W (`fp8_gemm_rmsnorm_backward`); "
