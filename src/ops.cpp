@@ -837,6 +837,34 @@ void gemm_fp8_residual_rmsnorm(View a, View a_scales, View w, View w_scales, Vie
   launch<Program::kResidualRmsnormFp8>(c, Operands::kFp8XWt, kc, p, args, stream);
 }
 
+PartialLayout fp8_residual_rmsnorm_bf16_partials_layout(int64_t m, int64_t n, int64_t k) {
+  return checked_layout("coda::ops::fp8_residual_rmsnorm_bf16_partials_layout",
+                        Program::kResidualRmsnormPartial, Operands::kFp8XWt, {m, n, k});
+}
+
+void gemm_fp8_residual_rmsnorm_bf16(View a, View a_scales, View w, View w_scales, View residual,
+                                    View gamma, View x, View h, View sumsq_partials,
+                                    cudaStream_t stream) {
+  Args c("coda::ops::gemm_fp8_residual_rmsnorm_bf16");
+  kernel::GemmProblem p =
+      fp8_problem(c, {"a", a, "a_scales", a_scales}, {"w", w, "w_scales", w_scales}, true);
+  const int64_t m = p.m, n = p.n;
+  c.matrix("residual", residual, kBf, m, n);
+  c.vector("gamma", gamma, kBf, n);
+  c.matrix("x", x, kBf, m, n);
+  c.matrix("h", h, kBf, m, n);
+  c.distinct("h", h, "x", x);
+  const auto kc = choose_with_partials(c, Program::kResidualRmsnormPartial, Operands::kFp8XWt,
+                                       {m, n, p.k}, "sumsq_partials", sumsq_partials);
+  c.on_device();
+  p.c = bf(residual);
+  p.ldc = residual.ld;
+  p.d = bf_out(x);
+  p.ldd = x.ld;
+  launch<Program::kResidualRmsnormPartial>(
+      c, Operands::kFp8XWt, kc, p, {bf(gamma), bf_out(h), h.ld, f32_out(sumsq_partials)}, stream);
+}
+
 void gemm_fp8_rmsnorm_swiglu(View h, View h_scales, View w_gu, View w_gu_scales, View r, View z,
                              View a, View a_scales, View a_t, View a_t_scales,
                              cudaStream_t stream) {
@@ -882,24 +910,23 @@ PartialLayout fp8_rmsnorm_backward_partials_layout(int64_t m, int64_t hidden, in
 }
 
 void gemm_fp8_rmsnorm_backward(View dz, View dz_scales, View w_t, View w_t_scales, View x, View r,
-                               View gamma, View zdz, View dres, View dx, View dx_fp8,
-                               View dx_scales, View dx_t, View dx_t_scales, View dgamma_partials,
-                               cudaStream_t stream) {
+                               View gamma, View zdz, View dres, View dx, View h_t, View h_t_scales,
+                               View dgamma_partials, cudaStream_t stream) {
   Args c("coda::ops::gemm_fp8_rmsnorm_backward");
   kernel::GemmProblem p = fp8_problem(c, {"dz", dz, "dz_scales", dz_scales},
                                       {"w_t", w_t, "w_t_scales", w_t_scales}, true);
   const int64_t m = p.m, hidden = p.n;
   CODA_CHECK(hidden % 16 == 0, c.op(), ": H (w_t's rows) must be a multiple of 16 (16-byte rows ",
-             "of dx's codes), got ", hidden);
+             "of h_t's codes), got ", hidden);
   c.matrix("x", x, kBf, m, hidden);
   c.vector("r", r, kF, m);
   c.vector("gamma", gamma, kBf, hidden);
   c.vector("zdz", zdz, kF, m);
   c.matrix("dres", dres, kBf, m, hidden);
   c.matrix("dx", dx, kBf, m, hidden);
-  CODA_CHECK(dx_fp8.data || dx_t.data, c.op(), ": neither dx_fp8 nor dx_t is wanted");
-  const RowOutputs out = row_outputs(c, "dx_fp8", dx_fp8, "dx_scales", dx_scales, "dx_t", dx_t,
-                                     "dx_t_scales", dx_t_scales, m, hidden);
+  CODA_CHECK(h_t.data, c.op(), ": h_t is null (the weight gradient's operand is the point)");
+  const RowOutputs out = row_outputs(c, "h", TensorView{}, "h_scales", TensorView{}, "h_t", h_t,
+                                     "h_t_scales", h_t_scales, m, hidden);
   const auto kc = choose_with_partials(c, Program::kRmsnormBackwardFp8, Operands::kFp8XWt,
                                        {m, hidden, p.k}, "dgamma_partials", dgamma_partials);
   c.on_device();
@@ -909,8 +936,7 @@ void gemm_fp8_rmsnorm_backward(View dz, View dz_scales, View w_t, View w_t_scale
   p.ldd = dx.ld;
   const kernel::RmsnormBackwardArgs b1{bf(x),    x.ld,    f32(r), bf(gamma),
                                        f32(zdz), nullptr, 0,      f32_out(dgamma_partials)};
-  launch<Program::kRmsnormBackwardFp8>(c, Operands::kFp8XWt, kc, p, {b1, out.rows, out.cols},
-                                       stream);
+  launch<Program::kRmsnormBackwardFp8>(c, Operands::kFp8XWt, kc, p, {b1, out.cols}, stream);
 }
 
 PartialLayout fp8_swiglu_backward_partials_layout(int64_t m, int64_t intermediate, int64_t hidden) {

@@ -169,6 +169,12 @@ PartialLayout fp8_residual_rmsnorm_partials_layout(int64_t m, int64_t n, int64_t
 void gemm_fp8_residual_rmsnorm(View a, View a_scales, View w, View w_scales, View residual,
                                View gamma, View x, View h, View h_scales, View h_t, View h_t_scales,
                                View sumsq_partials, cudaStream_t stream);
+// F1 over FP8 operands with h in bf16 (the last layer's: the LM head reads bf16 h): x, h (M, N)
+// and the Σx² partials as gemm_residual_rmsnorm_partial's, from gemm_fp8's operands.
+PartialLayout fp8_residual_rmsnorm_bf16_partials_layout(int64_t m, int64_t n, int64_t k);
+void gemm_fp8_residual_rmsnorm_bf16(View a, View a_scales, View w, View w_scales, View residual,
+                                    View gamma, View x, View h, View sumsq_partials,
+                                    cudaStream_t stream);
 // F2 over FP8 operands (h in 1x128 blocks, w_gu (2I, K) in 128x128 blocks): z (M, 2I) = r ⊙
 // (h · w_guᵀ) in bf16 (interleaved gate/up, saved for the backward); a = bf16(silu(z_g) · z_u)
 // quantized in the epilogue as quantize_fp8_rows would quantize it: a (M, I) with a_scales
@@ -182,14 +188,14 @@ void gemm_fp8_rmsnorm_rope(View h, View h_scales, View w_qkv, View w_qkv_scales,
                            View pos, View rope_table, View qkv, cudaStream_t stream);
 // B1 over FP8 operands: g = dz · W from dz (M, K) in 1x128 blocks and w_t = Wᵀ's codes (H, K) in
 // 128x128 blocks (quantize_fp8_blocks' codes_t of W (K, H)); dx = dres + r·(g·γ − x·r·ZdZ) in
-// bf16 (may alias dres), also quantized in the epilogue as quantize_fp8_rows would quantize it:
-// dx_fp8 (M, H) with dx_scales, dx_t (H, M16) with dx_t_scales, either may be left out; dγ
-// partials. h is not recomputed (the FP8 forward keeps F1's h_t). H a multiple of 16.
+// bf16 (may alias dres); h_out = x·r·γ, the GEMM's normalized input, rounded to bf16 and
+// quantized in the epilogue as quantize_fp8_rows would quantize its transposed copy: h_t (H, M16)
+// with h_t_scales (ceil(M/128), H) (the weight gradient dW = dzᵀ · h_out's B); dγ partials.
+// H a multiple of 16.
 PartialLayout fp8_rmsnorm_backward_partials_layout(int64_t m, int64_t hidden, int64_t n_out);
 void gemm_fp8_rmsnorm_backward(View dz, View dz_scales, View w_t, View w_t_scales, View x, View r,
-                               View gamma, View zdz, View dres, View dx, View dx_fp8,
-                               View dx_scales, View dx_t, View dx_t_scales, View dgamma_partials,
-                               cudaStream_t stream);
+                               View gamma, View zdz, View dres, View dx, View h_t, View h_t_scales,
+                               View dgamma_partials, cudaStream_t stream);
 // B2 over FP8 operands: da = dx_out · W_down from dx_out (M, H) in 1x128 blocks and w_down_t =
 // W_downᵀ's codes (I, H) in 128x128 blocks; with z (M, 2I) the saved interleaved pre-activation,
 // dz (M, 2I) = dSwiGLU rounded to bf16, quantized in the epilogue as quantize_fp8_rows would

@@ -1,7 +1,8 @@
-// The FP8 programs (F2's a, B1's dx, B2's dz quantized in the epilogue; F3 on FP8 operands; F1's
-// h is in fp8_gemm_test.cu) against the host recipe, on fresh random inputs over ragged shapes (M =
-// 1, 130, 300, 4097; N not a multiple of 128; a unit of F2's tile pairs half past N):
-//   - the bf16 outputs (z, dx, and a and dz as the staged bf16 copy the kernel can write) and the
+// The FP8 programs (F2's a, B1's h_out, B2's dz quantized in the epilogue; F3 on FP8 operands;
+// F1's h is in fp8_gemm_test.cu) against the host recipe, on fresh random inputs over ragged shapes
+// (M = 1, 130, 300, 4097; N not a multiple of 128; a unit of F2's tile pairs half past N):
+//   - the bf16 outputs (z, dx, and a, h_out and dz as the staged bf16 copy the kernel can write)
+//   and the
 //     partials against the program's functors on the GEMM of the dequantized operands in fp64
 //     (reference/fp8_programs.hpp), by the FP8 GEMM tolerance of fp8_check.hpp;
 //   - the codes and scales, rows and the transposed copy, byte for byte against the host recipe's
@@ -46,6 +47,13 @@ struct QuantizedOut {
   Fp8Output rows_out() { return {codes.get(), cols, scales.get(), pad(rows, 4)}; }
   Fp8Output cols_out() { return {codes_t.get(), pad(rows, 16), scales_t.get(), cols}; }
 
+  // The transposed copy alone against the recipe.
+  void expect_quantizes_copy(const std::string& what, const std::vector<double>& v) const {
+    const auto qt =
+        reference::quantize_blockwise(MatrixRef<double>::transposed(v.data(), cols, rows), 1, 128);
+    expect_same_bytes(what + "ᵀ codes", codes_t.download(), padded_codes(qt, pad(rows, 16)));
+    expect_same_floats(what + "ᵀ scales", scales_t.download(), row_scales(qt, cols));
+  }
   // Both copies against the recipe's quantization of v (rows, cols), the kernel's bf16 values.
   void expect_quantizes(const std::string& what, const std::vector<double>& v) const {
     const auto q =
@@ -151,9 +159,9 @@ TEST_F(GpuKernelTest, Fp8RmsnormRopeMatchesTheRecipe) {
       }
 }
 
-// B1 with FP8 dx: {M, H, K}, K the consumer's width (dz's columns). One shape accumulates in
-// place (dx aliases dres).
-TEST_F(GpuKernelTest, Fp8RmsnormBackwardQuantizesDxAsTheRecipe) {
+// B1 on FP8 operands with h_out's transposed copy quantized: {M, H, K}, K the consumer's width
+// (dz's columns). One shape accumulates in place (dx aliases dres).
+TEST_F(GpuKernelTest, Fp8RmsnormBackwardQuantizesHOutAsTheRecipe) {
   testing::Rng rng(22);
   const Shape shapes[] = {
       {1, 272, 144}, {130, 128, 400}, {300, 400, 1040}, {4097, 272, 272}, {256, 1024, 2048}};
@@ -172,8 +180,9 @@ TEST_F(GpuKernelTest, Fp8RmsnormBackwardQuantizesDxAsTheRecipe) {
     auto dx_in = upload_bf16(x), dres_in = upload_bf16(dres), dgam = upload_bf16(gam);
     DeviceBuffer<float> dr(std::vector<float>(r.begin(), r.end())),
         dzdz(std::vector<float>(zdz.begin(), zdz.end()));
-    DeviceBuffer<bf16> dx(size_t(m * hid));
+    DeviceBuffer<bf16> dx(size_t(m * hid)), h_copy(size_t(m * hid));
     dx.poison();
+    h_copy.poison();
     const auto layout = epilogue::PartialLayout::per_column(m, hid, 128, 128);
     DeviceBuffer<float> dgamma(size_t(layout.tiles * layout.extent));
     dgamma.poison();
@@ -185,17 +194,18 @@ TEST_F(GpuKernelTest, Fp8RmsnormBackwardQuantizesDxAsTheRecipe) {
     p.ldd = hid;
     const RmsnormBackwardArgs b1{dx_in.get(), hid,     dr.get(), dgam.get(),
                                  dzdz.get(),  nullptr, 0,        dgamma.get()};
-    run<Program::kRmsnormBackwardFp8>(kConfig, p, {b1, q.rows_out(), q.cols_out()},
+    run<Program::kRmsnormBackwardFp8>(kConfig, p, {b1, q.cols_out(), h_copy.get(), hid},
                                       Operands::kFp8XWt);
 
     auto ref = reference::fp8_rmsnorm_backward<double>(qdz, qwt, x, r, gam, zdz, dres);
-    const std::vector<double> dx_got = download_bf16(in_place ? dres_in : dx);
     const std::string what = at(s) + (in_place ? " in place" : "");
-    expect_close("dx " + what, dx_got, ref.dx);
+    expect_close("dx " + what, download_bf16(in_place ? dres_in : dx), ref.dx);
     expect_close("dγ partials " + what,
                  defined_partials(dgamma.download(), ref.dgamma_partials, layout, hid),
                  ref.dgamma_partials);
-    q.expect_quantizes("dx " + what, dx_got);
+    const std::vector<double> h_got = download_bf16(h_copy);
+    expect_close("h_out " + what, h_got, ref.h);
+    q.expect_quantizes_copy("h_out " + what, h_got);
   }
 }
 

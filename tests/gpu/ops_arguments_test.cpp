@@ -292,18 +292,18 @@ TEST(OpArguments, Fp8ProgramArgumentsAreChecked) {
                                         none, none, nullptr);
               }),
               HasSubstr("neither a nor a_t is wanted"));
-  // B1: the transposed copy of dx covers the tokens padded to 16.
+  // B1: the transposed copy of h_out covers the tokens padded to 16.
   EXPECT_THAT(error_of([&] {
                 gemm_fp8_rmsnorm_backward(
                     typed(256, e4, 20, 32), typed(512, f, 1, 20), typed(768, e4, 32, 32),
                     typed(1024, f, 1, 1), bf16_matrix(1280, 20, 32), f32_vector(1536, 20),
                     TensorView::vector(reinterpret_cast<void*>(1792), DType::kBF16, 32, 0),
                     f32_vector(2048, 20), bf16_matrix(2304, 20, 32), bf16_matrix(2560, 20, 32),
-                    none, none, typed(2816, e4, 32, 20, 32), typed(3072, f, 1, 32),
-                    typed(3328, f, 1, 32), nullptr);
+                    typed(2816, e4, 32, 20, 32), typed(3072, f, 1, 32), typed(3328, f, 1, 32),
+                    nullptr);
               }),
               AllOf(HasSubstr("coda::ops::gemm_fp8_rmsnorm_backward"),
-                    HasSubstr("dx_t must have shape (32, 32), got (32, 20)")));
+                    HasSubstr("h_t must have shape (32, 32), got (32, 20)")));
   // B2: z holds the interleaved pairs, twice dz's GEMM width.
   EXPECT_THAT(error_of([&] {
                 gemm_fp8_swiglu_backward(

@@ -181,14 +181,14 @@ struct RmsnormBackwardArgs {  // B1: A = dz, B = W (K = N_out, N = H); C = dres,
 };
 
 // B1 over FP8 operands (tile 128x128): A = dz in 1x128 blocks, B = Wᵀ's codes in 128x128 blocks;
-// C = dres, D = dx and dγ as B1 (b1.h_out null: h is not recomputed, the FP8 forward keeps F1's
-// hᵀ for the weight gradient). dx rounded to bf16 is also quantized as the cast kernels do: dx in
-// 1x128 blocks (the next data gradient's A) and dxᵀ (the next weight gradient's A); either may
-// be left out.
+// C = dres, D = dx and dγ as B1. h_out = x·r·γ, rounded to bf16, is quantized as the cast kernels
+// do into its transposed 128x1 copy h_t (the weight gradient's B: dW = dzᵀ · h_out); b1.h_out
+// must be null. h_copy, when set, gets the bf16 h_out itself (tests).
 struct RmsnormBackwardFp8Args {
   RmsnormBackwardArgs b1;
-  Fp8Output dx;    // codes (M, H), scales (ceil(H / 128), row_scales_ld(M))
-  Fp8Output dx_t;  // codes (H, padded_tokens(M)), scales (ceil(M / 128), H)
+  Fp8Output h_t;           // codes (H, padded_tokens(M)), scales (ceil(M / 128), H)
+  bf16* h_copy = nullptr;  // (M, H), leading dimension ld_h_copy
+  int64_t ld_h_copy = 0;
 };
 
 struct RmsnormCrossEntropyBackwardArgs {  // B4: A = h, B = W_vocab; D = dℓ (M, V)

@@ -109,12 +109,12 @@ std::vector<Real> fp8_rmsnorm_rope(const BlockQuantized& h, const BlockQuantized
 }
 
 // B1 over FP8 operands (Program::kRmsnormBackwardFp8), in Real: g = dz · W from dz (M, K) and
-// w_t = Wᵀ (H, K); dx = dres + r·(g·γ − x·r·ZdZ) (M, H) and the dγ partials,
-// PartialLayout::per_column(M, H, 128, 128) (programs::RmsnormBackward; its h is dropped). The
-// caller rounds dx and quantizes it, as the epilogue does.
+// w_t = Wᵀ (H, K); dx = dres + r·(g·γ − x·r·ZdZ) (M, H), h = x·r·γ (M, H) and the dγ partials,
+// PartialLayout::per_column(M, H, 128, 128) (programs::RmsnormBackward). The caller rounds h and
+// quantizes its transposed copy, as the epilogue does.
 template <class Real>
 struct Fp8RmsnormBackward {
-  std::vector<Real> dx, dgamma_partials;
+  std::vector<Real> dx, h, dgamma_partials;
   epilogue::PartialLayout layout;
 };
 template <class Real>
@@ -131,16 +131,16 @@ Fp8RmsnormBackward<Real> fp8_rmsnorm_backward(const BlockQuantized& dz, const Bl
              "), gamma (", hid, ")");
   Fp8RmsnormBackward<Real> out;
   out.dx = dres;  // the program accumulates into it
+  out.h.resize(size_t(m * hid));
   out.layout = epilogue::PartialLayout::per_column(m, hid, 128, 128);
   out.dgamma_partials.assign(size_t(out.layout.tiles * out.layout.extent), Real(0));
-  std::vector<Real> h(size_t(m * hid));
   programs::RmsnormBackward<Real> p;
   p.x = {x.data(), m, hid, hid};
   p.r = {r.data(), m};
   p.gamma = {gamma.data(), hid};
   p.zdz = {zdz.data(), m};
   p.dx = {out.dx.data(), m, hid, hid, epilogue::StoreMode::kAccumulate};
-  p.h_out = {h.data(), m, hid, hid, epilogue::StoreMode::kOverwrite};
+  p.h_out = {out.h.data(), m, hid, hid, epilogue::StoreMode::kOverwrite};
   p.dgamma_partials = out.dgamma_partials.data();
   p.layout = out.layout;
   execute_fp8<Real>(dz, w_t, p);

@@ -7,11 +7,15 @@
 namespace coda::kernel {
 
 // B1 over FP8 operands (g = dz · W from dz's 1x128 codes and Wᵀ's 128x128 codes):
-//   dx = dres (C) + r·(g·γ − x·r·ZdZ)  -> D (bf16; may alias C) and, rounded to bf16, quantized
-//                                         in 1x128 blocks and as dxᵀ (Fp8TileStore)
+//   dx = dres (C) + r·(g·γ − x·r·ZdZ)   -> D (bf16; may alias C)
+//   h_out = x·r·γ, rounded to bf16      -> its transposed 128x1 copy quantized (the weight
+//                                          gradient dW = dzᵀ · h_out contracts it over tokens)
 //   dγ partial[n, m-tile] = Σ g·x·r     -> per-column partials (PartialLayout::per_column)
-// B1's node on the cooperative tile (x by LoadAhead) without h: the FP8 forward keeps F1's hᵀ
-// for the weight gradient. dx's codes are those of bf16 B1's dx through the cast kernel.
+// B1's node on the cooperative tile (x by LoadAhead), its h held by a quantizing store
+// (Fp8TileStore: staged over the tile, quantized at the tile's end). h_out is the normalized
+// input r·(x ⊙ γ): the forward's F1 writes x ⊙ γ, whose r is known only after the fold, so the
+// weight gradient's operand comes from here. Its codes are those of bf16 B1's h_out through the
+// cast kernel.
 template <>
 struct FusionOf<Program::kRmsnormBackwardFp8>
     : FusionTypes<bfloat16_t, bfloat16_t, RmsnormBackwardFp8Args> {
@@ -19,19 +23,18 @@ struct FusionOf<Program::kRmsnormBackwardFp8>
   template <class EpilogueDesc>
   struct Build {
     using Tile = typename EpilogueDesc::TileShape;
-    using Dx = cf::Sm90EVT<RmsnormBackwardNode<Tile, WithoutOutput>, cf::Sm90SrcFetch<bfloat16_t>,
-                           RowVector<Tile, float>, ColumnVector<Tile, bfloat16_t, float>,
-                           RowVector<Tile, float>, LoadAhead<Tile>>;
-    using Callbacks = cf::Sm90EVT<Fp8TileStore<Tile>, Dx>;
+    using Node = RmsnormBackwardNode<Tile, Fp8TileStore<Tile>>;
+    using Callbacks =
+        cf::Sm90EVT<Node, cf::Sm90SrcFetch<bfloat16_t>, RowVector<Tile, float>,
+                    ColumnVector<Tile, bfloat16_t, float>, RowVector<Tile, float>, LoadAhead<Tile>>;
     static typename Callbacks::Arguments arguments(Args const& a) {
       const RmsnormBackwardArgs& b = a.b1;
-      return {{{},
-               {b.r, 0.0f, {}},
-               {reinterpret_cast<const bfloat16_t*>(b.gamma), bfloat16_t(0), {}},
-               {b.zdz, 0.0f, {}},
-               {reinterpret_cast<const bfloat16_t*>(b.x), b.ldx},
-               b},
-              {a.dx, a.dx_t}};
+      return {{},
+              {b.r, 0.0f, {}},
+              {reinterpret_cast<const bfloat16_t*>(b.gamma), bfloat16_t(0), {}},
+              {b.zdz, 0.0f, {}},
+              {reinterpret_cast<const bfloat16_t*>(b.x), b.ldx},
+              {b, {Fp8Output{}, a.h_t, a.h_copy, a.ld_h_copy}}};
     }
   };
 };

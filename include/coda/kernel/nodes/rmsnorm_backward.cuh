@@ -4,6 +4,7 @@
 
 #include "coda/kernel/args.hpp"
 #include "coda/kernel/nodes/common.cuh"
+#include "coda/kernel/nodes/fp8_tile_store.cuh"
 #include "coda/kernel/nodes/global_access.cuh"
 #include "coda/kernel/nodes/row_partials.cuh"
 #include "coda/programs/formulas.hpp"
@@ -21,43 +22,63 @@ namespace coda::kernel {
 // h leaves through HStore, a stock bf16 Sm90AuxStore held in this node (its own swizzled ring,
 // TMA stores in step with D's), or, with HStore = void, from registers: a 32-bit store per
 // column pair (fragment elements (2j, 2j+1) are adjacent columns, N % 8 == 0, so a pair is
-// wholly inside or outside), or, with HStore = WithoutOutput, not at all (h_out null: the FP8
-// backward reads the hᵀ its forward quantized). dγ is merged across the lanes sharing a column
-// (shuffles), then across the warps through the collective's store buffer (fixed order, so the
-// result is deterministic), and written once per (column, M-tile) as PartialLayout::per_column.
-// Replaces a topological visitor whose fp32 fragments lived in a 1040-byte stack frame and whose
-// stock column reduction had 205-way shared-memory bank conflicts (docs/experiments.md).
+// wholly inside or outside), or, with HStore = WithoutOutput, not at all (h_out null), or with
+// HStore = Fp8TileStore<CtaTile>, quantized (FP8 B1: the weight gradient's 128x1 copy of h; its
+// arguments ride beside B1's, and it finishes at the tile's end). dγ is merged across the lanes
+// sharing a column (shuffles), then across the warps through the collective's store buffer (fixed
+// order, so the result is deterministic), and written once per (column, M-tile) as
+// PartialLayout::per_column. Replaces a topological visitor whose fp32 fragments lived in a
+// 1040-byte stack frame and whose stock column reduction had 205-way shared-memory bank conflicts
+// (docs/experiments.md).
 // ---------------------------------------------------------------------------------------------
 template <class CtaTile, class HStore = void>
 struct RmsnormBackwardNode : NoWorkspaceNoProducerLoads {
   static constexpr int kCtaM = cute::size<0>(CtaTile{});
   static constexpr int kCtaN = cute::size<1>(CtaTile{});
-  static constexpr bool kHStored = !std::is_same_v<HStore, WithoutOutput>;
+  static constexpr bool kHQuantized = std::is_same_v<HStore, Fp8TileStore<CtaTile>>;
+  static constexpr bool kHStored = !std::is_same_v<HStore, WithoutOutput> && !kHQuantized;
   static constexpr bool kHByTma = kHStored && !std::is_void_v<HStore>;
-  using HStoreOrNone = std::conditional_t<kHByTma, HStore, NoAuxStore>;
+  static constexpr bool kHHeld = kHByTma || kHQuantized;  // h leaves through h_store
+  using HStoreOrNone = std::conditional_t<kHHeld, HStore, NoAuxStore>;
   struct SharedStorage {
     typename HStoreOrNone::SharedStorage h;
   };
-  using Arguments = RmsnormBackwardArgs;
+  struct QuantizedHArguments {
+    RmsnormBackwardArgs b1;
+    Fp8TileStoreArguments h;
+  };
+  using Arguments = std::conditional_t<kHQuantized, QuantizedHArguments, RmsnormBackwardArgs>;
   struct Params {
     RmsnormBackwardArgs args;
     typename HStoreOrNone::Params h;
   };
+  static RmsnormBackwardArgs const& b1_of(Arguments const& a) {
+    if constexpr (kHQuantized) {
+      return a.b1;
+    } else {
+      return a;
+    }
+  }
 
   template <class ProblemShape>
   static Params to_underlying_arguments(ProblemShape const& shape, Arguments const& a,
                                         void* workspace) {
-    if constexpr (kHByTma) {
+    if constexpr (kHQuantized) {
+      return {a.b1, HStore::to_underlying_arguments(shape, a.h, workspace)};
+    } else if constexpr (kHByTma) {
       return {a, held_store_params<HStore>(shape, a.h_out, a.ldh, workspace)};
     } else {
       return {a, {}};
     }
   }
   template <class ProblemShape>
-  static bool can_implement(ProblemShape const& shape, Arguments const& a) {
+  static bool can_implement(ProblemShape const& shape, Arguments const& args) {
     auto [M, N, K, L] = cute::append<4>(shape, 1);
+    RmsnormBackwardArgs const& a = b1_of(args);
+    bool ok = true;
+    if constexpr (kHQuantized) ok = HStore::can_implement(shape, args.h);
     // x is read by TMA: 16-byte aligned rows; so is h when it leaves by TMA.
-    return a.x && (a.h_out != nullptr) == kHStored && a.dgamma_partials && N % 2 == 0 &&
+    return ok && a.x && (a.h_out != nullptr) == kHStored && a.dgamma_partials && N % 2 == 0 &&
            a.ldx % 8 == 0 && (!kHStored || a.ldh % (kHByTma ? 8 : 2) == 0);
   }
   CUTLASS_HOST_DEVICE RmsnormBackwardNode() {}
@@ -86,7 +107,7 @@ struct RmsnormBackwardNode : NoWorkspaceNoProducerLoads {
                                          int(cute::get<1>(shape)))),
           thread_idx(thread_idx),
           params(p) {}
-    HCallbacks h_cb;   // the stock aux store's callbacks (registers -> smem -> TMA), if any
+    HCallbacks h_cb;   // the held store's callbacks (TMA aux store or quantizing), if any
     GTensor tC_gH;     // (CPY,CPY_M,CPY_N,EPI_M,EPI_N) global h of this tile (bf16)
     CTensor tC_c;      // its absolute (m, n, l) coordinates
     ColState rDgamma;  // one slot per column (stride 0 along M)
@@ -128,14 +149,14 @@ struct RmsnormBackwardNode : NoWorkspaceNoProducerLoads {
           h[j] = programs::NormalizedScaled{}(xs, rr, ga);
           dg_mn(e + j) += programs::GradTimesNormalized{}(g, xs, rr);
         }
-        if constexpr (kHByTma) {
+        if constexpr (kHHeld) {
           h_frg[i] = h[0];
           h_frg[i + 1] = h[1];
         } else if (kHStored && (full_tile || cute::elem_less(c(e), shape_mnl))) {
           *reinterpret_cast<uint32_t*>(&g_h(e)) = pack_bf16_pair(h[0], h[1]);
         }
       }
-      if constexpr (kHByTma) h_cb.visit(acc, epi_v, epi_m, epi_n, h_frg);
+      if constexpr (kHHeld) h_cb.visit(acc, epi_v, epi_m, epi_n, h_frg);
       return dx;
     }
 
@@ -145,6 +166,10 @@ struct RmsnormBackwardNode : NoWorkspaceNoProducerLoads {
     }
     CUTLASS_DEVICE void tma_store(int epi_m, int epi_n, int store_iteration, bool issue_tma_store) {
       if constexpr (kHByTma) h_cb.tma_store(epi_m, epi_n, store_iteration, issue_tma_store);
+    }
+    // The quantized h: staged by every subtile's visit, quantized once the tile is whole.
+    CUTLASS_DEVICE void end() {
+      if constexpr (kHQuantized) h_cb.end();
     }
 
     template <class STensor, class SyncFn, class VTensor>
@@ -213,7 +238,7 @@ struct RmsnormBackwardNode : NoWorkspaceNoProducerLoads {
     auto tC_cta = cta_coords<ReferenceSrc>(args);
     auto lanes = warp_lanes<ReferenceSrc>(args);
     auto h_cb = [&] {
-      if constexpr (kHByTma) {
+      if constexpr (kHHeld) {
         return h_store.template get_consumer_store_callbacks<ReferenceSrc>(args);
       } else {
         return cf::EmptyConsumerStoreCallbacks{};
