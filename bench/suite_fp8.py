@@ -15,11 +15,13 @@ Fused rows: each program whose epilogue quantizes its output, at its projection'
 against our plain FP8 GEMM of the same shape (the issue's bar: fused <= 1.05x plain):
   F1  out, down        x = a · wᵀ + residual, h = x ⊙ γ quantized, Σx² partials
   F2  gate_up          z = r ⊙ (h · w_guᵀ), a = silu(z_g) · z_u quantized
-  B1  qkv_bwd, gate_up_bwd   dx = dres + r·(g·γ − x·r·ZdZ) from g = dz · W, quantized; dγ partials
+  B1  qkv_bwd, gate_up_bwd   dx = dres + r·(g·γ − x·r·ZdZ) from g = dz · W; h_out = x·r·γ's
+                       transposed copy quantized (the weight gradient's operand); dγ partials
   B2  down_bwd         dz = dSwiGLU(z, dx_out · W_down) quantized; ZdZ partials
 Variants:
-  fused          the program, its output in 1x128 blocks and as the transposed copy
-  fused_rows     the same without the transposed copy
+  fused          the program, its output in 1x128 blocks and as the transposed copy (B1: the
+                 copy alone)
+  fused_rows     the same without the transposed copy (B1: as fused)
   coda           our plain FP8 GEMM (bf16 out)
   gemm_then_cast the plain GEMM, then the rows+t cast of a bf16 tensor of the quantized output's
                  shape: a lower bound for the unfused path (its elementwise pass left out)
@@ -164,7 +166,7 @@ def fused_cases(model, m):
         _, _, wtc, wts = CODA.fp8_quantize_blocks(rand_bf16(k, hidden, 16), False, True)
         cases.append(("B1", proj, (m, hidden, k), (dzc, dzs, wtc, wts), (m, hidden),
                       lambda t, o=(dzc, dzs, wtc, wts): CODA.fp8_gemm_rmsnorm_backward(
-                          *o, x, r, gamma, zdz, dres, True, t)))
+                          *o, x, r, gamma, zdz, dres)))
     dxc, dxs, _, _ = CODA.fp8_quantize_rows(rand_bf16(m, hidden, 17))  # B2: dx_out · W_down
     _, _, wtc, wts = CODA.fp8_quantize_blocks(rand_bf16(hidden, inter, 18), False, True)
     z = rand_bf16(m, 2 * inter, 19)

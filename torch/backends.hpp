@@ -1,14 +1,17 @@
 #pragma once
 // The backends the PyTorch op kernels run the block compositions on (block/compose.hpp):
-//   TorchTensors    allocation, views and the loss's per-token bookkeeping on at::Tensor, for
-//                   both devices (torch ops on the tensors' device; no host sync);
+//   TorchTensors    allocation, views and the loss's per-token bookkeeping on at::Tensor, and
+//                   the FP8 programs of block/compose_fp8.hpp (torch/fp8_ops.hpp), for both
+//                   devices (on the tensors' device; no host sync);
 //   CpuBackend<R>   + the reference executor's programs (reference/host_backend.hpp) in R;
 //   CudaBackend     + the Hopper programs of include/coda/ops.hpp (torch/backend_cuda.hpp).
 
 #include <ATen/ATen.h>
 
 #include "coda/block/compose.hpp"
+#include "coda/block/compose_fp8.hpp"
 #include "coda/reference/host_backend.hpp"
+#include "fp8_ops.hpp"
 
 namespace coda::torch_ext {
 
@@ -54,6 +57,62 @@ class TorchTensors {
       scale = scale / counted.sum().to(stat_.dtype());
     return at::where(counted, scale, at::zeros({}, stat_)).contiguous();
   }
+  // ---- the FP8 programs (block/compose_fp8.hpp), through torch/fp8_ops.hpp ----------------
+  using Fp8 = block::Fp8Tensors<Tensor>;
+  static Fp8 fp8_of(const fp8::Quantized& q) {
+    return {std::get<0>(q), std::get<1>(q), std::get<2>(q), std::get<3>(q)};
+  }
+  static Fp8 fp8_cast(const Tensor& x, bool rows, bool transposed) {
+    return fp8_of(fp8::quantize_rows(x.contiguous(), rows, transposed));
+  }
+  Tensor fp8_gemm(const Fp8& a, const Tensor& w_codes, const Tensor& w_scales) const {
+    return fp8::gemm(a.codes, a.scales, w_codes, w_scales).to(act_dtype());
+  }
+  Tensor fp8_wgrad(const Fp8& dz, const Fp8& h) const {
+    return fp8::gemm_xyt(dz.codes_t, dz.scales_t, h.codes_t, h.scales_t).to(act_dtype());
+  }
+  std::tuple<Tensor, Fp8, Tensor> fp8_residual_rmsnorm(const Fp8& a, const Fp8& w,
+                                                       const Tensor& residual,
+                                                       const Tensor& gamma) const {
+    auto [x, c, s, ct, st, p] =
+        fp8::residual_rmsnorm(a.codes, a.scales, w.codes, w.scales, residual, gamma, true, false);
+    return {x, Fp8{c, s, ct, st}, p};
+  }
+  std::tuple<Tensor, Tensor, Tensor> fp8_residual_rmsnorm_act_h(const Fp8& a, const Fp8& w,
+                                                                const Tensor& residual,
+                                                                const Tensor& gamma) const {
+    return fp8::residual_rmsnorm_act_h(a.codes, a.scales, w.codes, w.scales, residual, gamma);
+  }
+  std::tuple<Tensor, Fp8> fp8_rmsnorm_swiglu(const Fp8& h, const Fp8& w, const Tensor& r) const {
+    auto [z, c, s, ct, st] =
+        fp8::rmsnorm_swiglu(h.codes, h.scales, w.codes, w.scales, r, true, true, act_dtype());
+    return {z, Fp8{c, s, ct, st}};
+  }
+  Tensor fp8_rmsnorm_rope(const Fp8& h, const Fp8& w, const Tensor& r, const Tensor& bias,
+                          const Tensor& pos, const Tensor& rope_table) const {
+    return fp8::rmsnorm_rope(h.codes, h.scales, w.codes, w.scales, r, bias, pos, rope_table,
+                             act_dtype());
+  }
+  // B1 from dz's rows and Wᵀ's codes (w.codes_t): dx, h_out's copy (codes_t, scales_t), the dγ
+  // partials.
+  static std::tuple<Tensor, Fp8, Tensor> fp8_rmsnorm_backward(const Fp8& dz, const Fp8& w,
+                                                              const Tensor& x, const Tensor& r,
+                                                              const Tensor& gamma,
+                                                              const Tensor& zdz,
+                                                              const Tensor& dres) {
+    auto [dx, ht, hts, p] =
+        fp8::rmsnorm_backward(dz.codes, dz.scales, w.codes_t, w.scales_t, x, r, gamma, zdz, dres);
+    return {dx, Fp8{{}, {}, ht, hts}, p};
+  }
+  // B2 from dx_out's rows and W_downᵀ's codes (w_down.codes_t): dz (both copies), ZdZ partials.
+  static std::tuple<Fp8, Tensor> fp8_swiglu_backward(const Fp8& dx_out, const Fp8& w_down,
+                                                     const Tensor& z) {
+    auto [c, s, ct, st, p] = fp8::swiglu_backward(dx_out.codes, dx_out.scales, w_down.codes_t,
+                                                  w_down.scales_t, z, true, true);
+    return {Fp8{c, s, ct, st}, p};
+  }
+  at::ScalarType act_dtype() const { return c10::typeMetaToScalarType(act_.dtype()); }
+
   // The loss from per-token losses (0 where ignored): as is ('none'), summed, or the mean over
   // counted tokens: 0 / 0 = NaN when every token is ignored (as PyTorch).
   Tensor reduce_loss(const Tensor& token_loss, const Tensor& targets,

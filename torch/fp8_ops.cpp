@@ -6,6 +6,8 @@
 // ops.hpp: a 1x128-blocked (rows, cols) tensor has (ceil(cols / 128), rows) scales whose row
 // stride is rows rounded up to 4 (a view of that storage), a 128x128-blocked one
 // (ceil(rows / 128), ceil(cols / 128)).
+#include "fp8_ops.hpp"
+
 #include <torch/library.h>
 
 #include <optional>
@@ -482,19 +484,20 @@ Fp8F2 fp8_gemm_rmsnorm_swiglu(const Tensor& h, const Tensor& h_scales, const Ten
 
 // B1 over FP8 operands (ops::gemm_fp8_rmsnorm_backward): g = dz · W from dz (M, K) in 1x128
 // blocks and w_t = Wᵀ's codes (H, K) in 128x128 blocks (fp8_quantize_blocks(W, transposed=True)'s
-// codes_t); dx = dres + r·(g·γ − x·r·ZdZ) (M, H) in x's dtype, also quantized (`rows`,
-// `transposed`), and the dγ partials PartialLayout::per_column(M, H, 128, 128) for dgamma_fold.
-// zdz is the folded ZdZ (already / H). On the CPU x, dres and γ may be float32 or float64 too.
-using Fp8B1 = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
+// codes_t); dx = dres + r·(g·γ − x·r·ZdZ) (M, H) in x's dtype; h_out = x·r·γ (the GEMM's
+// normalized input) rounded to x's dtype, its transposed 128x1 copy quantized (the weight
+// gradient dW = dzᵀ · h_out's operand); the dγ partials PartialLayout::per_column(M, H, 128, 128)
+// for dgamma_fold. zdz is the folded ZdZ (already / H). On the CPU x, dres and γ may be float32
+// or float64 too.
+using Fp8B1 = std::tuple<Tensor, Tensor, Tensor, Tensor>;
 Fp8B1 fp8_gemm_rmsnorm_backward(const Tensor& dz, const Tensor& dz_scales, const Tensor& w_t,
                                 const Tensor& w_t_scales, const Tensor& x, const Tensor& r,
-                                const Tensor& gamma, const Tensor& zdz, const Tensor& dres,
-                                bool rows, bool transposed) {
+                                const Tensor& gamma, const Tensor& zdz, const Tensor& dres) {
   const char* op = "coda::fp8_gemm_rmsnorm_backward";
   const auto [m, hidden, k] =
       check_pair(op, "dz", dz, "dz_scales", dz_scales, w_t, w_t_scales, true, "w_t", "w_t_scales");
   TORCH_CHECK(hidden % 16 == 0, op, ": w_t's rows (H) must be a multiple of 16 (16-byte rows of ",
-              "dx's codes), got ", hidden);
+              "h_t's codes), got ", hidden);
   check_activation(op, "x", x, m, hidden, dz);
   check_activation(op, "dres", dres, m, hidden, dz);
   TORCH_CHECK(dres.scalar_type() == x.scalar_type(), op, ": dres must have x's dtype ",
@@ -502,30 +505,28 @@ Fp8B1 fp8_gemm_rmsnorm_backward(const Tensor& dz, const Tensor& dz_scales, const
   check_weight_vector(op, "gamma", gamma, hidden, "x", x);
   check_statistic(op, "r", r, m, dz);
   check_statistic(op, "zdz", zdz, m, dz);
-  TORCH_CHECK(rows || transposed, op, ": neither rows nor transposed is asked for");
   const at::ScalarType act = x.scalar_type();
-  RowCast q = row_cast_outputs(dz, m, hidden, rows, transposed);
+  RowCast q = row_cast_outputs(dz, m, hidden, false, true);
   if (dz.is_cpu()) {
     const auto f = reference::fp8_rmsnorm_backward<double>(
         read_operand(dz, dz_scales, false), read_operand(w_t, w_t_scales, true), to_doubles(x),
         to_doubles(r), to_doubles(gamma), to_doubles(zdz), to_doubles(dres));
-    cast_on_cpu(f.dx, m, hidden, act, q);
+    cast_on_cpu(f.h, m, hidden, act, q);
     const Tensor s =
         from_doubles(f.dgamma_partials, f.layout.tiles, f.layout.extent).to(stat_of(act));
-    return {from_doubles(f.dx, m, hidden).to(act), q.codes, q.scales, q.codes_t, q.scales_t, s};
+    return {from_doubles(f.dx, m, hidden).to(act), q.codes_t, q.scales_t, s};
   }
 #if CODA_TORCH_CUDA
   const c10::cuda::CUDAGuard guard(dz.device());
   const Tensor dx = at::empty({m, hidden}, x.options());
   const auto l = ops::fp8_rmsnorm_backward_partials_layout(m, hidden, k);
   const Tensor s = at::empty({l.tiles, l.extent}, scale_options(dz));
-  const RowCastViews v = views_of(q);
   ops::gemm_fp8_rmsnorm_backward(
       codes_view(dz), scales_view(dz_scales), codes_view(w_t), scales_view(w_t_scales),
       view(x, DType::kBF16), vector_view(r, DType::kF32), vector_view(gamma, DType::kBF16),
-      vector_view(zdz, DType::kF32), view(dres, DType::kBF16), view(dx, DType::kBF16), v.codes,
-      v.scales, v.codes_t, v.scales_t, view(s, DType::kF32), stream_of(dz));
-  return {dx, q.codes, q.scales, q.codes_t, q.scales_t, s};
+      vector_view(zdz, DType::kF32), view(dres, DType::kBF16), view(dx, DType::kBF16),
+      codes_view(q.codes_t), scales_view(q.scales_t), view(s, DType::kF32), stream_of(dz));
+  return {dx, q.codes_t, q.scales_t, s};
 #else
   TORCH_CHECK(false, op, ": this build has no CUDA kernels");
 #endif
@@ -573,6 +574,75 @@ Fp8B2 fp8_gemm_swiglu_backward(const Tensor& dx_out, const Tensor& dx_out_scales
 #endif
 }
 
+// F1 over FP8 operands with h in the activation dtype (the last layer's, for the LM head): x, h
+// (M, N) and the Σx² partials as out_proj_residual_norm's, from fp8_gemm's operands.
+std::tuple<Tensor, Tensor, Tensor> fp8_gemm_residual_rmsnorm_act_h(
+    const Tensor& a, const Tensor& a_scales, const Tensor& w, const Tensor& w_scales,
+    const Tensor& residual, const Tensor& gamma) {
+  const char* op = "coda::fp8_gemm_residual_rmsnorm (bf16 h)";
+  const auto [m, n, k] = check_pair(op, "a", a, "a_scales", a_scales, w, w_scales, true);
+  check_activation(op, "residual", residual, m, n, a);
+  check_weight_vector(op, "gamma", gamma, n, "residual", residual);
+  const at::ScalarType act = residual.scalar_type();
+  if (a.is_cpu()) {
+    const auto f = reference::fp8_residual_rmsnorm<double>(read_operand(a, a_scales, false),
+                                                           read_operand(w, w_scales, true),
+                                                           to_doubles(residual), to_doubles(gamma));
+    return {from_doubles(f.x, m, n).to(act), from_doubles(f.h, m, n).to(act),
+            from_doubles(f.partials, f.layout.tiles, f.layout.extent).to(stat_of(act))};
+  }
+#if CODA_TORCH_CUDA
+  const c10::cuda::CUDAGuard guard(a.device());
+  const Tensor x = at::empty({m, n}, residual.options()), h = at::empty({m, n}, residual.options());
+  const auto l = ops::fp8_residual_rmsnorm_bf16_partials_layout(m, n, k);
+  const Tensor s = at::empty({l.tiles, l.extent}, scale_options(a));
+  ops::gemm_fp8_residual_rmsnorm_bf16(codes_view(a), scales_view(a_scales), codes_view(w),
+                                      scales_view(w_scales), view(residual, DType::kBF16),
+                                      vector_view(gamma, DType::kBF16), view(x, DType::kBF16),
+                                      view(h, DType::kBF16), view(s, DType::kF32), stream_of(a));
+  return {x, h, s};
+#else
+  TORCH_CHECK(false, op, ": this build has no CUDA kernels");
+#endif
+}
+
+// F3 over FP8 operands: qkv (M, N) = rope(r ⊙ (h · w_qkvᵀ) + b_qkv) in `act`, from h's 1x128 and
+// w_qkv's 128x128 codes; b_qkv undefined for none; pos int32 (M), rope_table (2, N) int32.
+Tensor fp8_gemm_rmsnorm_rope(const Tensor& h, const Tensor& h_scales, const Tensor& w,
+                             const Tensor& w_scales, const Tensor& r, const Tensor& b_qkv,
+                             const Tensor& pos, const Tensor& rope_table, at::ScalarType act) {
+  const char* op = "coda::fp8_gemm_rmsnorm_rope";
+  const auto [m, n, k] =
+      check_pair(op, "h", h, "h_scales", h_scales, w, w_scales, true, "w_qkv", "w_qkv_scales");
+  check_statistic(op, "r", r, m, h);
+  if (h.is_cpu()) {
+    std::vector<int32_t> p(static_cast<size_t>(m));
+    const Tensor pc = pos.to(at::kInt).contiguous();
+    std::copy(pc.data_ptr<int32_t>(), pc.data_ptr<int32_t>() + m, p.begin());
+    std::vector<programs::RopeFrequency> freq(static_cast<size_t>(n));
+    const Tensor tc = rope_table.contiguous();
+    const auto* words = reinterpret_cast<const uint32_t*>(tc.data_ptr<int32_t>());
+    for (int64_t j = 0; j < n; ++j) freq[j] = {words[j], words[n + j]};
+    const std::vector<double> bias = b_qkv.defined() ? to_doubles(b_qkv) : std::vector<double>{};
+    const auto q = reference::fp8_rmsnorm_rope<double>(read_operand(h, h_scales, false),
+                                                       read_operand(w, w_scales, true),
+                                                       to_doubles(r), bias, p, freq);
+    return from_doubles(q, m, n).to(act);
+  }
+#if CODA_TORCH_CUDA
+  const c10::cuda::CUDAGuard guard(h.device());
+  const Tensor qkv = at::empty({m, n}, h.options().dtype(at::kBFloat16));
+  ops::gemm_fp8_rmsnorm_rope(codes_view(h), scales_view(h_scales), codes_view(w),
+                             scales_view(w_scales), vector_view(r, DType::kF32),
+                             b_qkv.defined() ? vector_view(b_qkv, DType::kBF16) : TensorView{},
+                             vector_view(pos, DType::kI32), view(rope_table, DType::kI32),
+                             view(qkv, DType::kBF16), stream_of(h));
+  return qkv;
+#else
+  TORCH_CHECK(false, op, ": this build has no CUDA kernels");
+#endif
+}
+
 // Benchmarks' kernel sweeps: kernel::set_kernel_overrides (CODA_KERNEL_OVERRIDE's syntax).
 void set_kernel_overrides(c10::string_view spec) {
 #if CODA_TORCH_CUDA
@@ -612,6 +682,50 @@ void register_fp8(torch::Library& m) {
 
 }  // namespace
 
+// The FP8 programs for the block compositions' backends (torch/fp8_ops.hpp).
+namespace fp8 {
+Quantized quantize_rows(const Tensor& x, bool rows, bool transposed) {
+  return fp8_quantize_rows(x, rows, transposed);
+}
+Tensor gemm(const Tensor& x, const Tensor& x_scales, const Tensor& w, const Tensor& w_scales) {
+  return fp8_gemm(x, x_scales, w, w_scales);
+}
+Tensor gemm_xyt(const Tensor& x, const Tensor& x_scales, const Tensor& y, const Tensor& y_scales) {
+  return fp8_gemm_xyt(x, x_scales, y, y_scales);
+}
+Fp8F1 residual_rmsnorm(const Tensor& a, const Tensor& a_scales, const Tensor& w,
+                       const Tensor& w_scales, const Tensor& residual, const Tensor& gamma,
+                       bool rows, bool transposed) {
+  return fp8_gemm_residual_rmsnorm(a, a_scales, w, w_scales, residual, gamma, rows, transposed);
+}
+std::tuple<Tensor, Tensor, Tensor> residual_rmsnorm_act_h(const Tensor& a, const Tensor& a_scales,
+                                                          const Tensor& w, const Tensor& w_scales,
+                                                          const Tensor& residual,
+                                                          const Tensor& gamma) {
+  return fp8_gemm_residual_rmsnorm_act_h(a, a_scales, w, w_scales, residual, gamma);
+}
+Fp8F2 rmsnorm_swiglu(const Tensor& h, const Tensor& h_scales, const Tensor& w_gu,
+                     const Tensor& w_gu_scales, const Tensor& r, bool rows, bool transposed,
+                     at::ScalarType act) {
+  return fp8_gemm_rmsnorm_swiglu(h, h_scales, w_gu, w_gu_scales, r, rows, transposed, act);
+}
+Tensor rmsnorm_rope(const Tensor& h, const Tensor& h_scales, const Tensor& w_qkv,
+                    const Tensor& w_qkv_scales, const Tensor& r, const Tensor& b_qkv,
+                    const Tensor& pos, const Tensor& rope_table, at::ScalarType act) {
+  return fp8_gemm_rmsnorm_rope(h, h_scales, w_qkv, w_qkv_scales, r, b_qkv, pos, rope_table, act);
+}
+Fp8B1 rmsnorm_backward(const Tensor& dz, const Tensor& dz_scales, const Tensor& w_t,
+                       const Tensor& w_t_scales, const Tensor& x, const Tensor& r,
+                       const Tensor& gamma, const Tensor& zdz, const Tensor& dres) {
+  return fp8_gemm_rmsnorm_backward(dz, dz_scales, w_t, w_t_scales, x, r, gamma, zdz, dres);
+}
+Fp8B2 swiglu_backward(const Tensor& dx_out, const Tensor& dx_out_scales, const Tensor& w_down_t,
+                      const Tensor& w_down_t_scales, const Tensor& z, bool rows, bool transposed) {
+  return fp8_gemm_swiglu_backward(dx_out, dx_out_scales, w_down_t, w_down_t_scales, z, rows,
+                                  transposed);
+}
+}  // namespace fp8
+
 TORCH_LIBRARY_FRAGMENT(coda, m) {
   m.def(
       "fp8_quantize_rows(Tensor x, bool rows=True, bool transposed=False) "
@@ -634,9 +748,8 @@ TORCH_LIBRARY_FRAGMENT(coda, m) {
       "Tensor a, Tensor a_scales, Tensor a_t, Tensor a_t_scales)");
   m.def(
       "fp8_gemm_rmsnorm_backward(Tensor dz, Tensor dz_scales, Tensor w_t, Tensor w_t_scales, "
-      "Tensor x, Tensor r, Tensor gamma, Tensor zdz, Tensor dres, bool rows=True, "
-      "bool transposed=False) -> (Tensor dx, Tensor dx_fp8, Tensor dx_scales, Tensor dx_t, "
-      "Tensor dx_t_scales, Tensor dgamma_partials)");
+      "Tensor x, Tensor r, Tensor gamma, Tensor zdz, Tensor dres) -> (Tensor dx, Tensor h_t, "
+      "Tensor h_t_scales, Tensor dgamma_partials)");
   m.def(
       "fp8_gemm_swiglu_backward(Tensor dx_out, Tensor dx_out_scales, Tensor w_down_t, "
       "Tensor w_down_t_scales, Tensor z, bool rows=True, bool transposed=False) -> (Tensor dz, "

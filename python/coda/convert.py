@@ -259,23 +259,25 @@ def _detached_params(model: torch.nn.Module) -> dict[str, Tensor]:
     return {n: p.detach() for n, p in model.named_parameters()}
 
 
-def from_hf(hf_model: torch.nn.Module, device=None, dtype=None) -> CodaLlamaForCausalLM:
+def from_hf(hf_model: torch.nn.Module, device=None, dtype=None,
+            precision: str = "bf16") -> CodaLlamaForCausalLM:
     """A :class:`CodaLlamaForCausalLM` with the weights of a transformers ``LlamaForCausalLM``,
     ``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM``.
 
     The new model gets copies of the weights, on ``device`` / in ``dtype`` (default: those of
-    the HF model)."""
+    the HF model), and runs its projections in ``precision`` ("bf16" or "fp8")."""
     config = config_from_hf(hf_model.config)
     ref = next(hf_model.parameters())
     return _model_from_state_dict(
         config, hf_to_coda_state_dict(_detached_params(hf_model), config),
-        ref.device if device is None else device, ref.dtype if dtype is None else dtype)
+        ref.device if device is None else device, ref.dtype if dtype is None else dtype,
+        precision)
 
 
-def _model_from_state_dict(config, sd, device, dtype) -> CodaLlamaForCausalLM:
+def _model_from_state_dict(config, sd, device, dtype, precision="bf16") -> CodaLlamaForCausalLM:
     # Built on the meta device (no throw-away random init), then given copies of the tensors:
     # the new model must never share storage with the source checkpoint.
-    model = CodaLlamaForCausalLM(config, device="meta", dtype=dtype)
+    model = CodaLlamaForCausalLM(config, device="meta", dtype=dtype, precision=precision)
     sd = {k: v.to(device=device, dtype=dtype, copy=True) for k, v in sd.items()}
     model.load_state_dict(sd, assign=True)
     model.tie_weights()  # assign=True replaced the shared Parameter by two

@@ -28,8 +28,10 @@ from torch import Tensor, nn
 
 from . import ops
 
-__all__ = ["LlamaConfig", "CodaDecoderLayer", "CodaLlamaForCausalLM", "NormLMHeadLoss",
-           "decoder_layer", "positions", "sdpa_causal"]
+__all__ = ["LlamaConfig", "CodaDecoderLayer", "CodaLlamaForCausalLM", "Fp8WeightCache",
+           "NormLMHeadLoss", "decoder_layer", "decoder_layer_fp8", "positions", "sdpa_causal"]
+
+PRECISIONS = ("bf16", "fp8")
 
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -115,6 +117,22 @@ def positions(position_ids: Tensor | None, batch: int, seq: int, device) -> Tens
     return pos.expand(batch, seq).reshape(batch * seq).contiguous()
 
 
+def _attention(c: LlamaConfig, qkv: Tensor, batch: int, attention: Attention) -> Tensor:
+    """The attention of packed ``qkv (M, W)``: ``(M, Hq * d)``, contiguous."""
+    M = qkv.shape[0]
+    seq = M // batch
+    # (M, W) -> (B, S, heads, d) -> per-part (B, heads, S, d) views; no copy needed.
+    qkv = qkv.view(batch, seq, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
+    q = qkv[:, :, : c.num_heads].transpose(1, 2)
+    k = qkv[:, :, c.num_heads : c.num_heads + c.num_kv_heads].transpose(1, 2)
+    v = qkv[:, :, c.num_heads + c.num_kv_heads :].transpose(1, 2)
+    y = attention(q, k, v)
+    if y.shape != q.shape:
+        raise ValueError(f"attention must return {tuple(q.shape)} (B, Hq, S, d), "
+                         f"got {tuple(y.shape)}")
+    return y.transpose(1, 2).reshape(M, c.num_heads * c.head_dim).contiguous()
+
+
 def decoder_layer(c: LlamaConfig, x: Tensor, h: Tensor, r: Tensor, gamma: Tensor, w_qkv: Tensor,
                   w_o: Tensor, gamma_ffn: Tensor, w_gu: Tensor, w_down: Tensor, pos: Tensor,
                   rope_table: Tensor, gamma_next: Tensor, batch: int, attention: Attention,
@@ -125,26 +143,57 @@ def decoder_layer(c: LlamaConfig, x: Tensor, h: Tensor, r: Tensor, gamma: Tensor
     output, the caches being for ``gamma_next``. ``b_qkv``: the Q/K/V bias in ``w_qkv``'s row
     order, or None; ``q_gamma, k_gamma``: the QK-norm weights (with ``c.qk_norm``), in the
     adjacent-pair order of a head's rows."""
-    M = x.shape[0]
-    seq = M // batch
     if c.qk_norm:
         qkv = ops.norm_qkv_qk_norm(x, gamma, w_qkv, h, r, pos, rope_table, q_gamma, k_gamma,
                                    c.num_heads, c.num_kv_heads, c.rms_norm_eps)
     else:
         qkv = ops.norm_qkv(x, gamma, w_qkv, h, r, pos, rope_table, b_qkv)
-    # (M, W) -> (B, S, heads, d) -> per-part (B, heads, S, d) views; no copy needed.
-    qkv = qkv.view(batch, seq, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
-    q = qkv[:, :, : c.num_heads].transpose(1, 2)
-    k = qkv[:, :, c.num_heads : c.num_heads + c.num_kv_heads].transpose(1, 2)
-    v = qkv[:, :, c.num_heads + c.num_kv_heads :].transpose(1, 2)
-    y = attention(q, k, v)
-    if y.shape != q.shape:
-        raise ValueError(f"attention must return {tuple(q.shape)} (B, Hq, S, d), "
-                         f"got {tuple(y.shape)}")
-    y = y.transpose(1, 2).reshape(M, c.num_heads * c.head_dim).contiguous()
+    y = _attention(c, qkv, batch, attention)
     x1, h1, r1 = ops.out_proj_residual_norm(y, w_o, x, gamma_ffn, c.rms_norm_eps)
     x2, h2, r2, _ = ops.mlp(x1, gamma_ffn, w_gu, w_down, h1, r1, gamma_next, c.rms_norm_eps)
     return x2, h2, r2
+
+
+def decoder_layer_fp8(layer: CodaDecoderLayer, x: Tensor, h: tuple[Tensor, Tensor], r: Tensor,
+                      gamma: Tensor, pos: Tensor, rope_table: Tensor, gamma_next: Tensor,
+                      batch: int, attention: Attention, last: bool
+                      ) -> tuple[Tensor, tuple[Tensor, Tensor] | Tensor, Tensor]:
+    """One decoder layer in blockwise FP8 (docs/math.md §6): ``x (M, H)`` with its norm's caches,
+    ``h`` in 1x128 blocks (codes, scales: ``fp8_quantize_rows(h)[:2]``) and ``r`` -> ``(x, h, r)``
+    of the layer output for ``gamma_next``; with ``last`` the output's ``h`` is the
+    activation-dtype tensor the LM head reads (it stays in bf16)."""
+    c, w, coda = layer.config, layer.fp8_weights(), torch.ops.coda
+    qkv = coda.fp8_norm_qkv(x, gamma, layer.w_qkv, *w["w_qkv"], *h, r, pos, rope_table,
+                            layer.b_qkv)
+    y = _attention(c, qkv, batch, attention)
+    x1, h1, h1s, r1, _, _ = coda.fp8_out_proj_residual_norm(y, layer.w_o, *w["w_o"], x,
+                                                            layer.gamma_ffn, c.rms_norm_eps)
+    x2, h2, h2s, r2, _, _, _ = coda.fp8_mlp(
+        x1, layer.gamma_ffn, layer.w_gu, *w["w_gu"], layer.w_down, *w["w_down"], h1, h1s, r1,
+        gamma_next, c.rms_norm_eps, last)
+    return x2, (h2 if last else (h2, h2s)), r2
+
+
+class Fp8WeightCache:
+    """Each weight's FP8 operands, ``fp8_quantize_blocks(w, True, True)`` (the 128x128 codes and
+    scales of ``w`` and of ``wᵀ``), remade only when the weight changed: its version counter
+    moves with every in-place update (an optimizer step), so a weight is quantized once per
+    step, not once per forward or micro-batch. Not module state (no state_dict entries)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, tuple[tuple, tuple[Tensor, ...]]] = {}
+
+    def get(self, name: str, w: Tensor) -> tuple[Tensor, ...]:
+        key = (w._version, w.data_ptr(), w.dtype, w.device)
+        entry = self._entries.get(name)
+        if entry is None or entry[0] != key:
+            with torch.no_grad():
+                entry = (key, tuple(torch.ops.coda.fp8_quantize_blocks(w.detach(), True, True)))
+            self._entries[name] = entry
+        return entry[1]
+
+    def clear(self) -> None:
+        self._entries.clear()
 
 
 class CodaDecoderLayer(nn.Module):
@@ -166,6 +215,11 @@ class CodaDecoderLayer(nn.Module):
         self.w_gu = nn.Parameter(torch.empty(2 * c.intermediate_size, c.hidden_size, **kw))
         self.w_down = nn.Parameter(torch.empty(c.hidden_size, c.intermediate_size, **kw))
         self.reset_parameters()
+
+    def fp8_weights(self) -> dict[str, tuple[Tensor, ...]]:
+        """The projection weights' FP8 operands (Fp8WeightCache), by parameter name."""
+        cache = self.__dict__.setdefault("_fp8_cache", Fp8WeightCache())
+        return {n: cache.get(n, getattr(self, n)) for n in ("w_qkv", "w_o", "w_gu", "w_down")}
 
     def reset_parameters(self, std: float = 0.02) -> None:
         with torch.no_grad():
@@ -207,10 +261,23 @@ class CodaLlamaForCausalLM(nn.Module):
     ``gamma_ffn``, ``w_gu`` (gate/up interleaved), ``w_down``; ``gamma_final`` and ``w_vocab (V, H)``, which is the same Parameter as the
     embedding weight when ``config.tie_word_embeddings``. The RoPE frequency table is a
     non-persistent buffer (derived from the config).
+
+    ``precision="fp8"`` runs every projection GEMM of the layers in blockwise FP8 (docs/math.md
+    §6: activations and gradients in 1x128 blocks, weights in 128x128 blocks, each weight
+    quantized once per optimizer step); the parameters, the residual stream, the norms, the
+    embedding and the LM head keep their dtype. ``precision`` is not part of the state dict:
+    the same checkpoint loads into either.
     """
 
-    def __init__(self, config: LlamaConfig, device=None, dtype=None) -> None:
+    def __init__(self, config: LlamaConfig, device=None, dtype=None,
+                 precision: str = "bf16") -> None:
         super().__init__()
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        if precision == "fp8" and config.qk_norm:
+            raise NotImplementedError("precision='fp8' has no QK-norm (Qwen3) program yet: use "
+                                      "precision='bf16'")
+        self.precision = precision
         self.config = config
         kw = {"device": device, "dtype": dtype}
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **kw)
@@ -293,11 +360,19 @@ class CodaLlamaForCausalLM(nn.Module):
 
         x = F.embedding(input_ids.reshape(M), self.embed_tokens.weight)
         h, r = ops.rmsnorm_stats(x, self.gamma_attn[0], c.rms_norm_eps)
+        if self.precision == "fp8":  # the first norm's h through one cast pass
+            h = tuple(torch.ops.coda.fp8_quantize_rows(h)[:2])
         for i, layer in enumerate(self.layers):
-            gamma_next = self.gamma_attn[i + 1] if i + 1 < len(self.layers) else self.gamma_final
-            x, h, r = layer(
-                x, h, r, self.gamma_attn[i], pos, self.rope_table, gamma_next, batch, attention
-            )
+            last = i + 1 == len(self.layers)
+            gamma_next = self.gamma_final if last else self.gamma_attn[i + 1]
+            if self.precision == "fp8":
+                x, h, r = decoder_layer_fp8(layer, x, h, r, self.gamma_attn[i], pos,
+                                            self.rope_table, gamma_next, batch, attention, last)
+            else:
+                x, h, r = layer(
+                    x, h, r, self.gamma_attn[i], pos, self.rope_table, gamma_next, batch,
+                    attention
+                )
 
         if labels is None:
             normed = F.rms_norm(x, (c.hidden_size,), self.gamma_final, c.rms_norm_eps)
@@ -315,7 +390,7 @@ class CodaLlamaForCausalLM(nn.Module):
         return loss.view(batch, seq) if reduction == "none" else loss
 
     def extra_repr(self) -> str:
-        return repr(self.config)
+        return f"{self.config!r}, precision={self.precision!r}"
 
 
 

@@ -1,0 +1,166 @@
+#pragma once
+// The block ops in blockwise FP8 (docs/math.md §6), forward and backward, written once over a
+// backend B (block/compose.hpp's, plus the FP8 programs below). Every projection GEMM runs on FP8
+// operands; each FP8 operand comes from the epilogue that produced it (F1's h, F2's a, B2's dz)
+// or from one cast pass (the attention output, and at these op boundaries the gradients that
+// autograd hands over in bf16: the residual stream's and the attention's); the weights come
+// quantized (once per optimizer step, by the caller). Weight gradients contract the transposed
+// 128x1 copies over the tokens: of the GEMM's input as the GEMM saw it, i.e. of a (F2 keeps it
+// from the forward pass) and y (the out-projection's cast keeps it), and of the normalized input
+// h_out = r·(x ⊙ γ) of a norm's consumer, which B1 recomputes and quantizes (F1's h is x ⊙ γ: its
+// r comes after the fold), as the bf16 B1 recomputes h_out.
+//
+// Beyond block/compose.hpp's backend, B provides (each returning its outputs; `Fp8` holds codes,
+// scales, codes_t, scales_t, the ones not asked for empty):
+//   fp8_cast(x, rows, transposed) -> Fp8                         the cast pass
+//   fp8_gemm(a, w_codes, w_scales) -> T                          a (1x128) · w (128x128)ᵀ
+//   fp8_wgrad(dz, h) -> T                                        dzᵀ · h over their 128x1 copies
+//   fp8_residual_rmsnorm(a, w, residual, gamma) -> (x, h, partials)         F1, h's rows
+//   fp8_residual_rmsnorm_act_h(a, w, residual, gamma) -> (x, h, partials)   F1, h unquantized
+//   fp8_rmsnorm_swiglu(h, w, r) -> (z, a)                                   F2, a both copies
+//   fp8_rmsnorm_rope(h, w, r, bias, pos, rope_table) -> qkv                 F3
+//   fp8_rmsnorm_backward(dz, w, x, r, gamma, zdz, dres) -> (dx, h_out, partials)   B1 (Wᵀ's
+//                                                                      codes), h_out's copy
+//   fp8_swiglu_backward(dx_out, w_down, z) -> (dz, partials)                B2 (W_downᵀ's), dz
+//                                                                           both copies
+
+#include <cstdint>
+
+#include "coda/block/compose.hpp"
+
+namespace coda::block {
+
+// A tensor in blockwise FP8: an activation's 1x128 codes and scales with its transposed 128x1
+// copy, or a weight's 128x128 codes and scales with its transpose's (the same blocks).
+template <class Tensor>
+struct Fp8Tensors {
+  Tensor codes, scales, codes_t, scales_t;
+};
+template <class B>
+using Fp8 = Fp8Tensors<T<B>>;
+
+template <class B>
+struct Fp8Norm {  // a residual stream value and its norm's caches, h quantized
+  T<B> x;
+  Fp8<B> h;
+  T<B> r;
+};
+
+// F1 + A1 on FP8 operands: x = a · Wᵀ + residual;  h = x ⊙ γ quantized;  r.
+template <class B>
+Fp8Norm<B> fp8_residual_rmsnorm(B& b, const Fp8<B>& a, const Fp8<B>& w, const T<B>& residual,
+                                const T<B>& gamma, double eps) {
+  auto [x, h, s] = b.fp8_residual_rmsnorm(a, w, residual, gamma);
+  Fp8Norm<B> o{x, h, b.stat(b.rows(x))};
+  b.rmsnorm_fold(s, b.cols(x), eps, o.r);
+  return o;
+}
+
+template <class B>
+struct Fp8OutProj {
+  Fp8Norm<B> out;
+  Fp8<B> y;  // the input's transposed copy (codes_t, scales_t), for dW_o
+};
+
+// The out-projection: y cast (its rows for the GEMM, its copy for the weight gradient), then F1.
+template <class B>
+Fp8OutProj<B> fp8_out_proj_residual_norm(B& b, const T<B>& y, const Fp8<B>& w_o,
+                                         const T<B>& residual, const T<B>& gamma, double eps) {
+  const Fp8<B> yq = b.fp8_cast(y, true, true);
+  return {fp8_residual_rmsnorm(b, yq, w_o, residual, gamma, eps), yq};
+}
+
+template <class B>
+struct Fp8Mlp {
+  Fp8Norm<B> out;  // x_out, h_out quantized (empty with act_h_out), r_out
+  T<B> h_act;      // with act_h_out: h_out unquantized (the LM head's input); else empty
+  T<B> z;          // F2's pre-activation, saved for the backward
+  Fp8<B> a;        // F2's a; its copy (codes_t, scales_t) is the down-projection's dW operand
+};
+
+// F2 then F1 + A1 on FP8 operands. With act_h_out the next norm's h stays in the activation dtype
+// (the last layer's, for the LM head, which stays in bf16).
+template <class B>
+Fp8Mlp<B> fp8_mlp(B& b, const T<B>& x, const Fp8<B>& h, const T<B>& r, const Fp8<B>& w_gu,
+                  const Fp8<B>& w_down, const T<B>& gamma_next, double eps, bool act_h_out) {
+  auto [z, a] = b.fp8_rmsnorm_swiglu(h, w_gu, r);
+  Fp8Mlp<B> o{{}, {}, z, a};
+  if (act_h_out) {
+    auto [x2, h2, s] = b.fp8_residual_rmsnorm_act_h(a, w_down, x, gamma_next);
+    o.out = {x2, {}, b.stat(b.rows(x2))};
+    o.h_act = h2;
+    b.rmsnorm_fold(s, b.cols(x2), eps, o.out.r);
+  } else {
+    o.out = fp8_residual_rmsnorm(b, a, w_down, x, gamma_next, eps);
+  }
+  return o;
+}
+
+// F3 on FP8 operands: qkv = rope(r ⊙ (h · W_qkvᵀ) + b_qkv).
+template <class B>
+T<B> fp8_norm_qkv(B& b, const Fp8<B>& h, const T<B>& r, const Fp8<B>& w_qkv, const T<B>& b_qkv,
+                  const auto& pos, const auto& rope_table) {
+  return b.fp8_rmsnorm_rope(h, w_qkv, r, b_qkv, pos, rope_table);
+}
+
+// ---- backward -------------------------------------------------------------------------------
+
+// B1 + dγ fold on FP8 operands: dx = dres + r·(g·γ − x·r·ZdZ), g = dz · W from dz's rows and
+// Wᵀ's codes; dW = dzᵀ · h_out from dz's copy and B1's copy of h_out. dx stays in the activation
+// dtype.
+template <class B>
+InputGrads<B> fp8_rmsnorm_backward(B& b, const Fp8<B>& dz, const Fp8<B>& w, const T<B>& x,
+                                   const T<B>& r, const T<B>& gamma, const T<B>& zdz,
+                                   const T<B>& dres) {
+  auto [dx, h_out, p] = b.fp8_rmsnorm_backward(dz, w, x, r, gamma, zdz, dres);
+  T<B> dgamma = b.stat(b.cols(x));
+  b.dgamma_fold(p, dgamma);
+  return {dx, b.param_like(dgamma, gamma), b.fp8_wgrad(dz, h_out), {}};
+}
+
+// dy = dout · W, dW = doutᵀ · input: the out-projection's backward, dout cast once for both.
+template <class B>
+InputGrads<B> fp8_linear_backward(B& b, const T<B>& dout, const Fp8<B>& input, const Fp8<B>& w) {
+  const Fp8<B> d = b.fp8_cast(dout, true, true);
+  return {b.fp8_gemm(d, w.codes_t, w.scales_t), {}, b.fp8_wgrad(d, input), {}};
+}
+
+// B2 (+ dW_down) → B1 (+ dW_gu): fp8_mlp's backward, dx_out cast once (B2's A, dW_down's B);
+// the residual add's gradient enters B1 as dres. dw = dW_gu, dw2 = dW_down.
+template <class B>
+InputGrads<B> fp8_mlp_backward(B& b, const T<B>& dx_out, const T<B>& x, const T<B>& gamma,
+                               const Fp8<B>& w_gu, const Fp8<B>& w_down, const T<B>& r,
+                               const T<B>& z, const Fp8<B>& a) {
+  const int64_t m = b.rows(x), hidden = b.cols(x);
+  const Fp8<B> dxo = b.fp8_cast(dx_out, true, true);
+  auto [dz, p] = b.fp8_swiglu_backward(dxo, w_down, z);
+  T<B> zdz = b.stat(m);
+  b.zdz_fold(p, hidden, zdz);
+  T<B> dw_down = b.fp8_wgrad(dxo, a);
+  InputGrads<B> g = fp8_rmsnorm_backward(b, dz, w_gu, x, r, gamma, zdz, dx_out);
+  g.dw2 = dw_down;
+  return g;
+}
+
+// B3 → cast → B1 (+ dW_qkv; db_qkv = Σ_tokens of B3's output with a bias): fp8_norm_qkv's
+// backward. dx excludes the residual stream's own gradient.
+template <class B>
+InputGrads<B> fp8_norm_qkv_backward(B& b, const T<B>& dqkv, const T<B>& qkv, const T<B>& x,
+                                    const T<B>& gamma, const Fp8<B>& w_qkv, const T<B>& b_qkv,
+                                    const T<B>& r, const auto& pos, const auto& rope_table) {
+  const int64_t m = b.rows(x), hidden = b.cols(x), width = b.cols(qkv);
+  T<B> dpre = b.act(m, width), zdz = b.stat(m);
+  b.rope_backward(qkv, dqkv, b_qkv, pos, rope_table, hidden, dpre, zdz);
+  T<B> dbias;
+  if (b.present(b_qkv)) {
+    T<B> sum = b.stat(width);
+    b.column_sum(dpre, sum);
+    dbias = b.param_like(sum, b_qkv);
+  }
+  const Fp8<B> dp = b.fp8_cast(dpre, true, true);
+  InputGrads<B> g = fp8_rmsnorm_backward(b, dp, w_qkv, x, r, gamma, zdz, b.zeros_act(m, hidden));
+  g.dbias = dbias;
+  return g;
+}
+
+}  // namespace coda::block

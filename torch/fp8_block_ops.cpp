@@ -1,0 +1,501 @@
+// The block ops in blockwise FP8 (docs/torch-ops.md, "FP8 block ops"; docs/math.md §6): schemas,
+// the CPU and CUDA kernels (one definition each: block/compose_fp8.hpp on the tensors' backend,
+// the FP8 programs of torch/fp8_ops.hpp), Meta kernels and C++ autograd. They mirror
+// out_proj_residual_norm, mlp and norm_qkv, with every projection GEMM on FP8 operands: each
+// weight comes with its FP8 cache (fp8_quantize_blocks(w, True, True): the 128x128 codes and
+// scales of w and of wᵀ, made once per optimizer step by the caller), and the norms' h travels
+// quantized (its 1x128 rows, the next GEMM's A; the weight gradients' copy of the normalized
+// input comes from B1 in the backward). The residual stream, r, z and the gradients autograd
+// hands between ops stay in the activation dtype.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/autograd.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include "coda/kernel/args.hpp"
+#include "on_backend.hpp"
+#include "validate.hpp"
+
+namespace coda::torch_ext {
+namespace {
+
+using at::Tensor;
+using kernel::ScaleLayout;
+using Fp8 = block::Fp8Tensors<Tensor>;
+
+int64_t blocks(int64_t n) { return ScaleLayout::blocks(n); }
+
+// ---- argument checks ------------------------------------------------------------------------
+
+void check_codes(const OpContext& c, const char* name, const Tensor& t, int64_t rows,
+                 int64_t cols) {
+  c.same_device(name, t);
+  c.dtype(name, t, at::kFloat8_e4m3fn);
+  c.shape(name, t, {rows, cols});
+  c.contiguous(name, t);
+}
+// fp32 scales (rows, cols): row-major with a row stride >= cols; `tma_rows` (1x128 scales, read
+// 16 bytes at a time) a multiple of 4 and >= cols rounded up to 4.
+void check_scales(const OpContext& c, const char* name, const Tensor& t, int64_t rows, int64_t cols,
+                  bool tma_rows) {
+  c.same_device(name, t);
+  c.dtype(name, t, at::kFloat);
+  c.shape(name, t, {rows, cols});
+  const int64_t least = tma_rows ? ScaleLayout::row_scales_ld(cols) : cols;
+  TORCH_CHECK(t.stride(1) == 1 && t.stride(0) >= least && (!tma_rows || t.stride(0) % 4 == 0), c.op,
+              ": ", name, " must be row-major with a row stride >= ", least,
+              tma_rows ? " and a multiple of 4" : "", ", got strides ", shape_string(t.strides()));
+}
+// An FP8 weight cache of w (N, K): codes (N, K), scales (ceil(N/128), ceil(K/128)) where
+// `forward`, and wᵀ's codes (K, N), scales (ceil(K/128), ceil(N/128)).
+void check_fp8_weight(const OpContext& c, const char* name, const Tensor& w, const Fp8& q,
+                      bool forward) {
+  const int64_t n = w.size(0), k = w.size(1);
+  if (forward) {
+    check_codes(c, "w_codes", q.codes, n, k);
+    check_scales(c, "w_scales", q.scales, blocks(n), blocks(k), false);
+  }
+  check_codes(c, "w_codes_t", q.codes_t, k, n);
+  check_scales(c, "w_scales_t", q.scales_t, blocks(k), blocks(n), false);
+  c.cuda_width(name, n, 16);
+}
+// An FP8 activation `name` (M, N): its 1x128 rows (codes `name` (M, N), scales `name`_scales
+// (ceil(N/128), M)) where `rows`, its 128x1 copy (`name`_t (N, M16), `name`_t_scales
+// (ceil(M/128), N)) where `copy`.
+void check_fp8_act(const OpContext& c, const std::string& name, const Fp8& q, int64_t m, int64_t n,
+                   bool rows, bool copy) {
+  const std::string s = name + "_scales", t = name + "_t", ts = name + "_t_scales";
+  if (rows) {
+    check_codes(c, name.c_str(), q.codes, m, n);
+    check_scales(c, s.c_str(), q.scales, blocks(n), m, true);
+  }
+  if (copy) {
+    check_codes(c, t.c_str(), q.codes_t, n, ScaleLayout::padded_tokens(m));
+    check_scales(c, ts.c_str(), q.scales_t, blocks(m), n, false);
+  }
+}
+// FP8 activations' widths: 16-byte rows of codes.
+void fp8_width(const OpContext& c, const char* what, int64_t width) {
+  TORCH_CHECK(width % 16 == 0, c.op, ": ", what, " = ", width,
+              " must be a multiple of 16 (16-byte rows of e4m3 codes)");
+}
+
+Tensor empty_like_stat(const Tensor& like) {
+  return at::empty({0}, like.options().dtype(at::kFloat));
+}
+
+// ---- forward ops ----------------------------------------------------------------------------
+
+using OutProj = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
+OutProj fp8_out_proj_residual_norm(const Tensor& y, const Tensor& w_o, const Tensor& w_codes,
+                                   const Tensor& w_scales, const Tensor& w_codes_t,
+                                   const Tensor& w_scales_t, const Tensor& residual,
+                                   const Tensor& gamma, double eps) {
+  const auto c = OpContext::from("coda::fp8_out_proj_residual_norm", "y", y);
+  const auto s = validate_out_proj_residual_norm(c, y, w_o, residual, gamma, eps);
+  const Fp8 w{w_codes, w_scales, w_codes_t, w_scales_t};
+  check_fp8_weight(c, "H (w_o.size(0))", w_o, w, true);
+  fp8_width(c, "K (y.size(1))", s.k);
+  fp8_width(c, "H (w_o.size(0))", s.hidden);
+  return on_backend(y, [&](auto& b) {
+    const auto o = block::fp8_out_proj_residual_norm(b, y, w, residual, gamma, eps);
+    const auto& n = o.out;
+    return std::make_tuple(n.x, n.h.codes, n.h.scales, n.r, o.y.codes_t, o.y.scales_t);
+  });
+}
+
+using MlpOut = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
+MlpOut fp8_mlp(const Tensor& x, const Tensor& gamma, const Tensor& w_gu, const Tensor& gu_codes,
+               const Tensor& gu_scales, const Tensor& gu_codes_t, const Tensor& gu_scales_t,
+               const Tensor& w_down, const Tensor& dn_codes, const Tensor& dn_scales,
+               const Tensor& dn_codes_t, const Tensor& dn_scales_t, const Tensor& h,
+               const Tensor& h_scales, const Tensor& r, const Tensor& gamma_next, double eps,
+               bool act_h_out) {
+  const auto c = OpContext::from("coda::fp8_mlp", "x", x);
+  const auto s = validate_mlp(c, x, gamma, w_gu, w_down, nullptr, r);
+  c.activation("gamma_next", gamma_next, {s.hidden});
+  check_eps(c.op, eps);
+  const Fp8 gu{gu_codes, gu_scales, gu_codes_t, gu_scales_t};
+  const Fp8 dn{dn_codes, dn_scales, dn_codes_t, dn_scales_t};
+  check_fp8_weight(c, "2I (w_gu.size(0))", w_gu, gu, true);
+  check_fp8_weight(c, "H (w_down.size(0))", w_down, dn, true);
+  const Fp8 hq{h, h_scales, {}, {}};
+  check_fp8_act(c, "h", hq, s.m, s.hidden, true, false);
+  fp8_width(c, "H (x.size(1))", s.hidden);
+  TORCH_CHECK(s.intermediate % 16 == 0, c.op, ": I (w_gu.size(0) / 2) = ", s.intermediate,
+              " must be a multiple of 16 (16-byte rows of a's codes)");
+  return on_backend(x, [&](auto& b) {
+    const auto o = block::fp8_mlp(b, x, hq, r, gu, dn, gamma_next, eps, act_h_out);
+    const auto& n = o.out;
+    if (act_h_out) {
+      return std::make_tuple(n.x, o.h_act, empty_like_stat(x), n.r, o.z, o.a.codes_t, o.a.scales_t);
+    }
+    return std::make_tuple(n.x, n.h.codes, n.h.scales, n.r, o.z, o.a.codes_t, o.a.scales_t);
+  });
+}
+
+Tensor fp8_norm_qkv(const Tensor& x, const Tensor& gamma, const Tensor& w_qkv,
+                    const Tensor& w_codes, const Tensor& w_scales, const Tensor& w_codes_t,
+                    const Tensor& w_scales_t, const Tensor& h, const Tensor& h_scales,
+                    const Tensor& r, const Tensor& pos, const Tensor& rope_table,
+                    const std::optional<Tensor>& b_qkv_in) {
+  const auto c = OpContext::from("coda::fp8_norm_qkv", "x", x);
+  const Tensor b_qkv = b_qkv_in.value_or(Tensor());
+  const auto s = validate_norm_qkv(c, x, gamma, w_qkv, nullptr, r, pos, rope_table, b_qkv);
+  check_positions(c, pos);
+  const Fp8 w{w_codes, w_scales, w_codes_t, w_scales_t};
+  check_fp8_weight(c, "the QKV width (w_qkv.size(0))", w_qkv, w, true);
+  const Fp8 hq{h, h_scales, {}, {}};
+  check_fp8_act(c, "h", hq, s.m, s.hidden, true, false);
+  fp8_width(c, "H (x.size(1))", s.hidden);
+  return on_backend(
+      x, [&](auto& b) { return block::fp8_norm_qkv(b, hq, r, w, b_qkv, pos, rope_table); });
+}
+
+// ---- backward ops ---------------------------------------------------------------------------
+
+std::tuple<Tensor, Tensor> fp8_linear_backward(const Tensor& dout, const Tensor& input_t,
+                                               const Tensor& input_t_scales, const Tensor& weight,
+                                               const Tensor& w_codes_t, const Tensor& w_scales_t) {
+  const auto c = OpContext::from("coda::fp8_linear_backward", "dout", dout);
+  c.matrix("dout", dout);
+  const int64_t m = dout.size(0), n = dout.size(1);
+  c.same_device("weight", weight);
+  c.dtype("weight", weight, c.act);
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) == n, c.op, ": weight must have shape (", n,
+              ", K) for dout of shape ", shape_string(dout.sizes()), ", got ",
+              shape_string(weight.sizes()));
+  const int64_t k = weight.size(1);
+  const Fp8 w{{}, {}, w_codes_t, w_scales_t};
+  check_fp8_weight(c, "N (dout.size(1))", weight, w, false);
+  const Fp8 in{{}, {}, input_t, input_t_scales};
+  check_fp8_act(c, "input", in, m, k, false, true);
+  fp8_width(c, "N (dout.size(1))", n);
+  fp8_width(c, "K (weight.size(1))", k);
+  return on_backend(dout, [&](auto& b) {
+    const auto g = block::fp8_linear_backward(b, dout, in, w);
+    return std::make_tuple(g.dx, g.dw);
+  });
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_mlp_backward(
+    const Tensor& dx_out, const Tensor& x, const Tensor& gamma, const Tensor& w_gu,
+    const Tensor& gu_codes_t, const Tensor& gu_scales_t, const Tensor& w_down,
+    const Tensor& dn_codes_t, const Tensor& dn_scales_t, const Tensor& r, const Tensor& z,
+    const Tensor& a_t, const Tensor& a_t_scales) {
+  const auto c = OpContext::from("coda::fp8_mlp_backward", "x", x);
+  const auto s = validate_mlp_backward(c, dx_out, x, gamma, w_gu, w_down, r, z);
+  const Fp8 gu{{}, {}, gu_codes_t, gu_scales_t}, dn{{}, {}, dn_codes_t, dn_scales_t};
+  check_fp8_weight(c, "2I (w_gu.size(0))", w_gu, gu, false);
+  check_fp8_weight(c, "H (w_down.size(0))", w_down, dn, false);
+  const Fp8 a{{}, {}, a_t, a_t_scales};
+  check_fp8_act(c, "a", a, s.m, s.intermediate, false, true);
+  return on_backend(x, [&](auto& b) {
+    const auto g = block::fp8_mlp_backward(b, dx_out, x, gamma, gu, dn, r, z, a);
+    return std::make_tuple(g.dx, g.dgamma, g.dw, g.dw2);
+  });
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_norm_qkv_backward(
+    const Tensor& dqkv, const Tensor& qkv, const Tensor& x, const Tensor& gamma,
+    const Tensor& w_qkv, const Tensor& w_codes_t, const Tensor& w_scales_t, const Tensor& r,
+    const Tensor& pos, const Tensor& rope_table, const std::optional<Tensor>& b_qkv_in) {
+  const auto c = OpContext::from("coda::fp8_norm_qkv_backward", "x", x);
+  const Tensor b_qkv = b_qkv_in.value_or(Tensor());
+  const auto s =
+      validate_norm_qkv_backward(c, dqkv, qkv, x, gamma, w_qkv, r, pos, rope_table, b_qkv);
+  check_positions(c, pos);
+  const Fp8 w{{}, {}, w_codes_t, w_scales_t};
+  check_fp8_weight(c, "the QKV width (w_qkv.size(0))", w_qkv, w, false);
+  return on_backend(x, [&](auto& b) {
+    const auto g =
+        block::fp8_norm_qkv_backward(b, dqkv, qkv, x, gamma, w, b_qkv, r, pos, rope_table);
+    const Tensor db = g.dbias.defined() ? g.dbias : at::empty({0}, x.options());
+    return std::make_tuple(g.dx, g.dgamma, g.dw, db);
+  });
+}
+
+// ---- Meta kernels ---------------------------------------------------------------------------
+
+at::TensorOptions codes_like(const Tensor& t) { return t.options().dtype(at::kFloat8_e4m3fn); }
+at::TensorOptions f32_like(const Tensor& t) { return t.options().dtype(at::kFloat); }
+at::ScalarType stat_of(const Tensor& act) {
+  return act.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+// An activation (m, n) quantized as fp8_quantize_rows writes it: codes, scales (with their
+// padded row stride), the copy's codes and scales.
+std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_act_meta(const Tensor& like, int64_t m, int64_t n) {
+  const Tensor scales =
+      at::empty({blocks(n), ScaleLayout::row_scales_ld(m)}, f32_like(like)).narrow(1, 0, m);
+  return {at::empty({m, n}, codes_like(like)), scales,
+          at::empty({n, ScaleLayout::padded_tokens(m)}, codes_like(like)),
+          at::empty({blocks(m), n}, f32_like(like))};
+}
+
+OutProj fp8_out_proj_residual_norm_meta(const Tensor& y, const Tensor& w_o, const Tensor&,
+                                        const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                        const Tensor&, double) {
+  const int64_t m = y.size(0), k = y.size(1), hidden = w_o.size(0);
+  auto [hc, hs, hct, hcs] = fp8_act_meta(y, m, hidden);
+  auto [yc, ys, yct, ycs] = fp8_act_meta(y, m, k);
+  return {at::empty({m, hidden}, y.options()),           hc,  hs,
+          at::empty({m}, y.options().dtype(stat_of(y))), yct, ycs};
+}
+MlpOut fp8_mlp_meta(const Tensor& x, const Tensor&, const Tensor& w_gu, const Tensor&,
+                    const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                    const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                    const Tensor&, const Tensor&, double, bool act_h_out) {
+  const int64_t m = x.size(0), hidden = x.size(1), two_i = w_gu.size(0);
+  auto [hc, hs, hct, hcs] = fp8_act_meta(x, m, hidden);
+  auto [ac, as, act, acs] = fp8_act_meta(x, m, two_i / 2);
+  const Tensor r = at::empty({m}, x.options().dtype(stat_of(x)));
+  const Tensor z = at::empty({m, two_i}, x.options());
+  if (act_h_out)
+    return {at::empty_like(x), at::empty_like(x), at::empty({0}, f32_like(x)), r, z, act, acs};
+  return {at::empty_like(x), hc, hs, r, z, act, acs};
+}
+Tensor fp8_norm_qkv_meta(const Tensor& x, const Tensor&, const Tensor& w_qkv, const Tensor&,
+                         const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                         const Tensor&, const Tensor&, const Tensor&,
+                         const std::optional<Tensor>&) {
+  return at::empty({x.size(0), w_qkv.size(0)}, x.options());
+}
+std::tuple<Tensor, Tensor> fp8_linear_backward_meta(const Tensor& dout, const Tensor&,
+                                                    const Tensor&, const Tensor& weight,
+                                                    const Tensor&, const Tensor&) {
+  return {at::empty({dout.size(0), weight.size(1)}, dout.options()), at::empty_like(weight)};
+}
+std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_mlp_backward_meta(
+    const Tensor&, const Tensor& x, const Tensor& gamma, const Tensor& w_gu, const Tensor&,
+    const Tensor&, const Tensor& w_down, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+    const Tensor&, const Tensor&) {
+  return {at::empty_like(x), at::empty_like(gamma), at::empty_like(w_gu), at::empty_like(w_down)};
+}
+std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_norm_qkv_backward_meta(
+    const Tensor&, const Tensor&, const Tensor& x, const Tensor& gamma, const Tensor& w_qkv,
+    const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+    const std::optional<Tensor>& b_qkv) {
+  return {at::empty_like(x), at::empty_like(gamma), at::empty_like(w_qkv),
+          b_qkv ? at::empty_like(*b_qkv) : at::empty({0}, x.options())};
+}
+
+// ---- autograd -------------------------------------------------------------------------------
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+template <class Signature>
+c10::TypedOperatorHandle<Signature> op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+class Fp8OutProjResidualNorm : public torch::autograd::Function<Fp8OutProjResidualNorm> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const Tensor& y, const Tensor& w_o,
+                               const Tensor& wc, const Tensor& ws, const Tensor& wct,
+                               const Tensor& wst, const Tensor& residual, const Tensor& gamma,
+                               double eps) {
+    ctx->set_materialize_grads(false);
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto f = op<OutProj(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                               const Tensor&, const Tensor&, const Tensor&, const Tensor&, double)>(
+        "coda::fp8_out_proj_residual_norm");
+    auto [x, h, hs, r, yt, yts] = f.call(y, w_o, wc, ws, wct, wst, residual, gamma, eps);
+    ctx->mark_non_differentiable({h, hs, r, yt, yts});  // caches for the consumer, its operands
+    ctx->save_for_backward({yt, yts, w_o, wct, wst});
+    return {x, h, hs, r, yt, yts};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    variable_list out(9);
+    if (!g[0].defined()) return out;
+    const auto s = ctx->get_saved_variables();
+    static auto b =
+        op<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                      const Tensor&, const Tensor&)>("coda::fp8_linear_backward");
+    const Tensor dx = g[0].contiguous();
+    auto [dy, dw] = b.call(dx, s[0], s[1], s[2], s[3], s[4]);
+    out[0] = dy;
+    out[1] = dw;
+    out[6] = dx;  // the residual add
+    return out;
+  }
+};
+
+class Fp8Mlp : public torch::autograd::Function<Fp8Mlp> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& gamma,
+                               const Tensor& w_gu, const Tensor& guc, const Tensor& gus,
+                               const Tensor& guct, const Tensor& gust, const Tensor& w_down,
+                               const Tensor& dnc, const Tensor& dns, const Tensor& dnct,
+                               const Tensor& dnst, const Tensor& h, const Tensor& hs,
+                               const Tensor& r, const Tensor& gamma_next, double eps,
+                               bool act_h_out) {
+    ctx->set_materialize_grads(false);
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto f = op<MlpOut(
+        const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+        const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+        const Tensor&, const Tensor&, const Tensor&, const Tensor&, double, bool)>("coda::fp8_mlp");
+    auto [x_out, h_out, h_outs, r_out, z, at, ats] =
+        f.call(x, gamma, w_gu, guc, gus, guct, gust, w_down, dnc, dns, dnct, dnst, h, hs, r,
+               gamma_next, eps, act_h_out);
+    ctx->mark_non_differentiable({h_out, h_outs, r_out, z, at, ats});
+    ctx->save_for_backward({x, gamma, w_gu, guct, gust, w_down, dnct, dnst, r, z, at, ats});
+    return {x_out, h_out, h_outs, r_out, z, at, ats};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    variable_list out(18);
+    if (!g[0].defined()) return out;
+    const auto s = ctx->get_saved_variables();
+    static auto b = op<std::tuple<Tensor, Tensor, Tensor, Tensor>(
+        const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+        const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+        const Tensor&)>("coda::fp8_mlp_backward");
+    auto [dx, dgamma, dw_gu, dw_down] = b.call(g[0].contiguous(), s[0], s[1], s[2], s[3], s[4],
+                                               s[5], s[6], s[7], s[8], s[9], s[10], s[11]);
+    out[0] = dx;
+    out[1] = dgamma;
+    out[2] = dw_gu;
+    out[7] = dw_down;
+    return out;
+  }
+};
+
+class Fp8NormQkv : public torch::autograd::Function<Fp8NormQkv> {
+ public:
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& gamma,
+                        const Tensor& w_qkv, const Tensor& wc, const Tensor& ws, const Tensor& wct,
+                        const Tensor& wst, const Tensor& h, const Tensor& hs, const Tensor& r,
+                        const Tensor& pos, const Tensor& table,
+                        const std::optional<Tensor>& b_qkv) {
+    ctx->set_materialize_grads(false);
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto f =
+        op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                  const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                  const Tensor&, const Tensor&, const std::optional<Tensor>&)>(
+            "coda::fp8_norm_qkv");
+    Tensor qkv = f.call(x, gamma, w_qkv, wc, ws, wct, wst, h, hs, r, pos, table, b_qkv);
+    ctx->save_for_backward(
+        {qkv, x, gamma, w_qkv, wct, wst, r, pos, table, b_qkv.value_or(Tensor())});
+    return qkv;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    variable_list out(13);
+    if (!g[0].defined()) return out;
+    const auto s = ctx->get_saved_variables();
+    static auto b = op<std::tuple<Tensor, Tensor, Tensor, Tensor>(
+        const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+        const Tensor&, const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&)>(
+        "coda::fp8_norm_qkv_backward");
+    const std::optional<Tensor> bias = s[9].defined() ? std::optional<Tensor>(s[9]) : std::nullopt;
+    auto [dx, dgamma, dw, db] =
+        b.call(g[0].contiguous(), s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], bias);
+    out[0] = dx;
+    out[1] = dgamma;
+    out[2] = dw;
+    if (bias) out[12] = db;
+    return out;
+  }
+};
+
+namespace names {
+inline constexpr char out_proj[] = "coda::fp8_out_proj_residual_norm";
+inline constexpr char mlp[] = "coda::fp8_mlp";
+inline constexpr char norm_qkv[] = "coda::fp8_norm_qkv";
+inline constexpr char linear_backward[] = "coda::fp8_linear_backward";
+inline constexpr char mlp_backward[] = "coda::fp8_mlp_backward";
+inline constexpr char norm_qkv_backward[] = "coda::fp8_norm_qkv_backward";
+}  // namespace names
+
+void register_kernels(torch::Library& m) {
+  m.impl("fp8_out_proj_residual_norm", CODA_GUARDED(names::out_proj, fp8_out_proj_residual_norm));
+  m.impl("fp8_mlp", CODA_GUARDED(names::mlp, fp8_mlp));
+  m.impl("fp8_norm_qkv", CODA_GUARDED(names::norm_qkv, fp8_norm_qkv));
+  m.impl("fp8_linear_backward", CODA_GUARDED(names::linear_backward, fp8_linear_backward));
+  m.impl("fp8_mlp_backward", CODA_GUARDED(names::mlp_backward, fp8_mlp_backward));
+  m.impl("fp8_norm_qkv_backward", CODA_GUARDED(names::norm_qkv_backward, fp8_norm_qkv_backward));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(coda, m) {
+  // Forward: as out_proj_residual_norm, mlp and norm_qkv, each weight with its FP8 cache and h in
+  // its 1x128 blocks. out-proj also returns y's transposed copy (its backward's dW_o operand);
+  // mlp returns z and a's copy (its backward's operands); with act_h_out mlp's h_out is the
+  // activation-dtype h (the LM head's input) and h_out_scales is empty.
+  m.def(
+      "fp8_out_proj_residual_norm(Tensor y, Tensor w_o, Tensor w_codes, Tensor w_scales, "
+      "Tensor w_codes_t, Tensor w_scales_t, Tensor residual, Tensor gamma, float eps) -> "
+      "(Tensor x, Tensor h, Tensor h_scales, Tensor r, Tensor y_t, Tensor y_t_scales)");
+  m.def(
+      "fp8_mlp(Tensor x, Tensor gamma, Tensor w_gu, Tensor gu_codes, Tensor gu_scales, "
+      "Tensor gu_codes_t, Tensor gu_scales_t, Tensor w_down, Tensor dn_codes, Tensor dn_scales, "
+      "Tensor dn_codes_t, Tensor dn_scales_t, Tensor h, Tensor h_scales, Tensor r, "
+      "Tensor gamma_next, float eps, bool act_h_out=False) -> (Tensor x_out, Tensor h_out, "
+      "Tensor h_out_scales, Tensor r_out, Tensor z, Tensor a_t, Tensor a_t_scales)");
+  m.def(
+      "fp8_norm_qkv(Tensor x, Tensor gamma, Tensor w_qkv, Tensor w_codes, Tensor w_scales, "
+      "Tensor w_codes_t, Tensor w_scales_t, Tensor h, Tensor h_scales, Tensor r, Tensor pos, "
+      "Tensor rope_table, Tensor? b_qkv=None) -> Tensor");
+  // Backward: the incoming gradient cast once; the weights' transposed codes; the copies kept.
+  m.def(
+      "fp8_linear_backward(Tensor dout, Tensor input_t, Tensor input_t_scales, Tensor weight, "
+      "Tensor w_codes_t, Tensor w_scales_t) -> (Tensor dinput, Tensor dweight)");
+  m.def(
+      "fp8_mlp_backward(Tensor dx_out, Tensor x, Tensor gamma, Tensor w_gu, Tensor gu_codes_t, "
+      "Tensor gu_scales_t, Tensor w_down, Tensor dn_codes_t, Tensor dn_scales_t, Tensor r, "
+      "Tensor z, Tensor a_t, Tensor a_t_scales) -> (Tensor dx, Tensor dgamma, Tensor dw_gu, "
+      "Tensor dw_down)");
+  m.def(
+      "fp8_norm_qkv_backward(Tensor dqkv, Tensor qkv, Tensor x, Tensor gamma, Tensor w_qkv, "
+      "Tensor w_codes_t, Tensor w_scales_t, Tensor r, Tensor pos, Tensor rope_table, "
+      "Tensor? b_qkv=None) -> (Tensor dx, Tensor dgamma, Tensor dw_qkv, Tensor db_qkv)");
+}
+
+TORCH_LIBRARY_IMPL(coda, CPU, m) { register_kernels(m); }
+#if CODA_TORCH_CUDA
+TORCH_LIBRARY_IMPL(coda, CUDA, m) { register_kernels(m); }
+#endif
+
+TORCH_LIBRARY_IMPL(coda, Meta, m) {
+  m.impl("fp8_out_proj_residual_norm", &fp8_out_proj_residual_norm_meta);
+  m.impl("fp8_mlp", &fp8_mlp_meta);
+  m.impl("fp8_norm_qkv", &fp8_norm_qkv_meta);
+  m.impl("fp8_linear_backward", &fp8_linear_backward_meta);
+  m.impl("fp8_mlp_backward", &fp8_mlp_backward_meta);
+  m.impl("fp8_norm_qkv_backward", &fp8_norm_qkv_backward_meta);
+}
+
+TORCH_LIBRARY_IMPL(coda, Autograd, m) {
+  for (const char* name : {"fp8_linear_backward", "fp8_mlp_backward", "fp8_norm_qkv_backward"})
+    m.impl(name, torch::autograd::autogradNotImplementedFallback());
+  m.impl("fp8_out_proj_residual_norm", [](const Tensor& y, const Tensor& w_o, const Tensor& wc,
+                                          const Tensor& ws, const Tensor& wct, const Tensor& wst,
+                                          const Tensor& residual, const Tensor& gamma, double eps) {
+    auto o = Fp8OutProjResidualNorm::apply(y, w_o, wc, ws, wct, wst, residual, gamma, eps);
+    return std::make_tuple(o[0], o[1], o[2], o[3], o[4], o[5]);
+  });
+  m.impl("fp8_mlp", [](const Tensor& x, const Tensor& gamma, const Tensor& w_gu, const Tensor& guc,
+                       const Tensor& gus, const Tensor& guct, const Tensor& gust,
+                       const Tensor& w_down, const Tensor& dnc, const Tensor& dns,
+                       const Tensor& dnct, const Tensor& dnst, const Tensor& h, const Tensor& hs,
+                       const Tensor& r, const Tensor& gamma_next, double eps, bool act_h_out) {
+    auto o = Fp8Mlp::apply(x, gamma, w_gu, guc, gus, guct, gust, w_down, dnc, dns, dnct, dnst, h,
+                           hs, r, gamma_next, eps, act_h_out);
+    return std::make_tuple(o[0], o[1], o[2], o[3], o[4], o[5], o[6]);
+  });
+  m.impl("fp8_norm_qkv",
+         [](const Tensor& x, const Tensor& gamma, const Tensor& w_qkv, const Tensor& wc,
+            const Tensor& ws, const Tensor& wct, const Tensor& wst, const Tensor& h,
+            const Tensor& hs, const Tensor& r, const Tensor& pos, const Tensor& table,
+            const std::optional<Tensor>& b_qkv) {
+           return Fp8NormQkv::apply(x, gamma, w_qkv, wc, ws, wct, wst, h, hs, r, pos, table, b_qkv);
+         });
+}
+
+}  // namespace coda::torch_ext
