@@ -233,6 +233,88 @@ def fp8_tables(path):
     return out + [""]
 
 
+FP8_CHAIN_VARIANTS = (
+    ("coda_fp8", "ours FP8"), ("fp8_floor", "FP8 floor cuBLASLt"), ("fp8_floor_coda", "FP8 floor ours"),
+    ("coda_bf16", "ours bf16"), ("bf16_floor", "bf16 floor"),
+    ("torchao_tensorwise", "torchao tensorwise"), ("torchao_rowwise", "torchao rowwise"),
+)
+
+
+def fp8_chain_tables(path):
+    """The suite's fp8-chain section (bench/suite_fp8_chain.py): the layer chain forward + backward
+    in blockwise FP8 against the FP8 GEMM-only floor, our bf16 chain and torchao float8 +
+    torch.compile, with the issue's targets beside each ratio."""
+    d = load(path, "fp8_chain")
+    rows = d.get("rows", [])
+    targets = d.get("targets", {})
+    ao = d.get("torchao_version")
+
+    def ms(r, k):
+        v = r.get(f"ms_{k}")
+        return f"{v:.3f}" if isinstance(v, (int, float)) and v == v else "—"
+
+    def cell(r, key, fmt=".3f"):
+        v = r.get(key)
+        return format(v, fmt) if isinstance(v, (int, float)) and v == v else "—"
+
+    out = ["## Layer chain forward + backward in blockwise FP8\n", header(path, d),
+           "Out-proj + residual + RMSNorm → gate/up + SwiGLU → down + residual + RMSNorm → QKV + RoPE "
+           "(attention excluded), forward then backward, ms, medians of interleaved rounds (L2 "
+           "cleared before each run). `ours FP8`: the FP8 block ops through autograd, the weights' "
+           "FP8 caches made once outside the timed region; `FP8 floor`: the chain's 12 GEMMs (4 "
+           "forward, 4 data-gradient, 4 weight-gradient) in blockwise FP8 on operands quantized "
+           "ahead, on cuBLASLt (`torch._scaled_mm`) and on ours; `ours bf16` / `bf16 floor`: the "
+           "bf16 block ops and the same 12 GEMMs on cuBLAS; torchao"
+           + (f" {ao}" if ao else "") + ": the unfused chain with Float8Linear projections, "
+           "torch.compile'd. Ratios: `FP8 / floor` = our time / the floor's (target ≤ "
+           f"{targets.get('fp8_over_floor_max', 1.08)}); `vs torchao` = the best torchao "
+           "recipe's time / ours; `vs bf16` = our bf16 chain's time / our FP8 chain's (targets "
+           "in brackets). Checks: FP8 chains' outputs and gradients within 0.1 relative Frobenius "
+           "error of an fp32 evaluation (torchao tensorwise's e5m2 gradients 0.2), ours bf16 "
+           "within 2 × eager bf16's max error; a variant that failed has no time.\n",
+           "| model | M | " + " | ".join(label for _, label in FP8_CHAIN_VARIANTS)
+           + " | FP8 / floor cuBLASLt | FP8 / floor ours | vs torchao | vs bf16 | check |",
+           "|---|---|" + "---|" * (len(FP8_CHAIN_VARIANTS) + 5)]
+
+    def target(key, model):
+        v = targets.get(key, {})
+        v = v.get(model) if isinstance(v, dict) else v
+        return f" [{'≤' if key.endswith('_max') else '≥'} {v}]" if v else ""
+
+    for r in rows:
+        failed = {k: v for k, v in r.get("check", {}).items() if v != "PASS"}
+        check = "PASS" if not failed else "FAIL: " + ", ".join(
+            f"{k} ({v.split(' ', 1)[0]})" for k, v in failed.items())
+        best = r.get("best_torchao")
+        vs_ao = cell(r, "speedup_vs_torchao", ".2f")
+        if best and vs_ao != "—":
+            vs_ao += f" ({best.removeprefix('torchao_')})"
+        out.append(
+            f"| {r['model']} | {r['m']} | "
+            + " | ".join(ms(r, k) for k, _ in FP8_CHAIN_VARIANTS)
+            + f" | {cell(r, 'fp8_over_floor')}{target('fp8_over_floor_max', r['model'])} | "
+            f"{cell(r, 'fp8_over_floor_coda')} | "
+            f"{vs_ao}"
+            f"{target('speedup_vs_torchao_min', r['model'])} | "
+            f"{cell(r, 'speedup_vs_coda_bf16', '.2f')}{target('speedup_vs_coda_bf16_min', r['model'])}"
+            f" | {check} |")
+    out.append("")
+    worst = {}
+    for r in rows:
+        for k, errs in r.get("rel_err", {}).items():
+            if k.startswith(("coda_fp8", "torchao_")) and errs:
+                name, e = max(errs.items(), key=lambda kv: kv[1])
+                if e > worst.get(k, ("", -1.0))[1]:
+                    worst[k] = (f"{name}, {r['model']} M={r['m']}", e)
+    if worst:
+        out.append("Largest relative error per FP8 chain, over the shapes: " + "; ".join(
+            f"{k} {e:.3f} ({where})" for k, (where, e) in worst.items()) + ".")
+    # the run's own reasons (torchao, Liger, ...) and the section's (coda_fp8, cuBLASLt)
+    absent = {**json.load(open(path)).get("absent", {}), **d.get("absent", {})}
+    out += [f"- {k} absent: {v}" for k, v in absent.items() if k not in ("liger", "flashinfer")]
+    return out + [""]
+
+
 def train_compare_table(path):
     d = load(path, "train")
     c = d["config"]
@@ -248,6 +330,67 @@ def train_compare_table(path):
     png = path.replace(".json", ".png")
     if os.path.exists(png):
         out.append(f"\n![loss curves](../{os.path.relpath(png)})")
+    return out + [""]
+
+
+def train_parity_table(path):
+    """The suite's train-parity section (bench/suite_train.py, issue "FP8 training parity"): each
+    run's mean loss over the last steps against coda bf16's, its spikes, held-out loss, speed and
+    memory, and the plot beside the results file."""
+    d = load(path, "train_parity")
+    c, runs, ref = d["config"], d.get("runs", {}), d.get("reference", "coda_bf16")
+    corpus = d.get("corpus", {})
+    src = ", ".join(f"{s['package']} {s['version']}" if "package" in s else
+                    f"{s.get('text_dir', '?')}" for s in corpus.get("sources") or []) or "?"
+    tok = corpus.get("tokens", {})
+    ao = d.get("torchao_version")
+    out = ["## FP8 training parity on real text\n", header(path, d),
+           f"{c['layers']} layers, H = {c['hidden']}, GQA {c['heads']}/{c['kv_heads']}, "
+           f"I = {c['intermediate']}, V = {d.get('model_vocab')} "
+           f"(byte-level BPE), {d.get('parameters', 0) / 1e9:.2f} B parameters; {c['batch']} x "
+           f"{c['seq']} tokens per step, {d.get('steps_done', '?')} of {c['steps']} AdamW steps "
+           f"(lr {c['lr']:g}, {c['warmup']} warm-up steps, cosine to {c['min_lr_ratio']:g}x; "
+           f"{c['master']} master weights; gradients clipped to {c['clip']:g}), every run from the "
+           f"same initialization on the same batches. Text: {src} "
+           f"({tok.get('train', 0) / 1e6:.2f} M training tokens; the run reads "
+           f"{d.get('epochs', float('nan')):.2f} passes over them); held-out loss over "
+           f"{d.get('holdout_tokens', 0)} tokens of documents the run never saw."
+           + (f" torchao {ao}, recipe {c.get('torchao_recipe')}, decoder layers torch.compile'd."
+              if ao else "") + "\n",
+           f"Target: the mean loss over the last {c['last']} steps within "
+           f"{100 * c['tolerance']:g}% of {ref}'s, and no loss spike (a step more than "
+           f"{c['spike_threshold']:g} nats above the median of the {c['spike_window']} before it) "
+           f"that {ref} lacks.\n",
+           f"| run | mean loss, last {c['last']} | vs {ref} | held-out loss | spikes | spikes "
+           f"{ref} lacks | max step difference after warm-up | tokens/s | peak GiB | target |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def num(v, fmt):
+        return format(v, fmt) if isinstance(v, (int, float)) and v == v else "—"
+
+    for name, r in runs.items():
+        rel, step = r.get("rel_diff_last"), r.get("max_abs_rel_step_diff_after_warmup")
+        verdict = "reference" if name == ref else ("**met**" if r.get("pass") else "not met")
+        if r.get("error"):
+            verdict += f" (stopped: {r['error'][:80]})"
+        peak = r.get("peak_mib")
+        lacks = "—" if name == ref else len(r.get("spikes_not_in_ref", []))
+        out.append(
+            f"| {name} | {num(r.get('mean_last'), '.4f')} | "
+            f"{'—' if rel is None else format(100 * rel, '+.2f') + '%'} | "
+            f"{num(r.get('holdout_loss'), '.4f')} | {len(r.get('spikes', []))} | {lacks} | "
+            f"{'—' if step is None else format(100 * step, '.2f') + '%'} | "
+            f"{num(r.get('tokens_per_s'), ',.0f')} | {num(peak / 1024 if peak else None, '.1f')} | "
+            f"{verdict} |")
+    for name, why in d.get("absent", {}).items():
+        out.append(f"\nAbsent: {name}: {why}")
+    if d.get("truncated"):
+        out.append(f"\nTruncated: {d['truncated']}.")
+    png = path.replace(".json", ".png")
+    if not os.path.exists(png) and d.get("plot"):
+        png = os.path.join(os.path.dirname(path), d["plot"])
+    if os.path.exists(png):
+        out.append(f"\n![training-parity loss curves](../{os.path.relpath(png)})")
     return out + [""]
 
 
@@ -461,7 +604,9 @@ def main():
     for pattern, fn in (("*-gemm.json", gemm_table), ("*-programs.json", program_table),
                         ("*-fp8.json", fp8_tables),
                         ("*-fp8-fused.json", fp8_fused_tables),
+                        ("*-fp8-chain.json", fp8_chain_tables),
                         ("*-train-compare.json", train_compare_table),
+                        ("*-train-parity.json", train_parity_table),
                         ("*-fsdp-fsdp.json", fsdp_table)):
         path = latest(a.results, pattern)
         if path:

@@ -29,11 +29,19 @@ Not in the default list:
                  GEMM of its shape (events, no L2 clear; the ops section is the careful version)
   train          coda.nn vs Hugging Face training loss curves and tokens/s (bench/suite_train.py;
                  one model, not per shape; the plot goes beside the results file)
+  train-parity   FP8 training parity on real text (.corpus from scripts/fetch-corpus): coda bf16,
+                 coda FP8 and torchao float8 trained from one initialization on the same batches
+                 (bench/suite_train.py, PARITY_DOC; the plot goes beside the results file)
   fp8            the blockwise FP8 GEMMs of every projection (fprop, dgrad, wgrad) against
                  cuBLASLt's blockwise GEMM and the bf16 GEMMs, and the cast passes against a copy
                  (bench/suite_fp8.py; LLaMA-3 shapes only)
   fp8-fused      only the fp8 section's fused rows: F1 with h quantized in its epilogue against
                  the plain FP8 GEMM of its shape
+  fp8-chain      the layer chain forward + backward in blockwise FP8 (our FP8 block ops) against
+                 the FP8 GEMM-only floor (cuBLASLt's blockwise GEMM and ours), our bf16 chain and
+                 its floor, and torchao float8 (tensorwise, rowwise) + torch.compile
+                 (bench/suite_fp8_chain.py; LLaMA-3 shapes only; torchao from its wheel, "absent"
+                 with the reason when it cannot be imported)
   e2e            a whole model's training step (tokens/s, peak memory, first step with compile)
                  for HF eager, HF + per-block compile, Liger, coda (eager, per-block compiled, HF
                  patched in place) at the LLaMA-3.2-1B and LLaMA-3-8B shapes (bench/suite_e2e.py)
@@ -75,7 +83,7 @@ from suite_chain import (  # noqa: E402
 
 SECTIONS = (
     "ops", "chain-fwd", "chain", "lm-head", "sustained", "chain-profile", "train", "fp8",
-    "fp8-fused", "e2e",
+    "fp8-fused", "fp8-chain", "e2e", "train-parity",
 )
 PAPER_V = 32768
 
@@ -449,6 +457,12 @@ def main():
     ap.add_argument("--train-steps", type=int, default=200, help="train: AdamW steps")
     ap.add_argument("--train-compile", action="store_true",
                     help="train: also torch.compile'd twins of both models")
+    ap.add_argument("--train-parity-steps", type=int, default=1000, help="train-parity: steps")
+    ap.add_argument("--train-parity-budget", type=float, default=0, metavar="SECONDS",
+                    help="train-parity: stop training after this long (0: no limit)")
+    ap.add_argument("--train-parity-set", default="", metavar="K=V,...",
+                    help="train-parity: other settings of suite_train.PARITY_DEFAULTS "
+                         "(runs=coda_bf16+coda_fp8+torchao_fp8, corpus=DIR, batch=8, ...)")
     ap.add_argument("--e2e-models", default="llama3.2-1B,llama3-8B",
                     help="e2e: comma list of bench/suite_e2e.py's MODEL_SHAPES")
     ap.add_argument("--e2e-systems", default=None,
@@ -574,6 +588,18 @@ def main():
             "fp8",
             lambda model, m, sec: suite_fp8.run_shape(model, m, sec, progress, fused_only=True),
         )
+    if "fp8-chain" in sections:
+        import suite_fp8_chain
+
+        tao = suite_fp8_chain.load_torchao(out["absent"])
+        if tao:
+            out["torchao_version"] = tao.__version__
+        per_shape(
+            "fp8-chain",
+            "fp8_chain",
+            lambda model, m, sec: suite_fp8_chain.run_shape(model, m, sec, progress, torchao=tao),
+            targets=suite_fp8_chain.TARGETS,
+        )
     if "e2e" in sections:
         import suite_e2e
 
@@ -595,6 +621,21 @@ def main():
             + " ".join(f"{k}={v:.0f}" for k, v in tr["tokens_per_s"].items()),
             flush=True,
         )
+    if "train-parity" in sections:
+        import suite_train
+
+        fresh()
+
+        def save_parity(sec):
+            out["sections"]["train_parity"] = sec
+            save()
+
+        sec = suite_train.run_parity(
+            os.path.splitext(path)[0], progress, save=save_parity,
+            **suite_train.parse_settings(a.train_parity_set, steps=a.train_parity_steps,
+                                         budget_s=a.train_parity_budget))
+        save_parity(sec)
+        print(suite_train.parity_line(sec), flush=True)
     save()
     for where, ab in [("", out["absent"])] + [
         (f"{n}: ", sec.get("absent", {})) for n, sec in out["sections"].items()

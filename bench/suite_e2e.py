@@ -11,6 +11,12 @@ and peak memory, for the systems people train LLaMA with, from one initializatio
   coda_patched    the HF model patched in place (coda.integrations.patch_hf), eager
   coda_fullgraph  coda.nn under torch.compile(fullgraph=True) (not in the default list: its first
                   step is the whole model's compilation)
+  coda_fp8        coda.nn with precision="fp8": every projection GEMM in blockwise FP8 (docs/math.md
+                  §6), eager
+  torchao_fp8_tensorwise, torchao_fp8_rowwise
+                  the HF model with torchao's float8 training (convert_to_float8_training with the
+                  recipe's Float8LinearConfig; the LM head left in bf16, as coda's), each decoder
+                  block torch.compile'd (torchao's float8 needs compile to be fast)
 
 Each system runs in a process of its own (Liger patches transformers' classes module-wide, and
 Dynamo's caches and the allocator's pools would carry over), builds the model from the same seed,
@@ -47,6 +53,7 @@ MODEL_SHAPES = {
                        intermediate=6144, vocab=151936, tie=True, batch=4, seq=4096),
 }
 SYSTEMS = ("hf_eager", "hf_compile", "liger", "coda", "coda_compile", "coda_patched")
+FP8_SYSTEMS = ("coda_fp8", "torchao_fp8_tensorwise", "torchao_fp8_rowwise")
 
 
 def hf_config(s):
@@ -86,6 +93,16 @@ def new_hf(cfg):
 def build(system, cfg):
     """(model, step's loss function) of one system."""
     hf = new_hf(cfg)
+    if system.startswith("torchao_fp8_"):
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        recipe = system.removeprefix("torchao_fp8_")
+        convert_to_float8_training(
+            hf.model, config=Float8LinearConfig.from_recipe_name(recipe),
+            module_filter_fn=lambda mod, fqn: isinstance(mod, torch.nn.Linear))
+        for layer in hf.model.layers:
+            layer.compile()
+        return hf, lambda m, ids: m(input_ids=ids, labels=ids).loss
     if system in ("hf_eager", "hf_compile", "liger"):
         if system == "hf_compile":
             for layer in hf.model.layers:
@@ -102,7 +119,7 @@ def build(system, cfg):
         from coda.integrations import patch_hf
 
         return patch_hf(hf), lambda m, ids: m(input_ids=ids, labels=ids).loss
-    model = coda.convert.from_hf(hf)
+    model = coda.convert.from_hf(hf, precision="fp8" if system == "coda_fp8" else "bf16")
     del hf
     if system == "coda_compile":
         for layer in model.layers:
