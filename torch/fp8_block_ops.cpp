@@ -50,18 +50,21 @@ void check_scales(const OpContext& c, const char* name, const Tensor& t, int64_t
               ": ", name, " must be row-major with a row stride >= ", least,
               tma_rows ? " and a multiple of 4" : "", ", got strides ", shape_string(t.strides()));
 }
-// An FP8 weight cache of w (N, K): codes (N, K), scales (ceil(N/128), ceil(K/128)) where
-// `forward`, and wᵀ's codes (K, N), scales (ceil(K/128), ceil(N/128)).
-void check_fp8_weight(const OpContext& c, const char* name, const Tensor& w, const Fp8& q,
-                      bool forward) {
+// An FP8 weight cache of w (N, K), its arguments named `prefix`_codes, ..: codes (N, K), scales
+// (ceil(N/128), ceil(K/128)) where `forward`, and wᵀ's codes (K, N), scales (ceil(K/128),
+// ceil(N/128)); `width` names N for the CUDA width check.
+void check_fp8_weight(const OpContext& c, const std::string& prefix, const char* width,
+                      const Tensor& w, const Fp8& q, bool forward) {
   const int64_t n = w.size(0), k = w.size(1);
+  const std::string codes = prefix + "_codes", scales = prefix + "_scales",
+                    codes_t = prefix + "_codes_t", scales_t = prefix + "_scales_t";
   if (forward) {
-    check_codes(c, "w_codes", q.codes, n, k);
-    check_scales(c, "w_scales", q.scales, blocks(n), blocks(k), false);
+    check_codes(c, codes.c_str(), q.codes, n, k);
+    check_scales(c, scales.c_str(), q.scales, blocks(n), blocks(k), false);
   }
-  check_codes(c, "w_codes_t", q.codes_t, k, n);
-  check_scales(c, "w_scales_t", q.scales_t, blocks(k), blocks(n), false);
-  c.cuda_width(name, n, 16);
+  check_codes(c, codes_t.c_str(), q.codes_t, k, n);
+  check_scales(c, scales_t.c_str(), q.scales_t, blocks(k), blocks(n), false);
+  c.cuda_width(width, n, 16);
 }
 // An FP8 activation `name` (M, N): its 1x128 rows (codes `name` (M, N), scales `name`_scales
 // (ceil(N/128), M)) where `rows`, its 128x1 copy (`name`_t (N, M16), `name`_t_scales
@@ -98,7 +101,7 @@ OutProj fp8_out_proj_residual_norm(const Tensor& y, const Tensor& w_o, const Ten
   const auto c = OpContext::from("coda::fp8_out_proj_residual_norm", "y", y);
   const auto s = validate_out_proj_residual_norm(c, y, w_o, residual, gamma, eps);
   const Fp8 w{w_codes, w_scales, w_codes_t, w_scales_t};
-  check_fp8_weight(c, "H (w_o.size(0))", w_o, w, true);
+  check_fp8_weight(c, "w", "H (w_o.size(0))", w_o, w, true);
   fp8_width(c, "K (y.size(1))", s.k);
   fp8_width(c, "H (w_o.size(0))", s.hidden);
   return on_backend(y, [&](auto& b) {
@@ -121,8 +124,8 @@ MlpOut fp8_mlp(const Tensor& x, const Tensor& gamma, const Tensor& w_gu, const T
   check_eps(c.op, eps);
   const Fp8 gu{gu_codes, gu_scales, gu_codes_t, gu_scales_t};
   const Fp8 dn{dn_codes, dn_scales, dn_codes_t, dn_scales_t};
-  check_fp8_weight(c, "2I (w_gu.size(0))", w_gu, gu, true);
-  check_fp8_weight(c, "H (w_down.size(0))", w_down, dn, true);
+  check_fp8_weight(c, "gu", "2I (w_gu.size(0))", w_gu, gu, true);
+  check_fp8_weight(c, "dn", "H (w_down.size(0))", w_down, dn, true);
   const Fp8 hq{h, h_scales, {}, {}};
   check_fp8_act(c, "h", hq, s.m, s.hidden, true, false);
   fp8_width(c, "H (x.size(1))", s.hidden);
@@ -148,7 +151,7 @@ Tensor fp8_norm_qkv(const Tensor& x, const Tensor& gamma, const Tensor& w_qkv,
   const auto s = validate_norm_qkv(c, x, gamma, w_qkv, nullptr, r, pos, rope_table, b_qkv);
   check_positions(c, pos);
   const Fp8 w{w_codes, w_scales, w_codes_t, w_scales_t};
-  check_fp8_weight(c, "the QKV width (w_qkv.size(0))", w_qkv, w, true);
+  check_fp8_weight(c, "w", "the QKV width (w_qkv.size(0))", w_qkv, w, true);
   const Fp8 hq{h, h_scales, {}, {}};
   check_fp8_act(c, "h", hq, s.m, s.hidden, true, false);
   fp8_width(c, "H (x.size(1))", s.hidden);
@@ -171,7 +174,7 @@ std::tuple<Tensor, Tensor> fp8_linear_backward(const Tensor& dout, const Tensor&
               shape_string(weight.sizes()));
   const int64_t k = weight.size(1);
   const Fp8 w{{}, {}, w_codes_t, w_scales_t};
-  check_fp8_weight(c, "N (dout.size(1))", weight, w, false);
+  check_fp8_weight(c, "w", "N (dout.size(1))", weight, w, false);
   const Fp8 in{{}, {}, input_t, input_t_scales};
   check_fp8_act(c, "input", in, m, k, false, true);
   fp8_width(c, "N (dout.size(1))", n);
@@ -190,8 +193,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_mlp_backward(
   const auto c = OpContext::from("coda::fp8_mlp_backward", "x", x);
   const auto s = validate_mlp_backward(c, dx_out, x, gamma, w_gu, w_down, r, z);
   const Fp8 gu{{}, {}, gu_codes_t, gu_scales_t}, dn{{}, {}, dn_codes_t, dn_scales_t};
-  check_fp8_weight(c, "2I (w_gu.size(0))", w_gu, gu, false);
-  check_fp8_weight(c, "H (w_down.size(0))", w_down, dn, false);
+  check_fp8_weight(c, "gu", "2I (w_gu.size(0))", w_gu, gu, false);
+  check_fp8_weight(c, "dn", "H (w_down.size(0))", w_down, dn, false);
   const Fp8 a{{}, {}, a_t, a_t_scales};
   check_fp8_act(c, "a", a, s.m, s.intermediate, false, true);
   return on_backend(x, [&](auto& b) {
@@ -210,7 +213,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_norm_qkv_backward(
       validate_norm_qkv_backward(c, dqkv, qkv, x, gamma, w_qkv, r, pos, rope_table, b_qkv);
   check_positions(c, pos);
   const Fp8 w{{}, {}, w_codes_t, w_scales_t};
-  check_fp8_weight(c, "the QKV width (w_qkv.size(0))", w_qkv, w, false);
+  check_fp8_weight(c, "w", "the QKV width (w_qkv.size(0))", w_qkv, w, false);
   return on_backend(x, [&](auto& b) {
     const auto g =
         block::fp8_norm_qkv_backward(b, dqkv, qkv, x, gamma, w, b_qkv, r, pos, rope_table);

@@ -178,7 +178,10 @@ class Fp8WeightCache:
     """Each weight's FP8 operands, ``fp8_quantize_blocks(w, True, True)`` (the 128x128 codes and
     scales of ``w`` and of ``wᵀ``), remade only when the weight changed: its version counter
     moves with every in-place update (an optimizer step), so a weight is quantized once per
-    step, not once per forward or micro-batch. Not module state (no state_dict entries)."""
+    step, not once per forward or micro-batch. Not module state (no state_dict entries).
+    Writes through ``.data`` do not move the version counter: after one, call ``clear()``. A
+    captured CUDA graph keeps reading the operands it was captured with: refreshed ones are new
+    tensors."""
 
     def __init__(self) -> None:
         self._entries: dict[str, tuple[tuple, tuple[Tensor, ...]]] = {}
