@@ -151,11 +151,10 @@ def fp8_weight_caches(t):
 def fp8_chain_forward(t, leaves, q):
     """Our FP8 chain: x2 and qkv (qkv in our column order)."""
     y, x0, wo, g_ffn, wgu, wd, g_attn, wqkv = leaves
-    x1, h1, h1s, h1t, h1ts, r1, *_ = CODA.fp8_out_proj_residual_norm(y, wo, *q["wo"], x0, g_ffn, EPS)
-    x2, h2, h2s, h2t, h2ts, r2, *_ = CODA.fp8_mlp(x1, g_ffn, wgu, *q["wgu"], wd, *q["wd"], h1, h1s,
-                                                   h1t, h1ts, r1, g_attn, EPS)
-    qkv = CODA.fp8_norm_qkv(x2, g_attn, wqkv, *q["wqkv"], h2, h2s, h2t, h2ts, r2, t.pos,
-                            t.rope_table)
+    x1, h1, h1s, r1, *_ = CODA.fp8_out_proj_residual_norm(y, wo, *q["wo"], x0, g_ffn, EPS)
+    x2, h2, h2s, r2, *_ = CODA.fp8_mlp(x1, g_ffn, wgu, *q["wgu"], wd, *q["wd"], h1, h1s, r1,
+                                       g_attn, EPS)
+    qkv = CODA.fp8_norm_qkv(x2, g_attn, wqkv, *q["wqkv"], h2, h2s, r2, t.pos, t.rope_table)
     return x2, qkv
 
 
