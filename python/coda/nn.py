@@ -179,7 +179,8 @@ class Fp8WeightCache:
     scales of ``w`` and of ``wᵀ``), remade only when the weight changed: its version counter
     moves with every in-place update (an optimizer step), so a weight is quantized once per
     step, not once per forward or micro-batch. Not module state (no state_dict entries).
-    Writes through ``.data`` do not move the version counter: after one, call ``clear()``. A
+    Writes through ``.data`` do not move the version counter: after one, call ``clear()`` (or the
+    model's ``refresh_fp8_weights()``). A
     captured CUDA graph keeps reading the operands it was captured with: refreshed ones are new
     tensors."""
 
@@ -391,6 +392,15 @@ class CodaLlamaForCausalLM(nn.Module):
             ignore_index, reduction, z_loss,
         )
         return loss.view(batch, seq) if reduction == "none" else loss
+
+    def refresh_fp8_weights(self) -> None:
+        """Drops every layer's FP8 weight operands, so the next forward quantizes the weights
+        anew. Needed only after writes that do not move a parameter's version counter (through
+        ``.data``, or ``load_state_dict`` into ``.data``); optimizer steps are seen on their own."""
+        for layer in self.layers:
+            cache = layer.__dict__.get("_fp8_cache")
+            if cache is not None:
+                cache.clear()
 
     def extra_repr(self) -> str:
         return f"{self.config!r}, precision={self.precision!r}"

@@ -396,6 +396,28 @@ def test_fp8_weight_cache_quantizes_once_per_step():
         assert torch.equal(scales, want[1]) and torch.equal(scales_t, want[3]), name
 
 
+def test_fp8_weight_cache_misses_data_writes_until_refreshed():
+    """A write through .data leaves the version counter alone, so the cache keeps the old codes
+    (documented); refresh_fp8_weights() makes the next forward quantize the written weights."""
+    _, model, _ = tiny_models()
+    ids, labels = tiny_batch()
+    layer = model.layers[0]
+    with torch.no_grad():
+        model(ids, labels)
+    stale = layer.fp8_weights()["w_gu"]
+    layer.w_gu.data.mul_(3.0)
+    assert layer.fp8_weights()["w_gu"] is stale
+    model.refresh_fp8_weights()
+    with torch.no_grad():
+        model(ids, labels)
+    codes, scales, codes_t, scales_t = layer.fp8_weights()["w_gu"]
+    want = weight_cache(layer.w_gu.detach())
+    same_codes(codes, want[0], "w_gu codes after the refresh")
+    same_codes(codes_t, want[2], "w_guᵀ codes after the refresh")
+    assert torch.equal(scales, want[1]) and torch.equal(scales_t, want[3])
+    assert not torch.equal(scales, stale[1])  # x3 moves every power-of-two scale
+
+
 # ---- argument checks and registration ---------------------------------------------------------
 def small_case():
     p, _, pos, heads = chain_inputs("M19", True, seed=1)
