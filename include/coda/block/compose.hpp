@@ -198,24 +198,38 @@ struct InputGrads {  // gradients of a norm consumer: its input, the norm weight
   T<B> dq_gamma{}, dk_gamma{};  // norm_qkv_qk_norm_backward
 };
 
-// B3 → B1 (+ dW_qkv, and db_qkv = Σ_tokens of B3's output when there is a bias): the backward
-// of norm_qkv. dx excludes the residual stream's own gradient.
+template <class B>
+struct RopeGrad {  // B3's outputs: the pre-RoPE gradient, its ZdZ, the bias gradient (if any)
+  T<B> dpre{}, zdz{}, dbias{};
+};
+
+// B3, and db_qkv = Σ_tokens of its output when there is a bias: the first half of norm_qkv's
+// backward in either precision.
+template <class B>
+RopeGrad<B> qkv_rope_backward(B& b, const T<B>& dqkv, const T<B>& qkv, const T<B>& b_qkv,
+                              int64_t hidden, const auto& pos, const auto& rope_table) {
+  const int64_t m = b.rows(qkv), width = b.cols(qkv);
+  RopeGrad<B> o{b.act(m, width), b.stat(m), {}};
+  b.rope_backward(qkv, dqkv, b_qkv, pos, rope_table, hidden, o.dpre, o.zdz);
+  if (b.present(b_qkv)) {
+    T<B> sum = b.stat(width);
+    b.column_sum(o.dpre, sum);
+    o.dbias = b.param_like(sum, b_qkv);
+  }
+  return o;
+}
+
+// B3 → B1 (+ dW_qkv, and db_qkv): the backward of norm_qkv. dx excludes the residual stream's
+// own gradient.
 template <class B>
 InputGrads<B> norm_qkv_backward(B& b, const T<B>& dqkv, const T<B>& qkv, const T<B>& x,
                                 const T<B>& gamma, const T<B>& w_qkv, const T<B>& b_qkv,
                                 const T<B>& r, const auto& pos, const auto& rope_table) {
-  const int64_t m = b.rows(x), hidden = b.cols(x), width = b.cols(qkv);
-  T<B> dpre = b.act(m, width), zdz = b.stat(m);
-  b.rope_backward(qkv, dqkv, b_qkv, pos, rope_table, hidden, dpre, zdz);
-  T<B> dbias;
-  if (b.present(b_qkv)) {
-    T<B> sum = b.stat(width);
-    b.column_sum(dpre, sum);
-    dbias = b.param_like(sum, b_qkv);
-  }
+  const int64_t m = b.rows(x), hidden = b.cols(x);
+  const RopeGrad<B> d = qkv_rope_backward(b, dqkv, qkv, b_qkv, hidden, pos, rope_table);
   T<B> dx = b.zeros_act(m, hidden);  // B1 accumulates into it
-  NormGrad<B> g = rmsnorm_backward(b, dpre, w_qkv, x, r, gamma, zdz, dx, dx);
-  return {dx, b.param_like(g.dgamma, gamma), weight_grad(b, dpre, g.h_out), {}, dbias};
+  NormGrad<B> g = rmsnorm_backward(b, d.dpre, w_qkv, x, r, gamma, d.zdz, dx, dx);
+  return {dx, b.param_like(g.dgamma, gamma), weight_grad(b, d.dpre, g.h_out), {}, d.dbias};
 }
 
 // B3 with QK-norm → B1 (+ dW_qkv, dγ_q, dγ_k): the backward of norm_qkv_qk_norm. dx excludes the

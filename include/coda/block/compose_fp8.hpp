@@ -148,18 +148,11 @@ template <class B>
 InputGrads<B> fp8_norm_qkv_backward(B& b, const T<B>& dqkv, const T<B>& qkv, const T<B>& x,
                                     const T<B>& gamma, const Fp8<B>& w_qkv, const T<B>& b_qkv,
                                     const T<B>& r, const auto& pos, const auto& rope_table) {
-  const int64_t m = b.rows(x), hidden = b.cols(x), width = b.cols(qkv);
-  T<B> dpre = b.act(m, width), zdz = b.stat(m);
-  b.rope_backward(qkv, dqkv, b_qkv, pos, rope_table, hidden, dpre, zdz);
-  T<B> dbias;
-  if (b.present(b_qkv)) {
-    T<B> sum = b.stat(width);
-    b.column_sum(dpre, sum);
-    dbias = b.param_like(sum, b_qkv);
-  }
-  const Fp8<B> dp = b.fp8_cast(dpre, true, true);
-  InputGrads<B> g = fp8_rmsnorm_backward(b, dp, w_qkv, x, r, gamma, zdz, b.zeros_act(m, hidden));
-  g.dbias = dbias;
+  const int64_t m = b.rows(x), hidden = b.cols(x);
+  const RopeGrad<B> d = qkv_rope_backward(b, dqkv, qkv, b_qkv, hidden, pos, rope_table);
+  const Fp8<B> dp = b.fp8_cast(d.dpre, true, true);
+  InputGrads<B> g = fp8_rmsnorm_backward(b, dp, w_qkv, x, r, gamma, d.zdz, b.zeros_act(m, hidden));
+  g.dbias = d.dbias;
   return g;
 }
 
