@@ -9,199 +9,52 @@
 #include "coda/kernel/args.hpp"
 #include "coda/kernel/aux_kernels.hpp"
 #include "coda/kernel/cuda_check.hpp"
-#include "coda/kernel/quantize.hpp"
 #include "coda/kernel/runtime.hpp"
+#include "ops_internal.hpp"
 
 namespace coda::ops {
-namespace {
+using namespace detail;
 
-using kernel::bf16;
-using kernel::GemmShape;
-using kernel::Operands;
-using kernel::Program;
+namespace detail {
 
-struct GemmSizes {
-  int64_t m, n, k;
-};
-
-// The checks of one op call. Each argument is checked on the host as it is named; on_device()
-// then compares every view's device with the current one (a cudaGetDevice, no pointer query).
-class Args {
- public:
-  explicit Args(const char* op) : op_(op) {}
-
-  // A row-major matrix: non-null, `dtype`, (rows, cols), row stride >= cols, start and row stride
-  // 16-byte aligned (TMA rows; the row kernels' vector accesses).
-  const TensorView& matrix(const char* name, const TensorView& t, DType dtype, int64_t rows,
-                           int64_t cols) {
-    common(name, t, dtype);
-    CODA_CHECK(t.dims == 2, op_, ": ", name, " must be a matrix, got a vector of ", t.rows);
-    CODA_CHECK(t.rows == rows && t.cols == cols, op_, ": ", name, " must have shape (", rows, ", ",
-               cols, "), got (", t.rows, ", ", t.cols, ")");
-    CODA_CHECK(t.ld >= t.cols && (t.ld * dtype_bytes(dtype)) % 16 == 0, op_, ": ", name,
-               " needs a row stride >= ", t.cols, " of a multiple of 16 bytes, got ", t.ld,
-               " elements");
-    return t;
-  }
-  // A vector of n elements (start 16-byte aligned: per-column vectors load 16 bytes at a time).
-  const TensorView& vector(const char* name, const TensorView& t, DType dtype, int64_t n) {
-    common(name, t, dtype);
-    CODA_CHECK(t.dims == 1, op_, ": ", name, " must be a vector of ", n, " elements, got (", t.rows,
-               ", ", t.cols, ")");
-    CODA_CHECK(t.rows == n, op_, ": ", name, " must have ", n, " elements, got ", t.rows);
-    return t;
-  }
-  // A partial buffer: an fp32 matrix of exactly `layout`'s (tiles, extent).
-  // The programs write it densely: its row stride is its extent.
-  const TensorView& partials(const char* name, const TensorView& t, const PartialLayout& layout) {
-    matrix(name, t, DType::kF32, layout.tiles, layout.extent);
-    CODA_CHECK(t.ld == t.cols, op_, ": ", name, " must be contiguous (row stride ", t.cols,
-               "), got a row stride of ", t.ld);
-    return t;
-  }
-  // A fold's input and output: an fp32 vector `out` of the logical entries, and a (tiles,
-  // extent) fp32 partial buffer whose extent covers them.
-  void fold(const char* name, const TensorView& partials, const char* out_name,
-            const TensorView& out) {
-    vector(out_name, out, DType::kF32, out.rows);
-    matrix(name, partials, DType::kF32, partials.rows, partials.cols);
-    CODA_CHECK(partials.cols >= out.rows && partials.rows > 0, op_, ": ", name, " (", partials.rows,
-               ", ", partials.cols, ") must be (tiles, extent) with extent >= ", out_name, "'s ",
-               out.rows, " entries");
-  }
-  // GEMM sizes: positive and below 2^31. The TMA asks 16-byte row strides and starts of the
-  // operands (matrix()), not whole extents: the mainloop zero-fills past M, N and K, so K and M
-  // may be anything. N must be a multiple of 8 unless the program's epilogue takes any N
-  // (`any_n`; D's store then writes zeros up to N rounded up to 8, the contract in ops.hpp).
-  void gemm_sizes(GemmSizes s, bool any_n = false) const {
-    CODA_CHECK(s.m > 0 && s.n > 0 && s.k > 0, op_, ": sizes must be positive, got M=", s.m,
-               " N=", s.n, " K=", s.k);
-    CODA_CHECK(s.m < (int64_t(1) << 31) && s.n < (int64_t(1) << 31) && s.k < (int64_t(1) << 31),
-               op_, ": sizes must be below 2^31, got M=", s.m, " N=", s.n, " K=", s.k);
-    CODA_CHECK(any_n || s.n % 8 == 0, op_,
-               ": N must be a multiple of 8 (the epilogue maps column pairs 16 bytes at a time), "
-               "got ",
-               s.n);
-  }
-  // A GEMM's operands A and B in layout `o`, checked with their sizes; returns (M, N, K).
-  //   X·Wᵀ: A (M, K), B (N, K);  X·W: A (M, K), B (K, N);  Xᵀ·Y: A (K, M), B (K, N).
-  GemmSizes gemm_operands(const char* a_name, const TensorView& a, const char* b_name,
-                          const TensorView& b, kernel::Operands o, bool any_n = false) {
-    const bool xty = o == kernel::Operands::kXtY;
-    const GemmSizes s{xty ? a.cols : a.rows, o == kernel::Operands::kXWt ? b.rows : b.cols,
-                      xty ? a.rows : a.cols};
-    gemm_sizes(s, any_n);
-    matrix(a_name, a, DType::kBF16, xty ? s.k : s.m, xty ? s.m : s.k);
-    matrix(b_name, b, DType::kBF16, o == kernel::Operands::kXWt ? s.n : s.k,
-           o == kernel::Operands::kXWt ? s.k : s.n);
-    return s;
-  }
-  // Block scales: an fp32 (rows, cols) matrix with row stride >= cols; where `tma_rows` (1x128
-  // scales, which the mainloop loads 16 bytes at a time) a multiple of 4 and >= cols rounded up
-  // to 4, entries the quantizer fills with 1.
-  const TensorView& scales(const char* name, const TensorView& t, int64_t rows, int64_t cols,
-                           bool tma_rows) {
-    common(name, t, DType::kF32);
-    CODA_CHECK(t.dims == 2 && t.rows == rows && t.cols == cols, op_, ": ", name,
-               " must be fp32 scales of shape (", rows, ", ", cols, "), got (", t.rows, ", ",
-               t.dims == 2 ? t.cols : 1, ")");
-    const int64_t least = tma_rows ? kernel::ScaleLayout::row_scales_ld(cols) : cols;
-    CODA_CHECK(t.ld >= least && (!tma_rows || t.ld % 4 == 0), op_, ": ", name,
-               " needs a row stride >= ", least, tma_rows ? " and a multiple of 4" : "", ", got ",
-               t.ld);
-    return t;
-  }
-  void distinct(const char* a, const TensorView& ta, const char* b, const TensorView& tb) const {
-    CODA_CHECK(ta.data != tb.data, op_, ": ", a, " must not alias ", b);
-  }
-  // Every view named so far is on the current CUDA device.
-  void on_device() const {
-    int current = -1;
-    const cudaError_t e = cudaGetDevice(&current);
-    CODA_CHECK(e == cudaSuccess, op_, ": no current CUDA device: ", cudaGetErrorString(e));
-    for (int i = 0; i < count_; ++i)
-      CODA_CHECK(devices_[i] == current, op_, ": ", names_[i], " is on CUDA device ", devices_[i],
-                 ", but the current device is ", current);
-  }
-  const char* op() const { return op_; }
-
- private:
-  void common(const char* name, const TensorView& t, DType dtype) {
-    CODA_CHECK(t.data != nullptr, op_, ": ", name, " is null");
-    CODA_CHECK(t.device >= 0, op_, ": ", name, " is host memory (device ", t.device,
-               "); the op runs on a CUDA device");
-    CODA_CHECK(t.dtype == dtype, op_, ": ", name, " must be ", dtype_name(dtype), ", got ",
-               dtype_name(t.dtype));
-    CODA_CHECK(reinterpret_cast<uintptr_t>(t.data) % 16 == 0, op_, ": ", name,
-               " must be 16-byte aligned, got address ", t.data);
-    CODA_CHECK(count_ < kMax, op_, ": too many arguments");
-    names_[count_] = name;
-    devices_[count_++] = t.device;
-  }
-  static constexpr int kMax = 16;
-  const char* op_;
-  const char* names_[kMax] = {};
-  int devices_[kMax] = {};
-  int count_ = 0;
-};
-
-constexpr DType kBf = DType::kBF16, kF = DType::kF32;
-
-// The kernel of one call, chosen once: its tile shape fixes the partial buffers' layout, and the
-// launch runs it.
-kernel::KernelChoice choose(Program p, Operands o, int64_t m, int64_t n, int64_t k) {
-  return kernel::select_kernel(p, o, {int(m), int(n), int(k)});
+void residual_rmsnorm_partial(Args& c, Operands o, kernel::GemmProblem p, View residual, View gamma,
+                              View x, View h, View sumsq_partials, cudaStream_t stream) {
+  const int64_t m = p.m, n = p.n;
+  c.matrix("residual", residual, kBf, m, n);
+  c.vector("gamma", gamma, kBf, n);
+  c.matrix("x", x, kBf, m, n);
+  c.matrix("h", h, kBf, m, n);
+  c.distinct("h", h, "x", x);
+  c.distinct("h", h, "residual", residual);
+  const auto kc = choose_with_partials(c, Program::kResidualRmsnormPartial, o, {m, n, p.k},
+                                       "sumsq_partials", sumsq_partials);
+  c.on_device();
+  p.c = bf(residual);
+  p.ldc = residual.ld;
+  p.d = bf_out(x);
+  p.ldd = x.ld;
+  const kernel::ResidualRmsnormPartialArgs args{bf(gamma), bf_out(h), h.ld,
+                                                f32_out(sumsq_partials)};
+  launch<Program::kResidualRmsnormPartial>(c, o, kc, p, args, stream);
 }
 
-template <Program P>
-void launch(const Args& c, Operands o, const kernel::KernelChoice& k,
-            const kernel::GemmProblem& prob, const kernel::ArgsOf<P>& a, cudaStream_t stream) {
-  const cudaError_t e = kernel::launch<P>(k.config, o, prob, a, k.scheduler, stream);
-  CODA_CHECK(e == cudaSuccess, c.op(), ": launch failed (", kernel::config_name(k.config),
-             ", M=", prob.m, " N=", prob.n, " K=", prob.k, "): ", cudaGetErrorString(e));
-}
-// A program that writes no partials: chosen at its launch.
-template <Program P>
-void launch(const Args& c, Operands o, const kernel::GemmProblem& prob, const kernel::ArgsOf<P>& a,
-            cudaStream_t stream) {
-  launch<P>(c, o, choose(P, o, prob.m, prob.n, prob.k), prob, a, stream);
-}
-
-PartialLayout layout_of(Program p, const kernel::KernelChoice& k, int64_t m, int64_t n) {
-  const auto t = kernel::tile_shape(k.config);
-  return p == Program::kRmsnormBackward || p == Program::kRmsnormBackwardFp8
-             ? PartialLayout::per_column(m, n, t.m, t.n)
-             : PartialLayout::per_row(m, n, t.m, t.n);
-}
-// The programs whose epilogue takes any N: D through the TMA store (16-byte granules, zeros past
-// N) and nodes that mask each column against N (the LM head's, over a vocabulary of any size).
-bool any_n(Program p) {
-  return p == Program::kPlain || p == Program::kRmsnormLse || p == Program::kRmsnormLseLogits ||
-         p == Program::kRmsnormCrossEntropyBackward;
-}
-// layout_of after the GEMM size checks of `op`, for the public *_partials_layout functions.
-PartialLayout checked_layout(const char* op, Program p, Operands o, GemmSizes s) {
-  Args(op).gemm_sizes(s, any_n(p));
-  return layout_of(p, choose(p, o, s.m, s.n, s.k), s.m, s.n);
-}
-// The kernel of a program that writes a partial buffer, chosen once, with the buffer `name`
-// checked against that kernel's layout.
-kernel::KernelChoice choose_with_partials(Args& c, Program p, Operands o, GemmSizes s,
-                                          const char* name, const TensorView& partials) {
-  const kernel::KernelChoice k = choose(p, o, s.m, s.n, s.k);
-  c.partials(name, partials, layout_of(p, k, s.m, s.n));
-  return k;
+void rmsnorm_rope(Args& c, Operands o, kernel::GemmProblem p, View r, View bias, View pos,
+                  View rope_table, View qkv, cudaStream_t stream) {
+  const int64_t m = p.m, n = p.n;
+  c.vector("r", r, kF, m);
+  if (bias.data) c.vector("bias", bias, kBf, n);
+  c.vector("pos", pos, DType::kI32, m);
+  c.matrix("rope_table", rope_table, DType::kI32, 2, n);
+  c.matrix("qkv", qkv, kBf, m, n);
+  c.on_device();
+  p.d = bf_out(qkv);
+  p.ldd = qkv.ld;
+  const kernel::RmsnormRopeArgs args{f32(r), bf(bias), pos.as<const int32_t>(),
+                                     words(rope_table, 0), words(rope_table, 1)};
+  launch<Program::kRmsnormRope>(c, o, p, args, stream);
 }
 
-const bf16* bf(const TensorView& t) { return t.as<const bf16>(); }
-bf16* bf_out(const TensorView& t) { return t.as<bf16>(); }
-const float* f32(const TensorView& t) { return t.as<const float>(); }
-float* f32_out(const TensorView& t) { return t.as<float>(); }
-const uint32_t* words(const TensorView& table, int row) {  // a rope_table row, as uint32
-  return table.as<const uint32_t>() + row * table.ld;
-}
-
-}  // namespace
+}  // namespace detail
 
 namespace {
 // The plain GEMM D (M, N) = op(x) · op(y) in layout `o`.
@@ -236,21 +89,8 @@ void gemm_residual_rmsnorm_partial(View a, View w, View residual, View gamma, Vi
                                    View sumsq_partials, cudaStream_t stream) {
   Args c("coda::ops::gemm_residual_rmsnorm_partial");
   const auto [m, n, k] = c.gemm_operands("a", a, "w", w, Operands::kXWt);
-  c.matrix("residual", residual, kBf, m, n);
-  c.vector("gamma", gamma, kBf, n);
-  c.matrix("x", x, kBf, m, n);
-  c.matrix("h", h, kBf, m, n);
-  c.distinct("h", h, "x", x);
-  c.distinct("h", h, "residual", residual);
-  const auto kc = choose_with_partials(c, Program::kResidualRmsnormPartial, Operands::kXWt,
-                                       {m, n, k}, "sumsq_partials", sumsq_partials);
-  c.on_device();
-  const kernel::ResidualRmsnormPartialArgs args{bf(gamma), bf_out(h), h.ld,
-                                                f32_out(sumsq_partials)};
-  launch<Program::kResidualRmsnormPartial>(c, Operands::kXWt, kc,
-                                           {int(m), int(n), int(k), bf(a), a.ld, bf(w), w.ld,
-                                            bf(residual), residual.ld, bf_out(x), x.ld},
-                                           args, stream);
+  residual_rmsnorm_partial(c, Operands::kXWt, {int(m), int(n), int(k), bf(a), a.ld, bf(w), w.ld},
+                           residual, gamma, x, h, sumsq_partials, stream);
 }
 
 void rmsnorm_fold(View sumsq_partials, int64_t hidden, float eps, View r, cudaStream_t stream) {
@@ -310,18 +150,8 @@ void gemm_rmsnorm_rope(View h, View w_qkv, View r, View bias, View pos, View rop
                        cudaStream_t stream) {
   Args c("coda::ops::gemm_rmsnorm_rope");
   const auto [m, n, k] = c.gemm_operands("h", h, "w_qkv", w_qkv, Operands::kXWt);
-  c.vector("r", r, kF, m);
-  if (bias.data) c.vector("bias", bias, kBf, n);
-  c.vector("pos", pos, DType::kI32, m);
-  c.matrix("rope_table", rope_table, DType::kI32, 2, n);
-  c.matrix("qkv", qkv, kBf, m, n);
-  c.on_device();
-  const kernel::RmsnormRopeArgs args{f32(r), bf(bias), pos.as<const int32_t>(),
-                                     words(rope_table, 0), words(rope_table, 1)};
-  launch<Program::kRmsnormRope>(
-      c, Operands::kXWt,
-      {int(m), int(n), int(k), bf(h), h.ld, bf(w_qkv), w_qkv.ld, nullptr, 0, bf_out(qkv), qkv.ld},
-      args, stream);
+  rmsnorm_rope(c, Operands::kXWt, {int(m), int(n), int(k), bf(h), h.ld, bf(w_qkv), w_qkv.ld}, r,
+               bias, pos, rope_table, qkv, stream);
 }
 
 namespace {
@@ -674,315 +504,6 @@ void gemm_rmsnorm_cross_entropy_backward(View h, View w_vocab, View r, View lse,
       {int(m), int(vocab), int(hidden), bf(h), h.ld, bf(w_vocab), w_vocab.ld, nullptr, 0,
        bf_out(dlogits), dlogits.ld},
       args, stream);
-}
-
-namespace {
-int64_t blocks(int64_t extent) { return kernel::ScaleLayout::blocks(extent); }
-kernel::Fp8Output fp8_output(const TensorView& codes, const TensorView& scales) {
-  return {codes.as<uint8_t>(), codes.ld, scales.as<float>(), scales.ld};
-}
-// An FP8 GEMM operand (rows, k) of e4m3 codes, K a multiple of 16 (16-byte TMA rows).
-void fp8_operand(Args& c, const char* name, const TensorView& t, int64_t rows, int64_t k) {
-  c.matrix(name, t, DType::kE4M3, rows, k);
-}
-// A cast's bf16 input (rows, cols), cols a multiple of 16, and at least one of its outputs.
-struct CastSizes {
-  int64_t rows, cols;
-};
-CastSizes cast_input(Args& c, const char* name, const TensorView& x, const TensorView& codes,
-                     const TensorView& codes_t) {
-  CODA_CHECK(x.dims == 2, c.op(), ": ", name, " must be a matrix");
-  const int64_t rows = x.rows, cols = x.cols;
-  CODA_CHECK(rows > 0 && cols > 0 && cols % 16 == 0 && rows < (int64_t(1) << 31) &&
-                 cols < (int64_t(1) << 31),
-             c.op(), ": ", name, " must be (rows, cols) with cols a multiple of 16, both ",
-             "positive and below 2^31, got (", rows, ", ", cols, ")");
-  c.matrix(name, x, kBf, rows, cols);
-  CODA_CHECK(codes.data || codes_t.data, c.op(), ": neither codes nor codes_t is wanted");
-  return {rows, cols};
-}
-// The outputs of a (rows, cols) tensor quantized in 1x128 blocks, each checked where wanted (null
-// codes: not wanted): codes (rows, cols) with scales (ceil(cols/128), rows), and the transposed
-// copy's codes (cols, padded_tokens(rows)) with scales (ceil(rows/128), cols). The
-// quantize_fp8_rows cast and F1 with FP8 h write these.
-struct RowOutputs {
-  kernel::Fp8Output rows, cols;
-};
-RowOutputs row_outputs(Args& c, const char* codes_name, const TensorView& codes,
-                       const char* scales_name, const TensorView& scales, const char* t_name,
-                       const TensorView& codes_t, const char* ts_name, const TensorView& scales_t,
-                       int64_t rows, int64_t cols) {
-  RowOutputs o;
-  if (codes.data) {
-    c.matrix(codes_name, codes, DType::kE4M3, rows, cols);
-    c.scales(scales_name, scales, blocks(cols), rows, true);
-    o.rows = fp8_output(codes, scales);
-  }
-  if (codes_t.data) {
-    c.matrix(t_name, codes_t, DType::kE4M3, cols, kernel::ScaleLayout::padded_tokens(rows));
-    c.scales(ts_name, scales_t, blocks(rows), cols, true);
-    o.cols = fp8_output(codes_t, scales_t);
-  }
-  return o;
-}
-}  // namespace
-
-void quantize_fp8_rows(View x, View codes, View scales, View codes_t, View scales_t,
-                       cudaStream_t stream) {
-  Args c("coda::ops::quantize_fp8_rows");
-  const auto [m, k] = cast_input(c, "x", x, codes, codes_t);
-  const RowOutputs out = row_outputs(c, "codes", codes, "scales", scales, "codes_t", codes_t,
-                                     "scales_t", scales_t, m, k);
-  c.on_device();
-  kernel::quantize_fp8_rows(bf(x), m, k, x.ld, out.rows, out.cols, stream);
-}
-
-void quantize_fp8_blocks(View w, View codes, View scales, View codes_t, View scales_t,
-                         cudaStream_t stream) {
-  Args c("coda::ops::quantize_fp8_blocks");
-  const auto [n, k] = cast_input(c, "w", w, codes, codes_t);
-  if (codes.data) {
-    c.matrix("codes", codes, DType::kE4M3, n, k);
-    c.scales("scales", scales, blocks(n), blocks(k), false);
-  }
-  if (codes_t.data) {
-    CODA_CHECK(n % 16 == 0, c.op(), ": codes_t needs N a multiple of 16 (its rows), got ", n);
-    c.matrix("codes_t", codes_t, DType::kE4M3, k, n);
-    c.scales("scales_t", scales_t, blocks(k), blocks(n), false);
-  }
-  c.on_device();
-  kernel::quantize_fp8_blocks(
-      bf(w), n, k, w.ld, codes.data ? fp8_output(codes, scales) : kernel::Fp8Output{},
-      codes_t.data ? fp8_output(codes_t, scales_t) : kernel::Fp8Output{}, stream);
-}
-
-namespace {
-// An FP8 GEMM's operands, checked: a (M, K) in 1x128 blocks and b (N, K) in 128x128 blocks
-// (`b_blocks`) or 1x128 blocks, K a multiple of 16; the problem without C and D.
-struct Fp8Operand {
-  const char* name;
-  View codes;
-  const char* scales_name;
-  View scales;
-};
-kernel::GemmProblem fp8_problem(Args& c, const Fp8Operand& a, const Fp8Operand& b, bool b_blocks) {
-  const View x = a.codes, x_scales = a.scales, w = b.codes, w_scales = b.scales;
-  const GemmSizes s{x.rows, w.rows, x.cols};
-  CODA_CHECK(x.dims == 2 && w.dims == 2, c.op(), ": ", a.name, " and ", b.name,
-             " must be matrices");
-  c.gemm_sizes(s);
-  CODA_CHECK(s.k % 16 == 0, c.op(), ": K must be a multiple of 16 (16-byte rows of e4m3), got ",
-             s.k);
-  fp8_operand(c, a.name, x, s.m, s.k);
-  fp8_operand(c, b.name, w, s.n, s.k);
-  c.scales(a.scales_name, x_scales, blocks(s.k), s.m, true);
-  if (b_blocks)
-    c.scales(b.scales_name, w_scales, blocks(s.n), blocks(s.k), false);
-  else
-    c.scales(b.scales_name, w_scales, blocks(s.k), s.n, false);
-  // The mainloop's scale layouts hold 32-bit strides (their batch stride is ld · blocks).
-  const int64_t limit = int64_t(1) << 31;
-  CODA_CHECK(x_scales.ld * blocks(s.k) < limit &&
-                 w_scales.ld * (b_blocks ? blocks(s.n) : blocks(s.k)) < limit,
-             c.op(), ": the scales must span fewer than 2^31 entries, got row strides ",
-             x_scales.ld, " and ", w_scales.ld);
-  kernel::GemmProblem p{int(s.m), int(s.n), int(s.k), x.data, x.ld, w.data, w.ld};
-  p.scale_a = f32(x_scales);
-  p.ld_scale_a = x_scales.ld;
-  p.scale_b = f32(w_scales);
-  p.ld_scale_b = w_scales.ld;
-  return p;
-}
-}  // namespace
-
-void gemm_fp8(View x, View x_scales, View w, View w_scales, View d, cudaStream_t stream) {
-  Args c("coda::ops::gemm_fp8");
-  kernel::GemmProblem p =
-      fp8_problem(c, {"x", x, "x_scales", x_scales}, {"w", w, "w_scales", w_scales}, true);
-  c.matrix("d", d, kBf, p.m, p.n);
-  c.on_device();
-  p.d = bf_out(d);
-  p.ldd = d.ld;
-  launch<Program::kPlain>(c, Operands::kFp8XWt, p, {}, stream);
-}
-
-PartialLayout fp8_residual_rmsnorm_partials_layout(int64_t m, int64_t n, int64_t k) {
-  return checked_layout("coda::ops::fp8_residual_rmsnorm_partials_layout",
-                        Program::kResidualRmsnormFp8, Operands::kFp8XWt, {m, n, k});
-}
-
-void gemm_fp8_residual_rmsnorm(View a, View a_scales, View w, View w_scales, View residual,
-                               View gamma, View x, View h, View h_scales, View h_t, View h_t_scales,
-                               View sumsq_partials, cudaStream_t stream) {
-  Args c("coda::ops::gemm_fp8_residual_rmsnorm");
-  kernel::GemmProblem p =
-      fp8_problem(c, {"a", a, "a_scales", a_scales}, {"w", w, "w_scales", w_scales}, true);
-  const int64_t m = p.m, n = p.n;
-  CODA_CHECK(n % 16 == 0, c.op(), ": N (w's rows) must be a multiple of 16 (16-byte rows of h's ",
-             "codes), got ", n);
-  c.matrix("residual", residual, kBf, m, n);
-  c.vector("gamma", gamma, kBf, n);
-  c.matrix("x", x, kBf, m, n);
-  CODA_CHECK(h.data || h_t.data, c.op(), ": neither h nor h_t is wanted");
-  const RowOutputs out =
-      row_outputs(c, "h", h, "h_scales", h_scales, "h_t", h_t, "h_t_scales", h_t_scales, m, n);
-  const auto kc = choose_with_partials(c, Program::kResidualRmsnormFp8, Operands::kFp8XWt,
-                                       {m, n, p.k}, "sumsq_partials", sumsq_partials);
-  c.on_device();
-  p.c = bf(residual);
-  p.ldc = residual.ld;
-  p.d = bf_out(x);
-  p.ldd = x.ld;
-  const kernel::ResidualRmsnormFp8Args args{bf(gamma), out.rows, out.cols, f32_out(sumsq_partials)};
-  launch<Program::kResidualRmsnormFp8>(c, Operands::kFp8XWt, kc, p, args, stream);
-}
-
-PartialLayout fp8_residual_rmsnorm_bf16_partials_layout(int64_t m, int64_t n, int64_t k) {
-  return checked_layout("coda::ops::fp8_residual_rmsnorm_bf16_partials_layout",
-                        Program::kResidualRmsnormPartial, Operands::kFp8XWt, {m, n, k});
-}
-
-void gemm_fp8_residual_rmsnorm_bf16(View a, View a_scales, View w, View w_scales, View residual,
-                                    View gamma, View x, View h, View sumsq_partials,
-                                    cudaStream_t stream) {
-  Args c("coda::ops::gemm_fp8_residual_rmsnorm_bf16");
-  kernel::GemmProblem p =
-      fp8_problem(c, {"a", a, "a_scales", a_scales}, {"w", w, "w_scales", w_scales}, true);
-  const int64_t m = p.m, n = p.n;
-  c.matrix("residual", residual, kBf, m, n);
-  c.vector("gamma", gamma, kBf, n);
-  c.matrix("x", x, kBf, m, n);
-  c.matrix("h", h, kBf, m, n);
-  c.distinct("h", h, "x", x);
-  const auto kc = choose_with_partials(c, Program::kResidualRmsnormPartial, Operands::kFp8XWt,
-                                       {m, n, p.k}, "sumsq_partials", sumsq_partials);
-  c.on_device();
-  p.c = bf(residual);
-  p.ldc = residual.ld;
-  p.d = bf_out(x);
-  p.ldd = x.ld;
-  launch<Program::kResidualRmsnormPartial>(
-      c, Operands::kFp8XWt, kc, p, {bf(gamma), bf_out(h), h.ld, f32_out(sumsq_partials)}, stream);
-}
-
-void gemm_fp8_rmsnorm_swiglu(View h, View h_scales, View w_gu, View w_gu_scales, View r, View z,
-                             View a, View a_scales, View a_t, View a_t_scales,
-                             cudaStream_t stream) {
-  Args c("coda::ops::gemm_fp8_rmsnorm_swiglu");
-  kernel::GemmProblem p = fp8_problem(c, {"h", h, "h_scales", h_scales},
-                                      {"w_gu", w_gu, "w_gu_scales", w_gu_scales}, true);
-  const int64_t m = p.m, two_i = p.n;
-  CODA_CHECK(two_i % 32 == 0, c.op(), ": 2I (w_gu's rows) must be a multiple of 32 (16-byte ",
-             "rows of a's codes), got ", two_i);
-  c.vector("r", r, kF, m);
-  c.matrix("z", z, kBf, m, two_i);
-  CODA_CHECK(a.data || a_t.data, c.op(), ": neither a nor a_t is wanted");
-  const RowOutputs out = row_outputs(c, "a", a, "a_scales", a_scales, "a_t", a_t, "a_t_scales",
-                                     a_t_scales, m, two_i / 2);
-  c.on_device();
-  p.d = bf_out(z);
-  p.ldd = z.ld;
-  launch<Program::kRmsnormSwigluFp8>(c, Operands::kFp8XWt, p, {f32(r), out.rows, out.cols}, stream);
-}
-
-void gemm_fp8_rmsnorm_rope(View h, View h_scales, View w_qkv, View w_qkv_scales, View r, View bias,
-                           View pos, View rope_table, View qkv, cudaStream_t stream) {
-  Args c("coda::ops::gemm_fp8_rmsnorm_rope");
-  kernel::GemmProblem p = fp8_problem(c, {"h", h, "h_scales", h_scales},
-                                      {"w_qkv", w_qkv, "w_qkv_scales", w_qkv_scales}, true);
-  const int64_t m = p.m, n = p.n;
-  c.vector("r", r, kF, m);
-  if (bias.data) c.vector("bias", bias, kBf, n);
-  c.vector("pos", pos, DType::kI32, m);
-  c.matrix("rope_table", rope_table, DType::kI32, 2, n);
-  c.matrix("qkv", qkv, kBf, m, n);
-  c.on_device();
-  p.d = bf_out(qkv);
-  p.ldd = qkv.ld;
-  const kernel::RmsnormRopeArgs args{f32(r), bf(bias), pos.as<const int32_t>(),
-                                     words(rope_table, 0), words(rope_table, 1)};
-  launch<Program::kRmsnormRope>(c, Operands::kFp8XWt, p, args, stream);
-}
-
-PartialLayout fp8_rmsnorm_backward_partials_layout(int64_t m, int64_t hidden, int64_t n_out) {
-  return checked_layout("coda::ops::fp8_rmsnorm_backward_partials_layout",
-                        Program::kRmsnormBackwardFp8, Operands::kFp8XWt, {m, hidden, n_out});
-}
-
-void gemm_fp8_rmsnorm_backward(View dz, View dz_scales, View w_t, View w_t_scales, View x, View r,
-                               View gamma, View zdz, View dres, View dx, View h_t, View h_t_scales,
-                               View dgamma_partials, cudaStream_t stream) {
-  Args c("coda::ops::gemm_fp8_rmsnorm_backward");
-  kernel::GemmProblem p = fp8_problem(c, {"dz", dz, "dz_scales", dz_scales},
-                                      {"w_t", w_t, "w_t_scales", w_t_scales}, true);
-  const int64_t m = p.m, hidden = p.n;
-  CODA_CHECK(hidden % 16 == 0, c.op(), ": H (w_t's rows) must be a multiple of 16 (16-byte rows ",
-             "of h_t's codes), got ", hidden);
-  c.matrix("x", x, kBf, m, hidden);
-  c.vector("r", r, kF, m);
-  c.vector("gamma", gamma, kBf, hidden);
-  c.vector("zdz", zdz, kF, m);
-  c.matrix("dres", dres, kBf, m, hidden);
-  c.matrix("dx", dx, kBf, m, hidden);
-  CODA_CHECK(h_t.data, c.op(), ": h_t is null (the weight gradient's operand is the point)");
-  const RowOutputs out = row_outputs(c, "h", TensorView{}, "h_scales", TensorView{}, "h_t", h_t,
-                                     "h_t_scales", h_t_scales, m, hidden);
-  const auto kc = choose_with_partials(c, Program::kRmsnormBackwardFp8, Operands::kFp8XWt,
-                                       {m, hidden, p.k}, "dgamma_partials", dgamma_partials);
-  c.on_device();
-  p.c = bf(dres);
-  p.ldc = dres.ld;
-  p.d = bf_out(dx);
-  p.ldd = dx.ld;
-  const kernel::RmsnormBackwardArgs b1{bf(x),    x.ld,    f32(r), bf(gamma),
-                                       f32(zdz), nullptr, 0,      f32_out(dgamma_partials)};
-  launch<Program::kRmsnormBackwardFp8>(c, Operands::kFp8XWt, kc, p, {b1, out.cols}, stream);
-}
-
-PartialLayout fp8_swiglu_backward_partials_layout(int64_t m, int64_t intermediate, int64_t hidden) {
-  return checked_layout("coda::ops::fp8_swiglu_backward_partials_layout",
-                        Program::kSwigluBackwardFp8, Operands::kFp8XWt, {m, intermediate, hidden});
-}
-
-void gemm_fp8_swiglu_backward(View dx_out, View dx_out_scales, View w_down_t, View w_down_t_scales,
-                              View z, View dz, View dz_scales, View dz_t, View dz_t_scales,
-                              View zdz_partials, cudaStream_t stream) {
-  Args c("coda::ops::gemm_fp8_swiglu_backward");
-  kernel::GemmProblem p =
-      fp8_problem(c, {"dx_out", dx_out, "dx_out_scales", dx_out_scales},
-                  {"w_down_t", w_down_t, "w_down_t_scales", w_down_t_scales}, true);
-  const int64_t m = p.m, inter = p.n;
-  c.matrix("z", z, kBf, m, 2 * inter);
-  CODA_CHECK(dz.data || dz_t.data, c.op(), ": neither dz nor dz_t is wanted");
-  const RowOutputs out = row_outputs(c, "dz", dz, "dz_scales", dz_scales, "dz_t", dz_t,
-                                     "dz_t_scales", dz_t_scales, m, 2 * inter);
-  const auto kc = choose_with_partials(c, Program::kSwigluBackwardFp8, Operands::kFp8XWt,
-                                       {m, inter, p.k}, "zdz_partials", zdz_partials);
-  c.on_device();
-  // (g, u) bf16 pairs travel as one 32-bit element each: row strides in pairs.
-  kernel::SwigluBackwardFp8Args args;
-  args.z = z.as<const uint32_t>();
-  args.ldz = z.ld / 2;
-  args.zdz_partials = f32_out(zdz_partials);
-  args.dz = out.rows;
-  args.dz_t = out.cols;
-  launch<Program::kSwigluBackwardFp8>(c, Operands::kFp8XWt, kc, p, args, stream);
-}
-
-void gemm_fp8_xyt(View x, View x_scales, View y, View y_scales, View d, bool accumulate,
-                  cudaStream_t stream) {
-  Args c(accumulate ? "coda::ops::gemm_fp8_xyt (accumulate)" : "coda::ops::gemm_fp8_xyt");
-  kernel::GemmProblem p =
-      fp8_problem(c, {"x", x, "x_scales", x_scales}, {"y", y, "y_scales", y_scales}, false);
-  c.matrix("d", d, accumulate ? kF : kBf, p.m, p.n);
-  c.on_device();
-  if (accumulate) {
-    launch<Program::kAccumulateF32>(c, Operands::kFp8XYt, p, {f32_out(d), d.ld}, stream);
-  } else {
-    p.d = bf_out(d);
-    p.ldd = d.ld;
-    launch<Program::kPlain>(c, Operands::kFp8XYt, p, {}, stream);
-  }
 }
 
 void scale_unless_one(View p, View g, cudaStream_t stream) {

@@ -320,6 +320,27 @@ TEST(OpArguments, Fp8ProgramArgumentsAreChecked) {
                     typed(1792, f, 1, 4), none, none, typed(2048, f, 1, 4), nullptr);
               }),
               AllOf(HasSubstr("dx_out must be float8_e4m3fn"), HasSubstr("got bfloat16")));
+  // F1 with a bf16 h on FP8 operands runs the bf16 program's checks: h may not alias residual.
+  EXPECT_THAT(error_of([&] {
+                gemm_fp8_residual_rmsnorm_bf16(
+                    typed(256, e4, 4, 32), typed(512, f, 1, 4), typed(768, e4, 16, 32),
+                    typed(1024, f, 1, 1), bf16_matrix(1280, 4, 16),
+                    TensorView::vector(reinterpret_cast<void*>(1536), DType::kBF16, 16, 0),
+                    bf16_matrix(1792, 4, 16), bf16_matrix(1280, 4, 16), typed(2048, f, 1, 16),
+                    nullptr);
+              }),
+              AllOf(HasSubstr("coda::ops::gemm_fp8_residual_rmsnorm_bf16"),
+                    HasSubstr("h must not alias residual")));
+  // F3 on FP8 operands: the RoPE table's two rows span the QKV width.
+  EXPECT_THAT(error_of([&] {
+                gemm_fp8_rmsnorm_rope(
+                    typed(256, e4, 4, 32), typed(512, f, 1, 4), typed(768, e4, 16, 32),
+                    typed(1024, f, 1, 1), f32_vector(1280, 4), none,
+                    TensorView::vector(reinterpret_cast<void*>(1536), DType::kI32, 4, 0),
+                    typed(1792, DType::kI32, 2, 8), bf16_matrix(2048, 4, 16), nullptr);
+              }),
+              AllOf(HasSubstr("coda::ops::gemm_fp8_rmsnorm_rope"),
+                    HasSubstr("rope_table must have shape (2, 16), got (2, 8)")));
 }
 
 }  // namespace

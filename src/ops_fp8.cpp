@@ -1,0 +1,301 @@
+// The C++ op API's FP8 part (include/coda/ops.hpp): the casts, the FP8 GEMMs and the programs on
+// FP8 operands, each with its argument checks, kernel choice and launch (src/ops_internal.hpp).
+#include <cuda_runtime.h>
+
+#include "coda/common/check.hpp"
+#include "coda/kernel/args.hpp"
+#include "coda/kernel/quantize.hpp"
+#include "coda/kernel/runtime.hpp"
+#include "coda/ops.hpp"
+#include "ops_internal.hpp"
+
+namespace coda::ops {
+using namespace detail;
+
+namespace {
+int64_t blocks(int64_t extent) { return kernel::ScaleLayout::blocks(extent); }
+kernel::Fp8Output fp8_output(const TensorView& codes, const TensorView& scales) {
+  return {codes.as<uint8_t>(), codes.ld, scales.as<float>(), scales.ld};
+}
+// An FP8 GEMM operand (rows, k) of e4m3 codes, K a multiple of 16 (16-byte TMA rows).
+void fp8_operand(Args& c, const char* name, const TensorView& t, int64_t rows, int64_t k) {
+  c.matrix(name, t, DType::kE4M3, rows, k);
+}
+// A cast's bf16 input (rows, cols), cols a multiple of 16.
+struct CastSizes {
+  int64_t rows, cols;
+};
+CastSizes cast_input(Args& c, const char* name, const TensorView& x) {
+  CODA_CHECK(x.dims == 2, c.op(), ": ", name, " must be a matrix");
+  const int64_t rows = x.rows, cols = x.cols;
+  CODA_CHECK(rows > 0 && cols > 0 && cols % 16 == 0 && rows < (int64_t(1) << 31) &&
+                 cols < (int64_t(1) << 31),
+             c.op(), ": ", name, " must be (rows, cols) with cols a multiple of 16, both ",
+             "positive and below 2^31, got (", rows, ", ", cols, ")");
+  c.matrix(name, x, kBf, rows, cols);
+  return {rows, cols};
+}
+// The transposed 128x1 copy of a (rows, cols) tensor: codes (cols, padded_tokens(rows)) with
+// scales (ceil(rows/128), cols), checked.
+kernel::Fp8Output copy_output(Args& c, const char* name, const TensorView& codes_t,
+                              const char* scales_name, const TensorView& scales_t, int64_t rows,
+                              int64_t cols) {
+  c.matrix(name, codes_t, DType::kE4M3, cols, kernel::ScaleLayout::padded_tokens(rows));
+  c.scales(scales_name, scales_t, blocks(rows), cols, true);
+  return fp8_output(codes_t, scales_t);
+}
+// The outputs of a (rows, cols) tensor quantized in 1x128 blocks, each checked where wanted (null
+// codes: not wanted), at least one wanted: codes (rows, cols) with scales (ceil(cols/128), rows),
+// and the transposed copy (copy_output). The quantize_fp8_rows cast and the programs whose
+// epilogue quantizes their output write these.
+struct RowOutputs {
+  kernel::Fp8Output rows, cols;
+};
+RowOutputs row_outputs(Args& c, const char* codes_name, const TensorView& codes,
+                       const char* scales_name, const TensorView& scales, const char* t_name,
+                       const TensorView& codes_t, const char* ts_name, const TensorView& scales_t,
+                       int64_t rows, int64_t cols) {
+  CODA_CHECK(codes.data || codes_t.data, c.op(), ": neither ", codes_name, " nor ", t_name,
+             " is wanted");
+  RowOutputs o;
+  if (codes.data) {
+    c.matrix(codes_name, codes, DType::kE4M3, rows, cols);
+    c.scales(scales_name, scales, blocks(cols), rows, true);
+    o.rows = fp8_output(codes, scales);
+  }
+  if (codes_t.data) o.cols = copy_output(c, t_name, codes_t, ts_name, scales_t, rows, cols);
+  return o;
+}
+}  // namespace
+
+void quantize_fp8_rows(View x, View codes, View scales, View codes_t, View scales_t,
+                       cudaStream_t stream) {
+  Args c("coda::ops::quantize_fp8_rows");
+  const auto [m, k] = cast_input(c, "x", x);
+  const RowOutputs out = row_outputs(c, "codes", codes, "scales", scales, "codes_t", codes_t,
+                                     "scales_t", scales_t, m, k);
+  c.on_device();
+  kernel::quantize_fp8_rows(bf(x), m, k, x.ld, out.rows, out.cols, stream);
+}
+
+void quantize_fp8_blocks(View w, View codes, View scales, View codes_t, View scales_t,
+                         cudaStream_t stream) {
+  Args c("coda::ops::quantize_fp8_blocks");
+  const auto [n, k] = cast_input(c, "w", w);
+  CODA_CHECK(codes.data || codes_t.data, c.op(), ": neither codes nor codes_t is wanted");
+  if (codes.data) {
+    c.matrix("codes", codes, DType::kE4M3, n, k);
+    c.scales("scales", scales, blocks(n), blocks(k), false);
+  }
+  if (codes_t.data) {
+    CODA_CHECK(n % 16 == 0, c.op(), ": codes_t needs N a multiple of 16 (its rows), got ", n);
+    c.matrix("codes_t", codes_t, DType::kE4M3, k, n);
+    c.scales("scales_t", scales_t, blocks(k), blocks(n), false);
+  }
+  c.on_device();
+  kernel::quantize_fp8_blocks(
+      bf(w), n, k, w.ld, codes.data ? fp8_output(codes, scales) : kernel::Fp8Output{},
+      codes_t.data ? fp8_output(codes_t, scales_t) : kernel::Fp8Output{}, stream);
+}
+
+namespace {
+// An FP8 GEMM's operands, checked: a (M, K) in 1x128 blocks and b (N, K) in 128x128 blocks
+// (`b_blocks`) or 1x128 blocks, K a multiple of 16; the problem without C and D.
+struct Fp8Operand {
+  const char* name;
+  View codes;
+  const char* scales_name;
+  View scales;
+};
+kernel::GemmProblem fp8_problem(Args& c, const Fp8Operand& a, const Fp8Operand& b, bool b_blocks) {
+  const View x = a.codes, x_scales = a.scales, w = b.codes, w_scales = b.scales;
+  const GemmSizes s{x.rows, w.rows, x.cols};
+  CODA_CHECK(x.dims == 2 && w.dims == 2, c.op(), ": ", a.name, " and ", b.name,
+             " must be matrices");
+  c.gemm_sizes(s);
+  CODA_CHECK(s.k % 16 == 0, c.op(), ": K must be a multiple of 16 (16-byte rows of e4m3), got ",
+             s.k);
+  fp8_operand(c, a.name, x, s.m, s.k);
+  fp8_operand(c, b.name, w, s.n, s.k);
+  c.scales(a.scales_name, x_scales, blocks(s.k), s.m, true);
+  if (b_blocks)
+    c.scales(b.scales_name, w_scales, blocks(s.n), blocks(s.k), false);
+  else
+    c.scales(b.scales_name, w_scales, blocks(s.k), s.n, false);
+  // The mainloop's scale layouts hold 32-bit strides (their batch stride is ld · blocks).
+  const int64_t limit = int64_t(1) << 31;
+  CODA_CHECK(x_scales.ld * blocks(s.k) < limit &&
+                 w_scales.ld * (b_blocks ? blocks(s.n) : blocks(s.k)) < limit,
+             c.op(), ": the scales must span fewer than 2^31 entries, got row strides ",
+             x_scales.ld, " and ", w_scales.ld);
+  kernel::GemmProblem p{int(s.m), int(s.n), int(s.k), x.data, x.ld, w.data, w.ld};
+  p.scale_a = f32(x_scales);
+  p.ld_scale_a = x_scales.ld;
+  p.scale_b = f32(w_scales);
+  p.ld_scale_b = w_scales.ld;
+  return p;
+}
+}  // namespace
+
+void gemm_fp8(View x, View x_scales, View w, View w_scales, View d, cudaStream_t stream) {
+  Args c("coda::ops::gemm_fp8");
+  kernel::GemmProblem p =
+      fp8_problem(c, {"x", x, "x_scales", x_scales}, {"w", w, "w_scales", w_scales}, true);
+  c.matrix("d", d, kBf, p.m, p.n);
+  c.on_device();
+  p.d = bf_out(d);
+  p.ldd = d.ld;
+  launch<Program::kPlain>(c, Operands::kFp8XWt, p, {}, stream);
+}
+
+PartialLayout fp8_residual_rmsnorm_partials_layout(int64_t m, int64_t n, int64_t k) {
+  return checked_layout("coda::ops::fp8_residual_rmsnorm_partials_layout",
+                        Program::kResidualRmsnormFp8, Operands::kFp8XWt, {m, n, k});
+}
+
+void gemm_fp8_residual_rmsnorm(View a, View a_scales, View w, View w_scales, View residual,
+                               View gamma, View x, View h, View h_scales, View h_t, View h_t_scales,
+                               View sumsq_partials, cudaStream_t stream) {
+  Args c("coda::ops::gemm_fp8_residual_rmsnorm");
+  kernel::GemmProblem p =
+      fp8_problem(c, {"a", a, "a_scales", a_scales}, {"w", w, "w_scales", w_scales}, true);
+  const int64_t m = p.m, n = p.n;
+  CODA_CHECK(n % 16 == 0, c.op(), ": N (w's rows) must be a multiple of 16 (16-byte rows of h's ",
+             "codes), got ", n);
+  c.matrix("residual", residual, kBf, m, n);
+  c.vector("gamma", gamma, kBf, n);
+  c.matrix("x", x, kBf, m, n);
+  const RowOutputs out =
+      row_outputs(c, "h", h, "h_scales", h_scales, "h_t", h_t, "h_t_scales", h_t_scales, m, n);
+  const auto kc = choose_with_partials(c, Program::kResidualRmsnormFp8, Operands::kFp8XWt,
+                                       {m, n, p.k}, "sumsq_partials", sumsq_partials);
+  c.on_device();
+  p.c = bf(residual);
+  p.ldc = residual.ld;
+  p.d = bf_out(x);
+  p.ldd = x.ld;
+  const kernel::ResidualRmsnormFp8Args args{bf(gamma), out.rows, out.cols, f32_out(sumsq_partials)};
+  launch<Program::kResidualRmsnormFp8>(c, Operands::kFp8XWt, kc, p, args, stream);
+}
+
+PartialLayout fp8_residual_rmsnorm_bf16_partials_layout(int64_t m, int64_t n, int64_t k) {
+  return checked_layout("coda::ops::fp8_residual_rmsnorm_bf16_partials_layout",
+                        Program::kResidualRmsnormPartial, Operands::kFp8XWt, {m, n, k});
+}
+
+void gemm_fp8_residual_rmsnorm_bf16(View a, View a_scales, View w, View w_scales, View residual,
+                                    View gamma, View x, View h, View sumsq_partials,
+                                    cudaStream_t stream) {
+  Args c("coda::ops::gemm_fp8_residual_rmsnorm_bf16");
+  const kernel::GemmProblem p =
+      fp8_problem(c, {"a", a, "a_scales", a_scales}, {"w", w, "w_scales", w_scales}, true);
+  residual_rmsnorm_partial(c, Operands::kFp8XWt, p, residual, gamma, x, h, sumsq_partials, stream);
+}
+
+void gemm_fp8_rmsnorm_swiglu(View h, View h_scales, View w_gu, View w_gu_scales, View r, View z,
+                             View a, View a_scales, View a_t, View a_t_scales,
+                             cudaStream_t stream) {
+  Args c("coda::ops::gemm_fp8_rmsnorm_swiglu");
+  kernel::GemmProblem p = fp8_problem(c, {"h", h, "h_scales", h_scales},
+                                      {"w_gu", w_gu, "w_gu_scales", w_gu_scales}, true);
+  const int64_t m = p.m, two_i = p.n;
+  CODA_CHECK(two_i % 32 == 0, c.op(), ": 2I (w_gu's rows) must be a multiple of 32 (16-byte ",
+             "rows of a's codes), got ", two_i);
+  c.vector("r", r, kF, m);
+  c.matrix("z", z, kBf, m, two_i);
+  const RowOutputs out = row_outputs(c, "a", a, "a_scales", a_scales, "a_t", a_t, "a_t_scales",
+                                     a_t_scales, m, two_i / 2);
+  c.on_device();
+  p.d = bf_out(z);
+  p.ldd = z.ld;
+  launch<Program::kRmsnormSwigluFp8>(c, Operands::kFp8XWt, p, {f32(r), out.rows, out.cols}, stream);
+}
+
+void gemm_fp8_rmsnorm_rope(View h, View h_scales, View w_qkv, View w_qkv_scales, View r, View bias,
+                           View pos, View rope_table, View qkv, cudaStream_t stream) {
+  Args c("coda::ops::gemm_fp8_rmsnorm_rope");
+  const kernel::GemmProblem p = fp8_problem(c, {"h", h, "h_scales", h_scales},
+                                            {"w_qkv", w_qkv, "w_qkv_scales", w_qkv_scales}, true);
+  rmsnorm_rope(c, Operands::kFp8XWt, p, r, bias, pos, rope_table, qkv, stream);
+}
+
+PartialLayout fp8_rmsnorm_backward_partials_layout(int64_t m, int64_t hidden, int64_t n_out) {
+  return checked_layout("coda::ops::fp8_rmsnorm_backward_partials_layout",
+                        Program::kRmsnormBackwardFp8, Operands::kFp8XWt, {m, hidden, n_out});
+}
+
+void gemm_fp8_rmsnorm_backward(View dz, View dz_scales, View w_t, View w_t_scales, View x, View r,
+                               View gamma, View zdz, View dres, View dx, View h_t, View h_t_scales,
+                               View dgamma_partials, cudaStream_t stream) {
+  Args c("coda::ops::gemm_fp8_rmsnorm_backward");
+  kernel::GemmProblem p = fp8_problem(c, {"dz", dz, "dz_scales", dz_scales},
+                                      {"w_t", w_t, "w_t_scales", w_t_scales}, true);
+  const int64_t m = p.m, hidden = p.n;
+  CODA_CHECK(hidden % 16 == 0, c.op(), ": H (w_t's rows) must be a multiple of 16 (16-byte rows ",
+             "of h_t's codes), got ", hidden);
+  c.matrix("x", x, kBf, m, hidden);
+  c.vector("r", r, kF, m);
+  c.vector("gamma", gamma, kBf, hidden);
+  c.vector("zdz", zdz, kF, m);
+  c.matrix("dres", dres, kBf, m, hidden);
+  c.matrix("dx", dx, kBf, m, hidden);
+  CODA_CHECK(h_t.data, c.op(), ": h_t is null (the weight gradient's operand is the point)");
+  const kernel::Fp8Output h_out = copy_output(c, "h_t", h_t, "h_t_scales", h_t_scales, m, hidden);
+  const auto kc = choose_with_partials(c, Program::kRmsnormBackwardFp8, Operands::kFp8XWt,
+                                       {m, hidden, p.k}, "dgamma_partials", dgamma_partials);
+  c.on_device();
+  p.c = bf(dres);
+  p.ldc = dres.ld;
+  p.d = bf_out(dx);
+  p.ldd = dx.ld;
+  const kernel::RmsnormBackwardArgs b1{bf(x),    x.ld,    f32(r), bf(gamma),
+                                       f32(zdz), nullptr, 0,      f32_out(dgamma_partials)};
+  launch<Program::kRmsnormBackwardFp8>(c, Operands::kFp8XWt, kc, p, {b1, h_out}, stream);
+}
+
+PartialLayout fp8_swiglu_backward_partials_layout(int64_t m, int64_t intermediate, int64_t hidden) {
+  return checked_layout("coda::ops::fp8_swiglu_backward_partials_layout",
+                        Program::kSwigluBackwardFp8, Operands::kFp8XWt, {m, intermediate, hidden});
+}
+
+void gemm_fp8_swiglu_backward(View dx_out, View dx_out_scales, View w_down_t, View w_down_t_scales,
+                              View z, View dz, View dz_scales, View dz_t, View dz_t_scales,
+                              View zdz_partials, cudaStream_t stream) {
+  Args c("coda::ops::gemm_fp8_swiglu_backward");
+  kernel::GemmProblem p =
+      fp8_problem(c, {"dx_out", dx_out, "dx_out_scales", dx_out_scales},
+                  {"w_down_t", w_down_t, "w_down_t_scales", w_down_t_scales}, true);
+  const int64_t m = p.m, inter = p.n;
+  c.matrix("z", z, kBf, m, 2 * inter);
+  const RowOutputs out = row_outputs(c, "dz", dz, "dz_scales", dz_scales, "dz_t", dz_t,
+                                     "dz_t_scales", dz_t_scales, m, 2 * inter);
+  const auto kc = choose_with_partials(c, Program::kSwigluBackwardFp8, Operands::kFp8XWt,
+                                       {m, inter, p.k}, "zdz_partials", zdz_partials);
+  c.on_device();
+  // (g, u) bf16 pairs travel as one 32-bit element each: row strides in pairs.
+  kernel::SwigluBackwardFp8Args args;
+  args.z = z.as<const uint32_t>();
+  args.ldz = z.ld / 2;
+  args.zdz_partials = f32_out(zdz_partials);
+  args.dz = out.rows;
+  args.dz_t = out.cols;
+  launch<Program::kSwigluBackwardFp8>(c, Operands::kFp8XWt, kc, p, args, stream);
+}
+
+void gemm_fp8_xyt(View x, View x_scales, View y, View y_scales, View d, bool accumulate,
+                  cudaStream_t stream) {
+  Args c(accumulate ? "coda::ops::gemm_fp8_xyt (accumulate)" : "coda::ops::gemm_fp8_xyt");
+  kernel::GemmProblem p =
+      fp8_problem(c, {"x", x, "x_scales", x_scales}, {"y", y, "y_scales", y_scales}, false);
+  c.matrix("d", d, accumulate ? kF : kBf, p.m, p.n);
+  c.on_device();
+  if (accumulate) {
+    launch<Program::kAccumulateF32>(c, Operands::kFp8XYt, p, {f32_out(d), d.ld}, stream);
+  } else {
+    p.d = bf_out(d);
+    p.ldd = d.ld;
+    launch<Program::kPlain>(c, Operands::kFp8XYt, p, {}, stream);
+  }
+}
+
+}  // namespace coda::ops
