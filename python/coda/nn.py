@@ -218,12 +218,13 @@ class CodaDecoderLayer(nn.Module):
         self.gamma_ffn = nn.Parameter(torch.empty(c.hidden_size, **kw))
         self.w_gu = nn.Parameter(torch.empty(2 * c.intermediate_size, c.hidden_size, **kw))
         self.w_down = nn.Parameter(torch.empty(c.hidden_size, c.intermediate_size, **kw))
+        self._fp8_cache = Fp8WeightCache()  # a plain object: not module state
         self.reset_parameters()
 
     def fp8_weights(self) -> dict[str, tuple[Tensor, ...]]:
         """The projection weights' FP8 operands (Fp8WeightCache), by parameter name."""
-        cache = self.__dict__.setdefault("_fp8_cache", Fp8WeightCache())
-        return {n: cache.get(n, getattr(self, n)) for n in ("w_qkv", "w_o", "w_gu", "w_down")}
+        return {n: self._fp8_cache.get(n, getattr(self, n))
+                for n in ("w_qkv", "w_o", "w_gu", "w_down")}
 
     def reset_parameters(self, std: float = 0.02) -> None:
         with torch.no_grad():
@@ -398,9 +399,7 @@ class CodaLlamaForCausalLM(nn.Module):
         anew. Needed only after writes that do not move a parameter's version counter (through
         ``.data``, or ``load_state_dict`` into ``.data``); optimizer steps are seen on their own."""
         for layer in self.layers:
-            cache = layer.__dict__.get("_fp8_cache")
-            if cache is not None:
-                cache.clear()
+            layer._fp8_cache.clear()
 
     def extra_repr(self) -> str:
         return f"{self.config!r}, precision={self.precision!r}"

@@ -202,6 +202,9 @@ class TensorParallelLlama(nn.Module):
         c = model.config
         if lm_head not in ("vocab", "sequence"):
             raise ValueError(f"coda.parallel: lm_head must be 'vocab' or 'sequence', got {lm_head!r}")
+        if model.precision != "bf16":
+            raise NotImplementedError(f"coda.parallel: tensor parallelism runs the bf16 ops; got a "
+                                      f"model with precision={model.precision!r}")
         if c.qkv_bias or c.qk_norm:
             raise NotImplementedError("coda.parallel: tensor parallelism of a model with a Q/K/V "
                                       "bias (config.qkv_bias) or QK-norm (config.qk_norm) is "

@@ -185,3 +185,13 @@ def check_model_errors(got: dict, tie: bool) -> None:
         assert len(errs) == 6 * CFG["num_layers"] + 3 + (0 if tie else 1)
         bad = {k: v for k, v in errs.items() if not v <= 1e-12}
         assert not bad, f"rank {rank}: relative errors above 1e-12: {bad}"
+
+
+def test_tensor_parallel_refuses_an_fp8_model():
+    """The TP shards run the bf16 ops: an FP8 model is refused by name, not run in bf16."""
+    from coda.nn import CodaLlamaForCausalLM, LlamaConfig
+    from coda.parallel import TensorParallelLlama
+
+    model = CodaLlamaForCausalLM(LlamaConfig(**CFG), dtype=torch.float64, precision="fp8")
+    with pytest.raises(NotImplementedError, match="precision='fp8'"):
+        TensorParallelLlama(model)
