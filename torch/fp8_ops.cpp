@@ -1,5 +1,5 @@
 // The blockwise FP8 ops (docs/torch-ops.md, "FP8"): the cast passes, the FP8 GEMMs and the FP8
-// programs (F1, F2, B1, B2 with their output quantized in the epilogue). On CUDA
+// programs whose epilogue quantizes an output (F1's h, F2's a, B1's h_out copy, B2's dz). On CUDA
 // they run the Hopper kernels through include/coda/ops.hpp; on the CPU the reference recipe
 // (reference/fp8.hpp), which emulates e4m3 exactly and writes the same layouts, so CPU and CUDA
 // results compare code for code. Codes are torch.float8_e4m3fn tensors; scales fp32 as in

@@ -1,6 +1,6 @@
 #pragma once
 // The FP8 programs of torch/fp8_ops.cpp as functions, for the backends the FP8 block
-// compositions run on (torch/fp8_backend.hpp). Each runs on its tensors' device: the host oracle
+// compositions run on (torch/backends.hpp). Each runs on its tensors' device: the host oracle
 // in fp64 on the CPU, rounded to the activation dtype and cast by the recipe; the Hopper kernels
 // on CUDA. Quantized outputs come as (codes, scales, codes_t, scales_t) in the layouts of
 // fp8_quantize_rows (docs/torch-ops.md), the ones not asked for empty.

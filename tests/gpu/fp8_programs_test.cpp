@@ -2,9 +2,8 @@
 // F1's h is in fp8_gemm_test.cu) against the host recipe, on fresh random inputs over ragged shapes
 // (M = 1, 130, 300, 4097; N not a multiple of 128; a unit of F2's tile pairs half past N):
 //   - the bf16 outputs (z, dx, and a, h_out and dz as the staged bf16 copy the kernel can write)
-//   and the
-//     partials against the program's functors on the GEMM of the dequantized operands in fp64
-//     (reference/fp8_programs.hpp), by the FP8 GEMM tolerance of fp8_check.hpp;
+//     and the partials against the program's functors on the GEMM of the dequantized operands in
+//     fp64 (reference/fp8_programs.hpp), by the FP8 GEMM tolerance of fp8_check.hpp;
 //   - the codes and scales, rows and the transposed copy, byte for byte against the host recipe's
 //     quantization of the kernel's own bf16 values (what the cast kernel writes for them, which
 //     fp8_gemm_test.cu checks byte for byte against the same recipe).
@@ -17,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "coda/ops.hpp"
 #include "coda/programs/rope.hpp"
 #include "support/fp8_check.hpp"
 #include "support/gpu_check.hpp"
@@ -67,12 +67,6 @@ struct QuantizedOut {
   }
 };
 
-std::vector<double> uniform_bf16(size_t n, double lo, double hi, testing::Rng& rng) {
-  std::vector<double> v(n);
-  for (double& e : v) e = round_bf16(rng.uniform(lo, hi));
-  return v;
-}
-
 // The partials a kernel defines, and the reference's: entries past `valid` rows (per_row) or
 // columns (per_column) of the padded extent are not outputs, and are zeroed in both.
 std::vector<double> defined_partials(const std::vector<float>& got, std::vector<double>& ref,
@@ -83,9 +77,7 @@ std::vector<double> defined_partials(const std::vector<float>& got, std::vector<
   return out;
 }
 
-std::string at(const Shape& s) {
-  return "M=" + std::to_string(s.m) + " N=" + std::to_string(s.n) + " K=" + std::to_string(s.k);
-}
+std::string at(const Shape& s) { return label(kConfig, s); }
 
 // F2 with FP8 a: {M, 2I, K}. 2I = 384 leaves the second tile of a unit past N; 2752 ends in a
 // partial tile (a's last block 96 columns wide).
@@ -98,7 +90,7 @@ TEST_F(GpuKernelTest, Fp8RmsnormSwigluQuantizesAAsTheRecipe) {
     const int64_t m = s.m, two_i = s.n, inter = two_i / 2;
     const auto qh = quantized(wide_values(m, s.k, rng), s.m, s.k, 1);
     const auto qw = quantized(wide_values(two_i, s.k, rng), s.n, s.k, 128);
-    const std::vector<double> r = uniform_bf16(size_t(m), 0.5, 1.5, rng);
+    const std::vector<double> r = testing::bf16_uniform(size_t(m), 0.5, 1.5, rng);
     const Fp8Operand dh = upload_rows(qh), dw = upload_blocks(qw);
     DeviceBuffer<float> dr(std::vector<float>(r.begin(), r.end()));
     DeviceBuffer<bf16> z(size_t(m * two_i)), a_copy(size_t(m * inter));
@@ -131,15 +123,15 @@ TEST_F(GpuKernelTest, Fp8RmsnormRopeMatchesTheRecipe) {
         if (skip_large(s)) continue;
         const auto qh = quantized(wide_values(s.m, s.k, rng), s.m, s.k, 1);
         const auto qw = quantized(wide_values(s.n, s.k, rng), s.n, s.k, 128);
-        const std::vector<double> r = uniform_bf16(size_t(s.m), 0.3, 3, rng);
+        const std::vector<double> r = testing::bf16_uniform(size_t(s.m), 0.3, 3, rng);
         const std::vector<double> b =
-            with_bias ? uniform_bf16(size_t(s.n), -4, 4, rng) : std::vector<double>{};
+            with_bias ? testing::bf16_uniform(size_t(s.n), -4, 4, rng) : std::vector<double>{};
         std::vector<int32_t> pos(size_t(s.m));
         for (int32_t& p : pos) p = int32_t(rng.integer(0, 1 << 17));
         const auto table = programs::rope_column_table(
             ql, programs::rope_inv_freq(ql.head_dim, 500000.0, {.enabled = true}));
         std::vector<uint32_t> hi, lo;
-        for (const auto& f : table) hi.push_back(f.hi), lo.push_back(f.lo);
+        ops::split_rope_table(table, hi, lo);
         const Fp8Operand dh = upload_rows(qh), dw = upload_blocks(qw);
         DeviceBuffer<float> dr(std::vector<float>(r.begin(), r.end()));
         auto db = upload_bf16(with_bias ? b : std::vector<double>(8, 0.0));
@@ -171,11 +163,11 @@ TEST_F(GpuKernelTest, Fp8RmsnormBackwardQuantizesHOutAsTheRecipe) {
     const bool in_place = s.m == 300;
     const auto qdz = quantized(wide_values(m, s.k, rng), s.m, s.k, 1);
     const auto qwt = quantized(wide_values(hid, s.k, rng), s.n, s.k, 128);  // Wᵀ (H, K)
-    const std::vector<double> x = uniform_bf16(size_t(m * hid), -2, 2, rng),
-                              dres = uniform_bf16(size_t(m * hid), -1, 1, rng),
-                              gam = uniform_bf16(size_t(hid), 0.5, 1.5, rng),
-                              r = uniform_bf16(size_t(m), 0.5, 1.5, rng),
-                              zdz = uniform_bf16(size_t(m), -0.1, 0.1, rng);
+    const std::vector<double> x = testing::bf16_uniform(size_t(m * hid), -2, 2, rng),
+                              dres = testing::bf16_uniform(size_t(m * hid), -1, 1, rng),
+                              gam = testing::bf16_uniform(size_t(hid), 0.5, 1.5, rng),
+                              r = testing::bf16_uniform(size_t(m), 0.5, 1.5, rng),
+                              zdz = testing::bf16_uniform(size_t(m), -0.1, 0.1, rng);
     const Fp8Operand ddz = upload_rows(qdz), dwt = upload_blocks(qwt);
     auto dx_in = upload_bf16(x), dres_in = upload_bf16(dres), dgam = upload_bf16(gam);
     DeviceBuffer<float> dr(std::vector<float>(r.begin(), r.end())),
@@ -219,7 +211,7 @@ TEST_F(GpuKernelTest, Fp8SwigluBackwardQuantizesDzAsTheRecipe) {
     const int64_t m = s.m, inter = s.n;
     const auto qdx = quantized(wide_values(m, s.k, rng), s.m, s.k, 1);
     const auto qwdt = quantized(wide_values(inter, s.k, rng), s.n, s.k, 128);  // W_downᵀ (I, H)
-    const std::vector<double> z = uniform_bf16(size_t(m * 2 * inter), -3, 3, rng);
+    const std::vector<double> z = testing::bf16_uniform(size_t(m * 2 * inter), -3, 3, rng);
     const Fp8Operand ddx = upload_rows(qdx), dwdt = upload_blocks(qwdt);
     auto dz_in = upload_bf16(z);
     DeviceBuffer<bf16> dz_copy(size_t(m * 2 * inter));

@@ -199,7 +199,7 @@ struct InputGrads {  // gradients of a norm consumer: its input, the norm weight
 };
 
 template <class B>
-struct RopeGrad {  // B3's outputs: the pre-RoPE gradient, its ZdZ, the bias gradient (if any)
+struct RopeGrad {  // B3's pre-RoPE gradient and its ZdZ; the bias gradient, their column sum
   T<B> dpre{}, zdz{}, dbias{};
 };
 

@@ -88,8 +88,8 @@ struct NoAuxStore {
   CUTLASS_HOST_DEVICE NoAuxStore() {}
   CUTLASS_HOST_DEVICE NoAuxStore(Params const&, SharedStorage const&) {}
 };
-// As a node's output store: the output is not written (the FP8 backward keeps the forward's
-// quantized copy instead of B1's h and B2's a).
+// As a node's output store: the output is not written (B2 in FP8: the backward reads the copy of
+// a its forward quantized instead).
 struct WithoutOutput {};
 
 // Params of a stock bf16 Sm90AuxStore that a node holds for one of its outputs (B1's h, B2's a):

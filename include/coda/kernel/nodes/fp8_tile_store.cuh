@@ -33,7 +33,7 @@ struct Fp8TileStoreArguments {
 
 namespace fp8_staging {
 // The CTA tile is the staged tile, element for element; quantized at the tile's end into block
-// column n. F1's h, B1's dx.
+// column n. F1's h, B1's h_out.
 struct WholeTile {
   static constexpr int kParts = 1;           // staged tiles per CTA tile
   static constexpr bool kAtEndLoop = false;  // complete at end(), not after a subtile

@@ -22,21 +22,20 @@ namespace coda::kernel {
 // h leaves through HStore, a stock bf16 Sm90AuxStore held in this node (its own swizzled ring,
 // TMA stores in step with D's), or, with HStore = void, from registers: a 32-bit store per
 // column pair (fragment elements (2j, 2j+1) are adjacent columns, N % 8 == 0, so a pair is
-// wholly inside or outside), or, with HStore = WithoutOutput, not at all (h_out null), or with
-// HStore = Fp8TileStore<CtaTile>, quantized (FP8 B1: the weight gradient's 128x1 copy of h; its
-// arguments ride beside B1's, and it finishes at the tile's end). dγ is merged across the lanes
-// sharing a column (shuffles), then across the warps through the collective's store buffer (fixed
-// order, so the result is deterministic), and written once per (column, M-tile) as
-// PartialLayout::per_column. Replaces a topological visitor whose fp32 fragments lived in a
-// 1040-byte stack frame and whose stock column reduction had 205-way shared-memory bank conflicts
-// (docs/experiments.md).
+// wholly inside or outside), or, with HStore = Fp8TileStore<CtaTile>, quantized (FP8 B1: the
+// weight gradient's 128x1 copy of h; its arguments ride beside B1's, and it finishes at the
+// tile's end). dγ is merged across the lanes sharing a column (shuffles), then across the warps
+// through the collective's store buffer (fixed order, so the result is deterministic), and
+// written once per (column, M-tile) as PartialLayout::per_column. Replaces a topological visitor
+// whose fp32 fragments lived in a 1040-byte stack frame and whose stock column reduction had
+// 205-way shared-memory bank conflicts (docs/experiments.md).
 // ---------------------------------------------------------------------------------------------
 template <class CtaTile, class HStore = void>
 struct RmsnormBackwardNode : NoWorkspaceNoProducerLoads {
   static constexpr int kCtaM = cute::size<0>(CtaTile{});
   static constexpr int kCtaN = cute::size<1>(CtaTile{});
   static constexpr bool kHQuantized = std::is_same_v<HStore, Fp8TileStore<CtaTile>>;
-  static constexpr bool kHStored = !std::is_same_v<HStore, WithoutOutput> && !kHQuantized;
+  static constexpr bool kHStored = !kHQuantized;  // bf16 h_out, from registers or by TMA
   static constexpr bool kHByTma = kHStored && !std::is_void_v<HStore>;
   static constexpr bool kHHeld = kHByTma || kHQuantized;  // h leaves through h_store
   using HStoreOrNone = std::conditional_t<kHHeld, HStore, NoAuxStore>;
