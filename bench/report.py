@@ -147,7 +147,9 @@ def fp8_fused_table(d):
         out += ["", "### FP8 programs with quantizing epilogues vs the plain FP8 GEMM\n",
                 "F1: x = a·wᵀ + residual, h = x ⊙ γ quantized (`fp8_gemm_residual_rmsnorm`); F2: "
                 "z = r ⊙ h·w_guᵀ, a = silu(z_g)·z_u quantized (`fp8_gemm_rmsnorm_swiglu`); B1: "
-                "dx = dres + r·(g·γ − x·r·ZdZ) quantized, g = dz·W (`fp8_gemm_rmsnorm_backward`); "
+                "dx = dres + r·(g·γ − x·r·ZdZ), g = dz·W, and h_out = x·r·γ's transposed copy quantized "
+                "(`fp8_gemm_rmsnorm_backward`; in results from trees before 70677f2 B1 quantized "
+                "dx instead, its rows and its copy); "
                 "B2: dz = dSwiGLU(z, dx_out·W_down) quantized (`fp8_gemm_swiglu_backward`). "
                 "`fused`: the output in 1x128 blocks and its transposed 128x1 copy; `rows`: "
                 "without the copy; `plain`: our FP8 GEMM of the same shape; `GEMM then cast`: the "
@@ -159,14 +161,19 @@ def fp8_fused_table(d):
         for r in fused:
             ms = r["ms"]
             lt = f"{ms['cublaslt']:.3f}" if "cublaslt" in ms else "—"
+            rows = f"{ms['fused_rows']:.3f}" if "fused_rows" in ms else "—"
+            rows_ratio = (f"{r['fused_rows_over_plain']:.3f}" if "fused_rows_over_plain" in r
+                          else "—")
             out.append(f"| {r['model']} | {r['M']} | {r['program']} | {r['proj']} | "
-                       f"{'×'.join(map(str, r['gemm']))} | {ms['fused']:.3f} | "
-                       f"{ms['fused_rows']:.3f} | {ms['coda']:.3f} | {ms['gemm_then_cast']:.3f} | "
-                       f"{lt} | {r['fused_over_plain']:.3f} | {r['fused_rows_over_plain']:.3f} |")
+                       f"{'×'.join(map(str, r['gemm']))} | {ms['fused']:.3f} | {rows} | "
+                       f"{ms['coda']:.3f} | {ms['gemm_then_cast']:.3f} | "
+                       f"{lt} | {r['fused_over_plain']:.3f} | {rows_ratio} |")
         out.append("")
         for program in sorted({r["program"] for r in fused}):
             for key, what in (("fused_over_plain", ""), ("fused_rows_over_plain", " rows")):
-                ratios = [r[key] for r in fused if r["program"] == program]
+                ratios = [r[key] for r in fused if r["program"] == program and key in r]
+                if not ratios:
+                    continue
                 g = math.exp(sum(map(math.log, ratios)) / len(ratios))
                 out.append(f"- {program}{what} / plain: geometric mean {g:.3f}, best "
                            f"{min(ratios):.3f}, worst {max(ratios):.3f} over {len(ratios)} shapes "
@@ -344,6 +351,9 @@ def train_parity_table(path):
                     f"{s.get('text_dir', '?')}" for s in corpus.get("sources") or []) or "?"
     tok = corpus.get("tokens", {})
     ao = d.get("torchao_version")
+    # The passes over the data the run read (files before epochs_read hold only the plan's).
+    read = d.get("epochs_read", d.get("epochs", float("nan")) * d.get("steps_done", c["steps"])
+                 / c["steps"])
     out = ["## FP8 training parity on real text\n", header(path, d),
            f"{c['layers']} layers, H = {c['hidden']}, GQA {c['heads']}/{c['kv_heads']}, "
            f"I = {c['intermediate']}, V = {d.get('model_vocab')} "
@@ -353,7 +363,7 @@ def train_parity_table(path):
            f"{c['master']} master weights; gradients clipped to {c['clip']:g}), every run from the "
            f"same initialization on the same batches. Text: {src} "
            f"({tok.get('train', 0) / 1e6:.2f} M training tokens; the run reads "
-           f"{d.get('epochs', float('nan')):.2f} passes over them); held-out loss over "
+           f"{read:.2f} passes over them); held-out loss over "
            f"{d.get('holdout_tokens', 0)} tokens of documents the run never saw."
            + (f" torchao {ao}, recipe {c.get('torchao_recipe')}, decoder layers torch.compile'd."
               if ao else "") + "\n",

@@ -35,8 +35,8 @@ Not in the default list:
   fp8            the blockwise FP8 GEMMs of every projection (fprop, dgrad, wgrad) against
                  cuBLASLt's blockwise GEMM and the bf16 GEMMs, and the cast passes against a copy
                  (bench/suite_fp8.py; LLaMA-3 shapes only)
-  fp8-fused      only the fp8 section's fused rows: F1 with h quantized in its epilogue against
-                 the plain FP8 GEMM of its shape
+  fp8-fused      only the fp8 section's fused rows: F1, F2, B1, B2 with an output quantized in
+                 their epilogue against the plain FP8 GEMM of their shape
   fp8-chain      the layer chain forward + backward in blockwise FP8 (our FP8 block ops) against
                  the FP8 GEMM-only floor (cuBLASLt's blockwise GEMM and ours), our bf16 chain and
                  its floor, and torchao float8 (tensorwise, rowwise) + torch.compile
@@ -466,7 +466,8 @@ def main():
     ap.add_argument("--e2e-models", default="llama3.2-1B,llama3-8B",
                     help="e2e: comma list of bench/suite_e2e.py's MODEL_SHAPES")
     ap.add_argument("--e2e-systems", default=None,
-                    help="e2e: comma list of bench/suite_e2e.py's systems (default: SYSTEMS)")
+                    help="e2e: comma list of bench/suite_e2e.py's systems (default: SYSTEMS), or "
+                         "'fp8' for FP8_COMPARISON")
     ap.add_argument("--e2e-timeout", type=int, default=300,
                     help="e2e: seconds each system's process may take")
     a = ap.parse_args()
@@ -603,7 +604,8 @@ def main():
     if "e2e" in sections:
         import suite_e2e
 
-        systems = a.e2e_systems.split(",") if a.e2e_systems else suite_e2e.SYSTEMS
+        systems = (suite_e2e.FP8_COMPARISON if a.e2e_systems == "fp8" else
+                   a.e2e_systems.split(",") if a.e2e_systems else suite_e2e.SYSTEMS)
         suite_e2e.run(progress, a.e2e_models.split(","), systems, timeout_s=a.e2e_timeout,
                       out=out["sections"].setdefault("e2e", {}), save=save)
     if "train" in sections:

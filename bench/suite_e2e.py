@@ -54,6 +54,9 @@ MODEL_SHAPES = {
 }
 SYSTEMS = ("hf_eager", "hf_compile", "liger", "coda", "coda_compile", "coda_patched")
 FP8_SYSTEMS = ("coda_fp8", "torchao_fp8_tensorwise", "torchao_fp8_rowwise")
+# The FP8 comparison (suite.py --e2e-systems fp8): the FP8 systems beside our bf16 path and the
+# fastest bf16 peers of the default run, all in one run.
+FP8_COMPARISON = FP8_SYSTEMS + ("coda", "liger", "hf_compile")
 
 
 def hf_config(s):

@@ -63,6 +63,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import suite_chain as cb  # noqa: E402
 from suite_chain import EPS, MODELS, bench_interleaved, rms_norm, rope_hf  # noqa: E402
+from suite_fp8 import rel_err, scaled_mm  # noqa: E402
 
 CODA = torch.ops.coda
 NAN = float("nan")
@@ -81,12 +82,6 @@ TARGETS = {
     "speedup_vs_coda_bf16_min": {"llama3-8B": 1.35, "llama3-70B": 1.35},
 }
 PROJECTIONS = ("out-proj", "gate/up", "down-proj", "qkv")
-
-
-def rel_err(a, b):
-    """Relative Frobenius error ||a - b|| / ||b|| in fp64."""
-    a, b = a.detach().double(), b.detach().double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def max_err(a, b):
@@ -244,11 +239,6 @@ def torchao_step(t, recipe, dx2_up, dqkv_up, emulate=False, compile=True):
 
 
 # ---- the GEMM-only floors: 12 GEMMs, FP8 (cuBLASLt, ours) and bf16 ----
-
-
-def scaled_mm(a, a_scales, b, b_scales):
-    """cuBLASLt's blockwise FP8 GEMM a (M, K) · b (N, K)ᵀ, bf16 out (suite_fp8.scaled_mm)."""
-    return torch._scaled_mm(a, b.t(), scale_a=a_scales, scale_b=b_scales, out_dtype=torch.bfloat16)
 
 
 def floor_operands(t, m):
@@ -433,18 +423,16 @@ def run_shape(model, m, sec, progress, torchao=None, time_it=True, dev="cuda", d
 
     failed = {k: v for k, v in row["check"].items() if v != "PASS"}
     if time_it:
-        if dev == "cuda":
-            torch.cuda.synchronize()
         times = bench_interleaved(variants, progress, f"fp8 chain fwd+bwd {name} M={m}")
         row.update({f"ms_{k}": v for k, v in times.items()})
         row.update(ratios(times, name))
     sec["rows"].append(row)
     line = f"fp8-chain {name:11s} M={m:5d} "
     if time_it:
-        r = row
         line += " ".join(f"{k}={v:.3f}" for k, v in times.items()) + (
-            f" | fp8/floor {r['fp8_over_floor']:.3f} (ours' floor {r['fp8_over_floor_coda']:.3f})"
-            f" | vs torchao {r['speedup_vs_torchao']:.3f}x | vs bf16 {r['speedup_vs_coda_bf16']:.3f}x")
+            f" | fp8/floor {row['fp8_over_floor']:.3f} (ours' floor "
+            f"{row['fp8_over_floor_coda']:.3f}) | vs torchao {row['speedup_vs_torchao']:.3f}x | "
+            f"vs bf16 {row['speedup_vs_coda_bf16']:.3f}x")
     else:
         line += "checks: " + " ".join(f"{k}={v}" for k, v in row["check"].items())
     for k in failed:

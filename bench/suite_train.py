@@ -187,10 +187,9 @@ step's batch (another permutation after every pass over the data, recorded as "e
 Shape: the LLaMA-3.2-1B layer (hidden 2048, 32 heads / 8 KV heads, head_dim 64, intermediate 8192,
 RoPE theta 500000) with 8 layers and the BPE's vocabulary: 0.62 B parameters (0.49 B in the
 layers). Batch 8 x 1024 tokens = 8192 tokens a step, 1000 steps = 8.2 M tokens, 0.85 of one pass
-over the corpus, so no window repeats. Time: coda bf16 runs this shape at ~130 k tokens/s on one
-H200 (~0.063 s a step), FP8 faster, torchao + per-layer compile ~0.07-0.08 s, the fp32 master
-update ~0.01 s per run: ~0.2 s per step for the three runs, ~3.5 min for 1000 steps plus ~30 s of
-setup and compilation. A longer sequence would spend more of the step in attention, which FP8
+over the corpus, so no window repeats. Time on the H200 (bench/results/2026-12-04-train-parity.json):
+~0.18 s per step for the three runs (coda bf16 143 k tokens/s, coda FP8 159 k, torchao 122 k) after
+~75 s for the first 50 steps (setup and compilation): ~4 min for 1000 steps. A longer sequence would spend more of the step in attention, which FP8
 does not touch; a smaller batch would make the loss too noisy to compare means to 1%.
 
 Optimizer: AdamW (betas 0.9 / 0.95, eps 1e-8, weight decay 0.1 on matrices only) over fp32 master
@@ -215,8 +214,7 @@ PARITY_DEFAULTS = dict(
     rope_theta=500000.0, batch=8, seq=1024, lr=3e-4, min_lr_ratio=0.1, warmup=100,
     weight_decay=0.1, beta1=0.9, beta2=0.95, adam_eps=1e-8, clip=1.0, master="fp32",
     runs="coda_bf16,coda_fp8,torchao_fp8", reference="coda_bf16", torchao_recipe="rowwise",
-    torchao_compile="layer", spike_window=20, spike_threshold=0.5, spike_diff_threshold=0.1,
-    last=100,
+    spike_window=20, spike_threshold=0.5, spike_diff_threshold=0.1, last=100,
     tolerance=0.01, timing_skip=10, holdout_windows=64, seed=0, budget_s=0.0,
     corpus=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".corpus"),
 )
@@ -382,11 +380,8 @@ def build_run(name, a, init, dev, absent):
                 model, config=cfg,
                 module_filter_fn=lambda mod, fqn: isinstance(mod, torch.nn.Linear)
                 and fqn.startswith("model.layers."))
-            if a.torchao_compile == "layer":
-                for layer in model.model.layers:
-                    layer.compile()
-            elif a.torchao_compile == "model":
-                model.compile()
+            for layer in model.model.layers:  # torchao's float8 needs compile to be fast
+                layer.compile()
             a.torchao_version = torchao.__version__
             return model, lambda ids: model(input_ids=ids, labels=ids).loss
         raise Absent(f"unknown run {name!r} (known: {', '.join(PARITY_RUNS)})")
@@ -529,6 +524,7 @@ def run_parity(out, progress=print, dev="cuda", dtype=torch.bfloat16, save=None,
                 d["holdout_loss"] = r.holdout_loss
         sec["runs"] = res
         sec["steps_done"] = steps_done
+        sec["epochs_read"] = steps_done * a.batch / n_windows  # "epochs" is the plan's
         sec["pass"] = parity_summary(a, res, a.reference)
         sec["elapsed_s"] = round(time.time() - t_start, 1)
         sec["plot"] = os.path.basename(out) + ".png"
