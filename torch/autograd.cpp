@@ -1,7 +1,6 @@
 // Autograd kernels of the differentiable coda ops (torch::autograd::Function). Each forward runs
 // the op below autograd and saves only what its backward program reads (docs/math.md §3); each backward
 // calls the matching *_backward op, so torch.compile traces both as ordinary op calls.
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
@@ -9,17 +8,14 @@
 #include <string>
 #include <tuple>
 
+#include "typed_op.hpp"
+
 namespace coda::torch_ext {
 namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 using at::Tensor;
-
-template <class Signature>
-c10::TypedOperatorHandle<Signature> op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-}
 
 // A gradient the caller did not produce (output unused) is a zero contribution.
 Tensor grad_or_zeros(const Tensor& g, const Tensor& like) {

@@ -7,7 +7,6 @@
 // quantized (its 1x128 rows, the next GEMM's A; the weight gradients' copy of the normalized
 // input comes from B1 in the backward). The residual stream, r, z and the gradients autograd
 // hands between ops stay in the activation dtype.
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
@@ -18,6 +17,7 @@
 
 #include "coda/kernel/args.hpp"
 #include "on_backend.hpp"
+#include "typed_op.hpp"
 #include "validate.hpp"
 
 namespace coda::torch_ext {
@@ -224,42 +224,38 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_norm_qkv_backward(
 
 // ---- Meta kernels ---------------------------------------------------------------------------
 
-at::TensorOptions codes_like(const Tensor& t) { return t.options().dtype(at::kFloat8_e4m3fn); }
-at::TensorOptions f32_like(const Tensor& t) { return t.options().dtype(at::kFloat); }
 at::ScalarType stat_of(const Tensor& act) {
   return act.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-}
-// An activation (m, n) quantized as fp8_quantize_rows writes it: codes, scales (with their
-// padded row stride), the copy's codes and scales.
-std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_act_meta(const Tensor& like, int64_t m, int64_t n) {
-  const Tensor scales =
-      at::empty({blocks(n), ScaleLayout::row_scales_ld(m)}, f32_like(like)).narrow(1, 0, m);
-  return {at::empty({m, n}, codes_like(like)), scales,
-          at::empty({n, ScaleLayout::padded_tokens(m)}, codes_like(like)),
-          at::empty({blocks(m), n}, f32_like(like))};
 }
 
 OutProj fp8_out_proj_residual_norm_meta(const Tensor& y, const Tensor& w_o, const Tensor&,
                                         const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                         const Tensor&, double) {
   const int64_t m = y.size(0), k = y.size(1), hidden = w_o.size(0);
-  auto [hc, hs, hct, hcs] = fp8_act_meta(y, m, hidden);
-  auto [yc, ys, yct, ycs] = fp8_act_meta(y, m, k);
-  return {at::empty({m, hidden}, y.options()),           hc,  hs,
-          at::empty({m}, y.options().dtype(stat_of(y))), yct, ycs};
+  const fp8::Quantized h = fp8::empty_quantized(y, m, hidden, true, false);
+  const fp8::Quantized y_copy = fp8::empty_quantized(y, m, k, false, true);
+  return {at::empty({m, hidden}, y.options()),           std::get<0>(h),      std::get<1>(h),
+          at::empty({m}, y.options().dtype(stat_of(y))), std::get<2>(y_copy), std::get<3>(y_copy)};
 }
 MlpOut fp8_mlp_meta(const Tensor& x, const Tensor&, const Tensor& w_gu, const Tensor&,
                     const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                     const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                     const Tensor&, const Tensor&, double, bool act_h_out) {
   const int64_t m = x.size(0), hidden = x.size(1), two_i = w_gu.size(0);
-  auto [hc, hs, hct, hcs] = fp8_act_meta(x, m, hidden);
-  auto [ac, as, act, acs] = fp8_act_meta(x, m, two_i / 2);
+  const fp8::Quantized a_copy = fp8::empty_quantized(x, m, two_i / 2, false, true);
   const Tensor r = at::empty({m}, x.options().dtype(stat_of(x)));
   const Tensor z = at::empty({m, two_i}, x.options());
+  const Tensor &a_t = std::get<2>(a_copy), &a_t_scales = std::get<3>(a_copy);
   if (act_h_out)
-    return {at::empty_like(x), at::empty_like(x), at::empty({0}, f32_like(x)), r, z, act, acs};
-  return {at::empty_like(x), hc, hs, r, z, act, acs};
+    return {at::empty_like(x),
+            at::empty_like(x),
+            at::empty({0}, x.options().dtype(at::kFloat)),
+            r,
+            z,
+            a_t,
+            a_t_scales};
+  const fp8::Quantized h = fp8::empty_quantized(x, m, hidden, true, false);
+  return {at::empty_like(x), std::get<0>(h), std::get<1>(h), r, z, a_t, a_t_scales};
 }
 Tensor fp8_norm_qkv_meta(const Tensor& x, const Tensor&, const Tensor& w_qkv, const Tensor&,
                          const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
@@ -290,11 +286,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_norm_qkv_backward_meta(
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-
-template <class Signature>
-c10::TypedOperatorHandle<Signature> op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-}
 
 class Fp8OutProjResidualNorm : public torch::autograd::Function<Fp8OutProjResidualNorm> {
  public:

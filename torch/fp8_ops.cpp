@@ -684,6 +684,11 @@ void register_fp8(torch::Library& m) {
 
 // The FP8 programs for the block compositions' backends (torch/fp8_ops.hpp).
 namespace fp8 {
+Quantized empty_quantized(const Tensor& like, int64_t rows, int64_t cols, bool want_rows,
+                          bool transposed) {
+  RowCast o = row_cast_outputs(like, rows, cols, want_rows, transposed);
+  return {o.codes, o.scales, o.codes_t, o.scales_t};
+}
 Quantized quantize_rows(const Tensor& x, bool rows, bool transposed) {
   return fp8_quantize_rows(x, rows, transposed);
 }
