@@ -49,7 +49,7 @@ Fp8ResidualRmsnorm<Real> fp8_residual_rmsnorm(const BlockQuantized& a, const Blo
   Fp8ResidualRmsnorm<Real> out;
   out.x.resize(size_t(m * n));
   out.h.resize(size_t(m * n));
-  out.layout = epilogue::PartialLayout::per_row(m, n, 128, 128);
+  out.layout = epilogue::PartialLayout::per_row(m, n, fp8_tiles().tile_m, fp8_tiles().tile_n);
   out.partials.assign(size_t(out.layout.tiles * out.layout.extent), Real(0));
   programs::ResidualRmsnormPartial<Real> p;
   p.residual = {residual.data(), m, n, n};
@@ -132,7 +132,7 @@ Fp8RmsnormBackward<Real> fp8_rmsnorm_backward(const BlockQuantized& dz, const Bl
   Fp8RmsnormBackward<Real> out;
   out.dx = dres;  // the program accumulates into it
   out.h.resize(size_t(m * hid));
-  out.layout = epilogue::PartialLayout::per_column(m, hid, 128, 128);
+  out.layout = epilogue::PartialLayout::per_column(m, hid, fp8_tiles().tile_m, fp8_tiles().tile_n);
   out.dgamma_partials.assign(size_t(out.layout.tiles * out.layout.extent), Real(0));
   programs::RmsnormBackward<Real> p;
   p.x = {x.data(), m, hid, hid};
@@ -165,7 +165,7 @@ Fp8SwigluBackward<Real> fp8_swiglu_backward(const BlockQuantized& dx_out,
              2 * inter, "), got ", z.size(), " elements");
   Fp8SwigluBackward<Real> out;
   out.dz.resize(size_t(m * 2 * inter));
-  out.layout = epilogue::PartialLayout::per_row(m, inter, 128, 128);
+  out.layout = epilogue::PartialLayout::per_row(m, inter, fp8_tiles().tile_m, fp8_tiles().tile_n);
   out.zdz_partials.assign(size_t(out.layout.tiles * out.layout.extent), Real(0));
   std::vector<Real> a(size_t(m * inter));
   programs::SwigluBackward<Real> p;
