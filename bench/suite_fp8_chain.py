@@ -286,7 +286,7 @@ def check_floors(calls, absent):
         if have_lt:
             try:
                 out_lt = lt()
-            except RuntimeError as ex:
+            except (RuntimeError, ValueError) as ex:  # newer torch raises ValueError
                 absent["cublaslt"] = str(ex).splitlines()[0][:300]
                 have_lt = False
             else:
