@@ -54,6 +54,16 @@ void rmsnorm_rope(Args& c, Operands o, kernel::GemmProblem p, View r, View bias,
   launch<Program::kRmsnormRope>(c, o, p, args, stream);
 }
 
+void rmsnorm_backward_inputs(Args& c, View x, View r, View gamma, View zdz, View dres, View dx,
+                             int64_t m, int64_t hidden) {
+  c.matrix("x", x, kBf, m, hidden);
+  c.vector("r", r, kF, m);
+  c.vector("gamma", gamma, kBf, hidden);
+  c.vector("zdz", zdz, kF, m);
+  c.matrix("dres", dres, kBf, m, hidden);
+  c.matrix("dx", dx, kBf, m, hidden);
+}
+
 }  // namespace detail
 
 namespace {
@@ -218,12 +228,7 @@ void gemm_rmsnorm_backward(View dz, View w, View x, View r, View gamma, View zdz
                            View dx, View h_out, View dgamma_partials, cudaStream_t stream) {
   Args c("coda::ops::gemm_rmsnorm_backward");
   const auto [m, hidden, n_out] = c.gemm_operands("dz", dz, "w", w, Operands::kXW);
-  c.matrix("x", x, kBf, m, hidden);
-  c.vector("r", r, kF, m);
-  c.vector("gamma", gamma, kBf, hidden);
-  c.vector("zdz", zdz, kF, m);
-  c.matrix("dres", dres, kBf, m, hidden);
-  c.matrix("dx", dx, kBf, m, hidden);
+  rmsnorm_backward_inputs(c, x, r, gamma, zdz, dres, dx, m, hidden);
   c.matrix("h_out", h_out, kBf, m, hidden);
   c.distinct("h_out", h_out, "dx", dx);
   c.distinct("h_out", h_out, "dres", dres);

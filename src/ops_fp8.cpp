@@ -233,12 +233,7 @@ void gemm_fp8_rmsnorm_backward(View dz, View dz_scales, View w_t, View w_t_scale
   const int64_t m = p.m, hidden = p.n;
   CODA_CHECK(hidden % 16 == 0, c.op(), ": H (w_t's rows) must be a multiple of 16 (16-byte rows ",
              "of h_t's codes), got ", hidden);
-  c.matrix("x", x, kBf, m, hidden);
-  c.vector("r", r, kF, m);
-  c.vector("gamma", gamma, kBf, hidden);
-  c.vector("zdz", zdz, kF, m);
-  c.matrix("dres", dres, kBf, m, hidden);
-  c.matrix("dx", dx, kBf, m, hidden);
+  rmsnorm_backward_inputs(c, x, r, gamma, zdz, dres, dx, m, hidden);
   CODA_CHECK(h_t.data, c.op(), ": h_t is null (the weight gradient's operand is the point)");
   const kernel::Fp8Output h_out = copy_output(c, "h_t", h_t, "h_t_scales", h_t_scales, m, hidden);
   const auto kc = choose_with_partials(c, Program::kRmsnormBackwardFp8, Operands::kFp8XWt,

@@ -209,5 +209,8 @@ void residual_rmsnorm_partial(Args& c, Operands o, kernel::GemmProblem p, View r
 //   F3: qkv = rope(r ⊙ (A·B) + bias).
 void rmsnorm_rope(Args& c, Operands o, kernel::GemmProblem p, View r, View bias, View pos,
                   View rope_table, View qkv, cudaStream_t stream);
+// B1's epilogue operands and output, (M, H): x, r, γ, ZdZ, dres, dx.
+void rmsnorm_backward_inputs(Args& c, View x, View r, View gamma, View zdz, View dres, View dx,
+                             int64_t m, int64_t hidden);
 
 }  // namespace coda::ops::detail
