@@ -174,6 +174,15 @@ def decoder_layer_fp8(layer: CodaDecoderLayer, x: Tensor, h: tuple[Tensor, Tenso
     return x2, (h2 if last else (h2, h2s)), r2
 
 
+def _under_fsdp2(model: nn.Module) -> bool:
+    """Whether fully_shard manages the model or any of its submodules."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without torch.distributed
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
 class Fp8WeightCache:
     """Each weight's FP8 operands, ``fp8_quantize_blocks(w, True, True)`` (the 128x128 codes and
     scales of ``w`` and of ``wᵀ``), remade only when the weight changed: its version counter
@@ -182,12 +191,22 @@ class Fp8WeightCache:
     Writes through ``.data`` do not move the version counter: after one, call ``clear()`` (or the
     model's ``refresh_fp8_weights()``). A
     captured CUDA graph keeps reading the operands it was captured with: refreshed ones are new
-    tensors."""
+    tensors.
+
+    With ``persist`` off (the model under FSDP2) nothing is kept: every forward quantizes the
+    weights FSDP2 has just gathered. There the optimizer updates the shards, the gathered weight
+    lands at the same address without a version change, and a kept entry would be stale; it would
+    also hold every layer's full weights in FP8 on every rank."""
 
     def __init__(self) -> None:
         self._entries: dict[str, tuple[tuple, tuple[Tensor, ...]]] = {}
+        self.persist = True
 
     def get(self, name: str, w: Tensor) -> tuple[Tensor, ...]:
+        if not self.persist:
+            self._entries.clear()
+            with torch.no_grad():
+                return tuple(torch.ops.coda.fp8_quantize_blocks(w.detach(), True, True))
         key = (w._version, w.data_ptr(), w.dtype, w.device)
         entry = self._entries.get(name)
         if entry is None or entry[0] != key:
@@ -219,6 +238,8 @@ class CodaDecoderLayer(nn.Module):
         self.w_gu = nn.Parameter(torch.empty(2 * c.intermediate_size, c.hidden_size, **kw))
         self.w_down = nn.Parameter(torch.empty(c.hidden_size, c.intermediate_size, **kw))
         self._fp8_cache = Fp8WeightCache()  # a plain object: not module state
+        # "bf16" or "fp8" (decoder_layer_fp8); the model sets it on its layers.
+        self.precision = "bf16"
         self.reset_parameters()
 
     def fp8_weights(self) -> dict[str, tuple[Tensor, ...]]:
@@ -248,9 +269,16 @@ class CodaDecoderLayer(nn.Module):
         gamma_next: Tensor,
         batch: int,
         attention: Attention,
+        last: bool = False,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """``x (M, H)`` with its caches ``(h, r)`` for ``gamma`` (this layer's attention norm) ->
-        ``(x, h, r)`` of the layer output, the caches being for ``gamma_next``."""
+        ``(x, h, r)`` of the layer output, the caches being for ``gamma_next``. With
+        ``precision == "fp8"``, ``h`` is in 1x128 blocks (codes, scales) and ``last`` says the
+        output's ``h`` feeds the LM head (decoder_layer_fp8). Called as a module, so module hooks
+        (FSDP2's unshard, checkpoint wrappers) run around either precision."""
+        if self.precision == "fp8":
+            return decoder_layer_fp8(self, x, h, r, gamma, pos, rope_table, gamma_next, batch,
+                                     attention, last)
         return decoder_layer(self.config, x, h, r, gamma, self.w_qkv, self.w_o, self.gamma_ffn,
                              self.w_gu, self.w_down, pos, rope_table, gamma_next, batch, attention,
                              self.b_qkv, self.q_gamma, self.k_gamma)
@@ -297,6 +325,8 @@ class CodaLlamaForCausalLM(nn.Module):
             self.w_vocab = self.embed_tokens.weight
         else:
             self.w_vocab = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, **kw))
+        for layer in self.layers:
+            layer.precision = precision
         self.register_buffer("rope_table", self._build_rope_table(device), persistent=False)
         self.reset_parameters()
 
@@ -367,17 +397,14 @@ class CodaLlamaForCausalLM(nn.Module):
         h, r = ops.rmsnorm_stats(x, self.gamma_attn[0], c.rms_norm_eps)
         if self.precision == "fp8":  # the first norm's h through one cast pass
             h = tuple(torch.ops.coda.fp8_quantize_rows(h)[:2])
+            persist = not _under_fsdp2(self)
+            for layer in self.layers:
+                layer._fp8_cache.persist = persist
         for i, layer in enumerate(self.layers):
             last = i + 1 == len(self.layers)
             gamma_next = self.gamma_final if last else self.gamma_attn[i + 1]
-            if self.precision == "fp8":
-                x, h, r = decoder_layer_fp8(layer, x, h, r, self.gamma_attn[i], pos,
-                                            self.rope_table, gamma_next, batch, attention, last)
-            else:
-                x, h, r = layer(
-                    x, h, r, self.gamma_attn[i], pos, self.rope_table, gamma_next, batch,
-                    attention
-                )
+            x, h, r = layer(x, h, r, self.gamma_attn[i], pos, self.rope_table, gamma_next,
+                            batch, attention, last)
 
         if labels is None:
             normed = F.rms_norm(x, (c.hidden_size,), self.gamma_final, c.rms_norm_eps)
