@@ -241,7 +241,8 @@ def fp8_tables(path):
 
 
 FP8_CHAIN_VARIANTS = (
-    ("coda_fp8", "ours FP8"), ("fp8_floor", "FP8 floor cuBLASLt"), ("fp8_floor_coda", "FP8 floor ours"),
+    ("coda_fp8", "ours FP8"), ("coda_fp8_wcast", "ours FP8 + weight casts"),
+    ("fp8_floor", "FP8 floor cuBLASLt"), ("fp8_floor_coda", "FP8 floor ours"),
     ("coda_bf16", "ours bf16"), ("bf16_floor", "bf16 floor"),
     ("torchao_tensorwise", "torchao tensorwise"), ("torchao_rowwise", "torchao rowwise"),
 )
@@ -268,7 +269,9 @@ def fp8_chain_tables(path):
            "Out-proj + residual + RMSNorm → gate/up + SwiGLU → down + residual + RMSNorm → QKV + RoPE "
            "(attention excluded), forward then backward, ms, medians of interleaved rounds (L2 "
            "cleared before each run). `ours FP8`: the FP8 block ops through autograd, the weights' "
-           "FP8 caches made once outside the timed region; `FP8 floor`: the chain's 12 GEMMs (4 "
+           "FP8 caches made once outside the timed region (`+ weight casts`: the four weight casts in "
+           "the timed step, as torchao's chain casts its weights every step; `vs torchao` in "
+           "brackets after it); `FP8 floor`: the chain's 12 GEMMs (4 "
            "forward, 4 data-gradient, 4 weight-gradient) in blockwise FP8 on operands quantized "
            "ahead, on cuBLASLt (`torch._scaled_mm`) and on ours; `ours bf16` / `bf16 floor`: the "
            "bf16 block ops and the same 12 GEMMs on cuBLAS; torchao"
@@ -295,7 +298,9 @@ def fp8_chain_tables(path):
         best = r.get("best_torchao")
         vs_ao = cell(r, "speedup_vs_torchao", ".2f")
         if best and vs_ao != "—":
-            vs_ao += f" ({best.removeprefix('torchao_')})"
+            vs_ao += f" ({best.removeprefix('torchao_')}"
+            wc = cell(r, "speedup_vs_torchao_wcast", ".2f")
+            vs_ao += f"; {wc} with the weight casts)" if wc != "—" else ")"
         out.append(
             f"| {r['model']} | {r['m']} | "
             + " | ".join(ms(r, k) for k, _ in FP8_CHAIN_VARIANTS)
