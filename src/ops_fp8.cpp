@@ -284,6 +284,15 @@ void gemm_fp8_xyt(View x, View x_scales, View y, View y_scales, View d, bool acc
       fp8_problem(c, {"x", x, "x_scales", x_scales}, {"y", y, "y_scales", y_scales}, false);
   c.matrix("d", d, accumulate ? kF : kBf, p.m, p.n);
   c.on_device();
+  const Fp8WgradBackend backend = fp8_wgrad_backend();
+  if (backend != Fp8WgradBackend::kCutlass) {
+    void* out = accumulate ? static_cast<void*>(f32_out(d)) : static_cast<void*>(bf_out(d));
+    const char* why_not = gemm_fp8_xyt_cublaslt(p, out, d.ld, accumulate, stream);
+    if (why_not == nullptr) return;
+    CODA_CHECK(backend != Fp8WgradBackend::kCublasLtOnly, c.op(),
+               ": the backend is cuBLASLt only (CODA_FP8_WGRAD=cublaslt-only), and cuBLASLt "
+               "cannot take this problem: ", why_not);
+  }
   if (accumulate) {
     launch<Program::kAccumulateF32>(c, Operands::kFp8XYt, p, {f32_out(d), d.ld}, stream);
   } else {

@@ -213,4 +213,10 @@ void rmsnorm_rope(Args& c, Operands o, kernel::GemmProblem p, View r, View bias,
 void rmsnorm_backward_inputs(Args& c, View x, View r, View gamma, View zdz, View dres, View dx,
                              int64_t m, int64_t hidden);
 
+// D (bf16, or fp32 += with `accumulate`) = X·Yᵀ of a checked 1x128 x 1x128 FP8 problem on
+// cuBLASLt (src/fp8_wgrad_cublaslt.cpp); nullptr when launched, else why cuBLASLt cannot take
+// it (nothing launched): scales whose row stride is not the operand's rows, or no algorithm.
+const char* gemm_fp8_xyt_cublaslt(const kernel::GemmProblem& p, void* d, int64_t ldd,
+                                  bool accumulate, cudaStream_t stream);
+
 }  // namespace coda::ops::detail

@@ -207,8 +207,18 @@ void gemm_fp8_swiglu_backward(View dx_out, View dx_out_scales, View w_down_t, Vi
                               View z, View dz, View dz_scales, View dz_t, View dz_t_scales,
                               View zdz_partials, cudaStream_t stream);
 // d (M, N) = x · yᵀ with x (M, K) and y (N, K) both in 1x128 blocks (the weight gradient from
-// the transposed copies, K = tokens): d bf16, or with `accumulate` fp32 d += x · yᵀ.
+// the transposed copies, K = tokens): d bf16, or with `accumulate` fp32 d += x · yᵀ. Runs on
+// the backend fp8_wgrad_backend() names.
 void gemm_fp8_xyt(View x, View x_scales, View y, View y_scales, View d, bool accumulate,
                   cudaStream_t stream);
+// gemm_fp8_xyt's backend, process-wide: our CUTLASS kernel (kCutlass), or cuBLASLt's
+// blockwise-scaled GEMM where it takes the problem (scales whose row stride is exactly the
+// operand's rows, as the casts and epilogues write the transposed copies' scales; a D type this
+// cuBLASLt has a kernel for) and ours elsewhere (kCublasLt), or cuBLASLt or an error naming why
+// not (kCublasLtOnly). Starts from the environment variable CODA_FP8_WGRAD ("cutlass", the
+// default; "cublaslt"; "cublaslt-only"), read on first use.
+enum class Fp8WgradBackend { kCutlass, kCublasLt, kCublasLtOnly };
+Fp8WgradBackend fp8_wgrad_backend();
+void set_fp8_wgrad_backend(Fp8WgradBackend backend);
 
 }  // namespace coda::ops

@@ -247,6 +247,60 @@ TEST_F(GpuKernelTest, CastThenGemmThroughTheOps) {
                reference::gemm_fp8_blockwise<double>(qdyt, qxt));
 }
 
+// The weight gradient through the op API on each backend (ops::set_fp8_wgrad_backend): the
+// transposed copies of dy and x as the cast writes them (scales with a row stride of exactly the
+// operand's rows, what cuBLASLt reads), tokens ragged (1, 300, 4097: padded to 16 with code 0).
+// cuBLASLt-only must take the bf16 D (an error otherwise); fp32 D += runs on cuBLASLt where it has
+// a kernel, on ours elsewhere. Every result against the recipe on the host's own quantization.
+TEST_F(GpuKernelTest, WeightGradientOnEachBackendMatchesTheRecipe) {
+  testing::Rng rng(16);
+  struct Case {
+    int64_t tokens, n, k;
+  };
+  const auto e4 = DType::kE4M3, f = DType::kF32;
+  for (const Case& cs : {Case{1, 128, 144}, Case{300, 272, 1040}, Case{4097, 384, 256}}) {
+    const int64_t m = cs.tokens, n = cs.n, k = cs.k, m16 = pad(m, 16), mb = pad(m, 128) / 128;
+    const std::vector<double> x = wide_values(m, k, rng), dy = wide_values(m, n, rng);
+    auto dx = upload_bf16(x), ddy = upload_bf16(dy);
+    // Only the transposed copies are wanted: the rows' outputs are left out (null views).
+    DeviceBuffer<uint8_t> xtc(size_t(k * m16)), dytc(size_t(n * m16));
+    DeviceBuffer<float> xts(size_t(mb * k)), dyts(size_t(mb * n));
+    ops::quantize_fp8_rows(dev(dx.get(), DType::kBF16, m, k, k), {}, {},
+                           dev(xtc.get(), e4, k, m16, m16), dev(xts.get(), f, mb, k, k), nullptr);
+    ops::quantize_fp8_rows(dev(ddy.get(), DType::kBF16, m, n, n), {}, {},
+                           dev(dytc.get(), e4, n, m16, m16), dev(dyts.get(), f, mb, n, n), nullptr);
+    using Ref = MatrixRef<double>;
+    const auto qdyt = reference::quantize_blockwise(Ref::transposed(dy.data(), n, m), 1, 128);
+    const auto qxt = reference::quantize_blockwise(Ref::transposed(x.data(), k, m), 1, 128);
+    const std::vector<double> ref = reference::gemm_fp8_blockwise<double>(qdyt, qxt);
+    const std::string shape = " tokens=" + std::to_string(m) + " n=" + std::to_string(n) +
+                              " k=" + std::to_string(k);
+    for (auto [backend, name] : {std::pair{ops::Fp8WgradBackend::kCutlass, "cutlass"},
+                                 std::pair{ops::Fp8WgradBackend::kCublasLtOnly, "cublaslt-only"}}) {
+      ops::set_fp8_wgrad_backend(backend);
+      DeviceBuffer<bf16> dw(size_t(n * k));
+      dw.poison();
+      ops::gemm_fp8_xyt(dev(dytc.get(), e4, n, m16, m16), dev(dyts.get(), f, mb, n, n),
+                        dev(xtc.get(), e4, k, m16, m16), dev(xts.get(), f, mb, k, k),
+                        dev(dw.get(), DType::kBF16, n, k, k), false, nullptr);
+      CODA_CUDA_CHECK(cudaDeviceSynchronize());
+      expect_close(std::string("dw = dyᵀ·x on ") + name + shape, download_bf16(dw), ref);
+    }
+    ops::set_fp8_wgrad_backend(ops::Fp8WgradBackend::kCublasLt);
+    std::vector<float> start(size_t(n * k));
+    for (float& v : start) v = float(rng.uniform(-1, 1));
+    DeviceBuffer<float> acc(start);
+    ops::gemm_fp8_xyt(dev(dytc.get(), e4, n, m16, m16), dev(dyts.get(), f, mb, n, n),
+                      dev(xtc.get(), e4, k, m16, m16), dev(xts.get(), f, mb, k, k),
+                      dev(acc.get(), f, n, k, k), true, nullptr);
+    const std::vector<float> got = acc.download();
+    std::vector<double> product(got.size());
+    for (size_t i = 0; i < got.size(); ++i) product[i] = double(got[i]) - double(start[i]);
+    expect_close("dw += dyᵀ·x on cublaslt" + shape, product, ref);
+  }
+  ops::set_fp8_wgrad_backend(ops::Fp8WgradBackend::kCutlass);
+}
+
 // F1 over FP8 operands with h quantized in its epilogue (Program::kResidualRmsnormFp8) against
 // the same F1 with bf16 h on the same mainloop, whose h then goes through the cast kernel: x and
 // the Σx² partials byte for byte, h's codes and scales (both copies) byte for byte. The bf16-h

@@ -1,0 +1,195 @@
+// The weight gradient's FP8 GEMM (dW = Xᵀ·Y over the tokens, both operands 1x128 along them) on
+// cuBLASLt's blockwise-scaled GEMM, the alternative backend of ops::gemm_fp8_xyt. Our CUTLASS
+// weight-gradient kernel runs at ~0.90x of cuBLASLt there (docs/status.md: the per-column B scales
+// make each K block's promotion an outer product the mainloop does not overlap), while the weight
+// gradient has no epilogue to fuse. Chosen by ops::set_fp8_wgrad_backend or CODA_FP8_WGRAD.
+//
+// The problem in cuBLASLt's column-major terms: D (M x N, row-major, row stride ldd) is Dᵀ
+// (N x M, column-major, ld ldd) = op(A)·op(B) with A = Y's codes (stored N rows of K: K x N
+// column-major, transposed: TRANSA = T) and B = X's codes (K x M column-major, TRANSB = N): the
+// "TN" layout FP8 tensor-core GEMMs take. VEC128_32F scales are one fp32 per 128 elements along K,
+// outer index fastest with a leading dimension of exactly the outer extent: ours when the scales'
+// row stride equals the operand's rows (the casts and epilogues write them so).
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <tuple>
+
+#include "coda/common/check.hpp"
+#include "coda/ops.hpp"
+#include "ops_internal.hpp"
+
+namespace coda::ops::detail {
+namespace {
+
+#define CODA_CUBLASLT(call)                                                                   \
+  do {                                                                                        \
+    const cublasStatus_t status_ = (call);                                                    \
+    CODA_CHECK(status_ == CUBLAS_STATUS_SUCCESS, "coda::ops::gemm_fp8_xyt (cuBLASLt): ", #call, \
+               " failed with cuBLAS status ", int(status_));                                  \
+  } while (0)
+
+// The largest power of two up to 256 that divides the address: the heuristic's alignment hint.
+uint32_t alignment(const void* p) {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  uint32_t al = 256;
+  while (al > 1 && a % al != 0) al /= 2;
+  return al;
+}
+
+// One problem's cuBLASLt objects (descriptors, layouts, the algorithm the heuristic chose), kept
+// per shape and device: building them and asking the heuristic costs tens of microseconds of host
+// time per call otherwise. The scale pointers change with every call and are set on a copy.
+struct Plan {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, cd = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  bool usable = false;  // false: the heuristic found no algorithm (fall back to CUTLASS)
+};
+using PlanKey = std::tuple<int, int, int, int, int64_t, int64_t, int64_t, bool, uint32_t, uint32_t,
+                           uint32_t>;
+
+struct State {
+  std::mutex mutex;
+  std::map<int, cublasLtHandle_t> handles;  // per device
+  std::map<PlanKey, Plan> plans;
+};
+State& state() {
+  static State* s = new State;  // never destroyed: handles outlive static destruction order
+  return *s;
+}
+
+cublasLtHandle_t handle_for(State& s, int device) {
+  auto it = s.handles.find(device);
+  if (it != s.handles.end()) return it->second;
+  cublasLtHandle_t h = nullptr;
+  CODA_CUBLASLT(cublasLtCreate(&h));
+  s.handles.emplace(device, h);
+  return h;
+}
+
+Plan make_plan(cublasLtHandle_t h, const kernel::GemmProblem& p, int64_t ldd, bool accumulate,
+               const void* d) {
+  Plan plan;
+  const cudaDataType_t out = accumulate ? CUDA_R_32F : CUDA_R_16BF;
+  CODA_CUBLASLT(cublasLtMatmulDescCreate(&plan.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+  CODA_CUBLASLT(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta,
+                                               sizeof(ta)));
+  CODA_CUBLASLT(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb,
+                                               sizeof(tb)));
+  const int32_t mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+  CODA_CUBLASLT(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode,
+                                               sizeof(mode)));
+  CODA_CUBLASLT(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode,
+                                               sizeof(mode)));
+  // The heuristic checks the scale pointers are set: this call's, replaced before every matmul.
+  CODA_CUBLASLT(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                                               &p.scale_b, sizeof(p.scale_b)));
+  CODA_CUBLASLT(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                                               &p.scale_a, sizeof(p.scale_a)));
+  CODA_CUBLASLT(cublasLtMatrixLayoutCreate(&plan.a, CUDA_R_8F_E4M3, p.k, p.n, p.ldb));
+  CODA_CUBLASLT(cublasLtMatrixLayoutCreate(&plan.b, CUDA_R_8F_E4M3, p.k, p.m, p.lda));
+  CODA_CUBLASLT(cublasLtMatrixLayoutCreate(&plan.cd, out, p.n, p.m, ldd));
+
+  cublasLtMatmulPreference_t pref = nullptr;
+  CODA_CUBLASLT(cublasLtMatmulPreferenceCreate(&pref));
+  // No workspace: the op path allocates nothing (CUDA graph capture, no host syncs), and the
+  // weight-gradient GEMMs are large enough that split-K / stream-K variants do not pay.
+  const uint64_t workspace = 0;
+  CODA_CUBLASLT(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace, sizeof(workspace)));
+  const uint32_t al_a = alignment(p.b), al_b = alignment(p.a), al_d = alignment(d);
+  CODA_CUBLASLT(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof(al_a)));
+  CODA_CUBLASLT(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof(al_b)));
+  CODA_CUBLASLT(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_d, sizeof(al_d)));
+  CODA_CUBLASLT(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, sizeof(al_d)));
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(h, plan.op, plan.a, plan.b, plan.cd,
+                                                           plan.cd, pref, 1, &result, &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  // NOT_SUPPORTED or no result: this cuBLASLt has no kernel for the problem (e.g. fp32 D with
+  // blockwise scales); the caller runs ours.
+  if (st == CUBLAS_STATUS_SUCCESS && found > 0) {
+    plan.algo = result.algo;
+    plan.usable = true;
+  } else {
+    CODA_CHECK(st == CUBLAS_STATUS_SUCCESS || st == CUBLAS_STATUS_NOT_SUPPORTED,
+               "coda::ops::gemm_fp8_xyt (cuBLASLt): cublasLtMatmulAlgoGetHeuristic failed with ",
+               "cuBLAS status ", int(st));
+  }
+  return plan;
+}
+
+}  // namespace
+
+const char* gemm_fp8_xyt_cublaslt(const kernel::GemmProblem& p, void* d, int64_t ldd,
+                                  bool accumulate, cudaStream_t stream) {
+  // cuBLASLt reads VEC128 scales with the operand's rows as their leading dimension.
+  if (p.ld_scale_a != p.m || p.ld_scale_b != p.n)
+    return "its VEC128 scales need a row stride of exactly the operand's rows";
+  int device = 0;
+  const cudaError_t e = cudaGetDevice(&device);
+  CODA_CHECK(e == cudaSuccess, "coda::ops::gemm_fp8_xyt (cuBLASLt): cudaGetDevice failed: ",
+             cudaGetErrorString(e));
+  State& s = state();
+  const std::lock_guard<std::mutex> lock(s.mutex);
+  const cublasLtHandle_t h = handle_for(s, device);
+  const PlanKey key{device, p.m, p.n, p.k, p.lda, p.ldb, ldd, accumulate, alignment(p.a),
+                    alignment(p.b), alignment(d)};
+  auto it = s.plans.find(key);
+  if (it == s.plans.end()) it = s.plans.emplace(key, make_plan(h, p, ldd, accumulate, d)).first;
+  const Plan& plan = it->second;
+  if (!plan.usable)
+    return accumulate ? "no cuBLASLt algorithm for this problem with an fp32 D (accumulate)"
+                      : "no cuBLASLt algorithm for this problem";
+  // The descriptor is shared by the calls of one shape: set and read under the lock.
+  CODA_CUBLASLT(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                                               &p.scale_b, sizeof(p.scale_b)));
+  CODA_CUBLASLT(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                                               &p.scale_a, sizeof(p.scale_a)));
+  const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+  CODA_CUBLASLT(cublasLtMatmul(h, plan.op, &alpha, p.b, plan.a, p.a, plan.b, &beta, d, plan.cd, d,
+                               plan.cd, &plan.algo, nullptr, 0, stream));
+  return nullptr;
+}
+
+}  // namespace coda::ops::detail
+
+namespace coda::ops {
+namespace {
+std::atomic<int> g_backend{-1};  // -1: not yet read from the environment
+Fp8WgradBackend from_environment() {
+  const char* v = std::getenv("CODA_FP8_WGRAD");
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "cutlass") == 0) return Fp8WgradBackend::kCutlass;
+  if (std::strcmp(v, "cublaslt") == 0) return Fp8WgradBackend::kCublasLt;
+  CODA_CHECK(std::strcmp(v, "cublaslt-only") == 0,
+             "CODA_FP8_WGRAD must be 'cutlass', 'cublaslt' or 'cublaslt-only', got '", v, "'");
+  return Fp8WgradBackend::kCublasLtOnly;
+}
+}  // namespace
+
+Fp8WgradBackend fp8_wgrad_backend() {
+  int b = g_backend.load(std::memory_order_relaxed);
+  if (b < 0) {
+    int expected = -1;
+    g_backend.compare_exchange_strong(expected, int(from_environment()));
+    b = g_backend.load(std::memory_order_relaxed);
+  }
+  return Fp8WgradBackend(b);
+}
+void set_fp8_wgrad_backend(Fp8WgradBackend backend) {
+  g_backend.store(int(backend), std::memory_order_relaxed);
+}
+}  // namespace coda::ops
