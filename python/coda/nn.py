@@ -183,15 +183,20 @@ def _under_fsdp2(model: nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
+# The projection weights the FP8 path runs in FP8 (each layer's Fp8WeightCache entries).
+FP8_PROJECTIONS = ("w_qkv", "w_o", "w_gu", "w_down")
+
+
 class Fp8WeightCache:
     """Each weight's FP8 operands, ``fp8_quantize_blocks(w, True, True)`` (the 128x128 codes and
     scales of ``w`` and of ``wᵀ``), remade only when the weight changed: its version counter
     moves with every in-place update (an optimizer step), so a weight is quantized once per
     step, not once per forward or micro-batch. Not module state (no state_dict entries).
-    Writes through ``.data`` do not move the version counter: after one, call ``clear()`` (or the
-    model's ``refresh_fp8_weights()``). A
-    captured CUDA graph keeps reading the operands it was captured with: refreshed ones are new
-    tensors.
+    Writes through ``.data`` do not move the version counter: after one, call ``refresh()`` (or
+    the model's ``refresh_fp8_weights()``). A captured CUDA graph keeps reading the tensors it was
+    captured with, and a replay runs no Python to see a weight change: ``refresh()`` writes the new
+    operands into those same tensors, so call it after each update of the weights between
+    replays (a version change seen by a forward makes new tensors instead: no copy in eager steps).
 
     With ``persist`` off (the model under FSDP2) nothing is kept: every forward quantizes the
     weights FSDP2 has just gathered. There the optimizer updates the shards, the gathered weight
@@ -207,7 +212,7 @@ class Fp8WeightCache:
             self._entries.clear()
             with torch.no_grad():
                 return tuple(torch.ops.coda.fp8_quantize_blocks(w.detach(), True, True))
-        key = (w._version, w.data_ptr(), w.dtype, w.device)
+        key = self._key(w)
         entry = self._entries.get(name)
         if entry is None or entry[0] != key:
             with torch.no_grad():
@@ -215,8 +220,28 @@ class Fp8WeightCache:
             self._entries[name] = entry
         return entry[1]
 
+    def refresh(self, name: str, w: Tensor) -> None:
+        """Quantizes ``w`` now into ``name``'s entry: into the entry's own tensors when it has one
+        of the same shapes (in place, so a captured CUDA graph reads the new operands), else a new
+        entry. Nothing without ``persist`` (every forward quantizes then)."""
+        if not self.persist:
+            return
+        with torch.no_grad():
+            new = tuple(torch.ops.coda.fp8_quantize_blocks(w.detach(), True, True))
+            entry = self._entries.get(name)
+            if entry is not None and all(a.shape == b.shape and a.dtype == b.dtype
+                                         for a, b in zip(entry[1], new)):
+                for old, t in zip(entry[1], new):
+                    old.copy_(t)
+                new = entry[1]
+        self._entries[name] = (self._key(w), new)
+
     def clear(self) -> None:
         self._entries.clear()
+
+    @staticmethod
+    def _key(w: Tensor) -> tuple:
+        return (w._version, w.data_ptr(), w.dtype, w.device)
 
 
 class CodaDecoderLayer(nn.Module):
@@ -244,8 +269,7 @@ class CodaDecoderLayer(nn.Module):
 
     def fp8_weights(self) -> dict[str, tuple[Tensor, ...]]:
         """The projection weights' FP8 operands (Fp8WeightCache), by parameter name."""
-        return {n: self._fp8_cache.get(n, getattr(self, n))
-                for n in ("w_qkv", "w_o", "w_gu", "w_down")}
+        return {n: self._fp8_cache.get(n, getattr(self, n)) for n in FP8_PROJECTIONS}
 
     def reset_parameters(self, std: float = 0.02) -> None:
         with torch.no_grad():
@@ -422,11 +446,20 @@ class CodaLlamaForCausalLM(nn.Module):
         return loss.view(batch, seq) if reduction == "none" else loss
 
     def refresh_fp8_weights(self) -> None:
-        """Drops every layer's FP8 weight operands, so the next forward quantizes the weights
-        anew. Needed only after writes that do not move a parameter's version counter (through
-        ``.data``, or ``load_state_dict`` into ``.data``); optimizer steps are seen on their own."""
+        """Quantizes every layer's projection weights now, into the FP8 operands' own tensors
+        (Fp8WeightCache.refresh). Needed after writes that do not move a parameter's version
+        counter (through ``.data``, or ``load_state_dict`` into ``.data``), and between the
+        replays of a captured CUDA graph whenever the weights changed; optimizer steps in eager
+        training are seen on their own."""
+        if self.precision != "fp8":
+            return
+        if _under_fsdp2(self):  # nothing is kept there (each forward quantizes the gathered weights)
+            for layer in self.layers:
+                layer._fp8_cache.clear()
+            return
         for layer in self.layers:
-            layer._fp8_cache.clear()
+            for name in FP8_PROJECTIONS:
+                layer._fp8_cache.refresh(name, getattr(layer, name))
 
     def extra_repr(self) -> str:
         return f"{self.config!r}, precision={self.precision!r}"

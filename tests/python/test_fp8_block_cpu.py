@@ -398,24 +398,46 @@ def test_fp8_weight_cache_quantizes_once_per_step():
 
 def test_fp8_weight_cache_misses_data_writes_until_refreshed():
     """A write through .data leaves the version counter alone, so the cache keeps the old codes
-    (documented); refresh_fp8_weights() makes the next forward quantize the written weights."""
+    (documented); refresh_fp8_weights() quantizes the written weights into the cache's own
+    tensors (in place: what a captured CUDA graph reads), and later forwards use them."""
     _, model, _ = tiny_models()
     ids, labels = tiny_batch()
     layer = model.layers[0]
     with torch.no_grad():
         model(ids, labels)
     stale = layer.fp8_weights()["w_gu"]
+    old_scales = stale[1].clone()
     layer.w_gu.data.mul_(3.0)
     assert layer.fp8_weights()["w_gu"] is stale
     model.refresh_fp8_weights()
+    refreshed = layer.fp8_weights()["w_gu"]
+    assert all(a is b for a, b in zip(refreshed, stale)), "refresh must write in place"
     with torch.no_grad():
         model(ids, labels)
-    codes, scales, codes_t, scales_t = layer.fp8_weights()["w_gu"]
+    assert layer.fp8_weights()["w_gu"] is refreshed  # the refresh's key: no requantization
+    codes, scales, codes_t, scales_t = refreshed
     want = weight_cache(layer.w_gu.detach())
     same_codes(codes, want[0], "w_gu codes after the refresh")
     same_codes(codes_t, want[2], "w_guᵀ codes after the refresh")
     assert torch.equal(scales, want[1]) and torch.equal(scales_t, want[3])
-    assert not torch.equal(scales, stale[1])  # x3 moves every power-of-two scale
+    assert not torch.equal(scales, old_scales)  # x3 moves every power-of-two scale
+
+
+def test_refresh_fp8_weights_is_a_no_op_in_bf16_and_fills_an_empty_cache():
+    """On the bf16 path nothing is quantized; on the FP8 path before any forward the refresh makes
+    every projection's entry, which the first forward then uses as is."""
+    ref, model, _ = tiny_models()
+    ref.refresh_fp8_weights()
+    assert all(not layer._fp8_cache._entries for layer in ref.layers)
+    model.refresh_fp8_weights()
+    made = [layer.fp8_weights() for layer in model.layers]
+    ids, labels = tiny_batch()
+    count = CountOps("coda::fp8_quantize_blocks")
+    with count:
+        model(ids, labels).backward()
+    assert count.calls == 0
+    for layer, entries in zip(model.layers, made):
+        assert all(entries[n] is layer.fp8_weights()[n] for n in entries)
 
 
 # ---- argument checks and registration ---------------------------------------------------------
