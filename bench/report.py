@@ -321,6 +321,26 @@ def fp8_chain_tables(path):
     if worst:
         out.append("Largest relative error per FP8 chain, over the shapes: " + "; ".join(
             f"{k} {e:.3f} ({where})" for k, (where, e) in worst.items()) + ".")
+    staged = [r for r in rows if r.get("stages")]
+    if staged:
+        names = list(staged[0]["stages"])
+        out += ["Per stage (`--fp8-chain-profile`): each of our three ops' forward and backward "
+                "alone (L2 cleared before each run, the backward from the gradients the chain "
+                "hands it), ms, next to the floor GEMMs it holds on cuBLASLt; `glue`: the whole "
+                "chain's time minus its stages' (autograd between the ops; negative where the "
+                "stages, timed cold, lose the L2 reuse the chain has).\n",
+                "| model | M | " + " | ".join(names) + " |",
+                "|---|---|" + "---|" * len(names)]
+        for r in staged:
+            cells = []
+            for n in names:
+                v = r["stages"].get(n, {})
+                c = f"{v['ours_ms']:.3f}" if "ours_ms" in v else "—"
+                if "floor_ms" in v:
+                    c += f" / {v['floor_ms']:.3f} ({v['ours_ms'] - v['floor_ms']:+.3f})"
+                cells.append(c)
+            out.append(f"| {r['model']} | {r['m']} | " + " | ".join(cells) + " |")
+        out.append("")
     # the run's own reasons (torchao, Liger, ...) and the section's (coda_fp8, cuBLASLt)
     absent = {**json.load(open(path)).get("absent", {}), **d.get("absent", {})}
     out += [f"- {k} absent: {v}" for k, v in absent.items() if k not in ("liger", "flashinfer")]

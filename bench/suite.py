@@ -468,6 +468,9 @@ def main():
     ap.add_argument("--e2e-systems", default=None,
                     help="e2e: comma list of bench/suite_e2e.py's systems (default: SYSTEMS), or "
                          "'fp8' for FP8_COMPARISON")
+    ap.add_argument("--fp8-chain-profile", action="store_true",
+                    help="fp8-chain: also our FP8 chain per stage (each op's forward, backward) "
+                         "next to the floor GEMMs each stage holds")
     ap.add_argument("--e2e-timeout", type=int, default=300,
                     help="e2e: seconds each system's process may take")
     a = ap.parse_args()
@@ -600,7 +603,8 @@ def main():
         per_shape(
             "fp8-chain",
             "fp8_chain",
-            lambda model, m, sec: suite_fp8_chain.run_shape(model, m, sec, progress, torchao=tao),
+            lambda model, m, sec: suite_fp8_chain.run_shape(model, m, sec, progress, torchao=tao,
+                                                            profile=a.fp8_chain_profile),
             targets=suite_fp8_chain.TARGETS,
         )
     if "e2e" in sections:

@@ -181,6 +181,98 @@ def ours_step(t, forward, dx2_up, dqkv_f):
     return run, check
 
 
+# ---- the per-stage profile: our chain cut at its three ops ----
+
+# Each stage of our FP8 chain and the floor GEMMs (floor_gemms' names) it holds: the op's forward,
+# or its backward (the data and weight gradients of its projections, gate/up's too in the MLP's).
+STAGES = (
+    ("out-proj fwd", ("fwd out-proj",)),
+    ("mlp fwd", ("fwd gate/up", "fwd down-proj")),
+    ("norm+qkv fwd", ("fwd qkv",)),
+    ("norm+qkv bwd", ("dX qkv", "dW qkv")),
+    ("mlp bwd", ("dX down-proj", "dW down-proj", "dX gate/up", "dW gate/up")),
+    ("out-proj bwd", ("dX out-proj", "dW out-proj")),
+)
+
+
+# Where a cut op's input comes from: (op, input index) -> (producing op, output index); every
+# other differentiable input is a leaf of the chain.
+LINKS = {(1, 0): (0, 0), (1, 6): (0, 3), (2, 0): (1, 0), (2, 5): (1, 3)}
+
+
+def stage_calls(t, q, dx2_up, dqkv_f):
+    """Our FP8 chain cut at its three ops, each op's inputs leaves of its own: ({stage: variant}
+    for bench_interleaved: a forward stage is the op's call, a backward stage is (prepare = that
+    op's forward, run = its backward from the gradients the whole chain hands its outputs)), and
+    the leaf gradients of the cut chain in GRADS' order. Those output gradients come from one
+    backward of the cut chain, the last op first (x2 also gets the chain's upstream dx2), so the
+    six stages together are the chain; the leaf gradients are the check of that."""
+    leaves = fused_leaves(t)
+    y, x0, wo, g_ffn, wgu, wd, g_attn, wqkv = leaves
+
+    def cut(v):  # an op output as the next op's input: a leaf of its own where differentiable
+        return v.detach().requires_grad_() if v.requires_grad else v
+
+    def op1(y, x0, wo, g_ffn):
+        return CODA.fp8_out_proj_residual_norm(y, wo, *q["wo"], x0, g_ffn, EPS)
+
+    def op2(x1, g_ffn, wgu, wd, h1, h1s, r1, g_attn):
+        return CODA.fp8_mlp(x1, g_ffn, wgu, *q["wgu"], wd, *q["wd"], h1, h1s, r1, g_attn, EPS)
+
+    def op3(x2, g_attn, wqkv, h2, h2s, r2):
+        return (CODA.fp8_norm_qkv(x2, g_attn, wqkv, *q["wqkv"], h2, h2s, r2, t.pos,
+                                  t.rope_table),)
+
+    in1 = [y, x0, wo, g_ffn]
+    out1 = op1(*in1)
+    in2 = [cut(out1[0]), g_ffn, wgu, wd, out1[1], out1[2], cut(out1[3]), g_attn]
+    out2 = op2(*in2)
+    in3 = [cut(out2[0]), g_attn, wqkv, out2[1], out2[2], cut(out2[3])]
+    out3 = op3(*in3)
+    ops = [(op1, in1, out1), (op2, in2, out2), (op3, in3, out3)]
+
+    def diff_inputs(ins):
+        return [i for i, v in enumerate(ins) if v.requires_grad]
+
+    into = {(2, 0): dqkv_f, (1, 0): dx2_up}  # (op, output) -> the gradient it receives
+    leaf_grads = {}
+    seeds_of = {}
+    for k in (2, 1, 0):
+        _, ins, outs = ops[k]
+        idx = sorted(i for (op, i) in into if op == k)
+        seeds_of[k] = (idx, [into[(k, i)] for i in idx])
+        diff = diff_inputs(ins)
+        grads = torch.autograd.grad([outs[i] for i in idx], [ins[i] for i in diff],
+                                    seeds_of[k][1], allow_unused=True)
+        for i, g in zip(diff, grads):
+            if g is None:
+                continue
+            src = LINKS.get((k, i))
+            if src is not None:
+                into[src] = into[src] + g if src in into else g
+            else:
+                leaf_grads[id(ins[i])] = leaf_grads[id(ins[i])] + g if id(ins[i]) in leaf_grads \
+                    else g
+    variants = {}
+    for (name, _), k in zip(STAGES[:3], range(3)):
+        fn, ins, _ = ops[k]
+        variants[name] = (lambda fn=fn, ins=ins: fn(*ins))
+    for (name, _), k in zip(STAGES[3:], (2, 1, 0)):
+        fn, ins, _ = ops[k]
+        idx, seeds = seeds_of[k]
+        diff = [ins[i] for i in diff_inputs(ins)]
+
+        def prepare(fn=fn, ins=ins, idx=idx):
+            outs = fn(*ins)
+            return [outs[i] for i in idx]
+
+        def run(outs, seeds=seeds, diff=diff):
+            torch.autograd.grad(outs, diff, seeds, allow_unused=True)
+
+        variants[name] = (prepare, run)
+    return variants, [leaf_grads.get(id(v)) for v in leaves]
+
+
 # ---- torchao float8 + torch.compile ----
 
 
@@ -351,10 +443,12 @@ def ratios(ms, model):
 
 
 def run_shape(model, m, sec, progress, torchao=None, time_it=True, dev="cuda", dtype=None,
-              emulate_torchao=False, compile_torchao=True):
+              emulate_torchao=False, compile_torchao=True, profile=False):
     """One shape: checks every variant, then times those that passed, interleaved. `model`: a name
     of MODELS, or (hidden, q heads, kv heads, head dim, ffn) for a check at another shape
-    (time_it=False, dev="cpu": the CPU check)."""
+    (time_it=False, dev="cpu": the CPU check). `profile`: also our chain per stage (STAGES) next
+    to the floor GEMMs each stage holds (the row's "stages"; stage_calls' cut chain checked
+    against the whole chain's gradients first)."""
     if isinstance(model, str) and model not in MODELS:  # the paper's shapes have no FP8 rows
         return None
     name = model if isinstance(model, str) else "x".join(map(str, model))
@@ -385,6 +479,13 @@ def run_shape(model, m, sec, progress, torchao=None, time_it=True, dev="cuda", d
             ok = False
         if ok:
             variants["coda_fp8"] = step
+        if ok and profile:
+            stages, cut_grads = stage_calls(t, q, dx2_up, dqkv_f)
+            whole = [g for g in ours_step(t, lambda lv: fp8_chain_forward(t, lv, q), dx2_up,
+                                          dqkv_f)[0]()[2]]
+            cut_errs = {n: rel_err(a, b) for n, a, b in zip(GRADS, cut_grads, whole)}
+            row["rel_err"]["stages"] = cut_errs
+            row["check"]["stages"] = "PASS" if max(cut_errs.values()) <= 1e-6 else "FAIL"
 
             # the weights cast in the step, as every forward of torchao's chain casts them
             variants["coda_fp8_wcast"] = ours_step(
@@ -436,6 +537,9 @@ def run_shape(model, m, sec, progress, torchao=None, time_it=True, dev="cuda", d
         times = bench_interleaved(variants, progress, f"fp8 chain fwd+bwd {name} M={m}")
         row.update({f"ms_{k}": v for k, v in times.items()})
         row.update(ratios(times, name))
+        if row["check"].get("stages") == "PASS":
+            row["stages"] = profile_stages(stages, calls, checks, times, progress,
+                                           f"{name} M={m}")
     sec["rows"].append(row)
     line = f"fp8-chain {name:11s} M={m:5d} "
     if time_it:
@@ -453,6 +557,31 @@ def run_shape(model, m, sec, progress, torchao=None, time_it=True, dev="cuda", d
     if dev == "cuda":
         torch.cuda.empty_cache()
     return row
+
+
+def profile_stages(stages, calls, checks, times, progress, label):
+    """{stage: ms of ours, of its floor GEMMs on cuBLASLt (fp8_floor) and on ours, and our
+    stage's excess over the cuBLASLt ones} plus "glue": the whole chain's time minus its stages'
+    (autograd between the ops). Stages, then each floor, interleaved on their own."""
+    ours = bench_interleaved(stages, progress, f"fp8 chain stages {label}")
+    gemm = {}
+    for col, i, variant in (("floor_ms", 2, "fp8_floor"), ("floor_coda_ms", 1, "fp8_floor_coda")):
+        if checks.get(variant) == "PASS":
+            gemm[col] = bench_interleaved({n: c[i] for n, c in calls.items()}, progress,
+                                          f"fp8 chain floor GEMMs ({variant}) {label}")
+    out = {}
+    for name, gemms in STAGES:
+        r = {"ours_ms": ours[name]}
+        for col, ms in gemm.items():
+            r[col] = sum(ms[g] for g in gemms)
+        if "floor_ms" in r:
+            r["over_floor_ms"] = r["ours_ms"] - r["floor_ms"]
+        out[name] = r
+    if "coda_fp8" in times:
+        out["glue"] = {"ours_ms": times["coda_fp8"] - sum(ours.values())}
+    for name, r in out.items():
+        print(f"  stage {name:13s} " + " ".join(f"{k}={v:.3f}" for k, v in r.items()), flush=True)
+    return out
 
 
 def main():

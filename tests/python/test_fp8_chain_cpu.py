@@ -19,9 +19,13 @@ import suite_fp8_chain as fc  # noqa: E402
 def test_fp8_chain_variants_pass_the_sections_check_on_the_cpu():
     sec = {"rows": []}
     row = fc.run_shape((256, 4, 2, 64, 512), 200, sec, None, torchao=None, time_it=False,
-                       dev="cpu", emulate_torchao=True, compile_torchao=False)
-    assert {k: row["check"].get(k) for k in ("coda_fp8", "fp8_floor_coda", "coda_bf16")} == {
-        "coda_fp8": "PASS", "fp8_floor_coda": "PASS", "coda_bf16": "PASS"}
+                       dev="cpu", emulate_torchao=True, compile_torchao=False, profile=True)
+    assert {k: row["check"].get(k) for k in ("coda_fp8", "fp8_floor_coda", "coda_bf16",
+                                             "stages")} == {
+        "coda_fp8": "PASS", "fp8_floor_coda": "PASS", "coda_bf16": "PASS", "stages": "PASS"}
+    # The profile's cut chain (each op on leaves of its own, fed the gradients the chain hands
+    # it) gives the whole chain's gradients: its six stages are the chain.
+    assert set(row["rel_err"]["stages"]) == set(fc.GRADS)
     # The FP8 chain's error is the recipe's (a few per cent per tensor), not bf16's: the check
     # really compares quantized results.
     errs = row["rel_err"]["coda_fp8"]
