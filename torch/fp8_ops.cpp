@@ -35,14 +35,16 @@ using Quantized = std::tuple<Tensor, Tensor, Tensor, Tensor>;
 
 int64_t blocks(int64_t n) { return ScaleLayout::blocks(n); }
 
-// The high-precision input of a cast: bf16 on CUDA; float32, float64 or bf16 on the CPU.
+// The high-precision input of a cast: bf16 on CUDA; float32, float64 or bf16 on the CPU (and on
+// the Meta device, which stands for either).
 void check_input(const char* op, const char* name, const Tensor& x) {
   TORCH_CHECK(x.defined(), op, ": ", name, " is undefined");
-  TORCH_CHECK(x.is_cpu() || x.is_cuda(), op, ": ", name, " is on ", x.device(),
+  TORCH_CHECK(x.is_cpu() || x.is_cuda() || x.is_meta(), op, ": ", name, " is on ", x.device(),
               "; coda ops run on CPU or CUDA");
   const auto t = x.scalar_type();
-  TORCH_CHECK(t == at::kBFloat16 || (x.is_cpu() && (t == at::kFloat || t == at::kDouble)), op, ": ",
-              name, " must be bfloat16", x.is_cpu() ? " (or float32 / float64 on the CPU)" : "",
+  const bool wide_ok = x.is_cpu() || x.is_meta();
+  TORCH_CHECK(t == at::kBFloat16 || (wide_ok && (t == at::kFloat || t == at::kDouble)), op, ": ",
+              name, " must be bfloat16", wide_ok ? " (or float32 / float64 on the CPU)" : "",
               ", got ", t);
   TORCH_CHECK(x.dim() == 2 && x.numel() > 0, op, ": ", name, " must be a non-empty matrix, got ",
               shape_string(x.sizes()));
@@ -138,6 +140,7 @@ Quantized quantize(const char* op, const Tensor& x, bool rows, bool transposed, 
     scales_t = tiles ? at::empty({blocks(k), blocks(m)}, scale_options(x))
                      : at::empty({blocks(m), k}, scale_options(x));
   }
+  if (x.is_meta()) return {codes, scales, codes_t, scales_t};  // the Meta kernel: shapes only
   if (x.is_cpu()) {
     const std::vector<float> v = as_floats(x);
     if (rows) {
@@ -730,6 +733,13 @@ Fp8B2 swiglu_backward(const Tensor& dx_out, const Tensor& dx_out_scales, const T
                                   transposed);
 }
 }  // namespace fp8
+
+// The casts' Meta kernels (the model's first cast and its weight caches, under torch.compile):
+// the same checks and outputs, no data.
+TORCH_LIBRARY_IMPL(coda, Meta, m) {
+  m.impl("fp8_quantize_rows", &fp8_quantize_rows);
+  m.impl("fp8_quantize_blocks", &fp8_quantize_blocks);
+}
 
 TORCH_LIBRARY_FRAGMENT(coda, m) {
   m.def(

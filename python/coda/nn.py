@@ -198,6 +198,9 @@ class Fp8WeightCache:
     operands into those same tensors, so call it after each update of the weights between
     replays (a version change seen by a forward makes new tensors instead: no copy in eager steps).
 
+    Under torch.compile the weights are cast inside the compiled graph in every forward (Dynamo
+    cannot guard on a version counter), as torchao's float8 casts them: once per optimizer step
+    when each step has one micro-batch, and a CUDA graph of it replays with the current weights.
     With ``persist`` off (the model under FSDP2) nothing is kept: every forward quantizes the
     weights FSDP2 has just gathered. There the optimizer updates the shards, the gathered weight
     lands at the same address without a version change, and a kept entry would be stale; it would
@@ -208,6 +211,9 @@ class Fp8WeightCache:
         self.persist = True
 
     def get(self, name: str, w: Tensor) -> tuple[Tensor, ...]:
+        if torch.compiler.is_compiling():  # no guard on a version counter: cast in the graph
+            with torch.no_grad():
+                return tuple(torch.ops.coda.fp8_quantize_blocks(w.detach(), True, True))
         if not self.persist:
             self._entries.clear()
             with torch.no_grad():

@@ -152,24 +152,31 @@ def test_inductor_never_formats_the_implicit_fallback_message_for_coda_ops(monke
         assert_rel(got[1][n], eager[1][n], 1e-5, f"grad {n}")
 
 
-def test_fp8_layers_compiled_per_block_train_as_eager():
-    """precision="fp8" with each decoder layer torch.compile'd (the documented way): three SGD
-    steps give the eager FP8 model's losses and gradients exactly (fp32 on the CPU), so the
-    compiled layers see each step's updated weights through the weight cache."""
+@pytest.mark.parametrize("whole", [False, True], ids=["per-block", "fullgraph"])
+def test_fp8_model_compiled_trains_as_eager(whole):
+    """precision="fp8" with each decoder layer torch.compile'd (the documented way), or the whole
+    model under fullgraph=True (the casts' Meta kernels; the weights cast inside the graph, as
+    Dynamo cannot guard on a version counter): three SGD steps give the eager FP8 model's losses
+    and gradients exactly (aot_eager, fp32 on the CPU), so the compiled model computes with each
+    step's updated weights."""
     cfg = LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=96, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=16)
     torch.manual_seed(0)
     eager = CodaLlamaForCausalLM(cfg, dtype=torch.float32, precision="fp8")
     compiled = CodaLlamaForCausalLM(cfg, dtype=torch.float32, precision="fp8")
     compiled.load_state_dict(eager.state_dict())
-    for layer in compiled.layers:
-        layer.compile(backend="aot_eager")
+    run = compiled
+    if whole:
+        run = torch.compile(compiled, fullgraph=True, backend="aot_eager")
+    else:
+        for layer in compiled.layers:
+            layer.compile(backend="aot_eager")
     ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
     opts = [torch.optim.SGD(m.parameters(), lr=1.0) for m in (eager, compiled)]
     losses = []
     for _ in range(3):
         pair = []
-        for m, opt in zip((eager, compiled), opts):
+        for m, opt in zip((eager, run), opts):
             loss = m(ids, ids)
             loss.backward()
             pair.append(loss.item())

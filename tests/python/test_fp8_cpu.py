@@ -89,6 +89,24 @@ def test_rows_not_asked_for_stay_empty(g):
     assert codes.numel() == 0 and scales.numel() == 0 and codes_t.shape == (32, 48)
 
 
+@pytest.mark.parametrize("rows,transposed", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("op", ["fp8_quantize_rows", "fp8_quantize_blocks"])
+def test_cast_meta_kernels_match_the_cpu_kernels(op, rows, transposed, g):
+    """The casts' Meta kernels (torch.compile traces the model's casts through them) give every
+    output's shape, stride and dtype the CPU kernel gives (opcheck's fake-tensor check, with
+    ragged rows: scales padded to 4, the row cast's copy to 16 tokens), and bad input raises
+    there as on the CPU."""
+    x = wide(208 if op.endswith("blocks") else 37, 272, g)
+    fn = getattr(CODA, op).default
+    torch.library.opcheck(fn, (x, rows, transposed), test_utils=("test_faketensor",))
+    on_meta = fn(x.to("meta"), rows, transposed)
+    for got, want in zip(on_meta, fn(x, rows, transposed)):
+        assert got.device.type == "meta"
+        assert (got.shape, got.stride(), got.dtype) == (want.shape, want.stride(), want.dtype)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        fn(torch.empty(37, 40, device="meta"), rows, transposed)
+
+
 @pytest.mark.parametrize("n,k", [(16, 16), (272, 400), (128, 256)])
 def test_block_cast_matches_the_recipe(n, k, g):
     w = wide(n, k, g)
