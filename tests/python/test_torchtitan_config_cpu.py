@@ -383,3 +383,40 @@ def test_torchtitan_parallelize_llama_runs_coda_blocks(tmp_path):
         assert r["classes"] == ["FSDPLlama3Model", "FSDPCodaLlama3Model"], name
         assert r["loss_rel"] < 1e-6, (name, r)
         assert r["grad_rel"] < 1e-5, (name, r)
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_fp8_precision_trains_within_the_recipe_error_of_bf16():
+    """``CodaConverter.Config(precision="fp8")``: every block's projections in blockwise FP8 (coda's
+    FP8 block ops, checked against an fp64 emulation of the recipe in test_fp8_block_cpu.py).
+    Here the wiring, against the bf16-converted model with the same weights (fp64): the loss
+    within 5e-3 relative and every gradient within the recipe's error, 0.25 relative Frobenius
+    (test_fp8_block_cpu's bound 2·err_w + 2·sqrt(2)·U with err_w up to 8%), where a weight, norm
+    or cache handed to the wrong argument is off by O(1); FP8 is on: the projections' gradients
+    move by more than 1e-3. A precision other than bf16 / fp8 is refused, naming the setting."""
+    bf16 = perturb(build(coda_on(small_config()), 3), 5)
+    g = torch.Generator().manual_seed(6)
+    with torch.no_grad():  # norm weights far apart, so a norm handed to the wrong op shows
+        for n, p in bf16.named_parameters():
+            if "norm" in n:
+                p.copy_(torch.rand(p.shape, generator=g, dtype=p.dtype) + 0.5)
+    cfg = ct.CodaConverter.Config(precision="fp8").build().convert(small_config())
+    assert all(c.precision == "fp8" for c in cfg.layers)
+    fp8 = build(cfg, 9)
+    fp8.load_state_dict(bf16.state_dict(), strict=True)
+    ids, labels, pos = batch()
+    _, loss_b = run(bf16, ids, labels, pos)
+    _, loss_f = run(fp8, ids, labels, pos)
+    assert abs(loss_f - loss_b) <= 5e-3 * abs(loss_b), (loss_f, loss_b)
+    gb, gf = grads_by_checkpoint_name(bf16), grads_by_checkpoint_name(fp8)
+    assert set(gf) == set(gb)
+    errs = {name: rel(gf[name], g) for name, g in gb.items()}
+    assert all(e <= 0.25 for e in errs.values()), errs
+    projections = [e for n, e in errs.items() if n.endswith(("wq.weight", "wo.weight",
+                                                              "w1.weight", "w2.weight"))]
+    assert projections and min(projections) > 1e-3, errs
+    with pytest.raises(ValueError, match="precision must be 'bf16' or 'fp8'"):
+        ct.CodaConverter.Config(precision="fp16").build()

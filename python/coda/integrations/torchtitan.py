@@ -40,6 +40,11 @@ optimizer state does not load across coda on/off (its names are not there) rathe
 Adam moments with permuted rows. Initialization draws the same random numbers in the same order
 as the stock model, so a seed gives the same initial weights with coda on or off.
 
+``CodaConverter.Config(precision="fp8")`` runs every projection GEMM of the blocks in blockwise
+FP8 (docs/math.md §6, coda's FP8 block ops): each forward casts the block's four weights (FSDP2
+gathers them for every forward anyway, and a compiled block casts in its graph) and its attention
+norm's h; the embedding, final norm, LM head and loss stay TorchTitan's.
+
 Not supported, with an error naming the setting: MoE layers, QK norm, biases, RoPE other than
 ``ComplexRoPE`` with ``scaling`` ``"none"``/``"llama"``, partial rotary dims, RMSNorm without a
 weight or eps, another block/attention/FFN type (e.g. ``tp_gemm_backend="dist_gemm"``), linears
@@ -288,12 +293,13 @@ class CodaLlama3TransformerBlock(Llama3TransformerBlock):
 
     @dataclass(kw_only=True, slots=True)
     class Config(Llama3TransformerBlock.Config):
-        pass
+        precision: str = "bf16"  # "fp8": the projections in blockwise FP8 (CodaConverter.Config)
 
     def __init__(self, config: Config):
         super().__init__(config)
         _check_built(self)
         self._shape = _shape_of(config)
+        self._fp8 = _precision(config.precision, "precision") == "fp8"
         self.register_buffer("coda_rope_table", self._rope_table(None), persistent=False)
 
     def _rope_table(self, device) -> Tensor:
@@ -318,10 +324,19 @@ class CodaLlama3TransformerBlock(Llama3TransformerBlock):
         g_attn, w_qkv, w_o, g_ffn, w_gu, w_down = (
             w if w.dtype == dtype else w.to(dtype) for w in weights)
         pos = _positions(positions, batch, seq, x.device)
+        coda = torch.ops.coda
         with torch.autocast(x.device.type, enabled=False):
             xm = x.to(dtype).reshape(tokens, dim).contiguous()
             h, r = ops.rmsnorm_stats(xm, g_attn, s.eps_attn)
-            qkv = ops.norm_qkv(xm, g_attn, w_qkv, h, r, pos, self.coda_rope_table)
+            if self._fp8:  # the weights' FP8 operands (128x128 blocks, and Wᵀ's) and h's rows
+                with torch.no_grad():
+                    q8 = [tuple(coda.fp8_quantize_blocks(w.detach(), True, True))
+                          for w in (w_qkv, w_o, w_gu, w_down)]
+                    h8 = coda.fp8_quantize_rows(h)[:2]
+                qkv = coda.fp8_norm_qkv(xm, g_attn, w_qkv, *q8[0], *h8, r, pos,
+                                        self.coda_rope_table)
+            else:
+                qkv = ops.norm_qkv(xm, g_attn, w_qkv, h, r, pos, self.coda_rope_table)
         # (M, W) -> (B, L, heads, d): q, k, v as TorchTitan's attention takes them (views).
         q, k, v = qkv.view(batch, seq, -1, s.head_dim).split(
             [s.n_heads, s.n_kv_heads, s.n_kv_heads], dim=2)
@@ -329,10 +344,17 @@ class CodaLlama3TransformerBlock(Llama3TransformerBlock):
                                  enable_gqa=attn.enable_gqa)
         with torch.autocast(x.device.type, enabled=False):
             y = y.to(dtype).reshape(tokens, s.n_heads * s.head_dim).contiguous()
-            x1, h1, r1 = ops.out_proj_residual_norm(y, w_o, xm, g_ffn, s.eps_ffn)
             # The MLP op's next-norm caches (for g_ffn here) are not used: the next block
-            # recomputes its own (its norm weight belongs to another FSDP unit).
-            out, _, _, _ = ops.mlp(x1, g_ffn, w_gu, w_down, h1, r1, g_ffn, s.eps_ffn)
+            # recomputes its own (its norm weight belongs to another FSDP unit). In FP8 they
+            # are the activation-dtype h (`last`), which skips the quantizing epilogue.
+            if self._fp8:
+                x1, h1, h1s, r1, _, _ = coda.fp8_out_proj_residual_norm(
+                    y, w_o, *q8[1], xm, g_ffn, s.eps_ffn)
+                out = coda.fp8_mlp(x1, g_ffn, w_gu, *q8[2], w_down, *q8[3], h1, h1s, r1, g_ffn,
+                                   s.eps_ffn, True)[0]
+            else:
+                x1, h1, r1 = ops.out_proj_residual_norm(y, w_o, xm, g_ffn, s.eps_ffn)
+                out, _, _, _ = ops.mlp(x1, g_ffn, w_gu, w_down, h1, r1, g_ffn, s.eps_ffn)
         return out.view(batch, seq, dim).to(x.dtype)
 
 
@@ -435,9 +457,15 @@ def _coda_qkv(a: GQAttention.Config, fqn: str) -> CodaQKVLinear.Config:
                            param_init=_packed_qkv_init(src, a.n_heads, n_kv, head_dim)))
 
 
-def _coda_block(layer, fqn: str) -> CodaLlama3TransformerBlock.Config:
+def _precision(value: str, setting: str) -> str:
+    if value not in ("bf16", "fp8"):
+        raise ValueError(f"{_WHO}: {setting} must be 'bf16' or 'fp8', got {value!r}")
+    return value
+
+
+def _coda_block(layer, fqn: str, precision: str = "bf16") -> CodaLlama3TransformerBlock.Config:
     if isinstance(layer, CodaLlama3TransformerBlock.Config):
-        return layer
+        return replace(layer, precision=precision)
     if type(layer) is not Llama3TransformerBlock.Config:
         raise TypeError(f"{_WHO}: {fqn} is a {type(layer).__qualname__}; coda converts "
                         "Llama3TransformerBlock.Config blocks only (a converter such as LoRA "
@@ -479,7 +507,8 @@ def _coda_block(layer, fqn: str) -> CodaLlama3TransformerBlock.Config:
     return CodaLlama3TransformerBlock.Config(
         attention=attention, feed_forward=feed_forward, moe=None,
         attention_norm=layer.attention_norm, ffn_norm=layer.ffn_norm,
-        param_init=layer.param_init, sharding_config=layer.sharding_config)
+        param_init=layer.param_init, sharding_config=layer.sharding_config,
+        precision=precision)
 
 
 class CodaLlama3Model(Llama3Model):
@@ -507,10 +536,11 @@ class CodaConverter(ModelConfigConverter):
 
     @dataclass(kw_only=True, slots=True)
     class Config(ModelConfigConverter.Config):
-        pass
+        precision: str = "bf16"  # "fp8": every block's projections in blockwise FP8
 
     def __init__(self, config: Config, **kwargs):
         self.config = config
+        _precision(config.precision, "CodaConverter.Config.precision")
 
     def convert(self, model_config):
         if not isinstance(model_config, Llama3Model.Config):
@@ -518,7 +548,7 @@ class CodaConverter(ModelConfigConverter):
                             f"{type(model_config).__qualname__}")
         layers = model_config.layers
         for i, layer in enumerate(layers):
-            layers[i] = _coda_block(layer, f"layers.{i}")
+            layers[i] = _coda_block(layer, f"layers.{i}", self.config.precision)
         if isinstance(model_config, CodaLlama3Model.Config):
             return model_config
         return CodaLlama3Model.Config(
