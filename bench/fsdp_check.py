@@ -12,6 +12,8 @@ difference, and tokens/s per GPU (median step time after warm-up).
                                                                   # compared with R-single.json
     torchrun --nproc-per-node 2 bench/fsdp_check.py --mode tp --out R     # writes R-tp.json
     ... --mode tp-unfused   the same sharding with plain PyTorch ops (the unfused TP baseline)
+    ... --precision fp8     (single and fsdp) the FP8 model (precision="fp8"): R-single-fp8.json,
+                            R-fsdp-fp8.json, compared with each other
 
 NCCL runs through PyTorch's process group with NVLink multicast off (NCCL_NVLS_ENABLE=0,
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1), as the GPU machines require.
@@ -58,8 +60,13 @@ def main():
     ap.add_argument("--model", choices=sorted(MODELS), default="small")
     ap.add_argument("--lm-head", choices=["vocab", "sequence"], default="vocab",
                     help="TP only: vocabulary- or sequence-parallel LM head")
+    ap.add_argument("--precision", choices=["bf16", "fp8"], default="bf16",
+                    help="the model's projections (fp8: blockwise FP8; FSDP2 and single only)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    if args.precision == "fp8" and args.mode not in ("single", "fsdp"):
+        raise SystemExit("fsdp_check: --precision fp8 runs with --mode single or fsdp "
+                         "(coda.parallel refuses FP8 models)")
     fsdp, tp = args.mode == "fsdp", args.mode in ("tp", "tp-unfused")
     if fsdp or tp:
         dist.init_process_group("nccl")
@@ -69,7 +76,8 @@ def main():
     torch.cuda.set_device(rank)
     cfg = LlamaConfig(**MODELS[args.model])
     torch.manual_seed(0)  # the same initialization on every rank and in the single run
-    model = CodaLlamaForCausalLM(cfg, device="cuda", dtype=torch.bfloat16)
+    model = CodaLlamaForCausalLM(cfg, device="cuda", dtype=torch.bfloat16,
+                                 precision=args.precision)
     if fsdp:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -111,19 +119,22 @@ def main():
     warm = max(1, args.steps // 5)
     step_ms = statistics.median(s.elapsed_time(e) for s, e in times[warm:])
     tokens_per_gpu = per * args.seq / (world if tp else 1)
-    res = {"mode": args.mode, "model": args.model, "lm_head": args.lm_head if tp else None,
+    res = {"mode": args.mode, "model": args.model, "precision": args.precision,
+           "lm_head": args.lm_head if tp else None,
            "batch": args.batch, "seq": args.seq, "world": world, "device": torch.cuda.get_device_name(),
            "torch": torch.__version__, "commit": os.environ.get("CODA_COMMIT", "unknown"),
            "command": " ".join(sys.argv), "loss": curve, "median_step_ms": step_ms,
            "tokens_per_s_per_gpu": tokens_per_gpu / (step_ms / 1e3),
            "peak_mib_per_gpu": torch.cuda.max_memory_allocated() / 2**20}
     if rank == 0:
-        if (fsdp or tp) and os.path.exists(args.out + "-single.json"):
-            with open(args.out + "-single.json") as f:
+        single_path = args.out + "-single" + ("-fp8" if args.precision == "fp8" else "") + ".json"
+        if (fsdp or tp) and os.path.exists(single_path):
+            with open(single_path) as f:
                 single = json.load(f)
-            same = {k: (single.get(k), res[k]) for k in ("model", "batch", "seq")}
+            same = {k: (single.get(k, "bf16" if k == "precision" else None), res[k])
+                    for k in ("model", "batch", "seq", "precision")}
             if any(a != b for a, b in same.values()):
-                raise SystemExit(f"fsdp_check: {args.out}-single.json ran another problem "
+                raise SystemExit(f"fsdp_check: {single_path} ran another problem "
                                  f"(single, this run): {same}")
             rel = [abs(a - b) / abs(b) for a, b in zip(curve, single["loss"])]
             res["vs_single"] = {
@@ -131,7 +142,8 @@ def main():
                 single["tokens_per_s_per_gpu"],
                 "per_gpu_throughput_ratio": res["tokens_per_s_per_gpu"] /
                 single["tokens_per_s_per_gpu"]}
-        tag = args.mode + ("-seq" if tp and args.lm_head == "sequence" else "")
+        tag = args.mode + ("-seq" if tp and args.lm_head == "sequence" else "") + (
+            "-fp8" if args.precision == "fp8" else "")
         with open(f"{args.out}-{tag}.json", "w") as f:
             json.dump(res, f, indent=1)
         print(json.dumps({k: v for k, v in res.items() if k != "loss"}, indent=1), flush=True)
