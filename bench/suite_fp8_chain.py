@@ -479,6 +479,9 @@ def run_shape(model, m, sec, progress, torchao=None, time_it=True, dev="cuda", d
             ok = False
         if ok:
             variants["coda_fp8"] = step
+            # the weights cast in the step, as every forward of torchao's chain casts them
+            variants["coda_fp8_wcast"] = ours_step(
+                t, lambda lv: fp8_chain_forward(t, lv, fp8_weight_caches(t)), dx2_up, dqkv_f)[0]
         if ok and profile:
             stages, cut_grads = stage_calls(t, q, dx2_up, dqkv_f)
             whole = [g for g in ours_step(t, lambda lv: fp8_chain_forward(t, lv, q), dx2_up,
@@ -486,10 +489,6 @@ def run_shape(model, m, sec, progress, torchao=None, time_it=True, dev="cuda", d
             cut_errs = {n: rel_err(a, b) for n, a, b in zip(GRADS, cut_grads, whole)}
             row["rel_err"]["stages"] = cut_errs
             row["check"]["stages"] = "PASS" if max(cut_errs.values()) <= 1e-6 else "FAIL"
-
-            # the weights cast in the step, as every forward of torchao's chain casts them
-            variants["coda_fp8_wcast"] = ours_step(
-                t, lambda lv: fp8_chain_forward(t, lv, fp8_weight_caches(t)), dx2_up, dqkv_f)[0]
 
     # the floors
     calls = floor_gemms(floor_operands(t, m))

@@ -1,4 +1,5 @@
-// The weight gradient's FP8 GEMM (dW = Xᵀ·Y over the tokens, both operands 1x128 along them) on
+// The weight gradient's FP8 GEMM (d = x·yᵀ over the tokens from the transposed copies, both
+// operands 1x128 along them) on
 // cuBLASLt's blockwise-scaled GEMM, the alternative backend of ops::gemm_fp8_xyt. Our CUTLASS
 // weight-gradient kernel runs at ~0.90x of cuBLASLt there (docs/status.md: the per-column B scales
 // make each K block's promotion an outer product the mainloop does not overlap), while the weight
@@ -19,6 +20,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <string>
 #include <tuple>
 
 #include "coda/common/check.hpp"
@@ -28,13 +30,6 @@
 namespace coda::ops::detail {
 namespace {
 
-#define CODA_CUBLASLT(call)                                                                   \
-  do {                                                                                        \
-    const cublasStatus_t status_ = (call);                                                    \
-    CODA_CHECK(status_ == CUBLAS_STATUS_SUCCESS, "coda::ops::gemm_fp8_xyt (cuBLASLt): ", #call, \
-               " failed with cuBLAS status ", int(status_));                                  \
-  } while (0)
-
 // The largest power of two up to 256 that divides the address: the heuristic's alignment hint.
 uint32_t alignment(const void* p) {
   const auto a = reinterpret_cast<uintptr_t>(p);
@@ -43,21 +38,23 @@ uint32_t alignment(const void* p) {
   return al;
 }
 
-// One problem's cuBLASLt objects (descriptors, layouts, the algorithm the heuristic chose), kept
-// per shape and device: building them and asking the heuristic costs tens of microseconds of host
-// time per call otherwise. The scale pointers change with every call and are set on a copy.
+// One problem's cuBLASLt objects (descriptor, layouts, the algorithm the heuristic chose), kept
+// per shape, device and alignment: building them and asking the heuristic costs tens of
+// microseconds of host time per call otherwise. The scale pointers change with every call and are
+// set on the descriptor under the lock. A failure at any step leaves `why_not` (the plan is then
+// never used again: gemm_fp8_xyt falls back to ours, or with cublaslt-only raises it).
 struct Plan {
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, cd = nullptr;
   cublasLtMatmulAlgo_t algo{};
-  bool usable = false;  // false: the heuristic found no algorithm (fall back to CUTLASS)
+  std::string why_not;  // empty: usable
 };
 using PlanKey = std::tuple<int, int, int, int, int64_t, int64_t, int64_t, bool, uint32_t, uint32_t,
                            uint32_t>;
 
 struct State {
   std::mutex mutex;
-  std::map<int, cublasLtHandle_t> handles;  // per device
+  std::map<int, cublasLtHandle_t> handles;  // per device (nullptr: cublasLtCreate failed)
   std::map<PlanKey, Plan> plans;
 };
 State& state() {
@@ -65,71 +62,85 @@ State& state() {
   return *s;
 }
 
+std::string failed(const char* what, cublasStatus_t status) {
+  return std::string(what) + " failed with cuBLAS status " + std::to_string(int(status));
+}
+
 cublasLtHandle_t handle_for(State& s, int device) {
   auto it = s.handles.find(device);
   if (it != s.handles.end()) return it->second;
   cublasLtHandle_t h = nullptr;
-  CODA_CUBLASLT(cublasLtCreate(&h));
+  if (cublasLtCreate(&h) != CUBLAS_STATUS_SUCCESS) h = nullptr;
   s.handles.emplace(device, h);
   return h;
 }
 
-Plan make_plan(cublasLtHandle_t h, const kernel::GemmProblem& p, int64_t ldd, bool accumulate,
-               const void* d) {
-  Plan plan;
+// Each step in order; the first that fails names itself in plan.why_not.
+void build_plan(Plan& plan, cublasLtHandle_t h, const kernel::GemmProblem& p, int64_t ldd,
+                bool accumulate, const void* d) {
+  auto ok = [&](cublasStatus_t status, const char* what) {
+    if (status == CUBLAS_STATUS_SUCCESS) return true;
+    plan.why_not = failed(what, status);
+    return false;
+  };
   const cudaDataType_t out = accumulate ? CUDA_R_32F : CUDA_R_16BF;
-  CODA_CUBLASLT(cublasLtMatmulDescCreate(&plan.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
-  CODA_CUBLASLT(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta,
-                                               sizeof(ta)));
-  CODA_CUBLASLT(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb,
-                                               sizeof(tb)));
   const int32_t mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
-  CODA_CUBLASLT(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode,
-                                               sizeof(mode)));
-  CODA_CUBLASLT(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode,
-                                               sizeof(mode)));
-  // The heuristic checks the scale pointers are set: this call's, replaced before every matmul.
-  CODA_CUBLASLT(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
-                                               &p.scale_b, sizeof(p.scale_b)));
-  CODA_CUBLASLT(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
-                                               &p.scale_a, sizeof(p.scale_a)));
-  CODA_CUBLASLT(cublasLtMatrixLayoutCreate(&plan.a, CUDA_R_8F_E4M3, p.k, p.n, p.ldb));
-  CODA_CUBLASLT(cublasLtMatrixLayoutCreate(&plan.b, CUDA_R_8F_E4M3, p.k, p.m, p.lda));
-  CODA_CUBLASLT(cublasLtMatrixLayoutCreate(&plan.cd, out, p.n, p.m, ldd));
-
+  if (!ok(cublasLtMatmulDescCreate(&plan.op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "MatmulDescCreate") ||
+      !ok(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)),
+          "TRANSA") ||
+      !ok(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)),
+          "TRANSB") ||
+      !ok(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode,
+                                         sizeof(mode)),
+          "A_SCALE_MODE (VEC128_32F)") ||
+      !ok(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode,
+                                         sizeof(mode)),
+          "B_SCALE_MODE (VEC128_32F)") ||
+      // The heuristic checks the scale pointers are set: this call's, replaced before each use.
+      !ok(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                                         &p.scale_b, sizeof(p.scale_b)),
+          "A_SCALE_POINTER") ||
+      !ok(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                                         &p.scale_a, sizeof(p.scale_a)),
+          "B_SCALE_POINTER") ||
+      !ok(cublasLtMatrixLayoutCreate(&plan.a, CUDA_R_8F_E4M3, p.k, p.n, p.ldb), "layout of y") ||
+      !ok(cublasLtMatrixLayoutCreate(&plan.b, CUDA_R_8F_E4M3, p.k, p.m, p.lda), "layout of x") ||
+      !ok(cublasLtMatrixLayoutCreate(&plan.cd, out, p.n, p.m, ldd), "layout of d"))
+    return;
   cublasLtMatmulPreference_t pref = nullptr;
-  CODA_CUBLASLT(cublasLtMatmulPreferenceCreate(&pref));
+  if (!ok(cublasLtMatmulPreferenceCreate(&pref), "MatmulPreferenceCreate")) return;
   // No workspace: the op path allocates nothing (CUDA graph capture, no host syncs), and the
   // weight-gradient GEMMs are large enough that split-K / stream-K variants do not pay.
   const uint64_t workspace = 0;
-  CODA_CUBLASLT(cublasLtMatmulPreferenceSetAttribute(
-      pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace, sizeof(workspace)));
   const uint32_t al_a = alignment(p.b), al_b = alignment(p.a), al_d = alignment(d);
-  CODA_CUBLASLT(cublasLtMatmulPreferenceSetAttribute(
-      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof(al_a)));
-  CODA_CUBLASLT(cublasLtMatmulPreferenceSetAttribute(
-      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof(al_b)));
-  CODA_CUBLASLT(cublasLtMatmulPreferenceSetAttribute(
-      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_d, sizeof(al_d)));
-  CODA_CUBLASLT(cublasLtMatmulPreferenceSetAttribute(
-      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, sizeof(al_d)));
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
-  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(h, plan.op, plan.a, plan.b, plan.cd,
-                                                           plan.cd, pref, 1, &result, &found);
-  cublasLtMatmulPreferenceDestroy(pref);
-  // NOT_SUPPORTED or no result: this cuBLASLt has no kernel for the problem (e.g. fp32 D with
-  // blockwise scales); the caller runs ours.
-  if (st == CUBLAS_STATUS_SUCCESS && found > 0) {
-    plan.algo = result.algo;
-    plan.usable = true;
-  } else {
-    CODA_CHECK(st == CUBLAS_STATUS_SUCCESS || st == CUBLAS_STATUS_NOT_SUPPORTED,
-               "coda::ops::gemm_fp8_xyt (cuBLASLt): cublasLtMatmulAlgoGetHeuristic failed with ",
-               "cuBLAS status ", int(st));
+  if (ok(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                              &workspace, sizeof(workspace)),
+         "MAX_WORKSPACE_BYTES") &&
+      ok(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                                              &al_a, sizeof(al_a)),
+         "MIN_ALIGNMENT_A_BYTES") &&
+      ok(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                                              &al_b, sizeof(al_b)),
+         "MIN_ALIGNMENT_B_BYTES") &&
+      ok(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                                              &al_d, sizeof(al_d)),
+         "MIN_ALIGNMENT_C_BYTES") &&
+      ok(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+                                              &al_d, sizeof(al_d)),
+         "MIN_ALIGNMENT_D_BYTES") &&
+      ok(cublasLtMatmulAlgoGetHeuristic(h, plan.op, plan.a, plan.b, plan.cd, plan.cd, pref, 1,
+                                        &result, &found),
+         "MatmulAlgoGetHeuristic")) {
+    if (found > 0)
+      plan.algo = result.algo;
+    else
+      plan.why_not = accumulate ? "cuBLASLt has no algorithm for it with an fp32 D (accumulate)"
+                                : "cuBLASLt has no algorithm for it";
   }
-  return plan;
+  cublasLtMatmulPreferenceDestroy(pref);
 }
 
 }  // namespace
@@ -146,22 +157,27 @@ const char* gemm_fp8_xyt_cublaslt(const kernel::GemmProblem& p, void* d, int64_t
   State& s = state();
   const std::lock_guard<std::mutex> lock(s.mutex);
   const cublasLtHandle_t h = handle_for(s, device);
+  if (h == nullptr) return "cublasLtCreate failed on this device";
   const PlanKey key{device, p.m, p.n, p.k, p.lda, p.ldb, ldd, accumulate, alignment(p.a),
                     alignment(p.b), alignment(d)};
-  auto it = s.plans.find(key);
-  if (it == s.plans.end()) it = s.plans.emplace(key, make_plan(h, p, ldd, accumulate, d)).first;
-  const Plan& plan = it->second;
-  if (!plan.usable)
-    return accumulate ? "no cuBLASLt algorithm for this problem with an fp32 D (accumulate)"
-                      : "no cuBLASLt algorithm for this problem";
-  // The descriptor is shared by the calls of one shape: set and read under the lock.
-  CODA_CUBLASLT(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
-                                               &p.scale_b, sizeof(p.scale_b)));
-  CODA_CUBLASLT(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
-                                               &p.scale_a, sizeof(p.scale_a)));
+  auto [it, made] = s.plans.try_emplace(key);
+  Plan& plan = it->second;
+  if (made) build_plan(plan, h, p, ldd, accumulate, d);
+  if (!plan.why_not.empty()) return plan.why_not.c_str();
+  // The descriptor is shared by the calls of one plan: set and used under the lock.
   const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
-  CODA_CUBLASLT(cublasLtMatmul(h, plan.op, &alpha, p.b, plan.a, p.a, plan.b, &beta, d, plan.cd, d,
-                               plan.cd, &plan.algo, nullptr, 0, stream));
+  cublasStatus_t st = cublasLtMatmulDescSetAttribute(
+      plan.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &p.scale_b, sizeof(p.scale_b));
+  if (st == CUBLAS_STATUS_SUCCESS)
+    st = cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                                        &p.scale_a, sizeof(p.scale_a));
+  if (st == CUBLAS_STATUS_SUCCESS)
+    st = cublasLtMatmul(h, plan.op, &alpha, p.b, plan.a, p.a, plan.b, &beta, d, plan.cd, d,
+                        plan.cd, &plan.algo, nullptr, 0, stream);
+  if (st != CUBLAS_STATUS_SUCCESS) {  // nothing launched: this plan is not used again
+    plan.why_not = failed("cublasLtMatmul", st);
+    return plan.why_not.c_str();
+  }
   return nullptr;
 }
 

@@ -174,6 +174,14 @@ def decoder_layer_fp8(layer: CodaDecoderLayer, x: Tensor, h: tuple[Tensor, Tenso
     return x2, (h2 if last else (h2, h2s)), r2
 
 
+def _check_precision(config: LlamaConfig, precision: str) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision == "fp8" and config.qk_norm:
+        raise NotImplementedError("precision='fp8' has no QK-norm (Qwen3) program yet: use "
+                                  "precision='bf16'")
+
+
 def _under_fsdp2(model: nn.Module) -> bool:
     """Whether fully_shard manages the model or any of its submodules."""
     try:
@@ -196,7 +204,8 @@ class Fp8WeightCache:
     the model's ``refresh_fp8_weights()``). A captured CUDA graph keeps reading the tensors it was
     captured with, and a replay runs no Python to see a weight change: ``refresh()`` writes the new
     operands into those same tensors, so call it after each update of the weights between
-    replays (a version change seen by a forward makes new tensors instead: no copy in eager steps).
+    replays (a version change seen by an eager forward makes new tensors instead, no copy: run
+    every step through the graph then, or the graph keeps the tensors the eager step replaced).
 
     Under torch.compile the weights are cast inside the compiled graph in every forward (Dynamo
     cannot guard on a version counter), as torchao's float8 casts them: once per optimizer step
@@ -227,16 +236,20 @@ class Fp8WeightCache:
         return entry[1]
 
     def refresh(self, name: str, w: Tensor) -> None:
-        """Quantizes ``w`` now into ``name``'s entry: into the entry's own tensors when it has one
-        of the same shapes (in place, so a captured CUDA graph reads the new operands), else a new
-        entry. Nothing without ``persist`` (every forward quantizes then)."""
+        """Quantizes ``w`` now into ``name``'s entry: into the entry's own tensors when it has
+        ones of the same shapes, strides, dtypes and device (in place, so a captured CUDA graph
+        reads the new operands), else a new entry. Nothing without ``persist`` (every forward
+        quantizes then). Call it after a step's backward: a forward saved these tensors for its
+        backward, which an in-place write before it makes fail (autograd's version check)."""
         if not self.persist:
             return
         with torch.no_grad():
             new = tuple(torch.ops.coda.fp8_quantize_blocks(w.detach(), True, True))
             entry = self._entries.get(name)
-            if entry is not None and all(a.shape == b.shape and a.dtype == b.dtype
-                                         for a, b in zip(entry[1], new)):
+            if entry is not None and all(
+                    (a.shape, a.stride(), a.dtype, a.device) == (b.shape, b.stride(), b.dtype,
+                                                                 b.device)
+                    for a, b in zip(entry[1], new)):
                 for old, t in zip(entry[1], new):
                     old.copy_(t)
                 new = entry[1]
@@ -329,19 +342,21 @@ class CodaLlamaForCausalLM(nn.Module):
     §6: activations and gradients in 1x128 blocks, weights in 128x128 blocks, each weight
     quantized once per optimizer step); the parameters, the residual stream, the norms, the
     embedding and the LM head keep their dtype. ``precision`` is not part of the state dict:
-    the same checkpoint loads into either.
+    the same checkpoint loads into either, and setting it later switches every layer.
+    ``fp8_weight_cache``: see Fp8WeightCache (None: kept unless fully_shard manages the model).
     """
 
     def __init__(self, config: LlamaConfig, device=None, dtype=None,
                  precision: str = "bf16") -> None:
         super().__init__()
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-        if precision == "fp8" and config.qk_norm:
-            raise NotImplementedError("precision='fp8' has no QK-norm (Qwen3) program yet: use "
-                                      "precision='bf16'")
-        self.precision = precision
+        _check_precision(config, precision)
+        self._precision = precision
         self.config = config
+        # FP8 weight operands kept between forwards (Fp8WeightCache): None decides by itself
+        # (kept unless fully_shard manages the model); False for other sharding that gathers the
+        # weights per forward (FSDP1, ZeRO-3, a fully_shard'ed parent), where a kept copy goes
+        # stale; True to keep them regardless.
+        self.fp8_weight_cache: bool | None = None
         kw = {"device": device, "dtype": dtype}
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **kw)
         self.layers = nn.ModuleList(
@@ -355,10 +370,21 @@ class CodaLlamaForCausalLM(nn.Module):
             self.w_vocab = self.embed_tokens.weight
         else:
             self.w_vocab = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, **kw))
-        for layer in self.layers:
-            layer.precision = precision
+        self.precision = precision  # (the property: the layers too)
         self.register_buffer("rope_table", self._build_rope_table(device), persistent=False)
         self.reset_parameters()
+
+    @property
+    def precision(self) -> str:
+        """"bf16" or "fp8"; setting it sets every layer's."""
+        return self._precision
+
+    @precision.setter
+    def precision(self, value: str) -> None:
+        _check_precision(self.config, value)
+        self._precision = value
+        for layer in self.layers:
+            layer.precision = value
 
     def _build_rope_table(self, device=None) -> Tensor:
         # Built on the host in float64 (the op's contract), then moved like any buffer.
@@ -427,7 +453,8 @@ class CodaLlamaForCausalLM(nn.Module):
         h, r = ops.rmsnorm_stats(x, self.gamma_attn[0], c.rms_norm_eps)
         if self.precision == "fp8":  # the first norm's h through one cast pass
             h = tuple(torch.ops.coda.fp8_quantize_rows(h)[:2])
-            persist = not _under_fsdp2(self)
+            persist = (not _under_fsdp2(self) if self.fp8_weight_cache is None
+                       else self.fp8_weight_cache)
             for layer in self.layers:
                 layer._fp8_cache.persist = persist
         for i, layer in enumerate(self.layers):

@@ -598,3 +598,33 @@ def test_tie_guard_catches_a_value_on_a_rounding_boundary():
         cast(v)
     v[0, 1] = 1.0625 * (1 + 1e-6)
     assert cast(v).deq[0, 1].item() == 1.125
+
+
+def test_precision_set_after_construction_switches_every_layer():
+    """model.precision = "fp8" on a model built in bf16 runs exactly what a model built with
+    precision="fp8" runs (and back); a bad value is refused, naming the choices."""
+    ref, fp8, _ = tiny_models()
+    ids, labels = tiny_batch()
+    switched = CodaLlamaForCausalLM(ref.config, dtype=F64, precision="bf16")
+    switched.load_state_dict(ref.state_dict())
+    switched.precision = "fp8"
+    assert all(layer.precision == "fp8" for layer in switched.layers)
+    assert torch.equal(switched(ids, labels), fp8(ids, labels))
+    switched.precision = "bf16"
+    assert torch.equal(switched(ids, labels), ref(ids, labels))
+    with pytest.raises(ValueError, match="precision must be one of"):
+        switched.precision = "fp16"
+
+
+def test_fp8_weight_cache_off_keeps_nothing_and_requantizes_every_forward():
+    """fp8_weight_cache=False (sharding that gathers the weights per forward, other than
+    fully_shard on the model): no operands are kept, each forward quantizes the weights."""
+    _, model, _ = tiny_models()
+    model.fp8_weight_cache = False
+    ids, labels = tiny_batch()
+    for _ in range(2):
+        count = CountOps("coda::fp8_quantize_blocks")
+        with count:
+            model(ids, labels).backward()
+        assert count.calls == 4 * len(model.layers)
+        assert all(not layer._fp8_cache._entries for layer in model.layers)
