@@ -420,3 +420,15 @@ def test_fp8_precision_trains_within_the_recipe_error_of_bf16():
     assert projections and min(projections) > 1e-3, errs
     with pytest.raises(ValueError, match="precision must be 'bf16' or 'fp8'"):
         ct.CodaConverter.Config(precision="fp16").build()
+    # FP8 needs every GEMM extent a multiple of 16; bf16 takes this FFN width (a multiple of 8).
+    narrow = small_config()
+    for layer in narrow.layers:
+        ff = layer.feed_forward
+        for name, (i, o) in (("w1", (DIM, 104)), ("w3", (DIM, 104)), ("w2", (104, DIM))):
+            setattr(ff, name, dataclasses.replace(getattr(ff, name), in_features=i,
+                                                  out_features=o))
+    coda_on(copy.deepcopy(narrow))
+    with pytest.raises(NotImplementedError,
+                       match=r"layers\.0\.feed_forward\.w1\.out_features: 104 is not a "
+                             r"multiple of 16"):
+        ct.CodaConverter.Config(precision="fp8").build().convert(narrow)

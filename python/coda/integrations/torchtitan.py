@@ -501,6 +501,16 @@ def _coda_block(layer, fqn: str, precision: str = "bf16") -> CodaLlama3Transform
         _plain_linear(getattr(ff, name), f"{fqn}.feed_forward.{name}")
     if ff.w1.out_features != ff.w3.out_features or ff.w2.in_features != ff.w1.out_features:
         raise _unsupported(f"{fqn}.feed_forward", "w1 / w3 / w2 hidden sizes differ")
+    if precision == "fp8":  # e4m3 rows are whole 16-byte multiples: every GEMM extent
+        n_kv = a.n_kv_heads or a.n_heads
+        for setting, v in ((f"{fqn}.attention.dim", a.dim),
+                           (f"{fqn}.attention.n_heads * head_dim", a.n_heads * head_dim),
+                           (f"{fqn}.attention (n_heads + 2 * n_kv_heads) * head_dim",
+                            (a.n_heads + 2 * n_kv) * head_dim),
+                           (f"{fqn}.feed_forward.w1.out_features", ff.w1.out_features)):
+            if v % 16:
+                raise _unsupported(setting, f"{v} is not a multiple of 16, which "
+                                            "precision='fp8' needs (16-byte rows of e4m3)")
     attention = replace(a, qkv_linear=_coda_qkv(a, f"{fqn}.attention.qkv_linear"))
     feed_forward = CodaFeedForward.Config(**{f.name: getattr(ff, f.name) for f in fields(ff)
                                              if f.init})
