@@ -201,10 +201,11 @@ def fp8_tables(path):
            "parentheses. `ours / cuBLASLt` and `FP8 / bf16` are speeds. `coop 128` and `ping 64`, "
            "where the file has them: the same GEMM under a kernel override (swizzle 8 along M), "
            "the sweep behind the heuristic (pingpong 64x128 is no longer built); `fp32 +=`: the "
-           "weight gradient accumulated into fp32.\n",
+           "weight gradient accumulated into fp32; `on cuBLASLt`: our weight-gradient op on its "
+           "cuBLASLt backend (`coda::set_fp8_wgrad_backend`).\n",
            "| model | M | proj | pass | M×N×K | ours ms | cuBLASLt ms | ours / cuBLASLt | "
-           "coop 128 | ping 64 | fp32 += | our bf16 ms | FP8 / bf16 |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "coop 128 | ping 64 | fp32 += | on cuBLASLt | our bf16 ms | FP8 / bf16 |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ms, tf = r["ms"], r["tflops"]
         lt = ms.get("cublaslt")
@@ -214,7 +215,7 @@ def fp8_tables(path):
             f"{'×'.join(map(str, r['gemm']))} | {ms['coda']:.3f} ({tf['coda']:.0f}) | "
             + (f"{lt:.3f} ({tf['cublaslt']:.0f}) | {lt / ms['coda']:.3f}" if lt else "— | —")
             + f" | {cell('coda_coop128')} | {cell('coda_ping64')} | {cell('coda_acc')} | "
-            f"{ms['coda_bf16']:.3f} | {ms['coda_bf16'] / ms['coda']:.2f} |")
+            f"{cell('coda_cublaslt')} | {ms['coda_bf16']:.3f} | {ms['coda_bf16'] / ms['coda']:.2f} |")
     out.append("")
     for p in ("fprop", "dgrad", "wgrad"):
         r = [x["ms"]["cublaslt"] / x["ms"]["coda"] for x in rows if x["pass"] == p and "cublaslt" in x["ms"]]
@@ -225,6 +226,12 @@ def fp8_tables(path):
             out.append(f"- {p}: ours / cuBLASLt geometric mean {g:.3f} over {len(r)} shapes, worst "
                        f"{min(r):.3f}, best {max(r):.3f} (target: >= 1.0, none below 0.9); "
                        f"FP8 / our bf16 {gb:.2f}.")
+        lt = [x["ms"]["cublaslt"] / x["ms"]["coda_cublaslt"] for x in rows
+              if x["pass"] == p and "cublaslt" in x["ms"] and "coda_cublaslt" in x["ms"]]
+        if lt:
+            g = math.exp(sum(map(math.log, lt)) / len(lt))
+            out.append(f"- {p} on our op's cuBLASLt backend: / cuBLASLt geometric mean {g:.3f} "
+                       f"over {len(lt)} shapes, worst {min(lt):.3f}.")
     out += fp8_fused_table(d)
     casts = d.get("cast_rows", [])
     if casts:
@@ -242,6 +249,7 @@ def fp8_tables(path):
 
 FP8_CHAIN_VARIANTS = (
     ("coda_fp8", "ours FP8"), ("coda_fp8_wcast", "ours FP8 + weight casts"),
+    ("coda_fp8_lt", "ours FP8, wgrad on cuBLASLt"),
     ("fp8_floor", "FP8 floor cuBLASLt"), ("fp8_floor_coda", "FP8 floor ours"),
     ("coda_bf16", "ours bf16"), ("bf16_floor", "bf16 floor"),
     ("torchao_tensorwise", "torchao tensorwise"), ("torchao_rowwise", "torchao rowwise"),

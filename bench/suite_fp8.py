@@ -8,6 +8,9 @@ GEMM rows, per projection (qkv, out, gate_up, down) and pass:
 Variants (each row checked before timing: ours against cuBLASLt on the same codes and scales):
   coda           our FP8 GEMM (CODA.fp8_gemm / fp8_gemm_xyt, bf16 out), the heuristic's kernel
   coda_acc       wgrad only: ours accumulating into an fp32 dw (CODA.fp8_gemm_xyt_accumulate_)
+  coda_cublaslt  wgrad only: our op on its cuBLASLt backend (coda::set_fp8_wgrad_backend
+                 "cublaslt-only"), checked against torch's cuBLASLt call first; absent (with the
+                 reason) where the build or cuBLASLt cannot run it
   cublaslt       torch._scaled_mm with blockwise scales (cuBLASLt's VEC128 / BLK128x128 modes)
   coda_bf16      our bf16 plain GEMM of the same shape (CODA.gemm / gemm_xw / gemm_xty)
   cublas_bf16    torch.mm in bf16
@@ -128,6 +131,15 @@ def gemm_rows(model, m, sec, progress):
                 variants["coda_acc"] = lambda: CODA.fp8_gemm_xyt_accumulate_(
                     dw32, dytc, dyts, xtc, xts
                 )
+                lt_backend = on_wgrad_backend("cublaslt-only", ours)
+                try:  # our op on its cuBLASLt backend: checked against torch's cuBLASLt call
+                    err = rel_err(lt_backend(), ref) if have_lt else 0.0
+                except RuntimeError as e:
+                    sec.setdefault("absent", {})["coda_cublaslt"] = str(e).splitlines()[0][:300]
+                else:
+                    row["rel_err_cublaslt_backend"] = err
+                    if err < 1e-2:
+                        variants["coda_cublaslt"] = lt_backend
             ms = cb.bench_interleaved(
                 variants, progress, f"fp8 {model} M={m} {proj} {name}", target_ms=600.0
             )
@@ -136,6 +148,8 @@ def gemm_rows(model, m, sec, progress):
             row["tflops"] = {v: flops / t / 1e9 for v, t in ms.items()}
             if have_lt:
                 row["speedup_vs_cublaslt"] = ms["cublaslt"] / ms["coda"]
+                if "coda_cublaslt" in ms:
+                    row["cublaslt_backend_vs_cublaslt"] = ms["cublaslt"] / ms["coda_cublaslt"]
             row["speedup_vs_coda_bf16"] = ms["coda_bf16"] / ms["coda"]
             sec["rows"].append(row)
             print(
@@ -143,6 +157,18 @@ def gemm_rows(model, m, sec, progress):
                 + " ".join(f"{v}={t:.3f}ms({row['tflops'][v]:.0f})" for v, t in ms.items()),
                 flush=True,
             )
+
+
+def on_wgrad_backend(backend, fn):
+    """fn run with our FP8 weight gradient on `backend` (coda::set_fp8_wgrad_backend), the
+    previous backend restored after."""
+    def run():
+        old = CODA.set_fp8_wgrad_backend(backend)
+        try:
+            return fn()
+        finally:
+            CODA.set_fp8_wgrad_backend(old)
+    return run
 
 
 def dequantize_rows(codes, scales, cols):

@@ -10,6 +10,8 @@ Variants (each one a whole forward + backward):
                       -> fp8_mlp -> fp8_norm_qkv); the weights' FP8 caches (fp8_quantize_blocks,
                       128x128 blocks and the transposed copy) made once, outside the timed region,
                       as a training step quantizes its weights once per optimizer step
+  coda_fp8_lt         the same with the weight gradients on our op's cuBLASLt backend
+                      (coda::set_fp8_wgrad_backend "cublaslt"; absent where the build has none)
   coda_fp8_wcast      the same with the four weight casts (fp8_quantize_blocks) inside the timed
                       step: a step of one micro-batch per optimizer step, as torchao's chain runs
                       (it casts its weights in every forward)
@@ -67,7 +69,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import suite_chain as cb  # noqa: E402
 from suite_chain import EPS, MODELS, bench_interleaved, rms_norm, rope_hf  # noqa: E402
-from suite_fp8 import rel_err, scaled_mm  # noqa: E402
+from suite_fp8 import on_wgrad_backend, rel_err, scaled_mm  # noqa: E402
 
 CODA = torch.ops.coda
 NAN = float("nan")
@@ -432,6 +434,7 @@ def ratios(ms, model):
                                      if best and "coda_fp8_wcast" in ms else NAN),
         "best_torchao": best,
         "speedup_vs_coda_bf16": div("coda_bf16", "coda_fp8"),
+        "fp8_lt_over_floor": div("coda_fp8_lt", "fp8_floor"),
         "bf16_over_floor": div("coda_bf16", "bf16_floor"),
         "fp8_floor_speedup_vs_bf16_floor": div("bf16_floor", "fp8_floor"),
         "targets": {
@@ -482,6 +485,16 @@ def run_shape(model, m, sec, progress, torchao=None, time_it=True, dev="cuda", d
             # the weights cast in the step, as every forward of torchao's chain casts them
             variants["coda_fp8_wcast"] = ours_step(
                 t, lambda lv: fp8_chain_forward(t, lv, fp8_weight_caches(t)), dx2_up, dqkv_f)[0]
+            # the weight gradients on our op's cuBLASLt backend (checked as the chain is)
+            try:
+                lt_ok, row["rel_err"]["coda_fp8_lt"] = fp8_check(
+                    on_wgrad_backend("cublaslt", check)(), ref)
+                row["check"]["coda_fp8_lt"] = "PASS" if lt_ok else "FAIL"
+            except RuntimeError as ex:  # a build without it (the CPU one) says so
+                absent["coda_fp8_lt"] = str(ex).splitlines()[0][:300]
+            else:
+                if lt_ok:
+                    variants["coda_fp8_lt"] = on_wgrad_backend("cublaslt", step)
         if ok and profile:
             stages, cut_grads = stage_calls(t, q, dx2_up, dqkv_f)
             whole = [g for g in ours_step(t, lambda lv: fp8_chain_forward(t, lv, q), dx2_up,

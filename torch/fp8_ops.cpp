@@ -655,8 +655,32 @@ void set_kernel_overrides(c10::string_view spec) {
 #endif
 }
 
+// The FP8 weight gradient's backend (ops::set_fp8_wgrad_backend), process-wide: "cutlass",
+// "cublaslt" or "cublaslt-only"; returns the one it replaced. The CPU build has ours only.
+std::string set_fp8_wgrad_backend(c10::string_view backend) {
+  const std::string b(backend);
+  TORCH_CHECK(b == "cutlass" || b == "cublaslt" || b == "cublaslt-only",
+              "coda::set_fp8_wgrad_backend: backend must be 'cutlass', 'cublaslt' or "
+              "'cublaslt-only', got '", b, "'");
+#if CODA_TORCH_CUDA
+  using ops::Fp8WgradBackend;
+  const Fp8WgradBackend old = ops::fp8_wgrad_backend();
+  ops::set_fp8_wgrad_backend(b == "cutlass"    ? Fp8WgradBackend::kCutlass
+                             : b == "cublaslt" ? Fp8WgradBackend::kCublasLt
+                                               : Fp8WgradBackend::kCublasLtOnly);
+  return old == Fp8WgradBackend::kCutlass    ? "cutlass"
+         : old == Fp8WgradBackend::kCublasLt ? "cublaslt"
+                                             : "cublaslt-only";
+#else
+  TORCH_CHECK(b == "cutlass", "coda::set_fp8_wgrad_backend: this build has no CUDA kernels, so "
+              "no cuBLASLt backend");
+  return "cutlass";
+#endif
+}
+
 namespace names {
 inline constexpr char overrides[] = "coda::set_kernel_overrides";
+inline constexpr char wgrad_backend[] = "coda::set_fp8_wgrad_backend";
 inline constexpr char quantize_rows[] = "coda::fp8_quantize_rows";
 inline constexpr char quantize_blocks[] = "coda::fp8_quantize_blocks";
 inline constexpr char gemm_blocks[] = "coda::fp8_gemm";
@@ -771,6 +795,8 @@ TORCH_LIBRARY_FRAGMENT(coda, m) {
       "Tensor dz_scales, Tensor dz_t, Tensor dz_t_scales, Tensor zdz_partials)");
   m.def("set_kernel_overrides(str spec) -> ()",
         CODA_GUARDED(names::overrides, set_kernel_overrides));
+  m.def("set_fp8_wgrad_backend(str backend) -> str",
+        CODA_GUARDED(names::wgrad_backend, set_fp8_wgrad_backend));
 }
 
 TORCH_LIBRARY_IMPL(coda, CPU, m) { register_fp8(m); }

@@ -549,3 +549,20 @@ def test_fp8_swiglu_backward_bad_arguments(g):
         op(dxc, dxs, wtc.float(), wts, z)
     with raises(r"swiglu_backward: neither rows nor transposed"):
         op(*args, False, False)
+
+
+def test_set_fp8_wgrad_backend_names_the_choices():
+    """coda::set_fp8_wgrad_backend returns the backend it replaces and refuses other names; a
+    build without CUDA kernels has ours only (and says so for cuBLASLt)."""
+    old = CODA.set_fp8_wgrad_backend("cutlass")
+    assert old in ("cutlass", "cublaslt", "cublaslt-only")
+    with pytest.raises(RuntimeError, match="must be 'cutlass', 'cublaslt' or 'cublaslt-only'"):
+        CODA.set_fp8_wgrad_backend("cublas")
+    try:
+        previous = CODA.set_fp8_wgrad_backend("cublaslt")
+    except RuntimeError as e:
+        assert "no CUDA kernels" in str(e)
+    else:
+        assert previous == "cutlass"
+        assert CODA.set_fp8_wgrad_backend("cutlass") == "cublaslt"
+    assert CODA.set_fp8_wgrad_backend(old) == "cutlass"
