@@ -628,3 +628,19 @@ def test_fp8_weight_cache_off_keeps_nothing_and_requantizes_every_forward():
             model(ids, labels).backward()
         assert count.calls == 4 * len(model.layers)
         assert all(not layer._fp8_cache._entries for layer in model.layers)
+
+
+def test_refresh_after_a_device_move_makes_new_operands_there():
+    """refresh() writes in place only into tensors on the weight's device: after model.to(...)
+    (here the Meta device, which the casts' Meta kernels serve) the refreshed operands live there,
+    not copied into the old device's tensors."""
+    _, model, _ = tiny_models()
+    ids, labels = tiny_batch()
+    with torch.no_grad():
+        model(ids, labels)
+    old = model.layers[0].fp8_weights()["w_qkv"]
+    model.to("meta")
+    model.refresh_fp8_weights()
+    new = model.layers[0]._fp8_cache._entries["w_qkv"][1]
+    assert all(t.device.type == "meta" for t in new)
+    assert all(t.device.type == "cpu" for t in old) and all(a is not b for a, b in zip(new, old))
