@@ -83,9 +83,10 @@ class TorchTensors {
                                                                 const Tensor& gamma) const {
     return fp8::residual_rmsnorm_act_h(a.codes, a.scales, w.codes, w.scales, residual, gamma);
   }
-  std::tuple<Tensor, Fp8> fp8_rmsnorm_swiglu(const Fp8& h, const Fp8& w, const Tensor& r) const {
+  std::tuple<Tensor, Fp8> fp8_rmsnorm_swiglu(const Fp8& h, const Fp8& w, const Tensor& r,
+                                             bool copy) const {
     auto [z, c, s, ct, st] =
-        fp8::rmsnorm_swiglu(h.codes, h.scales, w.codes, w.scales, r, true, true, act_dtype());
+        fp8::rmsnorm_swiglu(h.codes, h.scales, w.codes, w.scales, r, true, copy, act_dtype());
     return {z, Fp8{c, s, ct, st}};
   }
   Tensor fp8_rmsnorm_rope(const Fp8& h, const Fp8& w, const Tensor& r, const Tensor& bias,

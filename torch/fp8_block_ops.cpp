@@ -97,7 +97,7 @@ using OutProj = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
 OutProj fp8_out_proj_residual_norm(const Tensor& y, const Tensor& w_o, const Tensor& w_codes,
                                    const Tensor& w_scales, const Tensor& w_codes_t,
                                    const Tensor& w_scales_t, const Tensor& residual,
-                                   const Tensor& gamma, double eps) {
+                                   const Tensor& gamma, double eps, bool copies) {
   const auto c = OpContext::from("coda::fp8_out_proj_residual_norm", "y", y);
   const auto s = validate_out_proj_residual_norm(c, y, w_o, residual, gamma, eps);
   const Fp8 w{w_codes, w_scales, w_codes_t, w_scales_t};
@@ -105,7 +105,7 @@ OutProj fp8_out_proj_residual_norm(const Tensor& y, const Tensor& w_o, const Ten
   fp8_width(c, "K (y.size(1))", s.k);
   fp8_width(c, "H (w_o.size(0))", s.hidden);
   return on_backend(y, [&](auto& b) {
-    const auto o = block::fp8_out_proj_residual_norm(b, y, w, residual, gamma, eps);
+    const auto o = block::fp8_out_proj_residual_norm(b, y, w, residual, gamma, eps, copies);
     const auto& n = o.out;
     return std::make_tuple(n.x, n.h.codes, n.h.scales, n.r, o.y.codes_t, o.y.scales_t);
   });
@@ -117,7 +117,7 @@ MlpOut fp8_mlp(const Tensor& x, const Tensor& gamma, const Tensor& w_gu, const T
                const Tensor& w_down, const Tensor& dn_codes, const Tensor& dn_scales,
                const Tensor& dn_codes_t, const Tensor& dn_scales_t, const Tensor& h,
                const Tensor& h_scales, const Tensor& r, const Tensor& gamma_next, double eps,
-               bool act_h_out) {
+               bool act_h_out, bool copies) {
   const auto c = OpContext::from("coda::fp8_mlp", "x", x);
   const auto s = validate_mlp(c, x, gamma, w_gu, w_down, nullptr, r);
   c.activation("gamma_next", gamma_next, {s.hidden});
@@ -132,7 +132,7 @@ MlpOut fp8_mlp(const Tensor& x, const Tensor& gamma, const Tensor& w_gu, const T
   TORCH_CHECK(s.intermediate % 16 == 0, c.op, ": I (w_gu.size(0) / 2) = ", s.intermediate,
               " must be a multiple of 16 (16-byte rows of a's codes)");
   return on_backend(x, [&](auto& b) {
-    const auto o = block::fp8_mlp(b, x, hq, r, gu, dn, gamma_next, eps, act_h_out);
+    const auto o = block::fp8_mlp(b, x, hq, r, gu, dn, gamma_next, eps, act_h_out, copies);
     const auto& n = o.out;
     if (act_h_out) {
       return std::make_tuple(n.x, o.h_act, empty_like_stat(x), n.r, o.z, o.a.codes_t, o.a.scales_t);
@@ -230,19 +230,19 @@ at::ScalarType stat_of(const Tensor& act) {
 
 OutProj fp8_out_proj_residual_norm_meta(const Tensor& y, const Tensor& w_o, const Tensor&,
                                         const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                        const Tensor&, double) {
+                                        const Tensor&, double, bool copies) {
   const int64_t m = y.size(0), k = y.size(1), hidden = w_o.size(0);
   const fp8::Quantized h = fp8::empty_quantized(y, m, hidden, true, false);
-  const fp8::Quantized y_copy = fp8::empty_quantized(y, m, k, false, true);
+  const fp8::Quantized y_copy = fp8::empty_quantized(y, m, k, false, copies);
   return {at::empty({m, hidden}, y.options()),           std::get<0>(h),      std::get<1>(h),
           at::empty({m}, y.options().dtype(stat_of(y))), std::get<2>(y_copy), std::get<3>(y_copy)};
 }
 MlpOut fp8_mlp_meta(const Tensor& x, const Tensor&, const Tensor& w_gu, const Tensor&,
                     const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                     const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                    const Tensor&, const Tensor&, double, bool act_h_out) {
+                    const Tensor&, const Tensor&, double, bool act_h_out, bool copies) {
   const int64_t m = x.size(0), hidden = x.size(1), two_i = w_gu.size(0);
-  const fp8::Quantized a_copy = fp8::empty_quantized(x, m, two_i / 2, false, true);
+  const fp8::Quantized a_copy = fp8::empty_quantized(x, m, two_i / 2, false, copies);
   const Tensor r = at::empty({m}, x.options().dtype(stat_of(x)));
   const Tensor z = at::empty({m, two_i}, x.options());
   const Tensor &a_t = std::get<2>(a_copy), &a_t_scales = std::get<3>(a_copy);
@@ -284,6 +284,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_norm_qkv_backward_meta(
 
 // ---- autograd -------------------------------------------------------------------------------
 
+// copies=False leaves out what the backward reads: only where no gradient is recorded.
+void no_copies_without_grad(const char* op, std::initializer_list<const Tensor*> inputs) {
+  if (!at::GradMode::is_enabled()) return;
+  for (const Tensor* t : inputs)
+    TORCH_CHECK(!(t->defined() && t->requires_grad()), op,
+                ": copies=False leaves out the weight gradients' operands, but an input requires "
+                "a gradient; call it under torch.no_grad() or with copies=True");
+}
+
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
@@ -296,9 +305,9 @@ class Fp8OutProjResidualNorm : public torch::autograd::Function<Fp8OutProjResidu
     ctx->set_materialize_grads(false);
     at::AutoDispatchBelowADInplaceOrView guard;
     static auto f = op<OutProj(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                               const Tensor&, const Tensor&, const Tensor&, const Tensor&, double)>(
-        "coda::fp8_out_proj_residual_norm");
-    auto [x, h, hs, r, yt, yts] = f.call(y, w_o, wc, ws, wct, wst, residual, gamma, eps);
+                               const Tensor&, const Tensor&, const Tensor&, const Tensor&, double,
+                               bool)>("coda::fp8_out_proj_residual_norm");
+    auto [x, h, hs, r, yt, yts] = f.call(y, w_o, wc, ws, wct, wst, residual, gamma, eps, true);
     ctx->mark_non_differentiable({h, hs, r, yt, yts});  // caches for the consumer, its operands
     ctx->save_for_backward({yt, yts, w_o, wct, wst});
     return {x, h, hs, r, yt, yts};
@@ -333,10 +342,11 @@ class Fp8Mlp : public torch::autograd::Function<Fp8Mlp> {
     static auto f = op<MlpOut(
         const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
         const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-        const Tensor&, const Tensor&, const Tensor&, const Tensor&, double, bool)>("coda::fp8_mlp");
+        const Tensor&, const Tensor&, const Tensor&, const Tensor&, double, bool, bool)>(
+        "coda::fp8_mlp");
     auto [x_out, h_out, h_outs, r_out, z, at, ats] =
         f.call(x, gamma, w_gu, guc, gus, guct, gust, w_down, dnc, dns, dnct, dnst, h, hs, r,
-               gamma_next, eps, act_h_out);
+               gamma_next, eps, act_h_out, true);
     ctx->mark_non_differentiable({h_out, h_outs, r_out, z, at, ats});
     ctx->save_for_backward({x, gamma, w_gu, guct, gust, w_down, dnct, dnst, r, z, at, ats});
     return {x_out, h_out, h_outs, r_out, z, at, ats};
@@ -424,13 +434,15 @@ TORCH_LIBRARY_FRAGMENT(coda, m) {
   // activation-dtype h (the LM head's input) and h_out_scales is empty.
   m.def(
       "fp8_out_proj_residual_norm(Tensor y, Tensor w_o, Tensor w_codes, Tensor w_scales, "
-      "Tensor w_codes_t, Tensor w_scales_t, Tensor residual, Tensor gamma, float eps) -> "
-      "(Tensor x, Tensor h, Tensor h_scales, Tensor r, Tensor y_t, Tensor y_t_scales)");
+      "Tensor w_codes_t, Tensor w_scales_t, Tensor residual, Tensor gamma, float eps, "
+      "bool copies=True) -> (Tensor x, Tensor h, Tensor h_scales, Tensor r, Tensor y_t, "
+      "Tensor y_t_scales)");
   m.def(
       "fp8_mlp(Tensor x, Tensor gamma, Tensor w_gu, Tensor gu_codes, Tensor gu_scales, "
       "Tensor gu_codes_t, Tensor gu_scales_t, Tensor w_down, Tensor dn_codes, Tensor dn_scales, "
       "Tensor dn_codes_t, Tensor dn_scales_t, Tensor h, Tensor h_scales, Tensor r, "
-      "Tensor gamma_next, float eps, bool act_h_out=False) -> (Tensor x_out, Tensor h_out, "
+      "Tensor gamma_next, float eps, bool act_h_out=False, bool copies=True) -> (Tensor x_out, "
+      "Tensor h_out, "
       "Tensor h_out_scales, Tensor r_out, Tensor z, Tensor a_t, Tensor a_t_scales)");
   m.def(
       "fp8_norm_qkv(Tensor x, Tensor gamma, Tensor w_qkv, Tensor w_codes, Tensor w_scales, "
@@ -468,9 +480,21 @@ TORCH_LIBRARY_IMPL(coda, Meta, m) {
 TORCH_LIBRARY_IMPL(coda, Autograd, m) {
   for (const char* name : {"fp8_linear_backward", "fp8_mlp_backward", "fp8_norm_qkv_backward"})
     m.impl(name, torch::autograd::autogradNotImplementedFallback());
+  // copies=False (the caller computes no gradient: coda.nn passes torch.is_grad_enabled()):
+  // below autograd without the transposed copies, the weight gradients' operands only; refused
+  // where a gradient would be recorded.
   m.impl("fp8_out_proj_residual_norm", [](const Tensor& y, const Tensor& w_o, const Tensor& wc,
                                           const Tensor& ws, const Tensor& wct, const Tensor& wst,
-                                          const Tensor& residual, const Tensor& gamma, double eps) {
+                                          const Tensor& residual, const Tensor& gamma, double eps,
+                                          bool copies) {
+    if (!copies) {
+      no_copies_without_grad("coda::fp8_out_proj_residual_norm", {&y, &w_o, &residual, &gamma});
+      at::AutoDispatchBelowADInplaceOrView guard;
+      static auto f = op<OutProj(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                 const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                 double, bool)>("coda::fp8_out_proj_residual_norm");
+      return f.call(y, w_o, wc, ws, wct, wst, residual, gamma, eps, false);
+    }
     auto o = Fp8OutProjResidualNorm::apply(y, w_o, wc, ws, wct, wst, residual, gamma, eps);
     return std::make_tuple(o[0], o[1], o[2], o[3], o[4], o[5]);
   });
@@ -478,7 +502,19 @@ TORCH_LIBRARY_IMPL(coda, Autograd, m) {
                        const Tensor& gus, const Tensor& guct, const Tensor& gust,
                        const Tensor& w_down, const Tensor& dnc, const Tensor& dns,
                        const Tensor& dnct, const Tensor& dnst, const Tensor& h, const Tensor& hs,
-                       const Tensor& r, const Tensor& gamma_next, double eps, bool act_h_out) {
+                       const Tensor& r, const Tensor& gamma_next, double eps, bool act_h_out,
+                       bool copies) {
+    if (!copies) {
+      no_copies_without_grad("coda::fp8_mlp", {&x, &gamma, &w_gu, &w_down, &r, &gamma_next});
+      at::AutoDispatchBelowADInplaceOrView guard;
+      static auto f = op<MlpOut(
+          const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+          const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+          const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+          const Tensor&, double, bool, bool)>("coda::fp8_mlp");
+      return f.call(x, gamma, w_gu, guc, gus, guct, gust, w_down, dnc, dns, dnct, dnst, h, hs, r,
+                    gamma_next, eps, act_h_out, false);
+    }
     auto o = Fp8Mlp::apply(x, gamma, w_gu, guc, gus, guct, gust, w_down, dnc, dns, dnct, dnst, h,
                            hs, r, gamma_next, eps, act_h_out);
     return std::make_tuple(o[0], o[1], o[2], o[3], o[4], o[5], o[6]);

@@ -163,14 +163,16 @@ def decoder_layer_fp8(layer: CodaDecoderLayer, x: Tensor, h: tuple[Tensor, Tenso
     of the layer output for ``gamma_next``; with ``last`` the output's ``h`` is the
     activation-dtype tensor the LM head reads (it stays in bf16)."""
     c, w, coda = layer.config, layer.fp8_weights(), torch.ops.coda
+    copies = torch.is_grad_enabled()  # the weight gradients' operands: none without a backward
     qkv = coda.fp8_norm_qkv(x, gamma, layer.w_qkv, *w["w_qkv"], *h, r, pos, rope_table,
                             layer.b_qkv)
     y = _attention(c, qkv, batch, attention)
     x1, h1, h1s, r1, _, _ = coda.fp8_out_proj_residual_norm(y, layer.w_o, *w["w_o"], x,
-                                                            layer.gamma_ffn, c.rms_norm_eps)
+                                                            layer.gamma_ffn, c.rms_norm_eps,
+                                                            copies)
     x2, h2, h2s, r2, _, _, _ = coda.fp8_mlp(
         x1, layer.gamma_ffn, layer.w_gu, *w["w_gu"], layer.w_down, *w["w_down"], h1, h1s, r1,
-        gamma_next, c.rms_norm_eps, last)
+        gamma_next, c.rms_norm_eps, last, copies)
     return x2, (h2 if last else (h2, h2s)), r2
 
 

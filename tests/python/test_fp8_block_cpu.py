@@ -644,3 +644,37 @@ def test_refresh_after_a_device_move_makes_new_operands_there():
     new = model.layers[0]._fp8_cache._entries["w_qkv"][1]
     assert all(t.device.type == "meta" for t in new)
     assert all(t.device.type == "cpu" for t in old) and all(a is not b for a, b in zip(new, old))
+
+
+def test_copies_false_leaves_out_the_weight_gradients_copies():
+    """copies=False (what coda.nn passes without grad mode) leaves out y's transposed copy in
+    out-proj and a's in the MLP (the weight gradients' operands only); every other output is the
+    same, byte for byte; the Meta kernels give the same shapes. Where a gradient would be
+    recorded it is refused, naming the way out; under no_grad it runs. The FP8 model's loss under
+    no_grad equals its loss with grad."""
+    case = small_case()
+    for op, args_of, copy, flags in (
+            (CODA.fp8_out_proj_residual_norm, out_proj_args, (4, 5), ()),
+            (CODA.fp8_mlp, mlp_args, (5, 6), (False,))):  # the MLP's act_h_out comes first
+        full = op(*args_of(case))
+        lean = op(*args_of(case), *flags, False)
+        for i, (a, b) in enumerate(zip(full, lean)):
+            if i in copy:
+                assert a.numel() > 0 and b.numel() == 0, (op, i)
+            else:
+                assert torch.equal(e4m3_as_bytes(a)[0], e4m3_as_bytes(b)[0]), (op, i)
+        meta = op(*[a.to("meta") if isinstance(a, torch.Tensor) else a for a in args_of(case)],
+                  *flags, False)
+        for a, b in zip(meta, lean):
+            assert (a.device.type, a.shape, a.dtype) == ("meta", b.shape, b.dtype), (op, a, b)
+        args = args_of(case)
+        args[0] = args[0].detach().clone().requires_grad_()
+        with pytest.raises(RuntimeError, match="copies=False leaves out the weight gradients"):
+            op(*args, *flags, False)
+        with torch.no_grad():
+            op(*args, *flags, False)
+    _, model, _ = tiny_models()
+    ids, labels = tiny_batch()
+    with_grad = model(ids, labels)
+    with torch.no_grad():
+        assert torch.equal(model(ids, labels), with_grad.detach())

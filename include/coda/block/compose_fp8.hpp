@@ -17,7 +17,8 @@
 //   fp8_wgrad(dz, h) -> T                                        dzᵀ · h over their 128x1 copies
 //   fp8_residual_rmsnorm(a, w, residual, gamma) -> (x, h, partials)         F1, h's rows
 //   fp8_residual_rmsnorm_act_h(a, w, residual, gamma) -> (x, h, partials)   F1, h unquantized
-//   fp8_rmsnorm_swiglu(h, w, r) -> (z, a)                                   F2, a both copies
+//   fp8_rmsnorm_swiglu(h, w, r, copy) -> (z, a)                             F2, a's rows and
+//                                                                           (copy) its copy
 //   fp8_rmsnorm_rope(h, w, r, bias, pos, rope_table) -> qkv                 F3
 //   fp8_rmsnorm_backward(dz, w, x, r, gamma, zdz, dres) -> (dx, h_out, partials)   B1 (Wᵀ's
 //                                                                      codes), h_out's copy
@@ -62,11 +63,13 @@ struct Fp8OutProj {
   Fp8<B> y;  // the input's transposed copy (codes_t, scales_t), for dW_o
 };
 
-// The out-projection: y cast (its rows for the GEMM, its copy for the weight gradient), then F1.
+// The out-projection: y cast (its rows for the GEMM; with `copies` its copy for the weight
+// gradient, which no backward needs without it), then F1.
 template <class B>
 Fp8OutProj<B> fp8_out_proj_residual_norm(B& b, const T<B>& y, const Fp8<B>& w_o,
-                                         const T<B>& residual, const T<B>& gamma, double eps) {
-  const Fp8<B> yq = b.fp8_cast(y, true, true);
+                                         const T<B>& residual, const T<B>& gamma, double eps,
+                                         bool copies = true) {
+  const Fp8<B> yq = b.fp8_cast(y, true, copies);
   return {fp8_residual_rmsnorm(b, yq, w_o, residual, gamma, eps), yq};
 }
 
@@ -79,11 +82,13 @@ struct Fp8Mlp {
 };
 
 // F2 then F1 + A1 on FP8 operands. With act_h_out the next norm's h stays in the activation dtype
-// (the last layer's, for the LM head, which stays in bf16).
+// (the last layer's, for the LM head, which stays in bf16); without `copies` F2 writes a's rows
+// only (no backward).
 template <class B>
 Fp8Mlp<B> fp8_mlp(B& b, const T<B>& x, const Fp8<B>& h, const T<B>& r, const Fp8<B>& w_gu,
-                  const Fp8<B>& w_down, const T<B>& gamma_next, double eps, bool act_h_out) {
-  auto [z, a] = b.fp8_rmsnorm_swiglu(h, w_gu, r);
+                  const Fp8<B>& w_down, const T<B>& gamma_next, double eps, bool act_h_out,
+                  bool copies = true) {
+  auto [z, a] = b.fp8_rmsnorm_swiglu(h, w_gu, r, copies);
   Fp8Mlp<B> o{{}, {}, z, a};
   if (act_h_out) {
     auto [x2, h2, s] = b.fp8_residual_rmsnorm_act_h(a, w_down, x, gamma_next);

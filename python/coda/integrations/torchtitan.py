@@ -348,10 +348,11 @@ class CodaLlama3TransformerBlock(Llama3TransformerBlock):
             # recomputes its own (its norm weight belongs to another FSDP unit). In FP8 they
             # are the activation-dtype h (`last`), which skips the quantizing epilogue.
             if self._fp8:
+                copies = torch.is_grad_enabled()  # the weight gradients' operands
                 x1, h1, h1s, r1, _, _ = coda.fp8_out_proj_residual_norm(
-                    y, w_o, *q8[1], xm, g_ffn, s.eps_ffn)
+                    y, w_o, *q8[1], xm, g_ffn, s.eps_ffn, copies)
                 out = coda.fp8_mlp(x1, g_ffn, w_gu, *q8[2], w_down, *q8[3], h1, h1s, r1, g_ffn,
-                                   s.eps_ffn, True)[0]
+                                   s.eps_ffn, True, copies)[0]
             else:
                 x1, h1, r1 = ops.out_proj_residual_norm(y, w_o, xm, g_ffn, s.eps_ffn)
                 out, _, _, _ = ops.mlp(x1, g_ffn, w_gu, w_down, h1, r1, g_ffn, s.eps_ffn)
