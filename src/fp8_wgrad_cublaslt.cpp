@@ -114,26 +114,25 @@ void build_plan(Plan& plan, cublasLtHandle_t h, const kernel::GemmProblem& p, in
   // weight-gradient GEMMs are large enough that split-K / stream-K variants do not pay.
   const uint64_t workspace = 0;
   const uint32_t al_a = alignment(p.b), al_b = alignment(p.a), al_d = alignment(d);
+  const struct {
+    cublasLtMatmulPreferenceAttributes_t attr;
+    const void* value;
+    size_t size;
+    const char* name;
+  } prefs[] = {
+      {CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace, sizeof(workspace), "MAX_WORKSPACE"},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof(al_a), "MIN_ALIGNMENT_A"},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof(al_b), "MIN_ALIGNMENT_B"},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_d, sizeof(al_d), "MIN_ALIGNMENT_C"},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, sizeof(al_d), "MIN_ALIGNMENT_D"}};
+  bool set = true;
+  for (const auto& a : prefs)
+    set = set && ok(cublasLtMatmulPreferenceSetAttribute(pref, a.attr, a.value, a.size), a.name);
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
-  if (ok(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                              &workspace, sizeof(workspace)),
-         "MAX_WORKSPACE_BYTES") &&
-      ok(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
-                                              &al_a, sizeof(al_a)),
-         "MIN_ALIGNMENT_A_BYTES") &&
-      ok(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                                              &al_b, sizeof(al_b)),
-         "MIN_ALIGNMENT_B_BYTES") &&
-      ok(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
-                                              &al_d, sizeof(al_d)),
-         "MIN_ALIGNMENT_C_BYTES") &&
-      ok(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
-                                              &al_d, sizeof(al_d)),
-         "MIN_ALIGNMENT_D_BYTES") &&
-      ok(cublasLtMatmulAlgoGetHeuristic(h, plan.op, plan.a, plan.b, plan.cd, plan.cd, pref, 1,
-                                        &result, &found),
-         "MatmulAlgoGetHeuristic")) {
+  if (set && ok(cublasLtMatmulAlgoGetHeuristic(h, plan.op, plan.a, plan.b, plan.cd, plan.cd, pref,
+                                               1, &result, &found),
+                "MatmulAlgoGetHeuristic")) {
     if (found > 0)
       plan.algo = result.algo;
     else
@@ -188,7 +187,8 @@ namespace {
 std::atomic<int> g_backend{-1};  // -1: not yet read from the environment
 Fp8WgradBackend from_environment() {
   const char* v = std::getenv("CODA_FP8_WGRAD");
-  if (v == nullptr || *v == '\0' || std::strcmp(v, "cutlass") == 0) return Fp8WgradBackend::kCutlass;
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "cutlass") == 0)
+    return Fp8WgradBackend::kCutlass;
   if (std::strcmp(v, "cublaslt") == 0) return Fp8WgradBackend::kCublasLt;
   CODA_CHECK(std::strcmp(v, "cublaslt-only") == 0,
              "CODA_FP8_WGRAD must be 'cutlass', 'cublaslt' or 'cublaslt-only', got '", v, "'");

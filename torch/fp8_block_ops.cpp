@@ -284,6 +284,18 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_norm_qkv_backward_meta(
 
 // ---- autograd -------------------------------------------------------------------------------
 
+// The two forward ops with copies, typed by their kernels' own signatures: what the autograd
+// functions and the no-copies path call below autograd.
+const c10::TypedOperatorHandle<decltype(fp8_out_proj_residual_norm)>& out_proj_op() {
+  static const auto f =
+      op<decltype(fp8_out_proj_residual_norm)>("coda::fp8_out_proj_residual_norm");
+  return f;
+}
+const c10::TypedOperatorHandle<decltype(fp8_mlp)>& mlp_op() {
+  static const auto f = op<decltype(fp8_mlp)>("coda::fp8_mlp");
+  return f;
+}
+
 // copies=False leaves out what the backward reads: only where no gradient is recorded.
 void no_copies_without_grad(const char* op, std::initializer_list<const Tensor*> inputs) {
   if (!at::GradMode::is_enabled()) return;
@@ -304,10 +316,8 @@ class Fp8OutProjResidualNorm : public torch::autograd::Function<Fp8OutProjResidu
                                double eps) {
     ctx->set_materialize_grads(false);
     at::AutoDispatchBelowADInplaceOrView guard;
-    static auto f = op<OutProj(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                               const Tensor&, const Tensor&, const Tensor&, const Tensor&, double,
-                               bool)>("coda::fp8_out_proj_residual_norm");
-    auto [x, h, hs, r, yt, yts] = f.call(y, w_o, wc, ws, wct, wst, residual, gamma, eps, true);
+    auto [x, h, hs, r, yt, yts] =
+        out_proj_op().call(y, w_o, wc, ws, wct, wst, residual, gamma, eps, true);
     ctx->mark_non_differentiable({h, hs, r, yt, yts});  // caches for the consumer, its operands
     ctx->save_for_backward({yt, yts, w_o, wct, wst});
     return {x, h, hs, r, yt, yts};
@@ -339,13 +349,8 @@ class Fp8Mlp : public torch::autograd::Function<Fp8Mlp> {
                                bool act_h_out) {
     ctx->set_materialize_grads(false);
     at::AutoDispatchBelowADInplaceOrView guard;
-    static auto f = op<MlpOut(
-        const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-        const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-        const Tensor&, const Tensor&, const Tensor&, const Tensor&, double, bool, bool)>(
-        "coda::fp8_mlp");
     auto [x_out, h_out, h_outs, r_out, z, at, ats] =
-        f.call(x, gamma, w_gu, guc, gus, guct, gust, w_down, dnc, dns, dnct, dnst, h, hs, r,
+        mlp_op().call(x, gamma, w_gu, guc, gus, guct, gust, w_down, dnc, dns, dnct, dnst, h, hs, r,
                gamma_next, eps, act_h_out, true);
     ctx->mark_non_differentiable({h_out, h_outs, r_out, z, at, ats});
     ctx->save_for_backward({x, gamma, w_gu, guct, gust, w_down, dnct, dnst, r, z, at, ats});
@@ -490,10 +495,7 @@ TORCH_LIBRARY_IMPL(coda, Autograd, m) {
     if (!copies) {
       no_copies_without_grad("coda::fp8_out_proj_residual_norm", {&y, &w_o, &residual, &gamma});
       at::AutoDispatchBelowADInplaceOrView guard;
-      static auto f = op<OutProj(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                 const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                 double, bool)>("coda::fp8_out_proj_residual_norm");
-      return f.call(y, w_o, wc, ws, wct, wst, residual, gamma, eps, false);
+      return out_proj_op().call(y, w_o, wc, ws, wct, wst, residual, gamma, eps, false);
     }
     auto o = Fp8OutProjResidualNorm::apply(y, w_o, wc, ws, wct, wst, residual, gamma, eps);
     return std::make_tuple(o[0], o[1], o[2], o[3], o[4], o[5]);
@@ -507,13 +509,8 @@ TORCH_LIBRARY_IMPL(coda, Autograd, m) {
     if (!copies) {
       no_copies_without_grad("coda::fp8_mlp", {&x, &gamma, &w_gu, &w_down, &r, &gamma_next});
       at::AutoDispatchBelowADInplaceOrView guard;
-      static auto f = op<MlpOut(
-          const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-          const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-          const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-          const Tensor&, double, bool, bool)>("coda::fp8_mlp");
-      return f.call(x, gamma, w_gu, guc, gus, guct, gust, w_down, dnc, dns, dnct, dnst, h, hs, r,
-                    gamma_next, eps, act_h_out, false);
+      return mlp_op().call(x, gamma, w_gu, guc, gus, guct, gust, w_down, dnc, dns, dnct, dnst,
+                           h, hs, r, gamma_next, eps, act_h_out, false);
     }
     auto o = Fp8Mlp::apply(x, gamma, w_gu, guc, gus, guct, gust, w_down, dnc, dns, dnct, dnst, h,
                            hs, r, gamma_next, eps, act_h_out);

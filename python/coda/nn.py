@@ -197,6 +197,12 @@ def _under_fsdp2(model: nn.Module) -> bool:
 FP8_PROJECTIONS = ("w_qkv", "w_o", "w_gu", "w_down")
 
 
+def _quantize_weight(w: Tensor) -> tuple[Tensor, ...]:
+    """w's FP8 operands: 128x128 codes and scales of w and of wᵀ."""
+    with torch.no_grad():
+        return tuple(torch.ops.coda.fp8_quantize_blocks(w.detach(), True, True))
+
+
 class Fp8WeightCache:
     """Each weight's FP8 operands, ``fp8_quantize_blocks(w, True, True)`` (the 128x128 codes and
     scales of ``w`` and of ``wᵀ``), remade only when the weight changed: its version counter
@@ -223,18 +229,14 @@ class Fp8WeightCache:
 
     def get(self, name: str, w: Tensor) -> tuple[Tensor, ...]:
         if torch.compiler.is_compiling():  # no guard on a version counter: cast in the graph
-            with torch.no_grad():
-                return tuple(torch.ops.coda.fp8_quantize_blocks(w.detach(), True, True))
+            return _quantize_weight(w)
         if not self.persist:
             self._entries.clear()
-            with torch.no_grad():
-                return tuple(torch.ops.coda.fp8_quantize_blocks(w.detach(), True, True))
+            return _quantize_weight(w)
         key = self._key(w)
         entry = self._entries.get(name)
         if entry is None or entry[0] != key:
-            with torch.no_grad():
-                entry = (key, tuple(torch.ops.coda.fp8_quantize_blocks(w.detach(), True, True)))
-            self._entries[name] = entry
+            entry = self._entries[name] = (key, _quantize_weight(w))
         return entry[1]
 
     def refresh(self, name: str, w: Tensor) -> None:
@@ -245,16 +247,15 @@ class Fp8WeightCache:
         backward, which an in-place write before it makes fail (autograd's version check)."""
         if not self.persist:
             return
-        with torch.no_grad():
-            new = tuple(torch.ops.coda.fp8_quantize_blocks(w.detach(), True, True))
-            entry = self._entries.get(name)
-            if entry is not None and all(
-                    (a.shape, a.stride(), a.dtype, a.device) == (b.shape, b.stride(), b.dtype,
-                                                                 b.device)
-                    for a, b in zip(entry[1], new)):
+        new = _quantize_weight(w)
+        entry = self._entries.get(name)
+        if entry is not None and all(
+                (a.shape, a.stride(), a.dtype, a.device) == (b.shape, b.stride(), b.dtype, b.device)
+                for a, b in zip(entry[1], new)):
+            with torch.no_grad():
                 for old, t in zip(entry[1], new):
                     old.copy_(t)
-                new = entry[1]
+            new = entry[1]
         self._entries[name] = (self._key(w), new)
 
     def clear(self) -> None:
@@ -488,7 +489,7 @@ class CodaLlamaForCausalLM(nn.Module):
         training are seen on their own."""
         if self.precision != "fp8":
             return
-        if _under_fsdp2(self):  # nothing is kept there (each forward quantizes the gathered weights)
+        if _under_fsdp2(self):  # nothing kept: each forward quantizes the gathered weights
             for layer in self.layers:
                 layer._fp8_cache.clear()
             return

@@ -33,18 +33,24 @@ def batch():
     return ids, ids.clone()
 
 
-def worker(rank: int, world: int, tie: bool, per_layer: bool, out: dict) -> None:
-    """One rank, inside the gloo group helpers.run_gloo made."""
-    import coda  # noqa: F401  (loads the ops in this process)
+def shard(model, world: int, per_layer: bool):
+    """FSDP2 over this rank's gloo group: a unit per layer (per_layer), then the root; loads the
+    ops in this process."""
+    import coda  # noqa: F401
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    model = build(tie)
     mesh = init_device_mesh("cpu", (world,))
     if per_layer:
         for layer in model.layers:
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    return model
+
+
+def worker(rank: int, world: int, tie: bool, per_layer: bool, out: dict) -> None:
+    """One rank, inside the gloo group helpers.run_gloo made."""
+    model = shard(build(tie), world, per_layer)
     ids, labels = batch()
     per = ids.shape[0] // world
     mine = slice(rank * per, (rank + 1) * per)
@@ -123,16 +129,7 @@ def train_fp8(model, ids, labels, rank=0, world=1, refresh=False):
 
 
 def fp8_worker(rank: int, world: int, per_layer: bool, out: dict) -> None:
-    import coda  # noqa: F401
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    model = build_fp8()
-    mesh = init_device_mesh("cpu", (world,))
-    if per_layer:
-        for layer in model.layers:
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = shard(build_fp8(), world, per_layer)
     ids, labels = fp8_batch()
     losses, grads = train_fp8(model, ids, labels, rank, world)
     if rank == 0:

@@ -80,6 +80,7 @@ from torchtitan.protocols.model import ModelConfigConverter
 from torchtitan.protocols.module import Module
 
 from .. import ops
+from ..nn import _quantize_weight
 from ..nn import positions as _positions
 
 __all__ = ["CodaConverter", "CodaLlama3Model", "CodaLlama3TransformerBlock", "CodaQKVLinear",
@@ -329,10 +330,8 @@ class CodaLlama3TransformerBlock(Llama3TransformerBlock):
             xm = x.to(dtype).reshape(tokens, dim).contiguous()
             h, r = ops.rmsnorm_stats(xm, g_attn, s.eps_attn)
             if self._fp8:  # the weights' FP8 operands (128x128 blocks, and Wᵀ's) and h's rows
-                with torch.no_grad():
-                    q8 = [tuple(coda.fp8_quantize_blocks(w.detach(), True, True))
-                          for w in (w_qkv, w_o, w_gu, w_down)]
-                    h8 = coda.fp8_quantize_rows(h)[:2]
+                q8 = [_quantize_weight(w) for w in (w_qkv, w_o, w_gu, w_down)]
+                h8 = coda.fp8_quantize_rows(h)[:2]  # (h: the norm's cache, no gradient)
                 qkv = coda.fp8_norm_qkv(xm, g_attn, w_qkv, *q8[0], *h8, r, pos,
                                         self.coda_rope_table)
             else:
