@@ -18,7 +18,7 @@ packed with RoPE pairs adjacent inside each Q/K head, and ``w_gu`` interleaves g
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -154,25 +154,28 @@ def decoder_layer(c: LlamaConfig, x: Tensor, h: Tensor, r: Tensor, gamma: Tensor
     return x2, h2, r2
 
 
-def decoder_layer_fp8(layer: CodaDecoderLayer, x: Tensor, h: tuple[Tensor, Tensor], r: Tensor,
-                      gamma: Tensor, pos: Tensor, rope_table: Tensor, gamma_next: Tensor,
-                      batch: int, attention: Attention, last: bool
+def decoder_layer_fp8(c: LlamaConfig, x: Tensor, h: tuple[Tensor, Tensor], r: Tensor,
+                      gamma: Tensor, weights: Mapping[str, tuple[Tensor, Sequence[Tensor]]],
+                      gamma_ffn: Tensor, pos: Tensor, rope_table: Tensor, gamma_next: Tensor,
+                      batch: int, attention: Attention, last: bool, b_qkv: Tensor | None = None
                       ) -> tuple[Tensor, tuple[Tensor, Tensor] | Tensor, Tensor]:
     """One decoder layer in blockwise FP8 (docs/math.md §6): ``x (M, H)`` with its norm's caches,
     ``h`` in 1x128 blocks (codes, scales: ``fp8_quantize_rows(h)[:2]``) and ``r`` -> ``(x, h, r)``
     of the layer output for ``gamma_next``; with ``last`` the output's ``h`` is the
-    activation-dtype tensor the LM head reads (it stays in bf16)."""
-    c, w, coda = layer.config, layer.fp8_weights(), torch.ops.coda
+    activation-dtype tensor the LM head reads (it stays in bf16). ``weights`` maps each of
+    FP8_PROJECTIONS to ``(weight, its FP8 operands)``: the weight in coda's layout (what the
+    gradient is for) and ``fp8_quantize_blocks(weight, True, True)`` of it, e.g. from an
+    Fp8WeightCache."""
+    coda = torch.ops.coda
+    (w_qkv, q_qkv), (w_o, q_o), (w_gu, q_gu), (w_down, q_down) = (
+        weights[n] for n in FP8_PROJECTIONS)
     copies = torch.is_grad_enabled()  # the weight gradients' operands: none without a backward
-    qkv = coda.fp8_norm_qkv(x, gamma, layer.w_qkv, *w["w_qkv"], *h, r, pos, rope_table,
-                            layer.b_qkv)
+    qkv = coda.fp8_norm_qkv(x, gamma, w_qkv, *q_qkv, *h, r, pos, rope_table, b_qkv)
     y = _attention(c, qkv, batch, attention)
-    x1, h1, h1s, r1, _, _ = coda.fp8_out_proj_residual_norm(y, layer.w_o, *w["w_o"], x,
-                                                            layer.gamma_ffn, c.rms_norm_eps,
-                                                            copies)
-    x2, h2, h2s, r2, _, _, _ = coda.fp8_mlp(
-        x1, layer.gamma_ffn, layer.w_gu, *w["w_gu"], layer.w_down, *w["w_down"], h1, h1s, r1,
-        gamma_next, c.rms_norm_eps, last, copies)
+    x1, h1, h1s, r1, _, _ = coda.fp8_out_proj_residual_norm(y, w_o, *q_o, x, gamma_ffn,
+                                                            c.rms_norm_eps, copies)
+    x2, h2, h2s, r2, _, _, _ = coda.fp8_mlp(x1, gamma_ffn, w_gu, *q_gu, w_down, *q_down, h1, h1s,
+                                            r1, gamma_next, c.rms_norm_eps, last, copies)
     return x2, (h2 if last else (h2, h2s)), r2
 
 
@@ -182,6 +185,15 @@ def _check_precision(config: LlamaConfig, precision: str) -> None:
     if precision == "fp8" and config.qk_norm:
         raise NotImplementedError("precision='fp8' has no QK-norm (Qwen3) program yet: use "
                                   "precision='bf16'")
+    if precision == "fp8":
+        c = config
+        for what, width in (("hidden_size", c.hidden_size),
+                            ("num_heads * head_dim", c.num_heads * c.head_dim),
+                            ("(num_heads + 2 * num_kv_heads) * head_dim", c.qkv_width),
+                            ("intermediate_size", c.intermediate_size)):
+            if width % 16:
+                raise ValueError(f"precision='fp8' needs {what} a multiple of 16 (16-byte rows "
+                                 f"of e4m3 codes), got {width}")
 
 
 def _under_fsdp2(model: nn.Module) -> bool:
@@ -227,13 +239,17 @@ class Fp8WeightCache:
         self._entries: dict[str, tuple[tuple, tuple[Tensor, ...]]] = {}
         self.persist = True
 
-    def get(self, name: str, w: Tensor) -> tuple[Tensor, ...]:
+    def get(self, name: str, w: Tensor, sources: Sequence[Tensor] = ()) -> tuple[Tensor, ...]:
+        """``w``'s FP8 operands. ``sources``: the parameters ``w`` is built from, when it is not a
+        parameter itself but remade from them every forward (a patched Hugging Face model packs
+        its q / k / v and gate / up weights so); the entry is then kept while they are
+        unchanged."""
         if torch.compiler.is_compiling():  # no guard on a version counter: cast in the graph
             return _quantize_weight(w)
         if not self.persist:
             self._entries.clear()
             return _quantize_weight(w)
-        key = self._key(w)
+        key = tuple(self._key(t) for t in sources) + (w.dtype,) if sources else self._key(w)
         entry = self._entries.get(name)
         if entry is None or entry[0] != key:
             entry = self._entries[name] = (key, _quantize_weight(w))
@@ -323,8 +339,10 @@ class CodaDecoderLayer(nn.Module):
         output's ``h`` feeds the LM head (decoder_layer_fp8). Called as a module, so module hooks
         (FSDP2's unshard, checkpoint wrappers) run around either precision."""
         if self.precision == "fp8":
-            return decoder_layer_fp8(self, x, h, r, gamma, pos, rope_table, gamma_next, batch,
-                                     attention, last)
+            weights = {n: (getattr(self, n), self._fp8_cache.get(n, getattr(self, n)))
+                       for n in FP8_PROJECTIONS}
+            return decoder_layer_fp8(self.config, x, h, r, gamma, weights, self.gamma_ffn, pos,
+                                     rope_table, gamma_next, batch, attention, last, self.b_qkv)
         return decoder_layer(self.config, x, h, r, gamma, self.w_qkv, self.w_o, self.gamma_ffn,
                              self.w_gu, self.w_down, pos, rope_table, gamma_next, batch, attention,
                              self.b_qkv, self.q_gamma, self.k_gamma)

@@ -352,6 +352,15 @@ def test_fp8_precision_is_not_in_the_state_dict():
         CodaLlamaForCausalLM(fp8.config, precision="fp16")
     with pytest.raises(NotImplementedError, match="precision='fp8' has no QK-norm"):
         CodaLlamaForCausalLM(LlamaConfig(**TINY, qk_norm=True), precision="fp8")
+    # extents that are not whole 16-byte rows of codes: refused at construction, named
+    for field, value, what in (("hidden_size", 72, "hidden_size"),
+                               ("intermediate_size", 104, "intermediate_size"),
+                               ("head_dim", 10, r"num_heads \* head_dim")):
+        with pytest.raises(ValueError, match=f"needs {what} a multiple of 16.*got"):
+            CodaLlamaForCausalLM(LlamaConfig(**{**TINY, field: value}), precision="fp8")
+    bf16 = CodaLlamaForCausalLM(LlamaConfig(**{**TINY, "hidden_size": 72}), precision="bf16")
+    with pytest.raises(ValueError, match="needs hidden_size a multiple of 16"):
+        bf16.precision = "fp8"
 
 
 class CountOps(TorchDispatchMode):

@@ -25,6 +25,12 @@ weights as the recipe to rebuild them (a saved-tensor hook that hands every othe
 the hooks already installed, e.g. activation offloading), not as tensors, so the patched model
 holds no second copy of its weights between forward and backward.
 
+With ``patch_hf(model, precision="fp8")`` the decoder layers' projection GEMMs run in blockwise
+FP8 (the ops of ``CodaLlamaForCausalLM(config, precision="fp8")``). Their FP8 weights are
+quantized from the packed weights and kept, outside the model's state, until one of the HF
+parameters they come from changes (its version counter: an optimizer step, ``load_state_dict``),
+so once per optimizer step; after a write through ``.data``, :func:`refresh_fp8_weights`.
+
 Attention is PyTorch's scaled-dot-product attention with HF's masks: causal; with a 2-D
 ``attention_mask`` (1 = token, 0 = padding) the padded keys masked, and a row with no key left
 giving 0, as HF's SDPA path does; without a mask, position ids that restart mark packed
@@ -47,9 +53,10 @@ from torch import Tensor, nn
 
 from .. import ops
 from ..convert import config_from_hf, rope_half_to_adjacent_view
-from ..nn import LlamaConfig, decoder_layer, positions
+from ..nn import (FP8_PROJECTIONS, Fp8WeightCache, LlamaConfig, _check_precision, decoder_layer,
+                  decoder_layer_fp8, positions)
 
-__all__ = ["patch_hf", "unpatch_hf", "is_patched"]
+__all__ = ["patch_hf", "unpatch_hf", "is_patched", "refresh_fp8_weights"]
 
 _ATTR = "_coda_patch"
 # The keyword arguments the fused path reads (Trainer passes num_items_in_batch; shift_labels
@@ -63,8 +70,18 @@ _MAX_CUDA_VOCAB = 1 << 24
 @dataclass
 class _Patch:
     config: LlamaConfig
+    precision: str = "bf16"
     tables: dict[torch.device, Tensor] = field(default_factory=dict)  # RoPE table per device
     warned: set[str] = field(default_factory=set)
+    # precision="fp8": each layer's projection weights in FP8, kept while their HF parameters
+    # are unchanged (Fp8WeightCache, keyed on the parameters the packed weight is built from)
+    fp8_caches: dict[int, Fp8WeightCache] = field(default_factory=dict)
+
+    def fp8_cache(self, layer: int) -> Fp8WeightCache:
+        return self.fp8_caches.setdefault(layer, Fp8WeightCache())
+
+    def __getstate__(self) -> dict:  # a pickled or copied model quantizes its own weights
+        return {**vars(self), "fp8_caches": {}}
 
     @torch.compiler.disable
     def rope_table(self, device: torch.device) -> Tensor:
@@ -107,19 +124,29 @@ def _supported_classes() -> tuple[type, ...]:
             transformers.Qwen3ForCausalLM)
 
 
-def patch_hf(model: nn.Module) -> nn.Module:
+def patch_hf(model: nn.Module, precision: str = "bf16") -> nn.Module:
     """Make ``model`` (a transformers ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` or
     ``Qwen3ForCausalLM``) train through
     coda, in place; returns it. Raises ``NotImplementedError`` for configurations coda does not
     run (LLaMA's attention or MLP biases, sliding-window attention, another activation or RoPE
     type) and ``TypeError`` for another model class, a model whose projections are not plain
     ``nn.Linear`` modules, or one whose ``forward`` is already wrapped (patch before handing the
-    model to accelerate or Trainer)."""
+    model to accelerate or Trainer).
+
+    ``precision="fp8"`` runs every projection GEMM of the decoder layers in blockwise FP8
+    (docs/math.md §6), as ``CodaLlamaForCausalLM(config, precision="fp8")`` does: the packed
+    weights are quantized when their HF parameters change (once per optimizer step), kept
+    outside the model's state; the embedding, norms, LM head and the parameters keep their dtype.
+    Every extent must be a multiple of 16 (ValueError naming it otherwise); Qwen3's QK-norm has
+    no FP8 program (NotImplementedError). Patching a patched model again sets its precision."""
     known = [c for c in _supported_classes() if isinstance(model, c)]
     if not known or type(model).forward is not known[0].forward:
         raise TypeError(f"patch_hf: expected a transformers LlamaForCausalLM, Qwen2ForCausalLM or "
                         f"Qwen3ForCausalLM (its own forward), got {type(model).__name__}")
     if is_patched(model):
+        _check_precision(getattr(model, _ATTR).config, precision)
+        getattr(model, _ATTR).precision = precision
+        getattr(model, _ATTR).fp8_caches.clear()
         return model
     if "forward" in vars(model):
         raise TypeError(f"patch_hf: model.forward is already replaced ({vars(model)['forward']!r});"
@@ -128,11 +155,20 @@ def patch_hf(model: nn.Module) -> nn.Module:
     problem = _foreign_module(model, config)
     if problem:
         raise TypeError(f"patch_hf: {problem}")
-    patch = _Patch(config)
+    _check_precision(config, precision)
+    patch = _Patch(config, precision)
     patch.rope_table(model.lm_head.weight.device)  # built eagerly, outside any compiled region
     setattr(model, _ATTR, patch)
     model.forward = _PatchedForward(model)
     return model
+
+
+def refresh_fp8_weights(model: nn.Module) -> None:
+    """Drops the FP8 weights a patched model keeps, so that its next forward quantizes them
+    again: needed after writes that do not move a parameter's version counter (through
+    ``.data``); optimizer steps and ``load_state_dict`` are seen on their own."""
+    if is_patched(model):
+        getattr(model, _ATTR).fp8_caches.clear()
 
 
 def unpatch_hf(model: nn.Module) -> nn.Module:
@@ -372,22 +408,45 @@ def _cast(dtype: torch.dtype, w: Tensor) -> Tensor:
     return w.to(dtype)
 
 
-def _layer(c, dtype, layer, gamma_next, pos, table, batch, attention, rebuilt, x, h, r):
+def _weights(c: LlamaConfig, dtype: torch.dtype, layer: nn.Module) -> dict[str, tuple]:
+    """Each projection's build (HF parameters -> coda's layout in ``dtype``) and its parameters,
+    by coda's parameter name."""
     a, f = layer.self_attn, layer.mlp
     cast = functools.partial(_cast, dtype)
+    return {"w_qkv": (functools.partial(_qkv, c, dtype),
+                      (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)),
+            "w_o": (cast, (a.o_proj.weight,)),
+            "w_gu": (functools.partial(_gate_up, dtype), (f.gate_proj.weight, f.up_proj.weight)),
+            "w_down": (cast, (f.down_proj.weight,))}
+
+
+def _layer(c, dtype, layer, gamma_next, pos, table, batch, attention, rebuilt, fp8_cache, last,
+           x, r, *h):
+    """One decoder layer on the HF parameters: ``(x, r, *h) -> (x, r, *h)`` with ``h`` one
+    tensor, or in FP8 (``fp8_cache`` set) its codes and scales (one tensor after the last
+    layer: the LM head's input)."""
+    a = layer.self_attn
+    cast = functools.partial(_cast, dtype)
     w = rebuilt.derive
-    qkv = functools.partial(_qkv, c, dtype)
-    b_qkv = w(qkv, a.q_proj.bias, a.k_proj.bias, a.v_proj.bias) if c.qkv_bias else None
+    spec = _weights(c, dtype, layer)
+    weights = {n: w(build, *params) for n, (build, params) in spec.items()}
+    b_qkv = (w(functools.partial(_qkv, c, dtype), a.q_proj.bias, a.k_proj.bias, a.v_proj.bias)
+             if c.qkv_bias else None)
+    gamma, gamma_ffn = (w(cast, layer.input_layernorm.weight),
+                        w(cast, layer.post_attention_layernorm.weight))
+    if fp8_cache is not None:
+        fp8 = {n: (weights[n], fp8_cache.get(n, weights[n], spec[n][1])) for n in FP8_PROJECTIONS}
+        x, h, r = decoder_layer_fp8(c, x, tuple(h), r, gamma, fp8, gamma_ffn, pos, table,
+                                    w(cast, gamma_next), batch, attention, last, b_qkv)
+        return (x, r, h) if last else (x, r, *h)
     head_norm = functools.partial(_head_norm, c, dtype)
     q_gamma = w(head_norm, a.q_norm.weight) if c.qk_norm else None
     k_gamma = w(head_norm, a.k_norm.weight) if c.qk_norm else None
-    return decoder_layer(
-        c, x, h, r, w(cast, layer.input_layernorm.weight),
-        w(qkv, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight),
-        w(cast, a.o_proj.weight), w(cast, layer.post_attention_layernorm.weight),
-        w(functools.partial(_gate_up, dtype), f.gate_proj.weight, f.up_proj.weight),
-        w(cast, f.down_proj.weight), pos, table, w(cast, gamma_next), batch, attention, b_qkv,
-        q_gamma, k_gamma)
+    x, h, r = decoder_layer(
+        c, x, h[0], r, gamma, weights["w_qkv"], weights["w_o"], gamma_ffn, weights["w_gu"],
+        weights["w_down"], pos, table, w(cast, gamma_next), batch, attention, b_qkv, q_gamma,
+        k_gamma)
+    return x, r, h
 
 
 def _attention_mask(mask: Tensor | None, position_ids: Tensor | None, use_cache: bool,
@@ -472,16 +531,20 @@ def _fused_forward(self, patch, input_ids, inputs_embeds, attention_mask, positi
         with _RebuiltOnBackward() as rebuilt:
             h, r = ops.rmsnorm_stats(x, rebuilt.derive(cast, m.layers[0].input_layernorm.weight),
                                      c.rms_norm_eps)
+        fp8 = patch.precision == "fp8"
+        hs = tuple(torch.ops.coda.fp8_quantize_rows(h)[:2]) if fp8 else (h,)  # one cast pass
         for i, layer in enumerate(m.layers):
-            gamma_next = (m.layers[i + 1].input_layernorm.weight if i + 1 < len(m.layers)
-                          else m.norm.weight)
+            last = i + 1 == len(m.layers)
+            gamma_next = m.norm.weight if last else m.layers[i + 1].input_layernorm.weight
             with _RebuiltOnBackward() as rebuilt:
                 run = functools.partial(_layer, c, dtype, layer, gamma_next, pos, table, batch,
-                                        attention, rebuilt)
+                                        attention, rebuilt, patch.fp8_cache(i) if fp8 else None,
+                                        last)
                 if layer.gradient_checkpointing:
-                    x, h, r = layer._gradient_checkpointing_func(run, x, h, r)
+                    x, r, *hs = layer._gradient_checkpointing_func(run, x, r, *hs)
                 else:
-                    x, h, r = run(x, h, r)
+                    x, r, *hs = run(x, r, *hs)
+        (h,) = hs
         n_items = kwargs.get("num_items_in_batch")
         with _RebuiltOnBackward() as rebuilt:
             loss, _ = ops.lm_head_loss(
