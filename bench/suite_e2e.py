@@ -13,6 +13,8 @@ and peak memory, for the systems people train LLaMA with, from one initializatio
                   step is the whole model's compilation)
   coda_fp8        coda.nn with precision="fp8": every projection GEMM in blockwise FP8 (docs/math.md
                   §6), eager
+  coda_patched_fp8
+                  the HF model patched in place with precision="fp8", eager
   torchao_fp8_tensorwise, torchao_fp8_rowwise
                   the HF model with torchao's float8 training (convert_to_float8_training with the
                   recipe's Float8LinearConfig; the LM head left in bf16, as coda's), each decoder
@@ -53,7 +55,7 @@ MODEL_SHAPES = {
                        intermediate=6144, vocab=151936, tie=True, batch=4, seq=4096),
 }
 SYSTEMS = ("hf_eager", "hf_compile", "liger", "coda", "coda_compile", "coda_patched")
-FP8_SYSTEMS = ("coda_fp8", "torchao_fp8_tensorwise", "torchao_fp8_rowwise")
+FP8_SYSTEMS = ("coda_fp8", "coda_patched_fp8", "torchao_fp8_tensorwise", "torchao_fp8_rowwise")
 # The FP8 comparison (suite.py --e2e-systems fp8): the FP8 systems beside our bf16 path and the
 # fastest bf16 peers of the default run, all in one run.
 FP8_COMPARISON = FP8_SYSTEMS + ("coda", "liger", "hf_compile")
@@ -118,10 +120,11 @@ def build(system, cfg):
             apply(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
                   fused_linear_cross_entropy=True, model=hf)
         return hf, lambda m, ids: m(input_ids=ids, labels=ids).loss
-    if system == "coda_patched":
+    if system in ("coda_patched", "coda_patched_fp8"):
         from coda.integrations import patch_hf
 
-        return patch_hf(hf), lambda m, ids: m(input_ids=ids, labels=ids).loss
+        precision = "fp8" if system == "coda_patched_fp8" else "bf16"
+        return patch_hf(hf, precision), lambda m, ids: m(input_ids=ids, labels=ids).loss
     model = coda.convert.from_hf(hf, precision="fp8" if system == "coda_fp8" else "bf16")
     del hf
     if system == "coda_compile":
