@@ -192,6 +192,7 @@ def test_tensor_parallel_refuses_an_fp8_model():
     from coda.nn import CodaLlamaForCausalLM, LlamaConfig
     from coda.parallel import TensorParallelLlama
 
-    model = CodaLlamaForCausalLM(LlamaConfig(**CFG), dtype=torch.float64, precision="fp8")
+    config = LlamaConfig(**{**CFG, "intermediate_size": 32})  # FP8 extents: multiples of 16
+    model = CodaLlamaForCausalLM(config, dtype=torch.float64, precision="fp8")
     with pytest.raises(NotImplementedError, match="precision='fp8'"):
         TensorParallelLlama(model)
