@@ -60,7 +60,7 @@ void rmsnorm_backward_inputs(Args& c, View x, View r, View gamma, View zdz, View
   c.vector("r", r, kF, m);
   c.vector("gamma", gamma, kBf, hidden);
   c.vector("zdz", zdz, kF, m);
-  c.matrix("dres", dres, kBf, m, hidden);
+  if (dres.data) c.matrix("dres", dres, kBf, m, hidden);  // null: no residual gradient
   c.matrix("dx", dx, kBf, m, hidden);
 }
 
@@ -231,16 +231,21 @@ void gemm_rmsnorm_backward(View dz, View w, View x, View r, View gamma, View zdz
   rmsnorm_backward_inputs(c, x, r, gamma, zdz, dres, dx, m, hidden);
   c.matrix("h_out", h_out, kBf, m, hidden);
   c.distinct("h_out", h_out, "dx", dx);
-  c.distinct("h_out", h_out, "dres", dres);
+  if (dres.data) c.distinct("h_out", h_out, "dres", dres);
   c.distinct("h_out", h_out, "x", x);
   const auto kc = choose_with_partials(c, Program::kRmsnormBackward, Operands::kXW,
                                        {m, hidden, n_out}, "dgamma_partials", dgamma_partials);
   c.on_device();
+  const bool with_dres = dres.data != nullptr;
   const kernel::RmsnormBackwardArgs args{
-      bf(x), x.ld, f32(r), bf(gamma), f32(zdz), bf_out(h_out), h_out.ld, f32_out(dgamma_partials)};
+      bf(x),    x.ld,          f32(r),   bf(gamma),
+      f32(zdz), bf_out(h_out), h_out.ld, f32_out(dgamma_partials),
+      with_dres};
+  // Without dres the source is dx itself, never read (the kernel skips C's load).
+  const View src = with_dres ? dres : dx;
   launch<Program::kRmsnormBackward>(c, Operands::kXW, kc,
                                     {int(m), int(hidden), int(n_out), bf(dz), dz.ld, bf(w), w.ld,
-                                     bf(dres), dres.ld, bf_out(dx), dx.ld},
+                                     bf(src), src.ld, bf_out(dx), dx.ld},
                                     args, stream);
 }
 

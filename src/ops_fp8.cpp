@@ -78,6 +78,17 @@ void quantize_fp8_rows(View x, View codes, View scales, View codes_t, View scale
   kernel::quantize_fp8_rows(bf(x), m, k, x.ld, out.rows, out.cols, stream);
 }
 
+void quantize_fp8_swiglu_t(View z, View codes_t, View scales_t, cudaStream_t stream) {
+  Args c("coda::ops::quantize_fp8_swiglu_t");
+  const auto [m, two_i] = cast_input(c, "z", z);
+  CODA_CHECK(two_i % 32 == 0, c.op(), ": z's columns (2I) must be a multiple of 32 (a's I a ",
+             "multiple of 16), got ", two_i);
+  const kernel::Fp8Output out =
+      copy_output(c, "codes_t", codes_t, "scales_t", scales_t, m, two_i / 2);
+  c.on_device();
+  kernel::quantize_fp8_swiglu_t(bf(z), m, two_i / 2, z.ld, out, stream);
+}
+
 void quantize_fp8_blocks(View w, View codes, View scales, View codes_t, View scales_t,
                          cudaStream_t stream) {
   Args c("coda::ops::quantize_fp8_blocks");
@@ -239,12 +250,14 @@ void gemm_fp8_rmsnorm_backward(View dz, View dz_scales, View w_t, View w_t_scale
   const auto kc = choose_with_partials(c, Program::kRmsnormBackwardFp8, Operands::kFp8XWt,
                                        {m, hidden, p.k}, "dgamma_partials", dgamma_partials);
   c.on_device();
-  p.c = bf(dres);
-  p.ldc = dres.ld;
+  const bool with_dres = dres.data != nullptr;
+  const View src = with_dres ? dres : dx;  // without dres: dx, never read (C's load skipped)
+  p.c = bf(src);
+  p.ldc = src.ld;
   p.d = bf_out(dx);
   p.ldd = dx.ld;
-  const kernel::RmsnormBackwardArgs b1{bf(x),    x.ld,    f32(r), bf(gamma),
-                                       f32(zdz), nullptr, 0,      f32_out(dgamma_partials)};
+  const kernel::RmsnormBackwardArgs b1{
+      bf(x), x.ld, f32(r), bf(gamma), f32(zdz), nullptr, 0, f32_out(dgamma_partials), with_dres};
   launch<Program::kRmsnormBackwardFp8>(c, Operands::kFp8XWt, kc, p, {b1, h_out}, stream);
 }
 

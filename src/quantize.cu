@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "coda/common/check.hpp"
+#include "coda/epilogue/elementwise.hpp"
 #include "coda/epilogue/fp8.hpp"
 #include "coda/kernel/cuda_check.hpp"
 #include "coda/kernel/fp8_tile.cuh"
@@ -70,10 +71,33 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// What a tile kernel quantizes: x itself, or a = silu(g)·u of the interleaved (g, u) pairs of
+// x = z (rows, 2·cols), F2's saved pre-activation, each a rounded to bf16 as the bf16 B2 rounds
+// the a it recomputes for dW_down.
+enum class TileInput { kX, kSwiGlu };
+
+// Eight consecutive a values from z's 16 values at `z` (two 16-byte loads), as 8 bf16.
+__device__ uint4 swiglu8(const uint4 (&z)[2]) {
+  uint4 a;
+  __nv_bfloat162* out = reinterpret_cast<__nv_bfloat162*>(&a);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const __nv_bfloat162* pair = reinterpret_cast<const __nv_bfloat162*>(&z[h]);
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const float2 p = __bfloat1622float2(pair[2 * j]), q = __bfloat1622float2(pair[2 * j + 1]);
+      out[2 * h + j] =
+          __floats2bfloat162_rn(epilogue::SwiGlu{}(p.x, p.y), epilogue::SwiGlu{}(q.x, q.y));
+    }
+  }
+  return a;
+}
+
 // One CTA per 128x128 tile through shared memory (fp8_tile.cuh): loaded once, then its rows and
 // its columns quantized from there. Blocks::kRows: `out` per 1x128 row block, `out_t` per 128x1
-// column block. Blocks::kTiles: one scale for the whole 128x128 tile, for both.
-template <Blocks kBlocks>
+// column block. Blocks::kTiles: one scale for the whole 128x128 tile, for both. With
+// TileInput::kSwiGlu the tile is a's (rows, cols) from z at x (row stride ldx, 2·cols wide).
+template <Blocks kBlocks, TileInput kInput = TileInput::kX>
 __global__ void __launch_bounds__(kThreads)
     quantize_tile_kernel(const bf16* __restrict__ x, int64_t rows, int64_t cols, int64_t ldx,
                          Fp8Output out, Fp8Output out_t) {
@@ -84,21 +108,32 @@ __global__ void __launch_bounds__(kThreads)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const fp8_tile::TilePlace t = fp8_tile::place(blockIdx.y, blockIdx.x, rows, cols);
 
-  // Load: 16-byte chunks (8 bf16), zeros outside x (they add nothing to an amax), all in flight
-  // before the first shared-memory store.
+  // Load: 16-byte chunks (8 bf16; 16 of z's for kSwiGlu), zeros outside x (they add nothing to
+  // an amax, and silu(0)·0 = 0), all in flight before the first shared-memory store.
   constexpr int kChunks = kTile * kTile / 8 / kThreads;
-  uint4 v[kChunks];
+  constexpr int kLoads = kInput == TileInput::kSwiGlu ? 2 : 1;  // 16-byte loads per chunk
+  uint4 v[kChunks][kLoads];
 #pragma unroll
   for (int j = 0; j < kChunks; ++j) {
     const int i = threadIdx.x + j * kThreads, r = i / (kTile / 8), c = i % (kTile / 8) * 8;
-    v[j] = make_uint4(0, 0, 0, 0);
-    if (r < t.rows_here && c < t.cols_here)
-      v[j] = *reinterpret_cast<const uint4*>(x + (t.row0 + r) * ldx + t.col0 + c);
+#pragma unroll
+    for (int l = 0; l < kLoads; ++l) {
+      v[j][l] = make_uint4(0, 0, 0, 0);
+      if (r < t.rows_here && c < t.cols_here)
+        v[j][l] =
+            *reinterpret_cast<const uint4*>(x + (t.row0 + r) * ldx + kLoads * (t.col0 + c) + 8 * l);
+    }
   }
 #pragma unroll
   for (int j = 0; j < kChunks; ++j) {
     const int i = threadIdx.x + j * kThreads, r = i / (kTile / 8), c = i % (kTile / 8) * 8;
-    *reinterpret_cast<uint4*>(staged.tile + r * kPitch + c) = v[j];
+    uint4 a;
+    if constexpr (kInput == TileInput::kSwiGlu) {
+      a = swiglu8(v[j]);
+    } else {
+      a = v[j][0];
+    }
+    *reinterpret_cast<uint4*>(staged.tile + r * kPitch + c) = a;
   }
   __syncthreads();
 
@@ -153,17 +188,17 @@ void check_input(const char* op, const bf16* x, int64_t rows, int64_t cols, int6
   CODA_CHECK(out.codes || out_t.codes, op, ": no output");
 }
 
-template <Blocks kBlocks>
+template <Blocks kBlocks, TileInput kInput = TileInput::kX>
 void launch_tiles(const char* op, const bf16* x, int64_t rows, int64_t cols, int64_t ldx,
                   const Fp8Output& out, const Fp8Output& out_t, cudaStream_t stream) {
   const int64_t row_blocks = ScaleLayout::blocks(rows), col_blocks = ScaleLayout::blocks(cols);
   CODA_CHECK(row_blocks < 65536, op, ": ", rows, " rows is too many (at most 65535 tiles)");
   // Per launch (the current device's function attribute; no synchronization).
-  CODA_CUDA_CHECK(cudaFuncSetAttribute(quantize_tile_kernel<kBlocks>,
+  CODA_CUDA_CHECK(cudaFuncSetAttribute(quantize_tile_kernel<kBlocks, kInput>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        fp8_tile::kSmemBytes));
   const dim3 grid{unsigned(col_blocks), unsigned(row_blocks)};
-  quantize_tile_kernel<kBlocks>
+  quantize_tile_kernel<kBlocks, kInput>
       <<<grid, kThreads, fp8_tile::kSmemBytes, stream>>>(x, rows, cols, ldx, out, out_t);
   CODA_CUDA_CHECK(cudaGetLastError());
 }
@@ -185,6 +220,21 @@ void quantize_fp8_rows(const bf16* x, int64_t rows, int64_t cols, int64_t ldx, F
   CODA_CHECK(ctas < (int64_t(1) << 31), op, ": (", rows, ", ", cols, ") is too large");
   quantize_rows_kernel<<<unsigned(ctas), kThreads, 0, stream>>>(x, rows, cols, ldx, out);
   CODA_CUDA_CHECK(cudaGetLastError());
+}
+
+void quantize_fp8_swiglu_t(const bf16* z, int64_t rows, int64_t cols, int64_t ldz, Fp8Output out_t,
+                           cudaStream_t stream) {
+  const char* op = "coda::kernel::quantize_fp8_swiglu_t";
+  CODA_CHECK(z != nullptr && rows > 0 && cols > 0 && cols % 16 == 0 && ldz >= 2 * cols, op,
+             ": z must be a (rows, 2·cols) matrix with cols a multiple of 16, got rows ", rows,
+             ", cols ", cols, ", row stride ", ldz);
+  CODA_CHECK(ldz % 8 == 0 && reinterpret_cast<uintptr_t>(z) % 16 == 0, op,
+             ": z's start and row stride must be 16-byte aligned (16-byte loads), got row stride ",
+             ldz, " at address ", static_cast<const void*>(z));
+  CODA_CHECK(out_t.codes != nullptr, op, ": no output");
+  check_output(op, "out_t", out_t, ScaleLayout::padded_tokens(rows), cols);
+  launch_tiles<Blocks::kRows, TileInput::kSwiGlu>(op, z, rows, cols, ldz, Fp8Output{}, out_t,
+                                                  stream);
 }
 
 void quantize_fp8_blocks(const bf16* x, int64_t rows, int64_t cols, int64_t ldx, Fp8Output out,

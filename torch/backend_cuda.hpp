@@ -52,9 +52,6 @@ class CudaBackend : public TorchTensors {
   Tensor act(int64_t rows, int64_t cols) const {
     return TorchTensors::act(rows, padded_ld(cols)).narrow(1, 0, cols);
   }
-  Tensor zeros_act(int64_t rows, int64_t cols) const {
-    return TorchTensors::zeros_act(rows, padded_ld(cols)).narrow(1, 0, cols);
-  }
   // (rows, cols) at the start of `t`'s memory, rows padded as act's.
   static Tensor leading(const Tensor& t, int64_t rows, int64_t cols) {
     const int64_t ld = padded_ld(cols);

@@ -28,7 +28,6 @@ class TorchTensors {
   static int64_t cols(const Tensor& t) { return t.dim() == 2 ? t.size(1) : 1; }
   static bool present(const Tensor& t) { return t.defined(); }  // an optional argument
   Tensor act(int64_t rows, int64_t cols) const { return at::empty({rows, cols}, act_); }
-  Tensor zeros_act(int64_t rows, int64_t cols) const { return at::zeros({rows, cols}, act_); }
   Tensor stat(int64_t n) const { return at::empty({n}, stat_); }
   Tensor zeros_stat(int64_t n) const { return at::zeros({n}, stat_); }
   Tensor zeros_stat(int64_t rows, int64_t cols) const { return at::zeros({rows, cols}, stat_); }
@@ -41,7 +40,6 @@ class TorchTensors {
   }
   static void add_(Tensor& acc, const Tensor& v) { acc.add_(v); }
   static void copy_(Tensor& dst, const Tensor& src) { dst.copy_(src); }
-  static void zero_(Tensor& t) { t.zero_(); }
   static Tensor param_like(const Tensor& t, const Tensor& like) { return t.to(like.scalar_type()); }
   static Tensor targets_minus(const Tensor& targets, int64_t v0) {
     return v0 == 0 ? targets : targets - v0;
@@ -104,6 +102,11 @@ class TorchTensors {
     auto [dx, ht, hts, p] =
         fp8::rmsnorm_backward(dz.codes, dz.scales, w.codes_t, w.scales_t, x, r, gamma, zdz, dres);
     return {dx, Fp8{{}, {}, ht, hts}, p};
+  }
+  // a = silu(g)·u of z, rounded, as its transposed copy (a not kept by the forward).
+  static Fp8 fp8_swiglu_copy(const Tensor& z) {
+    auto [ct, st] = fp8::swiglu_quantize_t(z);
+    return Fp8{{}, {}, ct, st};
   }
   // B2 from dx_out's rows and W_downᵀ's codes (w_down.codes_t): dz (both copies), ZdZ partials.
   static std::tuple<Fp8, Tensor> fp8_swiglu_backward(const Fp8& dx_out, const Fp8& w_down,

@@ -117,7 +117,7 @@ MlpOut fp8_mlp(const Tensor& x, const Tensor& gamma, const Tensor& w_gu, const T
                const Tensor& w_down, const Tensor& dn_codes, const Tensor& dn_scales,
                const Tensor& dn_codes_t, const Tensor& dn_scales_t, const Tensor& h,
                const Tensor& h_scales, const Tensor& r, const Tensor& gamma_next, double eps,
-               bool act_h_out, bool copies) {
+               bool act_h_out, bool copies, bool recompute_a) {
   const auto c = OpContext::from("coda::fp8_mlp", "x", x);
   const auto s = validate_mlp(c, x, gamma, w_gu, w_down, nullptr, r);
   c.activation("gamma_next", gamma_next, {s.hidden});
@@ -132,7 +132,8 @@ MlpOut fp8_mlp(const Tensor& x, const Tensor& gamma, const Tensor& w_gu, const T
   TORCH_CHECK(s.intermediate % 16 == 0, c.op, ": I (w_gu.size(0) / 2) = ", s.intermediate,
               " must be a multiple of 16 (16-byte rows of a's codes)");
   return on_backend(x, [&](auto& b) {
-    const auto o = block::fp8_mlp(b, x, hq, r, gu, dn, gamma_next, eps, act_h_out, copies);
+    const auto o =
+        block::fp8_mlp(b, x, hq, r, gu, dn, gamma_next, eps, act_h_out, copies, recompute_a);
     const auto& n = o.out;
     if (act_h_out) {
       return std::make_tuple(n.x, o.h_act, empty_like_stat(x), n.r, o.z, o.a.codes_t, o.a.scales_t);
@@ -189,14 +190,19 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_mlp_backward(
     const Tensor& dx_out, const Tensor& x, const Tensor& gamma, const Tensor& w_gu,
     const Tensor& gu_codes_t, const Tensor& gu_scales_t, const Tensor& w_down,
     const Tensor& dn_codes_t, const Tensor& dn_scales_t, const Tensor& r, const Tensor& z,
-    const Tensor& a_t, const Tensor& a_t_scales) {
+    const std::optional<Tensor>& a_t, const std::optional<Tensor>& a_t_scales) {
   const auto c = OpContext::from("coda::fp8_mlp_backward", "x", x);
   const auto s = validate_mlp_backward(c, dx_out, x, gamma, w_gu, w_down, r, z);
   const Fp8 gu{{}, {}, gu_codes_t, gu_scales_t}, dn{{}, {}, dn_codes_t, dn_scales_t};
   check_fp8_weight(c, "gu", "2I (w_gu.size(0))", w_gu, gu, false);
   check_fp8_weight(c, "dn", "H (w_down.size(0))", w_down, dn, false);
-  const Fp8 a{{}, {}, a_t, a_t_scales};
-  check_fp8_act(c, "a", a, s.m, s.intermediate, false, true);
+  TORCH_CHECK(a_t.has_value() == a_t_scales.has_value(), c.op,
+              ": pass both a_t and a_t_scales (F2's copy of a), or neither (made from z)");
+  Fp8 a;  // none: the backward makes a's copy from z
+  if (a_t) {
+    a = Fp8{{}, {}, *a_t, *a_t_scales};
+    check_fp8_act(c, "a", a, s.m, s.intermediate, false, true);
+  }
   return on_backend(x, [&](auto& b) {
     const auto g = block::fp8_mlp_backward(b, dx_out, x, gamma, gu, dn, r, z, a);
     return std::make_tuple(g.dx, g.dgamma, g.dw, g.dw2);
@@ -240,9 +246,11 @@ OutProj fp8_out_proj_residual_norm_meta(const Tensor& y, const Tensor& w_o, cons
 MlpOut fp8_mlp_meta(const Tensor& x, const Tensor&, const Tensor& w_gu, const Tensor&,
                     const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                     const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                    const Tensor&, const Tensor&, double, bool act_h_out, bool copies) {
+                    const Tensor&, const Tensor&, double, bool act_h_out, bool copies,
+                    bool recompute_a) {
   const int64_t m = x.size(0), hidden = x.size(1), two_i = w_gu.size(0);
-  const fp8::Quantized a_copy = fp8::empty_quantized(x, m, two_i / 2, false, copies);
+  const fp8::Quantized a_copy =
+      fp8::empty_quantized(x, m, two_i / 2, false, copies && !recompute_a);
   const Tensor r = at::empty({m}, x.options().dtype(stat_of(x)));
   const Tensor z = at::empty({m, two_i}, x.options());
   const Tensor &a_t = std::get<2>(a_copy), &a_t_scales = std::get<3>(a_copy);
@@ -271,7 +279,7 @@ std::tuple<Tensor, Tensor> fp8_linear_backward_meta(const Tensor& dout, const Te
 std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_mlp_backward_meta(
     const Tensor&, const Tensor& x, const Tensor& gamma, const Tensor& w_gu, const Tensor&,
     const Tensor&, const Tensor& w_down, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-    const Tensor&, const Tensor&) {
+    const std::optional<Tensor>&, const std::optional<Tensor>&) {
   return {at::empty_like(x), at::empty_like(gamma), at::empty_like(w_gu), at::empty_like(w_down)};
 }
 std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_norm_qkv_backward_meta(
@@ -346,26 +354,30 @@ class Fp8Mlp : public torch::autograd::Function<Fp8Mlp> {
                                const Tensor& dnc, const Tensor& dns, const Tensor& dnct,
                                const Tensor& dnst, const Tensor& h, const Tensor& hs,
                                const Tensor& r, const Tensor& gamma_next, double eps,
-                               bool act_h_out) {
+                               bool act_h_out, bool recompute_a) {
     ctx->set_materialize_grads(false);
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [x_out, h_out, h_outs, r_out, z, at, ats] =
         mlp_op().call(x, gamma, w_gu, guc, gus, guct, gust, w_down, dnc, dns, dnct, dnst, h, hs, r,
-               gamma_next, eps, act_h_out, true);
+                      gamma_next, eps, act_h_out, true, recompute_a);
     ctx->mark_non_differentiable({h_out, h_outs, r_out, z, at, ats});
     ctx->save_for_backward({x, gamma, w_gu, guct, gust, w_down, dnct, dnst, r, z, at, ats});
     return {x_out, h_out, h_outs, r_out, z, at, ats};
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
-    variable_list out(18);
+    variable_list out(19);
     if (!g[0].defined()) return out;
     const auto s = ctx->get_saved_variables();
     static auto b = op<std::tuple<Tensor, Tensor, Tensor, Tensor>(
         const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-        const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-        const Tensor&)>("coda::fp8_mlp_backward");
-    auto [dx, dgamma, dw_gu, dw_down] = b.call(g[0].contiguous(), s[0], s[1], s[2], s[3], s[4],
-                                               s[5], s[6], s[7], s[8], s[9], s[10], s[11]);
+        const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+        const std::optional<Tensor>&, const std::optional<Tensor>&)>("coda::fp8_mlp_backward");
+    // a's copy, or none (recompute_a: F2 wrote no copy, an empty tensor): made from z.
+    const bool kept = s[10].numel() > 0;
+    auto [dx, dgamma, dw_gu, dw_down] =
+        b.call(g[0].contiguous(), s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], s[9],
+               kept ? std::optional<Tensor>(s[10]) : std::nullopt,
+               kept ? std::optional<Tensor>(s[11]) : std::nullopt);
     out[0] = dx;
     out[1] = dgamma;
     out[2] = dw_gu;
@@ -435,8 +447,9 @@ void register_kernels(torch::Library& m) {
 TORCH_LIBRARY_FRAGMENT(coda, m) {
   // Forward: as out_proj_residual_norm, mlp and norm_qkv, each weight with its FP8 cache and h in
   // its 1x128 blocks. out-proj also returns y's transposed copy (its backward's dW_o operand);
-  // mlp returns z and a's copy (its backward's operands); with act_h_out mlp's h_out is the
-  // activation-dtype h (the LM head's input) and h_out_scales is empty.
+  // mlp returns z and a's copy (its backward's operands; with recompute_a no copy, empty: the
+  // backward makes it from z); with act_h_out mlp's h_out is the activation-dtype h (the LM
+  // head's input) and h_out_scales is empty.
   m.def(
       "fp8_out_proj_residual_norm(Tensor y, Tensor w_o, Tensor w_codes, Tensor w_scales, "
       "Tensor w_codes_t, Tensor w_scales_t, Tensor residual, Tensor gamma, float eps, "
@@ -446,21 +459,23 @@ TORCH_LIBRARY_FRAGMENT(coda, m) {
       "fp8_mlp(Tensor x, Tensor gamma, Tensor w_gu, Tensor gu_codes, Tensor gu_scales, "
       "Tensor gu_codes_t, Tensor gu_scales_t, Tensor w_down, Tensor dn_codes, Tensor dn_scales, "
       "Tensor dn_codes_t, Tensor dn_scales_t, Tensor h, Tensor h_scales, Tensor r, "
-      "Tensor gamma_next, float eps, bool act_h_out=False, bool copies=True) -> (Tensor x_out, "
+      "Tensor gamma_next, float eps, bool act_h_out=False, bool copies=True, "
+      "bool recompute_a=False) -> (Tensor x_out, "
       "Tensor h_out, "
       "Tensor h_out_scales, Tensor r_out, Tensor z, Tensor a_t, Tensor a_t_scales)");
   m.def(
       "fp8_norm_qkv(Tensor x, Tensor gamma, Tensor w_qkv, Tensor w_codes, Tensor w_scales, "
       "Tensor w_codes_t, Tensor w_scales_t, Tensor h, Tensor h_scales, Tensor r, Tensor pos, "
       "Tensor rope_table, Tensor? b_qkv=None) -> Tensor");
-  // Backward: the incoming gradient cast once; the weights' transposed codes; the copies kept.
+  // Backward: the incoming gradient cast once; the weights' transposed codes; the copies kept
+  // (fp8_mlp_backward without a's: made from z).
   m.def(
       "fp8_linear_backward(Tensor dout, Tensor input_t, Tensor input_t_scales, Tensor weight, "
       "Tensor w_codes_t, Tensor w_scales_t) -> (Tensor dinput, Tensor dweight)");
   m.def(
       "fp8_mlp_backward(Tensor dx_out, Tensor x, Tensor gamma, Tensor w_gu, Tensor gu_codes_t, "
       "Tensor gu_scales_t, Tensor w_down, Tensor dn_codes_t, Tensor dn_scales_t, Tensor r, "
-      "Tensor z, Tensor a_t, Tensor a_t_scales) -> (Tensor dx, Tensor dgamma, Tensor dw_gu, "
+      "Tensor z, Tensor? a_t, Tensor? a_t_scales) -> (Tensor dx, Tensor dgamma, Tensor dw_gu, "
       "Tensor dw_down)");
   m.def(
       "fp8_norm_qkv_backward(Tensor dqkv, Tensor qkv, Tensor x, Tensor gamma, Tensor w_qkv, "
@@ -500,22 +515,22 @@ TORCH_LIBRARY_IMPL(coda, Autograd, m) {
     auto o = Fp8OutProjResidualNorm::apply(y, w_o, wc, ws, wct, wst, residual, gamma, eps);
     return std::make_tuple(o[0], o[1], o[2], o[3], o[4], o[5]);
   });
-  m.impl("fp8_mlp", [](const Tensor& x, const Tensor& gamma, const Tensor& w_gu, const Tensor& guc,
-                       const Tensor& gus, const Tensor& guct, const Tensor& gust,
-                       const Tensor& w_down, const Tensor& dnc, const Tensor& dns,
-                       const Tensor& dnct, const Tensor& dnst, const Tensor& h, const Tensor& hs,
-                       const Tensor& r, const Tensor& gamma_next, double eps, bool act_h_out,
-                       bool copies) {
-    if (!copies) {
-      no_copies_without_grad("coda::fp8_mlp", {&x, &gamma, &w_gu, &w_down, &r, &gamma_next});
-      at::AutoDispatchBelowADInplaceOrView guard;
-      return mlp_op().call(x, gamma, w_gu, guc, gus, guct, gust, w_down, dnc, dns, dnct, dnst,
-                           h, hs, r, gamma_next, eps, act_h_out, false);
-    }
-    auto o = Fp8Mlp::apply(x, gamma, w_gu, guc, gus, guct, gust, w_down, dnc, dns, dnct, dnst, h,
-                           hs, r, gamma_next, eps, act_h_out);
-    return std::make_tuple(o[0], o[1], o[2], o[3], o[4], o[5], o[6]);
-  });
+  m.impl("fp8_mlp",
+         [](const Tensor& x, const Tensor& gamma, const Tensor& w_gu, const Tensor& guc,
+            const Tensor& gus, const Tensor& guct, const Tensor& gust, const Tensor& w_down,
+            const Tensor& dnc, const Tensor& dns, const Tensor& dnct, const Tensor& dnst,
+            const Tensor& h, const Tensor& hs, const Tensor& r, const Tensor& gamma_next,
+            double eps, bool act_h_out, bool copies, bool recompute_a) {
+           if (!copies) {
+             no_copies_without_grad("coda::fp8_mlp", {&x, &gamma, &w_gu, &w_down, &r, &gamma_next});
+             at::AutoDispatchBelowADInplaceOrView guard;
+             return mlp_op().call(x, gamma, w_gu, guc, gus, guct, gust, w_down, dnc, dns, dnct,
+                                  dnst, h, hs, r, gamma_next, eps, act_h_out, false, recompute_a);
+           }
+           auto o = Fp8Mlp::apply(x, gamma, w_gu, guc, gus, guct, gust, w_down, dnc, dns, dnct,
+                                  dnst, h, hs, r, gamma_next, eps, act_h_out, recompute_a);
+           return std::make_tuple(o[0], o[1], o[2], o[3], o[4], o[5], o[6]);
+         });
   m.impl("fp8_norm_qkv",
          [](const Tensor& x, const Tensor& gamma, const Tensor& w_qkv, const Tensor& wc,
             const Tensor& ws, const Tensor& wct, const Tensor& wst, const Tensor& h,

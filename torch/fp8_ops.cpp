@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "checks.hpp"
+#include "coda/epilogue/elementwise.hpp"
 #include "coda/kernel/args.hpp"
 #include "coda/reference/fp8.hpp"
 #include "coda/reference/fp8_programs.hpp"
@@ -495,16 +496,20 @@ Fp8F2 fp8_gemm_rmsnorm_swiglu(const Tensor& h, const Tensor& h_scales, const Ten
 using Fp8B1 = std::tuple<Tensor, Tensor, Tensor, Tensor>;
 Fp8B1 fp8_gemm_rmsnorm_backward(const Tensor& dz, const Tensor& dz_scales, const Tensor& w_t,
                                 const Tensor& w_t_scales, const Tensor& x, const Tensor& r,
-                                const Tensor& gamma, const Tensor& zdz, const Tensor& dres) {
+                                const Tensor& gamma, const Tensor& zdz,
+                                const std::optional<Tensor>& dres_in) {
   const char* op = "coda::fp8_gemm_rmsnorm_backward";
   const auto [m, hidden, k] =
       check_pair(op, "dz", dz, "dz_scales", dz_scales, w_t, w_t_scales, true, "w_t", "w_t_scales");
   TORCH_CHECK(hidden % 16 == 0, op, ": w_t's rows (H) must be a multiple of 16 (16-byte rows of ",
               "h_t's codes), got ", hidden);
   check_activation(op, "x", x, m, hidden, dz);
-  check_activation(op, "dres", dres, m, hidden, dz);
-  TORCH_CHECK(dres.scalar_type() == x.scalar_type(), op, ": dres must have x's dtype ",
-              x.scalar_type(), ", got ", dres.scalar_type());
+  const Tensor dres = dres_in.value_or(Tensor());  // None: no residual gradient
+  if (dres.defined()) {
+    check_activation(op, "dres", dres, m, hidden, dz);
+    TORCH_CHECK(dres.scalar_type() == x.scalar_type(), op, ": dres must have x's dtype ",
+                x.scalar_type(), ", got ", dres.scalar_type());
+  }
   check_weight_vector(op, "gamma", gamma, hidden, "x", x);
   check_statistic(op, "r", r, m, dz);
   check_statistic(op, "zdz", zdz, m, dz);
@@ -513,7 +518,8 @@ Fp8B1 fp8_gemm_rmsnorm_backward(const Tensor& dz, const Tensor& dz_scales, const
   if (dz.is_cpu()) {
     const auto f = reference::fp8_rmsnorm_backward<double>(
         read_operand(dz, dz_scales, false), read_operand(w_t, w_t_scales, true), to_doubles(x),
-        to_doubles(r), to_doubles(gamma), to_doubles(zdz), to_doubles(dres));
+        to_doubles(r), to_doubles(gamma), to_doubles(zdz),
+        dres.defined() ? to_doubles(dres) : std::vector<double>{});
     cast_on_cpu(f.h, m, hidden, act, q);
     const Tensor s =
         from_doubles(f.dgamma_partials, f.layout.tiles, f.layout.extent).to(stat_of(act));
@@ -527,8 +533,9 @@ Fp8B1 fp8_gemm_rmsnorm_backward(const Tensor& dz, const Tensor& dz_scales, const
   ops::gemm_fp8_rmsnorm_backward(
       codes_view(dz), scales_view(dz_scales), codes_view(w_t), scales_view(w_t_scales),
       view(x, DType::kBF16), vector_view(r, DType::kF32), vector_view(gamma, DType::kBF16),
-      vector_view(zdz, DType::kF32), view(dres, DType::kBF16), view(dx, DType::kBF16),
-      codes_view(q.codes_t), scales_view(q.scales_t), view(s, DType::kF32), stream_of(dz));
+      vector_view(zdz, DType::kF32), dres.defined() ? view(dres, DType::kBF16) : TensorView{},
+      view(dx, DType::kBF16), codes_view(q.codes_t), scales_view(q.scales_t), view(s, DType::kF32),
+      stream_of(dz));
   return {dx, q.codes_t, q.scales_t, s};
 #else
   TORCH_CHECK(false, op, ": this build has no CUDA kernels");
@@ -572,6 +579,35 @@ Fp8B2 fp8_gemm_swiglu_backward(const Tensor& dx_out, const Tensor& dx_out_scales
                                 view(z, DType::kBF16), v.codes, v.scales, v.codes_t, v.scales_t,
                                 view(s, DType::kF32), stream_of(dx_out));
   return {q.codes, q.scales, q.codes_t, q.scales_t, s};
+#else
+  TORCH_CHECK(false, op, ": this build has no CUDA kernels");
+#endif
+}
+
+// a = silu(g)·u of z (M, 2I) (F2's interleaved pre-activation), rounded to z's dtype, as its
+// transposed 128x1 copy (codes (I, M16), scales (ceil(M/128), I)): the down-projection's weight
+// gradient operand recomputed in the backward instead of kept from the forward
+// (ops::quantize_fp8_swiglu_t on CUDA; on the CPU a in fp64, rounded, then the recipe's cast).
+std::tuple<Tensor, Tensor> fp8_swiglu_quantize_t(const Tensor& z) {
+  const char* op = "coda::fp8_swiglu_quantize_t";
+  check_input(op, "z", z);
+  TORCH_CHECK(z.size(1) % 32 == 0, op, ": z's columns (2I) must be a multiple of 32 (I a ",
+              "multiple of 16), got ", z.size(1));
+  const int64_t m = z.size(0), inter = z.size(1) / 2;
+  RowCast q = row_cast_outputs(z, m, inter, false, true);
+  if (z.is_meta()) return {q.codes_t, q.scales_t};
+  if (z.is_cpu()) {
+    const std::vector<double> zv = to_doubles(z);
+    std::vector<double> a(size_t(m * inter));
+    for (size_t i = 0; i < a.size(); ++i) a[i] = epilogue::SwiGlu{}(zv[2 * i], zv[2 * i + 1]);
+    cast_on_cpu(a, m, inter, z.scalar_type(), q);
+    return {q.codes_t, q.scales_t};
+  }
+#if CODA_TORCH_CUDA
+  const c10::cuda::CUDAGuard guard(z.device());
+  ops::quantize_fp8_swiglu_t(view(z, DType::kBF16), codes_view(q.codes_t), scales_view(q.scales_t),
+                             stream_of(z));
+  return {q.codes_t, q.scales_t};
 #else
   TORCH_CHECK(false, op, ": this build has no CUDA kernels");
 #endif
@@ -690,6 +726,7 @@ inline constexpr char residual_rmsnorm[] = "coda::fp8_gemm_residual_rmsnorm";
 inline constexpr char rmsnorm_swiglu[] = "coda::fp8_gemm_rmsnorm_swiglu";
 inline constexpr char rmsnorm_backward[] = "coda::fp8_gemm_rmsnorm_backward";
 inline constexpr char swiglu_backward[] = "coda::fp8_gemm_swiglu_backward";
+inline constexpr char swiglu_quantize_t[] = "coda::fp8_swiglu_quantize_t";
 }  // namespace names
 
 void register_fp8(torch::Library& m) {
@@ -705,6 +742,7 @@ void register_fp8(torch::Library& m) {
          CODA_GUARDED(names::rmsnorm_backward, fp8_gemm_rmsnorm_backward));
   m.impl("fp8_gemm_swiglu_backward",
          CODA_GUARDED(names::swiglu_backward, fp8_gemm_swiglu_backward));
+  m.impl("fp8_swiglu_quantize_t", CODA_GUARDED(names::swiglu_quantize_t, fp8_swiglu_quantize_t));
 }
 
 }  // namespace
@@ -749,8 +787,10 @@ Tensor rmsnorm_rope(const Tensor& h, const Tensor& h_scales, const Tensor& w_qkv
 Fp8B1 rmsnorm_backward(const Tensor& dz, const Tensor& dz_scales, const Tensor& w_t,
                        const Tensor& w_t_scales, const Tensor& x, const Tensor& r,
                        const Tensor& gamma, const Tensor& zdz, const Tensor& dres) {
-  return fp8_gemm_rmsnorm_backward(dz, dz_scales, w_t, w_t_scales, x, r, gamma, zdz, dres);
+  return fp8_gemm_rmsnorm_backward(dz, dz_scales, w_t, w_t_scales, x, r, gamma, zdz,
+                                   dres.defined() ? std::optional<Tensor>(dres) : std::nullopt);
 }
+std::tuple<Tensor, Tensor> swiglu_quantize_t(const Tensor& z) { return fp8_swiglu_quantize_t(z); }
 Fp8B2 swiglu_backward(const Tensor& dx_out, const Tensor& dx_out_scales, const Tensor& w_down_t,
                       const Tensor& w_down_t_scales, const Tensor& z, bool rows, bool transposed) {
   return fp8_gemm_swiglu_backward(dx_out, dx_out_scales, w_down_t, w_down_t_scales, z, rows,
@@ -758,11 +798,13 @@ Fp8B2 swiglu_backward(const Tensor& dx_out, const Tensor& dx_out_scales, const T
 }
 }  // namespace fp8
 
-// The casts' Meta kernels (the model's first cast and its weight caches, under torch.compile):
+// The casts' Meta kernels (the model's first cast and its weight caches, under torch.compile;
+// a's recomputed copy inside fp8_mlp's backward):
 // the same checks and outputs, no data.
 TORCH_LIBRARY_IMPL(coda, Meta, m) {
   m.impl("fp8_quantize_rows", &fp8_quantize_rows);
   m.impl("fp8_quantize_blocks", &fp8_quantize_blocks);
+  m.impl("fp8_swiglu_quantize_t", &fp8_swiglu_quantize_t);
 }
 
 TORCH_LIBRARY_FRAGMENT(coda, m) {
@@ -787,8 +829,9 @@ TORCH_LIBRARY_FRAGMENT(coda, m) {
       "Tensor a, Tensor a_scales, Tensor a_t, Tensor a_t_scales)");
   m.def(
       "fp8_gemm_rmsnorm_backward(Tensor dz, Tensor dz_scales, Tensor w_t, Tensor w_t_scales, "
-      "Tensor x, Tensor r, Tensor gamma, Tensor zdz, Tensor dres) -> (Tensor dx, Tensor h_t, "
+      "Tensor x, Tensor r, Tensor gamma, Tensor zdz, Tensor? dres) -> (Tensor dx, Tensor h_t, "
       "Tensor h_t_scales, Tensor dgamma_partials)");
+  m.def("fp8_swiglu_quantize_t(Tensor z) -> (Tensor a_t, Tensor a_t_scales)");
   m.def(
       "fp8_gemm_swiglu_backward(Tensor dx_out, Tensor dx_out_scales, Tensor w_down_t, "
       "Tensor w_down_t_scales, Tensor z, bool rows=True, bool transposed=False) -> (Tensor dz, "

@@ -49,6 +49,8 @@ Tensor rmsnorm_rope(const Tensor& h, const Tensor& h_scales, const Tensor& w_qkv
 Fp8B1 rmsnorm_backward(const Tensor& dz, const Tensor& dz_scales, const Tensor& w_t,
                        const Tensor& w_t_scales, const Tensor& x, const Tensor& r,
                        const Tensor& gamma, const Tensor& zdz, const Tensor& dres);
+// a = silu(g)·u of z (M, 2I), rounded to z's dtype, as its transposed 128x1 copy (codes, scales).
+std::tuple<Tensor, Tensor> swiglu_quantize_t(const Tensor& z);
 // B2: (dz codes, dz scales, dz_t codes, dz_t scales, ZdZ partials).
 Fp8B2 swiglu_backward(const Tensor& dx_out, const Tensor& dx_out_scales, const Tensor& w_down_t,
                       const Tensor& w_down_t_scales, const Tensor& z, bool rows, bool transposed);

@@ -158,12 +158,14 @@ Tensor gemm_rmsnorm_rope(const Tensor& h, const Tensor& w_qkv, const Tensor& r, 
 std::tuple<Tensor, Tensor, Tensor> gemm_rmsnorm_backward(const Tensor& dz, const Tensor& w,
                                                          const Tensor& x, const Tensor& r,
                                                          const Tensor& gamma, const Tensor& zdz,
-                                                         const Tensor& dres) {
+                                                         const std::optional<Tensor>& dres_in) {
   ProgramArgs p("coda::gemm_rmsnorm_backward", dz);
   p.act("dz", dz).act("w", w).act("x", x).stat("r", r).act("gamma", gamma).stat("zdz", zdz);
-  p.act("dres", dres).operand_pair("dz", dz, 1, "w", w, 0);
+  p.operand_pair("dz", dz, 1, "w", w, 0);
   const int64_t m = dz.size(0), hidden = w.size(1);
-  p.shape("x", x, {m, hidden}).shape("dres", dres, {m, hidden}).shape("gamma", gamma, {hidden});
+  const Tensor dres = dres_in.value_or(Tensor());  // None: no residual gradient
+  if (dres.defined()) p.act("dres", dres).shape("dres", dres, {m, hidden});
+  p.shape("x", x, {m, hidden}).shape("gamma", gamma, {hidden});
   p.shape("r", r, {m}).shape("zdz", zdz, {m});
   return on_backend(x, [&](auto& b) {
     Tensor dx = b.act(m, hidden), h_out = b.act(m, hidden);
@@ -253,7 +255,7 @@ TORCH_LIBRARY_FRAGMENT(coda, m) {
       "Tensor? bias=None) -> Tensor");
   m.def(
       "gemm_rmsnorm_backward(Tensor dz, Tensor w, Tensor x, Tensor r, Tensor gamma, Tensor zdz, "
-      "Tensor dres) -> (Tensor dx, Tensor h_out, Tensor partials)");
+      "Tensor? dres) -> (Tensor dx, Tensor h_out, Tensor partials)");
   m.def("dgamma_fold(Tensor partials, int hidden) -> Tensor");
   m.def(
       "gemm_swiglu_backward(Tensor dx_out, Tensor w_down, Tensor z) "

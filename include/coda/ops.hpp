@@ -67,7 +67,8 @@ void split_rope_table(const std::vector<programs::RopeFrequency>& table, std::ve
                       std::vector<uint32_t>& lo);
 
 // B1: g = dz · W (dz (M, Nout), W (Nout, H)); dx = dres + r·(g·γ − x·r·ZdZ) written to dx (which
-// may alias dres: an in-place accumulate); h_out = x·r·γ; per-tile dγ partials (per-column).
+// may alias dres: an in-place accumulate; dres a null view: no residual gradient, nothing read);
+// h_out = x·r·γ; per-tile dγ partials (per-column).
 PartialLayout rmsnorm_backward_partials_layout(int64_t m, int64_t hidden, int64_t n_out);
 void gemm_rmsnorm_backward(View dz, View w, View x, View r, View gamma, View zdz, View dres,
                            View dx, View h_out, View dgamma_partials, cudaStream_t stream);
@@ -152,6 +153,10 @@ void scale_unless_one(View p, View g, cudaStream_t stream);
 // M16-1 are code 0, so a weight gradient contracts over M16 tokens), scales_t (ceil(M/128), K).
 void quantize_fp8_rows(View x, View codes, View scales, View codes_t, View scales_t,
                        cudaStream_t stream);
+// a = silu(g)·u of z (M, 2I) bf16 interleaved (g, u) pairs (F2's pre-activation), I a multiple
+// of 16, each a rounded to bf16: a's transposed 128x1 copy codes_t (I, M16), scales_t
+// (ceil(M/128), I), as quantize_fp8_rows writes it for that a.
+void quantize_fp8_swiglu_t(View z, View codes_t, View scales_t, cudaStream_t stream);
 // w (N, K) bf16, K a multiple of 16, into 128x128 blocks: codes (N, K), scales (ceil(N/128),
 // ceil(K/128)); codes_t (K, N) = wᵀ's codes with scales_t (ceil(K/128), ceil(N/128)) the same
 // blocks transposed (N a multiple of 16 then): the data gradient's operand.
@@ -188,10 +193,10 @@ void gemm_fp8_rmsnorm_rope(View h, View h_scales, View w_qkv, View w_qkv_scales,
                            View pos, View rope_table, View qkv, cudaStream_t stream);
 // B1 over FP8 operands: g = dz · W from dz (M, K) in 1x128 blocks and w_t = Wᵀ's codes (H, K) in
 // 128x128 blocks (quantize_fp8_blocks' codes_t of W (K, H)); dx = dres + r·(g·γ − x·r·ZdZ) in
-// bf16 (may alias dres); h_out = x·r·γ, the GEMM's normalized input, rounded to bf16 and
-// quantized in the epilogue as quantize_fp8_rows would quantize its transposed copy: h_t (H, M16)
-// with h_t_scales (ceil(M/128), H) (the weight gradient dW = dzᵀ · h_out's B); dγ partials.
-// H a multiple of 16.
+// bf16 (may alias dres; dres null: no residual gradient); h_out = x·r·γ, the GEMM's normalized
+// input, rounded to bf16 and quantized in the epilogue as quantize_fp8_rows would quantize its
+// transposed copy: h_t (H, M16) with h_t_scales (ceil(M/128), H) (the weight gradient
+// dW = dzᵀ · h_out's B); dγ partials. H a multiple of 16.
 PartialLayout fp8_rmsnorm_backward_partials_layout(int64_t m, int64_t hidden, int64_t n_out);
 void gemm_fp8_rmsnorm_backward(View dz, View dz_scales, View w_t, View w_t_scales, View x, View r,
                                View gamma, View zdz, View dres, View dx, View h_t, View h_t_scales,

@@ -157,7 +157,8 @@ def decoder_layer(c: LlamaConfig, x: Tensor, h: Tensor, r: Tensor, gamma: Tensor
 def decoder_layer_fp8(c: LlamaConfig, x: Tensor, h: tuple[Tensor, Tensor], r: Tensor,
                       gamma: Tensor, weights: Mapping[str, tuple[Tensor, Sequence[Tensor]]],
                       gamma_ffn: Tensor, pos: Tensor, rope_table: Tensor, gamma_next: Tensor,
-                      batch: int, attention: Attention, last: bool, b_qkv: Tensor | None = None
+                      batch: int, attention: Attention, last: bool, b_qkv: Tensor | None = None,
+                      recompute_a: bool = False
                       ) -> tuple[Tensor, tuple[Tensor, Tensor] | Tensor, Tensor]:
     """One decoder layer in blockwise FP8 (docs/math.md §6): ``x (M, H)`` with its norm's caches,
     ``h`` in 1x128 blocks (codes, scales: ``fp8_quantize_rows(h)[:2]``) and ``r`` -> ``(x, h, r)``
@@ -165,7 +166,8 @@ def decoder_layer_fp8(c: LlamaConfig, x: Tensor, h: tuple[Tensor, Tensor], r: Te
     activation-dtype tensor the LM head reads (it stays in bf16). ``weights`` maps each of
     FP8_PROJECTIONS to ``(weight, its FP8 operands)``: the weight in coda's layout (what the
     gradient is for) and ``fp8_quantize_blocks(weight, True, True)`` of it, e.g. from an
-    Fp8WeightCache."""
+    Fp8WeightCache. ``recompute_a``: the backward makes the down-projection's weight-gradient
+    operand (a's transposed copy) from z instead of keeping F2's (fp8_mlp)."""
     coda = torch.ops.coda
     (w_qkv, q_qkv), (w_o, q_o), (w_gu, q_gu), (w_down, q_down) = (
         weights[n] for n in FP8_PROJECTIONS)
@@ -175,7 +177,8 @@ def decoder_layer_fp8(c: LlamaConfig, x: Tensor, h: tuple[Tensor, Tensor], r: Te
     x1, h1, h1s, r1, _, _ = coda.fp8_out_proj_residual_norm(y, w_o, *q_o, x, gamma_ffn,
                                                             c.rms_norm_eps, copies)
     x2, h2, h2s, r2, _, _, _ = coda.fp8_mlp(x1, gamma_ffn, w_gu, *q_gu, w_down, *q_down, h1, h1s,
-                                            r1, gamma_next, c.rms_norm_eps, last, copies)
+                                            r1, gamma_next, c.rms_norm_eps, last, copies,
+                                            recompute_a)
     return x2, (h2 if last else (h2, h2s)), r2
 
 
@@ -301,8 +304,10 @@ class CodaDecoderLayer(nn.Module):
         self.w_gu = nn.Parameter(torch.empty(2 * c.intermediate_size, c.hidden_size, **kw))
         self.w_down = nn.Parameter(torch.empty(c.hidden_size, c.intermediate_size, **kw))
         self._fp8_cache = Fp8WeightCache()  # a plain object: not module state
-        # "bf16" or "fp8" (decoder_layer_fp8); the model sets it on its layers.
+        # "bf16" or "fp8" (decoder_layer_fp8); the model sets it on its layers, and
+        # fp8_recompute_a (CodaLlamaForCausalLM.fp8_recompute_a).
         self.precision = "bf16"
+        self.fp8_recompute_a = False
         self.reset_parameters()
 
     def fp8_weights(self) -> dict[str, tuple[Tensor, ...]]:
@@ -342,7 +347,8 @@ class CodaDecoderLayer(nn.Module):
             weights = {n: (getattr(self, n), self._fp8_cache.get(n, getattr(self, n)))
                        for n in FP8_PROJECTIONS}
             return decoder_layer_fp8(self.config, x, h, r, gamma, weights, self.gamma_ffn, pos,
-                                     rope_table, gamma_next, batch, attention, last, self.b_qkv)
+                                     rope_table, gamma_next, batch, attention, last, self.b_qkv,
+                                     self.fp8_recompute_a)
         return decoder_layer(self.config, x, h, r, gamma, self.w_qkv, self.w_o, self.gamma_ffn,
                              self.w_gu, self.w_down, pos, rope_table, gamma_next, batch, attention,
                              self.b_qkv, self.q_gamma, self.k_gamma)
@@ -365,6 +371,11 @@ class CodaLlamaForCausalLM(nn.Module):
     embedding and the LM head keep their dtype. ``precision`` is not part of the state dict:
     the same checkpoint loads into either, and setting it later switches every layer.
     ``fp8_weight_cache``: see Fp8WeightCache (None: kept unless fully_shard manages the model).
+    ``fp8_recompute_a`` (False): the backward makes the down-projection's weight-gradient operand,
+    a's 128x1 copy, from the saved z instead of keeping the forward's: I + I/32 bytes fewer kept
+    per token and layer (at the 8B shape 14.8 kB, more than FP8 saves on y), for one more pass
+    over z in the backward. The result differs from the kept copy's by a's rounding only (a from
+    z as rounded to the activation dtype, as the bf16 path's backward makes it).
     """
 
     def __init__(self, config: LlamaConfig, device=None, dtype=None,
@@ -392,8 +403,21 @@ class CodaLlamaForCausalLM(nn.Module):
         else:
             self.w_vocab = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, **kw))
         self.precision = precision  # (the property: the layers too)
+        self.fp8_recompute_a = False
         self.register_buffer("rope_table", self._build_rope_table(device), persistent=False)
         self.reset_parameters()
+
+    @property
+    def fp8_recompute_a(self) -> bool:
+        """Whether FP8 layers remake a's copy in the backward (see the class docstring); setting
+        it sets every layer's."""
+        return self._fp8_recompute_a
+
+    @fp8_recompute_a.setter
+    def fp8_recompute_a(self, value: bool) -> None:
+        self._fp8_recompute_a = bool(value)
+        for layer in self.layers:
+            layer.fp8_recompute_a = self._fp8_recompute_a
 
     @property
     def precision(self) -> str:

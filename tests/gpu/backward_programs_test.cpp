@@ -115,10 +115,15 @@ TEST_F(GpuKernelTest, PlainGemmTransposedActivationMatchesReference) {  // D = X
     }
 }
 
-void check_rmsnorm_backward(bool in_place) {
+// dx into its own buffer, in place into dres, or without dres: dx poisoned and passed as C
+// (args.dres false), so a read of C would turn dx into NaN.
+enum class Dres { kSeparate, kInPlace, kAbsent };
+
+void check_rmsnorm_backward(Dres mode) {
   const auto configs = compiled_configs(Program::kRmsnormBackward, Operands::kXW);
   ASSERT_FALSE(configs.empty());
-  testing::Rng rng(in_place ? 24 : 23);
+  const bool in_place = mode == Dres::kInPlace, absent = mode == Dres::kAbsent;
+  testing::Rng rng(23 + int(mode));
   for (Config c : configs)
     for (const Shape& s : kShapes) {
       if (skip_large(s)) continue;
@@ -128,7 +133,7 @@ void check_rmsnorm_backward(bool in_place) {
       const V dz = testing::bf16_uniform(size_t(M) * Nout, -1, 1, rng);
       const V w = testing::bf16_uniform(size_t(Nout) * H, -0.3, 0.3, rng);
       const V x = testing::bf16_uniform(mh, -2, 2, rng);
-      const V dres = testing::bf16_uniform(mh, -1, 1, rng);
+      const V dres = absent ? V(mh, 0.0) : testing::bf16_uniform(mh, -1, 1, rng);
       const V gamma = testing::bf16_uniform(H, 0.5, 1.5, rng);
       std::vector<float> r(M), zdz(M);
       for (int i = 0; i < M; ++i) {
@@ -149,10 +154,11 @@ void check_rmsnorm_backward(bool in_place) {
       dh.poison();
       dpart.poison();
       bf16* out = in_place ? ddres.get() : ddx.get();
-      RmsnormBackwardArgs args{dxs.get(),  H,        dr.get(), dg.get(),
-                               dzdz.get(), dh.get(), ldh,      dpart.get()};
-      run<Program::kRmsnormBackward>(c,
-          {M, H, Nout, ddz.get(), Nout, dw.get(), H, ddres.get(), H, out, H}, args, Operands::kXW);
+      RmsnormBackwardArgs args{dxs.get(), H,   dr.get(),    dg.get(), dzdz.get(),
+                               dh.get(),  ldh, dpart.get(), !absent};
+      run<Program::kRmsnormBackward>(
+          c, {M, H, Nout, ddz.get(), Nout, dw.get(), H, absent ? out : ddres.get(), H, out, H},
+          args, Operands::kXW);
 
       const V rd(r.begin(), r.end()), zd(zdz.begin(), zdz.end());
       programs::RmsnormBackward<double> p;
@@ -189,7 +195,10 @@ void check_rmsnorm_backward(bool in_place) {
         for (int64_t j = H; j < layout.extent; ++j)
           part_gpu[layout.index(j, t)] = part_ref[layout.index(j, t)] =
               part_pt[layout.index(j, t)] = 0;
-      const std::string l = std::string(in_place ? "in-place " : "") + label(c, s);
+      const std::string l = std::string(in_place ? "in-place "
+                                        : absent ? "without dres "
+                                                 : "") +
+                            label(c, s);
       expect_rule("B1 dx " + l, download_bf16(in_place ? ddres : ddx), dx, dx_pt);
       // The poison reads back as NaN; h itself is finite.
       const V h_rows = download_bf16(dh);
@@ -569,9 +578,12 @@ TEST_F(GpuKernelTest, PartialFoldsMatchSums) {
   }
 }
 
-TEST_F(GpuKernelTest, RmsnormBackwardMatchesReference) { check_rmsnorm_backward(false); }
+TEST_F(GpuKernelTest, RmsnormBackwardMatchesReference) { check_rmsnorm_backward(Dres::kSeparate); }
 TEST_F(GpuKernelTest, RmsnormBackwardAccumulatesInPlaceIntoResidualGradient) {
-  check_rmsnorm_backward(true);
+  check_rmsnorm_backward(Dres::kInPlace);
+}
+TEST_F(GpuKernelTest, RmsnormBackwardWithoutResidualGradientReadsNoSource) {
+  check_rmsnorm_backward(Dres::kAbsent);
 }
 
 }  // namespace

@@ -108,6 +108,49 @@ TEST_F(GpuKernelTest, RowCastMatchesTheRecipeCodeForCode) {
   }
 }
 
+// a = silu(g)·u of z's interleaved pairs cast into its transposed copy (fp8_mlp's backward with
+// recompute_a): each code dequantized against a in fp64 within e4m3's half step, a's bf16
+// rounding and the device's approximate exp (2^-4 + 2^-7 relative, 2^-9 of the block's scale);
+// the tokens past M (up to 16) hold code 0. Outputs poisoned first.
+TEST_F(GpuKernelTest, SwigluCastQuantizesAsTheRecipe) {
+  testing::Rng rng(13);
+  const std::pair<int64_t, int64_t> shapes[] = {{1, 16}, {130, 272}, {4097, 144}};
+  for (const auto& [m, inter] : shapes) {
+    const std::string what = "M=" + std::to_string(m) + " I=" + std::to_string(inter);
+    const std::vector<double> z = testing::bf16_uniform(size_t(m * 2 * inter), -4, 4, rng);
+    std::vector<double> a(size_t(m * inter));
+    for (size_t i = 0; i < a.size(); ++i)
+      a[i] = z[2 * i] / (1 + std::exp(-z[2 * i])) * z[2 * i + 1];
+    auto dz = upload_bf16(z);
+    const int64_t ldt = pad(m, 16), blocks = (m + 127) / 128;
+    DeviceBuffer<uint8_t> codes_t(size_t(inter * ldt));
+    DeviceBuffer<float> scales_t(size_t(blocks * inter));
+    codes_t.poison();
+    scales_t.poison();
+    ops::quantize_fp8_swiglu_t(dev(dz.get(), DType::kBF16, m, 2 * inter, 2 * inter),
+                               dev(codes_t.get(), DType::kE4M3, inter, ldt, ldt),
+                               dev(scales_t.get(), DType::kF32, blocks, inter, inter), nullptr);
+    CODA_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<uint8_t> codes = codes_t.download();
+    const std::vector<float> scales = scales_t.download();
+    size_t bad = 0;
+    for (int64_t c = 0; c < inter; ++c)
+      for (int64_t t = 0; t < ldt; ++t) {
+        const uint8_t code = codes[size_t(c * ldt + t)];
+        if (t >= m) {
+          bad += code != 0;
+          continue;
+        }
+        const double s = scales[size_t((t / 128) * inter + c)];
+        const double got = E4m3::decode(code) * s, want = a[size_t(t * inter + c)];
+        if (!(std::abs(got - want) <= (0x1p-4 + 0x1p-7) * std::abs(want) + 0x1p-9 * s) && bad++ < 5)
+          ADD_FAILURE() << what << " a[" << t << ", " << c << "] = " << want << ", code "
+                        << int(code) << " x scale " << s << " = " << got;
+      }
+    EXPECT_EQ(bad, 0u) << what;
+  }
+}
+
 TEST_F(GpuKernelTest, BlockCastMatchesTheRecipeCodeForCode) {
   testing::Rng rng(12);
   const std::pair<int64_t, int64_t> shapes[] = {{16, 16}, {272, 400}, {128, 128}, {1040, 4096}};

@@ -152,7 +152,8 @@ TEST_F(GpuKernelTest, Fp8RmsnormRopeMatchesTheRecipe) {
 }
 
 // B1 on FP8 operands with h_out's transposed copy quantized: {M, H, K}, K the consumer's width
-// (dz's columns). One shape accumulates in place (dx aliases dres).
+// (dz's columns). One shape accumulates in place (dx aliases dres); one runs without dres (C is
+// the poisoned dx and must not be read).
 TEST_F(GpuKernelTest, Fp8RmsnormBackwardQuantizesHOutAsTheRecipe) {
   testing::Rng rng(22);
   const Shape shapes[] = {
@@ -160,7 +161,7 @@ TEST_F(GpuKernelTest, Fp8RmsnormBackwardQuantizesHOutAsTheRecipe) {
   for (const Shape& s : shapes) {
     if (skip_large(s)) continue;
     const int64_t m = s.m, hid = s.n;
-    const bool in_place = s.m == 300;
+    const bool in_place = s.m == 300, absent = s.m == 130;
     const auto qdz = quantized(wide_values(m, s.k, rng), s.m, s.k, 1);
     const auto qwt = quantized(wide_values(hid, s.k, rng), s.n, s.k, 128);  // Wᵀ (H, K)
     const std::vector<double> x = testing::bf16_uniform(size_t(m * hid), -2, 2, rng),
@@ -180,17 +181,18 @@ TEST_F(GpuKernelTest, Fp8RmsnormBackwardQuantizesHOutAsTheRecipe) {
     dgamma.poison();
     QuantizedOut q(m, hid);
     GemmProblem p = fp8_problem(s, ddz, dwt);
-    p.c = dres_in.get();
+    p.c = absent ? dx.get() : dres_in.get();
     p.ldc = hid;
     p.d = in_place ? dres_in.get() : dx.get();
     p.ldd = hid;
-    const RmsnormBackwardArgs b1{dx_in.get(), hid,     dr.get(), dgam.get(),
-                                 dzdz.get(),  nullptr, 0,        dgamma.get()};
+    const RmsnormBackwardArgs b1{dx_in.get(), hid, dr.get(),     dgam.get(), dzdz.get(),
+                                 nullptr,     0,   dgamma.get(), !absent};
     run<Program::kRmsnormBackwardFp8>(kConfig, p, {b1, q.cols_out(), h_copy.get(), hid},
                                       Operands::kFp8XWt);
 
-    auto ref = reference::fp8_rmsnorm_backward<double>(qdz, qwt, x, r, gam, zdz, dres);
-    const std::string what = at(s) + (in_place ? " in place" : "");
+    auto ref = reference::fp8_rmsnorm_backward<double>(qdz, qwt, x, r, gam, zdz,
+                                                       absent ? std::vector<double>{} : dres);
+    const std::string what = at(s) + (in_place ? " in place" : absent ? " without dres" : "");
     expect_close("dx " + what, download_bf16(in_place ? dres_in : dx), ref.dx);
     expect_close("dγ partials " + what,
                  defined_partials(dgamma.download(), ref.dgamma_partials, layout, hid),

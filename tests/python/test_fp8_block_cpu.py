@@ -545,6 +545,8 @@ def opcheck_cases():
     return {
         "out_proj": (CODA.fp8_out_proj_residual_norm.default, out_proj_args(case)),
         "mlp": (CODA.fp8_mlp.default, mlp_args(case)),
+        # a's copy made in the backward (fp8_mlp_backward without a_t)
+        "mlp_recompute_a": (CODA.fp8_mlp.default, mlp_args(case) + [False, True, True]),
         "norm_qkv": (CODA.fp8_norm_qkv.default, qkv_args(case)),
     }
 
@@ -554,7 +556,7 @@ def e4m3_as_bytes(outs):
     return tuple(o.view(torch.uint8) if o.dtype == E4M3 else o for o in outs)
 
 
-@pytest.mark.parametrize("name", ["out_proj", "mlp", "norm_qkv"])
+@pytest.mark.parametrize("name", ["out_proj", "mlp", "mlp_recompute_a", "norm_qkv"])
 def test_opcheck_fp8_block_ops(name):
     """torch.library.opcheck's autograd-registration and fake-tensor checks (float64, with the
     differentiable inputs requiring grad). Its other two cannot take e4m3 tensors on the CPU
@@ -687,3 +689,63 @@ def test_copies_false_leaves_out_the_weight_gradients_copies():
     with_grad = model(ids, labels)
     with torch.no_grad():
         assert torch.equal(model(ids, labels), with_grad.detach())
+
+
+def saved_bytes(fn):
+    """(fn's result, bytes of every tensor autograd saved while it ran)."""
+    total = []
+
+    def pack(t):
+        total.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(total)
+
+
+def test_recompute_a_trains_as_the_kept_copy_and_keeps_less():
+    """fp8_recompute_a: the backward makes a's copy from z. In fp64 z is F2's g, u unrounded, so
+    a and its copy are F2's bit for bit: loss and every gradient equal the kept copy's. Saved for
+    the backward: exactly a's copy less (I codes per token, padded to 16 tokens, and the
+    ceil(M/128) x I scales) per layer."""
+    _, fp8, _ = tiny_models()
+    ids, labels = tiny_batch()
+    loss, kept = saved_bytes(lambda: fp8(ids, labels))
+    loss.backward()
+    want = {n: p.grad.clone() for n, p in fp8.named_parameters()}
+    fp8.zero_grad(set_to_none=True)
+    fp8.fp8_recompute_a = True
+    assert all(layer.fp8_recompute_a for layer in fp8.layers)
+    loss2, recomputed = saved_bytes(lambda: fp8(ids, labels))
+    loss2.backward()
+    assert torch.equal(loss2, loss)
+    for n, p in fp8.named_parameters():
+        assert torch.equal(p.grad, want[n]), n
+    m, inter = ids.numel(), fp8.config.intermediate_size
+    a_copy = inter * ((m + 15) // 16 * 16) + 4 * inter * ((m + 127) // 128)
+    assert kept - recomputed == len(fp8.layers) * a_copy, (kept, recomputed)
+
+
+def test_fp8_mlp_backward_without_a_makes_its_copy_from_z():
+    """fp8_mlp(recompute_a=True) returns no copy of a; fp8_mlp_backward without one makes it from
+    z, which is fp8_swiglu_quantize_t(z): the same gradients as handing that copy in."""
+    case = small_case()
+    args = mlp_args(case)
+    out = CODA.fp8_mlp(*args, False, True, True)
+    assert out[5].numel() == 0 and out[6].numel() == 0, "a's copy was written"
+    kept = CODA.fp8_mlp(*args, False, True, False)
+    for a, b in zip(out[:5], kept[:5]):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == E4M3 else a,
+                           b.view(torch.uint8) if b.dtype == E4M3 else b)
+    p, _, _, cache, (x1, _, _, r1) = case
+    z = out[4]
+    dx_out = torch.randn_like(x1)
+    common = (dx_out, x1, p["gamma_ffn"], p["w_gu"], *cache["w_gu"][2:], p["w_down"],
+              *cache["w_down"][2:], r1, z)
+    got = CODA.fp8_mlp_backward(*common, None, None)
+    want = CODA.fp8_mlp_backward(*common, *CODA.fp8_swiglu_quantize_t(z))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="pass both a_t and a_t_scales"):
+        CODA.fp8_mlp_backward(*common, kept[5], None)

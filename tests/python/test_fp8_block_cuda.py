@@ -346,6 +346,26 @@ def test_fp8_model_on_cuda_matches_the_cpu_fp8_model():
         normwise(p.grad, cpu8[name].grad, 2 * err_q + 0.03, f"d {name} (err_q {err_q:.3g})")
 
 
+def test_recompute_a_on_cuda_trains_as_the_kept_copy():
+    """fp8_recompute_a on CUDA: a's copy made from the bf16 z (one more rounding of a than F2's
+    copy, which comes from the fp32 accumulator): the loss is the same step's (the forward is
+    unchanged) and every gradient within 2^-5 normwise of the kept copy's (only dW_down reads
+    the copy; its codes move by at most one e4m3 step where a's bf16 rounding crosses one)."""
+    state = tiny_state(7)
+    ids, labels = (t.cuda() for t in tiny_batch(8))
+    runs = []
+    for recompute in (False, True):
+        m = model("fp8", state)
+        m.fp8_recompute_a = recompute
+        loss = m(ids, labels)
+        loss.backward()
+        runs.append((loss.detach(), {n: p.grad for n, p in m.named_parameters()}))
+    (loss, kept), (loss_r, made) = runs
+    assert torch.equal(loss, loss_r)
+    for n, g in kept.items():
+        normwise(made[n], g.double().cpu(), 2.0**-5, f"d {n}")
+
+
 def step_of(m, ids, labels):
     params = list(m.parameters())
 

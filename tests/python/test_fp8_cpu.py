@@ -107,6 +107,27 @@ def test_cast_meta_kernels_match_the_cpu_kernels(op, rows, transposed, g):
         fn(torch.empty(37, 40, device="meta"), rows, transposed)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,inter", [(1, 16), (37, 272), (130, 128)])
+def test_swiglu_quantize_t_is_the_cast_of_a(m, inter, dtype, g):
+    """fp8_swiglu_quantize_t(z): a = silu(g)·u of z's interleaved pairs, in fp64, rounded to z's
+    dtype, then fp8_quantize_rows' transposed copy of it (ragged tokens: the copy padded to 16,
+    scales per 128 tokens); its Meta kernel gives the same shapes, strides and dtypes."""
+    z = (torch.randn(m, 2 * inter, generator=g, dtype=torch.float64) * 3).to(dtype)
+    codes_t, scales_t = CODA.fp8_swiglu_quantize_t(z)
+    gate, up = z.double()[:, 0::2], z.double()[:, 1::2]
+    a = (gate * (1 / (1 + torch.exp(-gate))) * up).to(dtype)  # epilogue::SwiGlu's order
+    _, _, want_t, want_ts = CODA.fp8_quantize_rows(a, False, True)
+    assert torch.equal(codes_t.view(torch.uint8), want_t.view(torch.uint8))
+    assert torch.equal(scales_t, want_ts)
+    fn = CODA.fp8_swiglu_quantize_t.default
+    torch.library.opcheck(fn, (z,), test_utils=("test_faketensor",))
+    for got, want in zip(fn(z.to("meta")), (codes_t, scales_t)):
+        assert (got.shape, got.stride(), got.dtype) == (want.shape, want.stride(), want.dtype)
+    with pytest.raises(RuntimeError, match=r"z's columns \(2I\) must be a multiple of 32"):
+        CODA.fp8_swiglu_quantize_t(torch.zeros(4, 48, dtype=dtype))
+
+
 @pytest.mark.parametrize("n,k", [(16, 16), (272, 400), (128, 256)])
 def test_block_cast_matches_the_recipe(n, k, g):
     w = wide(n, k, g)
@@ -433,6 +454,10 @@ def test_fp8_rmsnorm_backward_is_b1_then_the_cast(m, hidden, k, g):
     check_copy_cast(ht, hts, h_ref, "h_out")
     close64(s, per_column_partials(gn), "dγ partials")
     close64(CODA.dgamma_fold(s, hidden), gn.sum(0), "dγ")
+    # Without dres (None): dx is the norm's gradient alone; the rest as with it.
+    dx0, ht0, hts0, s0 = CODA.fp8_gemm_rmsnorm_backward(*args[:-1], None)
+    close64(dx0, dx_ref - args[-1], "dx without dres")
+    assert torch.equal(ht0, ht) and torch.equal(hts0, hts) and torch.equal(s0, s)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

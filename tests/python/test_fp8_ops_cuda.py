@@ -162,6 +162,23 @@ def fp8_row_cast_near(outs, want, what):
     assert (codes_t[:, m:].cpu().view(torch.uint8) == 0).all(), f"{what}ᵀ padding"
 
 
+@pytest.mark.parametrize("m,inter", [(1, 16), (130, 272), (4097, 144)])
+def test_swiglu_quantize_t_matches_the_cpu_op(m, inter):
+    """a = silu(g)·u of z recomputed and cast into its transposed copy (fp8_mlp's backward with
+    recompute_a): against a in fp64 within fp8_codes_near (the kernel's a is fp32 math rounded to
+    bf16, then cast); the padded tokens hold code 0; the scales equal the CPU op's except where
+    a block's amax straddles a power of two between the two roundings."""
+    gen = torch.Generator().manual_seed(m + inter)
+    z = (torch.randn(m, 2 * inter, generator=gen) * 3).to(BF16)
+    codes_t, scales_t = CODA.fp8_swiglu_quantize_t(z.cuda())
+    gate, up = z.double()[:, 0::2], z.double()[:, 1::2]
+    a = gate * torch.sigmoid(gate) * up
+    fp8_codes_near(codes_t[:, :m], scales_t, a.t(), "aᵀ")
+    assert (codes_t[:, m:].cpu().view(torch.uint8) == 0).all(), "aᵀ padding"
+    _, want_s = CODA.fp8_swiglu_quantize_t(z)
+    assert (scales_t.cpu() != want_s).float().mean() <= 0.01, "scales"
+
+
 def fp8_gemm_close(got, ref, what):
     """The FP8 GEMM tolerance of tests/gpu/fp8_programs_test.cpp: bf16 rounding and the tensor
     cores' fp32 partial sums, 2^-8 relative + 2^-10 of the largest entry."""
@@ -224,6 +241,10 @@ def test_fp8_rmsnorm_backward_matches_the_cpu_recipe(m, hidden, k):
     assert (ht[:, m:].cpu().view(torch.uint8) == 0).all(), "h_outᵀ padding"
     assert s.shape == s_ref.shape
     fp8_gemm_close(s[:, :hidden], s_ref[:, :hidden], "dγ partials")
+    # Without dres (None): the norm's gradient alone, against the CPU op without it.
+    dx0, _, _, _ = CODA.fp8_gemm_rmsnorm_backward(dzc, dzs, wtc, wts, x, r, gamma, zdz, None)
+    dx0_ref, _, _, _ = CODA.fp8_gemm_rmsnorm_backward(*args[:-1], None)
+    fp8_gemm_close(dx0, dx0_ref, "dx without dres")
 
 
 B2_FP8_SHAPES = [(77, 272, 400), (300, 1040, 2048), (4097, 200, 144)]  # (M, I, H)

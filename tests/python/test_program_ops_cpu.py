@@ -72,6 +72,10 @@ def test_rmsnorm_backward_program(g):
     assert_rel(dx, dres + r[:, None] * (gr * gamma - n * zdz[:, None]), 1e-12, "dx")
     assert_rel(h_out, n * gamma, 1e-12, "h_out")
     assert_rel(dgamma, (gr * n).sum(0), 1e-12, "dgamma")
+    # Without dres (the QKV norm's backward): the norm's gradient alone, h_out and dγ unchanged.
+    dx0, h0, s0 = CODA.gemm_rmsnorm_backward(dz, w, x, r, gamma, zdz, None)
+    assert_rel(dx0, r[:, None] * (gr * gamma - n * zdz[:, None]), 1e-12, "dx without dres")
+    assert torch.equal(h0, h_out) and torch.equal(s0, s)
 
 
 def test_swiglu_backward_program(g):

@@ -9,13 +9,13 @@
 //     include/coda/ops.hpp.
 //
 // A backend provides
-//   using Tensor;  rows(t), cols(t);  act(rows, cols), stat(n), zeros_act, zeros_stat;
+//   using Tensor;  rows(t), cols(t);  act(rows, cols), stat(n), zeros_stat;
 //   rows_of(t, first, count);  leading(t, rows, cols): a contiguous (rows, cols) matrix over the
 //   start of t's storage;  zeros_stat(rows, cols): an fp32 (stat dtype) matrix;
 //   partials(PartialsOf, m, n, k) (a (tiles, extent) buffer);
 //   one method per program and fold of ops.hpp, with the same names and argument order;
 //   weight_grad(dz, h, dw, accumulate): dW (+)= dzᵀ·h;
-//   add_(acc, v), copy_(dst, src), zero_(t);  param_like(fp32 vector, like): in `like`'s dtype;
+//   add_(acc, v), copy_(dst, src);  param_like(fp32 vector, like): in `like`'s dtype;
 //   act_bytes(): bytes per activation element (the LM head's scratch budget);
 //   token_scale, reduce_loss, targets_minus (the loss's per-token bookkeeping, on the device).
 // Integer tensors (positions, targets) and the RoPE table pass through as the backend's types.
@@ -172,7 +172,8 @@ struct NormGrad {  // B1's results
   T<B> dgamma;     // fp32 (stat dtype)
 };
 
-// B1 + dγ fold: dx = dres + r·(g·γ − x·r·ZdZ) with g = dz · W (dx may alias dres).
+// B1 + dγ fold: dx = dres + r·(g·γ − x·r·ZdZ) with g = dz · W (dx may alias dres; an absent
+// dres, T<B>{}, adds nothing and is not read: where no residual gradient enters).
 template <class B>
 NormGrad<B> rmsnorm_backward(B& b, const T<B>& dz, const T<B>& w, const T<B>& x, const T<B>& r,
                              const T<B>& gamma, const T<B>& zdz, const T<B>& dres, T<B>& dx) {
@@ -227,8 +228,8 @@ InputGrads<B> norm_qkv_backward(B& b, const T<B>& dqkv, const T<B>& qkv, const T
                                 const T<B>& r, const auto& pos, const auto& rope_table) {
   const int64_t m = b.rows(x), hidden = b.cols(x);
   const RopeGrad<B> d = qkv_rope_backward(b, dqkv, qkv, b_qkv, hidden, pos, rope_table);
-  T<B> dx = b.zeros_act(m, hidden);  // B1 accumulates into it
-  NormGrad<B> g = rmsnorm_backward(b, d.dpre, w_qkv, x, r, gamma, d.zdz, dx, dx);
+  T<B> dx = b.act(m, hidden);  // B1 writes it: no dres (autograd adds the residual's gradient)
+  NormGrad<B> g = rmsnorm_backward(b, d.dpre, w_qkv, x, r, gamma, d.zdz, T<B>{}, dx);
   return {dx, b.param_like(g.dgamma, gamma), weight_grad(b, d.dpre, g.h_out), {}, d.dbias};
 }
 
@@ -244,8 +245,8 @@ InputGrads<B> norm_qkv_qk_norm_backward(B& b, const T<B>& dqkv, const T<B>& qkv,
   T<B> dpre = b.act(m, b.cols(qkv)), zdz = b.stat(m), dqg = b.stat(d), dkg = b.stat(d);
   b.qk_norm_rope_backward(qk_pre, qkv, dqkv, q_gamma, k_gamma, qk, pos, rope_table, hidden, dpre,
                           zdz, dqg, dkg);
-  T<B> dx = b.zeros_act(m, hidden);  // B1 accumulates into it
-  NormGrad<B> g = rmsnorm_backward(b, dpre, w_qkv, x, r, gamma, zdz, dx, dx);
+  T<B> dx = b.act(m, hidden);  // B1 writes it: no dres (autograd adds the residual's gradient)
+  NormGrad<B> g = rmsnorm_backward(b, dpre, w_qkv, x, r, gamma, zdz, T<B>{}, dx);
   InputGrads<B> o{dx, b.param_like(g.dgamma, gamma), weight_grad(b, dpre, g.h_out), {}, {}};
   o.dq_gamma = b.param_like(dqg, q_gamma);
   o.dk_gamma = b.param_like(dkg, k_gamma);
@@ -272,8 +273,8 @@ InputGrads<B> mlp_backward(B& b, const T<B>& dx_out, const T<B>& x, const T<B>& 
   b.gemm_swiglu_backward(dx_out, w_down, z, dz, a, p);
   b.zdz_fold(p, hidden, zdz);
   T<B> dw_down = weight_grad(b, dx_out, a);
-  T<B> dx = residual ? b.act(m, hidden) : b.zeros_act(m, hidden);
-  NormGrad<B> g = rmsnorm_backward(b, dz, w_gu, x, r, gamma, zdz, residual ? dx_out : dx, dx);
+  T<B> dx = b.act(m, hidden);
+  NormGrad<B> g = rmsnorm_backward(b, dz, w_gu, x, r, gamma, zdz, residual ? dx_out : T<B>{}, dx);
   return {dx, b.param_like(g.dgamma, gamma), weight_grad(b, dz, g.h_out), dw_down};
 }
 
@@ -314,7 +315,7 @@ LossGrad<B> lm_head_loss_grad(B& b, const T<B>& x, const T<B>& gamma, const T<B>
   T<B> logits = b.act(chunk, vocab);
   T<B> lse = b.stat(m), token_loss = b.stat(m), zdz = b.stat(chunk);
   T<B> target_logit = b.zeros_stat(row_kernel_lse ? 0 : m);
-  T<B> dx = b.zeros_act(m, hidden);  // B1's dres (the LM head has no residual) and output
+  T<B> dx = b.act(m, hidden);  // B1's output, per chunk (no dres: the LM head has no residual)
   T<B> dgamma = b.stat(hidden), dw = b.act(vocab, hidden);
   for (int64_t m0 = 0; m0 < m; m0 += chunk) {
     const int64_t mc = std::min(chunk, m - m0);
@@ -337,7 +338,7 @@ LossGrad<B> lm_head_loss_grad(B& b, const T<B>& x, const T<B>& gamma, const T<B>
     }
     T<B> dx_c = b.rows_of(dx, m0, mc);
     NormGrad<B> g =
-        rmsnorm_backward(b, lc, w_vocab, b.rows_of(x, m0, mc), rc, gamma, zc, dx_c, dx_c);
+        rmsnorm_backward(b, lc, w_vocab, b.rows_of(x, m0, mc), rc, gamma, zc, T<B>{}, dx_c);
     if (m0 == 0)
       b.copy_(dgamma, g.dgamma);
     else
@@ -369,7 +370,7 @@ InputGrads<B> lm_head_loss_backward(B& b, const T<B>& dloss, const T<B>& x, cons
   }
   const bool sliced = slice < vocab;
   T<B> dl_buf = b.act(m, slice), dw = b.act(vocab, hidden);
-  T<B> dx = b.zeros_act(m, hidden), dgamma = b.zeros_stat(hidden);
+  T<B> dx = b.act(m, hidden), dgamma = b.zeros_stat(hidden);
   T<B> dx32 = b.zeros_stat(sliced ? m : 0, hidden);
   for (int64_t v0 = 0; v0 < vocab; v0 += slice) {
     const int64_t vs = std::min(slice, vocab - v0);
@@ -381,8 +382,8 @@ InputGrads<B> lm_head_loss_backward(B& b, const T<B>& dloss, const T<B>& x, cons
     T<B> zdz = b.stat(m);
     b.gemm_rmsnorm_cross_entropy_backward(h, w_s, r, lse, scale, t_s, o.ce.z_loss, dl, p);
     b.zdz_fold(p, hidden, zdz);
-    if (sliced && v0 > 0) b.zero_(dx);  // dx: the slice's dres and output; the sum is dx32
-    NormGrad<B> g = rmsnorm_backward(b, dl, w_s, x, r, gamma, zdz, dx, dx);
+    // dx: the slice's B1 output (no dres); the slices' sum is dx32
+    NormGrad<B> g = rmsnorm_backward(b, dl, w_s, x, r, gamma, zdz, T<B>{}, dx);
     T<B> dw_s = b.rows_of(dw, v0, vs);
     b.weight_grad(dl, g.h_out, dw_s, false);
     b.add_(dgamma, g.dgamma);

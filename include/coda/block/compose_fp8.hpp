@@ -22,6 +22,8 @@
 //   fp8_rmsnorm_rope(h, w, r, bias, pos, rope_table) -> qkv                 F3
 //   fp8_rmsnorm_backward(dz, w, x, r, gamma, zdz, dres) -> (dx, h_out, partials)   B1 (Wᵀ's
 //                                                                      codes), h_out's copy
+//   fp8_swiglu_copy(z) -> Fp8                 a = silu(g)·u of z, rounded, as its copy (only
+//                                             codes_t, scales_t): a not kept by the forward
 //   fp8_swiglu_backward(dx_out, w_down, z) -> (dz, partials)                B2 (W_downᵀ's), dz
 //                                                                           both copies
 
@@ -83,12 +85,13 @@ struct Fp8Mlp {
 
 // F2 then F1 + A1 on FP8 operands. With act_h_out the next norm's h stays in the activation dtype
 // (the last layer's, for the LM head, which stays in bf16); without `copies` F2 writes a's rows
-// only (no backward).
+// only (no backward); with `recompute_a` too, and the backward makes a's copy from z
+// (fp8_mlp_backward): I + I/32 bytes fewer kept per token for one more pass over z.
 template <class B>
 Fp8Mlp<B> fp8_mlp(B& b, const T<B>& x, const Fp8<B>& h, const T<B>& r, const Fp8<B>& w_gu,
                   const Fp8<B>& w_down, const T<B>& gamma_next, double eps, bool act_h_out,
-                  bool copies = true) {
-  auto [z, a] = b.fp8_rmsnorm_swiglu(h, w_gu, r, copies);
+                  bool copies = true, bool recompute_a = false) {
+  auto [z, a] = b.fp8_rmsnorm_swiglu(h, w_gu, r, copies && !recompute_a);
   Fp8Mlp<B> o{{}, {}, z, a};
   if (act_h_out) {
     auto [x2, h2, s] = b.fp8_residual_rmsnorm_act_h(a, w_down, x, gamma_next);
@@ -131,7 +134,9 @@ InputGrads<B> fp8_linear_backward(B& b, const T<B>& dout, const Fp8<B>& input, c
 }
 
 // B2 (+ dW_down) → B1 (+ dW_gu): fp8_mlp's backward, dx_out cast once (B2's A, dW_down's B);
-// the residual add's gradient enters B1 as dres. dw = dW_gu, dw2 = dW_down.
+// the residual add's gradient enters B1 as dres. dw = dW_gu, dw2 = dW_down. `a` holds a's copy
+// as F2 wrote it, or nothing (recompute_a): then it is made from z here, as the bf16 B2
+// recomputes a.
 template <class B>
 InputGrads<B> fp8_mlp_backward(B& b, const T<B>& dx_out, const T<B>& x, const T<B>& gamma,
                                const Fp8<B>& w_gu, const Fp8<B>& w_down, const T<B>& r,
@@ -141,7 +146,7 @@ InputGrads<B> fp8_mlp_backward(B& b, const T<B>& dx_out, const T<B>& x, const T<
   auto [dz, p] = b.fp8_swiglu_backward(dxo, w_down, z);
   T<B> zdz = b.stat(m);
   b.zdz_fold(p, hidden, zdz);
-  T<B> dw_down = b.fp8_wgrad(dxo, a);
+  T<B> dw_down = b.fp8_wgrad(dxo, b.present(a.codes_t) ? a : b.fp8_swiglu_copy(z));
   InputGrads<B> g = fp8_rmsnorm_backward(b, dz, w_gu, x, r, gamma, zdz, dx_out);
   g.dw2 = dw_down;
   return g;
@@ -153,10 +158,11 @@ template <class B>
 InputGrads<B> fp8_norm_qkv_backward(B& b, const T<B>& dqkv, const T<B>& qkv, const T<B>& x,
                                     const T<B>& gamma, const Fp8<B>& w_qkv, const T<B>& b_qkv,
                                     const T<B>& r, const auto& pos, const auto& rope_table) {
-  const int64_t m = b.rows(x), hidden = b.cols(x);
+  const int64_t hidden = b.cols(x);
   const RopeGrad<B> d = qkv_rope_backward(b, dqkv, qkv, b_qkv, hidden, pos, rope_table);
   const Fp8<B> dp = b.fp8_cast(d.dpre, true, true);
-  InputGrads<B> g = fp8_rmsnorm_backward(b, dp, w_qkv, x, r, gamma, d.zdz, b.zeros_act(m, hidden));
+  // No dres: autograd adds the residual stream's own gradient.
+  InputGrads<B> g = fp8_rmsnorm_backward(b, dp, w_qkv, x, r, gamma, d.zdz, T<B>{});
   g.dbias = d.dbias;
   return g;
 }

@@ -178,6 +178,7 @@ struct RmsnormBackwardArgs {  // B1: A = dz, B = W (K = N_out, N = H); C = dres,
   bf16* h_out = nullptr;        // (M, H)
   int64_t ldh = 0;
   float* dgamma_partials = nullptr;  // PartialLayout::per_column(M, H, tile_m, tile_n)
+  bool dres = true;  // false: dx is the norm's gradient alone, C is not read (it may be D)
 };
 
 // B1 over FP8 operands (tile 128x128): A = dz in 1x128 blocks, B = Wᵀ's codes in 128x128 blocks;

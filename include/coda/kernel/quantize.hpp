@@ -24,6 +24,13 @@ namespace coda::kernel {
 void quantize_fp8_rows(const bf16* x, int64_t rows, int64_t cols, int64_t ldx, Fp8Output out,
                        Fp8Output out_t, cudaStream_t stream);
 
+// a = silu(g)·u of z (rows, 2·cols) bf16 interleaved (g, u) pairs, row stride ldz (F2's saved
+// pre-activation), each a rounded to bf16 (as the bf16 B2 recomputes a), cols a multiple of 16:
+// a's transposed copy out_t exactly as quantize_fp8_rows writes it for that a (the
+// down-projection's weight-gradient operand, when the forward did not keep it).
+void quantize_fp8_swiglu_t(const bf16* z, int64_t rows, int64_t cols, int64_t ldz, Fp8Output out_t,
+                           cudaStream_t stream);
+
 // x (rows, cols) bf16 in 128x128 blocks (weights), cols a multiple of 16; one scale per block.
 //   out (if codes is set): codes (rows, cols); the scale of block (rb, cb) at rb · ld_scales + cb.
 //   out_t (if codes is set): codes (cols, rows) = xᵀ with the same blocks transposed; block

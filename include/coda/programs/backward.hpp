@@ -47,7 +47,7 @@ struct RmsnormBackward : NoSubtileHooks {
     const Real rm = r.load(m), zm = zdz.load(m);
     for (int c = 0; c < 2; ++c) {
       const Real xv = x.load(m, n + c), gam = gamma.load(n + c);
-      // dx is accumulated by the store (StoreMode::kAccumulate), so dres enters as 0 here.
+      // dres enters through the store (StoreMode::kAccumulate into it), or not at all.
       dx.store(m, n + c, RmsnormBackwardDx{}(g[c], Real(0), xv, rm, gam, zm));
       h_out.store(m, n + c, NormalizedScaled{}(xv, rm, gam));
       col_acc[n + c - t.n0] += GradTimesNormalized{}(g[c], xv, rm);

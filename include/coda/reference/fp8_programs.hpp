@@ -109,7 +109,8 @@ std::vector<Real> fp8_rmsnorm_rope(const BlockQuantized& h, const BlockQuantized
 }
 
 // B1 over FP8 operands (Program::kRmsnormBackwardFp8), in Real: g = dz · W from dz (M, K) and
-// w_t = Wᵀ (H, K); dx = dres + r·(g·γ − x·r·ZdZ) (M, H), h = x·r·γ (M, H) and the dγ partials,
+// w_t = Wᵀ (H, K); dx = dres + r·(g·γ − x·r·ZdZ) (M, H) (dres empty: none), h = x·r·γ (M, H)
+// and the dγ partials,
 // PartialLayout::per_column(M, H, 128, 128) (programs::RmsnormBackward). The caller rounds h and
 // quantizes its transposed copy, as the epilogue does.
 template <class Real>
@@ -125,12 +126,13 @@ Fp8RmsnormBackward<Real> fp8_rmsnorm_backward(const BlockQuantized& dz, const Bl
                                               const std::vector<Real>& zdz,
                                               const std::vector<Real>& dres) {
   const int64_t m = dz.rows, hid = w_t.rows;
-  CODA_CHECK(int64_t(x.size()) == m * hid && int64_t(dres.size()) == m * hid &&
+  const bool accumulate = !dres.empty();  // empty: no residual gradient
+  CODA_CHECK(int64_t(x.size()) == m * hid && (!accumulate || int64_t(dres.size()) == m * hid) &&
                  int64_t(r.size()) == m && int64_t(zdz.size()) == m && int64_t(gamma.size()) == hid,
              "fp8_rmsnorm_backward: x and dres must be (", m, ", ", hid, "), r and zdz (", m,
              "), gamma (", hid, ")");
   Fp8RmsnormBackward<Real> out;
-  out.dx = dres;  // the program accumulates into it
+  out.dx = accumulate ? dres : std::vector<Real>(size_t(m * hid));  // accumulated into
   out.h.resize(size_t(m * hid));
   out.layout = epilogue::PartialLayout::per_column(m, hid, fp8_tiles().tile_m, fp8_tiles().tile_n);
   out.dgamma_partials.assign(size_t(out.layout.tiles * out.layout.extent), Real(0));
@@ -139,7 +141,8 @@ Fp8RmsnormBackward<Real> fp8_rmsnorm_backward(const BlockQuantized& dz, const Bl
   p.r = {r.data(), m};
   p.gamma = {gamma.data(), hid};
   p.zdz = {zdz.data(), m};
-  p.dx = {out.dx.data(), m, hid, hid, epilogue::StoreMode::kAccumulate};
+  p.dx = {out.dx.data(), m, hid, hid,
+          accumulate ? epilogue::StoreMode::kAccumulate : epilogue::StoreMode::kOverwrite};
   p.h_out = {out.h.data(), m, hid, hid, epilogue::StoreMode::kOverwrite};
   p.dgamma_partials = out.dgamma_partials.data();
   p.layout = out.layout;

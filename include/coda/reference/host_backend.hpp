@@ -187,12 +187,13 @@ class HostPrograms {
   }
 
   // ---- backward --------------------------------------------------------------------------------
-  // B1: dx = dres + r·(g·γ − x·r·ZdZ) (dx may alias dres).
+  // B1: dx = dres + r·(g·γ − x·r·ZdZ) (dx may alias dres; an absent dres: no residual term).
   void gemm_rmsnorm_backward(const auto& dz, const auto& w, const auto& x, const auto& r,
                              const auto& gamma, const auto& zdz, const auto& dres, auto& dx,
                              auto& h_out, const auto& p) {
     const View<Real> out = v(dx), in = v(dres);
-    if (out.data != in.data)
+    const bool accumulate = in.data != nullptr;
+    if (accumulate && out.data != in.data)
       for (int64_t i = 0; i < out.rows; ++i)
         for (int64_t j = 0; j < out.cols; ++j) out.at(i, j) = in.at(i, j);
     programs::RmsnormBackward<Real> b1;
@@ -200,7 +201,8 @@ class HostPrograms {
     b1.r = v(r).vec();
     b1.gamma = v(gamma).vec();
     b1.zdz = v(zdz).vec();
-    b1.dx = out.out(epilogue::StoreMode::kAccumulate);
+    b1.dx =
+        out.out(accumulate ? epilogue::StoreMode::kAccumulate : epilogue::StoreMode::kOverwrite);
     b1.h_out = v(h_out).out();
     b1.dgamma_partials = v(p).data;
     b1.layout = layout(p, out.cols);
@@ -373,7 +375,6 @@ class HostBackend : public HostPrograms<HostBackend<Real>, Real> {
   static int64_t cols(const auto& t) { return t.cols; }
   static bool present(const auto& t) { return t.storage != nullptr; }  // an optional argument
   static Tensor act(int64_t rows, int64_t cols) { return Tensor::zeros(rows, cols); }
-  static Tensor zeros_act(int64_t rows, int64_t cols) { return Tensor::zeros(rows, cols); }
   static Tensor stat(int64_t n) { return Tensor::zeros(n, 1); }
   static Tensor zeros_stat(int64_t n) { return Tensor::zeros(n, 1); }
   static Tensor zeros_stat(int64_t rows, int64_t cols) { return Tensor::zeros(rows, cols); }
@@ -395,10 +396,6 @@ class HostBackend : public HostPrograms<HostBackend<Real>, Real> {
   }
   static void copy_(Tensor& dst, const Tensor& src) {
     each(dst, src, [](Real& a, Real b) { a = b; });
-  }
-  static void zero_(Tensor& t) {
-    for (int64_t i = 0; i < t.rows; ++i)
-      std::fill(t.data() + i * t.ld, t.data() + i * t.ld + t.cols, Real(0));
   }
   static Tensor param_like(const Tensor& t, const Tensor&) { return t; }
   static HostTensor<int64_t> targets_minus(const HostTensor<int64_t>& t, int64_t v0) {

@@ -6,10 +6,12 @@
 namespace coda::kernel {
 
 // B1 (RMSNorm backward in the epilogue of g = dz · W, operands kXW):
-//   dx = dres (C) + r·(g·γ − x·r·ZdZ)  -> D (may alias C: an in-place accumulate into dres)
+//   dx = dres (C) + r·(g·γ − x·r·ZdZ)  -> D (may alias C: an in-place accumulate into dres;
+//                                          without dres, args.dres false, C is not read)
 //   h_out = x·r·γ                       -> global
 //   dγ partial[n, m-tile] = Σ g·x·r     -> per-column partials (PartialLayout::per_column)
-// One node (nodes/rmsnorm_backward.cuh); dres, r, γ and ZdZ come from the stock load nodes. x and
+// One node (nodes/rmsnorm_backward.cuh); dres by OptionalSource, r, γ and ZdZ from the stock
+// load nodes. x and
 // h go one of two ways:
 //   - pingpong (64-row epilogue subtiles): x by Sm90AuxLoad, TMA from the epilogue's producer
 //     warp on C's pipeline, StagesC subtiles ahead; h by a stock bf16 aux store held in the node
@@ -33,9 +35,9 @@ struct FusionOf<Program::kRmsnormBackward>
     using XLoad = std::conditional_t<kXByTma, typename XTma::type, LoadAhead<Tile>>;
     using HStore =
         std::conditional_t<kXByTma, typename AuxStoreNode<EpilogueDesc, bfloat16_t>::type, void>;
-    using Callbacks = cf::Sm90EVT<RmsnormBackwardNode<Tile, HStore>, cf::Sm90SrcFetch<bfloat16_t>,
-                                  RowVector<Tile, float>, ColumnVector<Tile, bfloat16_t, float>,
-                                  RowVector<Tile, float>, XLoad>;
+    using Callbacks =
+        cf::Sm90EVT<RmsnormBackwardNode<Tile, HStore>, OptionalSource, RowVector<Tile, float>,
+                    ColumnVector<Tile, bfloat16_t, float>, RowVector<Tile, float>, XLoad>;
     static typename XLoad::Arguments x_arguments(Args const& a) {
       if constexpr (kXByTma) {
         return XTma::arguments(a.x, a.ldx);
@@ -44,7 +46,7 @@ struct FusionOf<Program::kRmsnormBackward>
       }
     }
     static typename Callbacks::Arguments arguments(Args const& a) {
-      return {{},
+      return {{a.dres},
               {a.r, 0.0f, {}},
               {reinterpret_cast<const bfloat16_t*>(a.gamma), bfloat16_t(0), {}},
               {a.zdz, 0.0f, {}},

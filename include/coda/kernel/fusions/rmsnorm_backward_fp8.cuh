@@ -7,7 +7,7 @@
 namespace coda::kernel {
 
 // B1 over FP8 operands (g = dz · W from dz's 1x128 codes and Wᵀ's 128x128 codes):
-//   dx = dres (C) + r·(g·γ − x·r·ZdZ)   -> D (bf16; may alias C)
+//   dx = dres (C) + r·(g·γ − x·r·ZdZ)   -> D (bf16; may alias C; without dres C is not read)
 //   h_out = x·r·γ, rounded to bf16      -> its transposed 128x1 copy quantized (the weight
 //                                          gradient dW = dzᵀ · h_out contracts it over tokens)
 //   dγ partial[n, m-tile] = Σ g·x·r     -> per-column partials (PartialLayout::per_column)
@@ -25,11 +25,11 @@ struct FusionOf<Program::kRmsnormBackwardFp8>
     using Tile = typename EpilogueDesc::TileShape;
     using Node = RmsnormBackwardNode<Tile, Fp8TileStore<Tile>>;
     using Callbacks =
-        cf::Sm90EVT<Node, cf::Sm90SrcFetch<bfloat16_t>, RowVector<Tile, float>,
+        cf::Sm90EVT<Node, OptionalSource, RowVector<Tile, float>,
                     ColumnVector<Tile, bfloat16_t, float>, RowVector<Tile, float>, LoadAhead<Tile>>;
     static typename Callbacks::Arguments arguments(Args const& a) {
       const RmsnormBackwardArgs& b = a.b1;
-      return {{},
+      return {{b.dres},
               {b.r, 0.0f, {}},
               {reinterpret_cast<const bfloat16_t*>(b.gamma), bfloat16_t(0), {}},
               {b.zdz, 0.0f, {}},

@@ -80,6 +80,42 @@ struct ConsumerOnlyNode : NoWorkspaceNoProducerLoads {
   Params params;
 };
 
+// The collective's source C as the stock Sm90SrcFetch gives it, or, with `present` false, 0
+// without loading C at all (no TMA load, no shared-memory read: the collective asks
+// is_C_load_needed at run time). B1's dres: absent where the residual stream's own gradient does
+// not enter (the QKV norm's and the LM head's backward), which saves zero-filling dx and reading
+// it back.
+struct OptionalSourceArgs {
+  bool present = true;
+};
+struct OptionalSource : ConsumerOnlyNode<OptionalSourceArgs> {
+  using ConsumerOnlyNode<OptionalSourceArgs>::ConsumerOnlyNode;
+  CUTLASS_DEVICE bool is_producer_load_needed() const { return params.present; }
+  CUTLASS_DEVICE bool is_C_load_needed() const { return params.present; }
+
+  template <class SrcTensor>
+  struct ConsumerStoreCallbacks : cf::EmptyConsumerStoreCallbacks {
+    CUTLASS_DEVICE ConsumerStoreCallbacks(SrcTensor const& c, bool present)
+        : tCrC(c), present(present) {}
+    SrcTensor const& tCrC;  // (CPY,CPY_M,CPY_N)
+    bool present;
+    template <class ElementAccumulator, int FragmentSize>
+    CUTLASS_DEVICE auto visit(cutlass::Array<ElementAccumulator, FragmentSize> const&, int epi_v,
+                              int, int) {
+      using Fragment = cutlass::Array<typename SrcTensor::value_type, FragmentSize>;
+      if (present) return cute::recast<Fragment>(tCrC)(epi_v);
+      Fragment zero;
+      zero.fill(typename SrcTensor::value_type(0));
+      return zero;
+    }
+  };
+  template <bool ReferenceSrc, class... Args>
+  CUTLASS_DEVICE auto get_consumer_store_callbacks(cf::ConsumerStoreArgs<Args...> const& args) {
+    using SrcTensor = std::decay_t<decltype(args.tCrC)>;
+    return ConsumerStoreCallbacks<SrcTensor>(args.tCrC, params.present);
+  }
+};
+
 // Stands in for a held aux store (B1's h, B2's a) where the output leaves from registers or is
 // not written.
 struct NoAuxStore {
