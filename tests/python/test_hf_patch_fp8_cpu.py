@@ -77,6 +77,25 @@ def test_patching_again_switches_the_precision():
         patch_hf(patched, precision="fp16")
 
 
+def test_fp8_recompute_a_trains_as_the_kept_copy():
+    """fp8_recompute_a: a's copy made from z in the backward; in float64 z holds F2's a exactly,
+    so the step equals the converted FP8 model's (which keeps the copy)."""
+    hf = make_hf("qwen2", seed=14)
+    ids, labels = batch(seed=15)
+    patched = patch_hf(copy.deepcopy(hf), precision="fp8", fp8_recompute_a=True)
+    expect_step(step(patched, ids, labels), converted_step(hf, ids, labels, "fp8"), 0, "recompute")
+    # ... and keeps less for the backward than with the copy kept.
+    kept = patch_hf(copy.deepcopy(hf), precision="fp8")
+    saved = []
+    for model in (kept, patched):
+        sizes = []
+        with torch.autograd.graph.saved_tensors_hooks(
+                lambda t: sizes.append(t.numel() * t.element_size()) or t, lambda t: t):
+            model(input_ids=ids, labels=labels)
+        saved.append(sum(sizes))
+    assert saved[1] < saved[0], saved
+
+
 def test_fp8_gradient_checkpointing():
     hf = make_hf("llama3", seed=6)
     ids, labels = batch(seed=7)

@@ -418,6 +418,17 @@ def test_fp8_precision_trains_within_the_recipe_error_of_bf16():
     projections = [e for n, e in errs.items() if n.endswith(("wq.weight", "wo.weight",
                                                               "w1.weight", "w2.weight"))]
     assert projections and min(projections) > 1e-3, errs
+    # fp8_recompute_a: a's copy made from z in the backward; in fp64 z holds F2's a exactly, so
+    # the step is the same to the bit.
+    cfg_ra = ct.CodaConverter.Config(precision="fp8", fp8_recompute_a=True).build().convert(
+        small_config())
+    assert all(c.fp8_recompute_a for c in cfg_ra.layers)
+    ra = build(cfg_ra, 9)
+    ra.load_state_dict(bf16.state_dict(), strict=True)
+    _, loss_ra = run(ra, ids, labels, pos)
+    assert torch.equal(loss_ra, loss_f)
+    g_ra = grads_by_checkpoint_name(ra)
+    assert all(torch.equal(g_ra[n], g) for n, g in gf.items())
     with pytest.raises(ValueError, match="precision must be 'bf16' or 'fp8'"):
         ct.CodaConverter.Config(precision="fp16").build()
     # FP8 needs every GEMM extent a multiple of 16; bf16 takes this FFN width (a multiple of 8).

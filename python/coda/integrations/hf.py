@@ -71,6 +71,7 @@ _MAX_CUDA_VOCAB = 1 << 24
 class _Patch:
     config: LlamaConfig
     precision: str = "bf16"
+    fp8_recompute_a: bool = False  # FP8: a's weight-gradient copy made from z in the backward
     tables: dict[torch.device, Tensor] = field(default_factory=dict)  # RoPE table per device
     warned: set[str] = field(default_factory=set)
     # precision="fp8": each layer's projection weights in FP8, kept while their HF parameters
@@ -124,7 +125,8 @@ def _supported_classes() -> tuple[type, ...]:
             transformers.Qwen3ForCausalLM)
 
 
-def patch_hf(model: nn.Module, precision: str = "bf16") -> nn.Module:
+def patch_hf(model: nn.Module, precision: str = "bf16", fp8_recompute_a: bool = False
+             ) -> nn.Module:
     """Make ``model`` (a transformers ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` or
     ``Qwen3ForCausalLM``) train through
     coda, in place; returns it. Raises ``NotImplementedError`` for configurations coda does not
@@ -138,15 +140,19 @@ def patch_hf(model: nn.Module, precision: str = "bf16") -> nn.Module:
     weights are quantized when their HF parameters change (once per optimizer step), kept
     outside the model's state; the embedding, norms, LM head and the parameters keep their dtype.
     Every extent must be a multiple of 16 (ValueError naming it otherwise); Qwen3's QK-norm has
-    no FP8 program (NotImplementedError). Patching a patched model again sets its precision."""
+    no FP8 program (NotImplementedError). ``fp8_recompute_a``: as
+    ``CodaLlamaForCausalLM.fp8_recompute_a`` (a's weight-gradient copy made from z in the
+    backward: about I bytes less kept per token and layer). Patching a patched model again sets
+    both."""
     known = [c for c in _supported_classes() if isinstance(model, c)]
     if not known or type(model).forward is not known[0].forward:
         raise TypeError(f"patch_hf: expected a transformers LlamaForCausalLM, Qwen2ForCausalLM or "
                         f"Qwen3ForCausalLM (its own forward), got {type(model).__name__}")
     if is_patched(model):
-        _check_precision(getattr(model, _ATTR).config, precision)
-        getattr(model, _ATTR).precision = precision
-        getattr(model, _ATTR).fp8_caches.clear()
+        patch = getattr(model, _ATTR)
+        _check_precision(patch.config, precision)
+        patch.precision, patch.fp8_recompute_a = precision, bool(fp8_recompute_a)
+        patch.fp8_caches.clear()
         return model
     if "forward" in vars(model):
         raise TypeError(f"patch_hf: model.forward is already replaced ({vars(model)['forward']!r});"
@@ -156,7 +162,7 @@ def patch_hf(model: nn.Module, precision: str = "bf16") -> nn.Module:
     if problem:
         raise TypeError(f"patch_hf: {problem}")
     _check_precision(config, precision)
-    patch = _Patch(config, precision)
+    patch = _Patch(config, precision, bool(fp8_recompute_a))
     patch.rope_table(model.lm_head.weight.device)  # built eagerly, outside any compiled region
     setattr(model, _ATTR, patch)
     model.forward = _PatchedForward(model)
@@ -420,8 +426,8 @@ def _weights(c: LlamaConfig, dtype: torch.dtype, layer: nn.Module) -> dict[str, 
             "w_down": (cast, (f.down_proj.weight,))}
 
 
-def _layer(c, dtype, layer, gamma_next, pos, table, batch, attention, rebuilt, fp8_cache, last,
-           x, r, *h):
+def _layer(c, dtype, layer, gamma_next, pos, table, batch, attention, rebuilt, fp8_cache,
+           recompute_a, last, x, r, *h):
     """One decoder layer on the HF parameters: ``(x, r, *h) -> (x, r, *h)`` with ``h`` one
     tensor, or in FP8 (``fp8_cache`` set) its codes and scales (one tensor after the last
     layer: the LM head's input)."""
@@ -437,7 +443,8 @@ def _layer(c, dtype, layer, gamma_next, pos, table, batch, attention, rebuilt, f
     if fp8_cache is not None:
         fp8 = {n: (weights[n], fp8_cache.get(n, weights[n], spec[n][1])) for n in FP8_PROJECTIONS}
         x, h, r = decoder_layer_fp8(c, x, tuple(h), r, gamma, fp8, gamma_ffn, pos, table,
-                                    w(cast, gamma_next), batch, attention, last, b_qkv)
+                                    w(cast, gamma_next), batch, attention, last, b_qkv,
+                                    recompute_a)
         return (x, r, h) if last else (x, r, *h)
     head_norm = functools.partial(_head_norm, c, dtype)
     q_gamma = w(head_norm, a.q_norm.weight) if c.qk_norm else None
@@ -539,7 +546,7 @@ def _fused_forward(self, patch, input_ids, inputs_embeds, attention_mask, positi
             with _RebuiltOnBackward() as rebuilt:
                 run = functools.partial(_layer, c, dtype, layer, gamma_next, pos, table, batch,
                                         attention, rebuilt, patch.fp8_cache(i) if fp8 else None,
-                                        last)
+                                        patch.fp8_recompute_a, last)
                 if layer.gradient_checkpointing:
                     x, r, *hs = layer._gradient_checkpointing_func(run, x, r, *hs)
                 else:

@@ -44,6 +44,9 @@ as the stock model, so a seed gives the same initial weights with coda on or off
 FP8 (docs/math.md §6, coda's FP8 block ops): each forward casts the block's four weights (FSDP2
 gathers them for every forward anyway, and a compiled block casts in its graph) and its attention
 norm's h; the embedding, final norm, LM head and loss stay TorchTitan's.
+``fp8_recompute_a=True`` keeps the MLP's a for the down-projection's weight gradient as the
+bf16 path does, not at all (its FP8 copy made from z in the backward: about I bytes less per
+token and block; CodaLlamaForCausalLM.fp8_recompute_a).
 
 Not supported, with an error naming the setting: MoE layers, QK norm, biases, RoPE other than
 ``ComplexRoPE`` with ``scaling`` ``"none"``/``"llama"``, partial rotary dims, RMSNorm without a
@@ -295,12 +298,14 @@ class CodaLlama3TransformerBlock(Llama3TransformerBlock):
     @dataclass(kw_only=True, slots=True)
     class Config(Llama3TransformerBlock.Config):
         precision: str = "bf16"  # "fp8": the projections in blockwise FP8 (CodaConverter.Config)
+        fp8_recompute_a: bool = False  # FP8: a's weight-gradient copy made from z in the backward
 
     def __init__(self, config: Config):
         super().__init__(config)
         _check_built(self)
         self._shape = _shape_of(config)
         self._fp8 = _precision(config.precision, "precision") == "fp8"
+        self._recompute_a = bool(config.fp8_recompute_a)
         self.register_buffer("coda_rope_table", self._rope_table(None), persistent=False)
 
     def _rope_table(self, device) -> Tensor:
@@ -351,7 +356,7 @@ class CodaLlama3TransformerBlock(Llama3TransformerBlock):
                 x1, h1, h1s, r1, _, _ = coda.fp8_out_proj_residual_norm(
                     y, w_o, *q8[1], xm, g_ffn, s.eps_ffn, copies)
                 out = coda.fp8_mlp(x1, g_ffn, w_gu, *q8[2], w_down, *q8[3], h1, h1s, r1, g_ffn,
-                                   s.eps_ffn, True, copies)[0]
+                                   s.eps_ffn, True, copies, self._recompute_a)[0]
             else:
                 x1, h1, r1 = ops.out_proj_residual_norm(y, w_o, xm, g_ffn, s.eps_ffn)
                 out, _, _, _ = ops.mlp(x1, g_ffn, w_gu, w_down, h1, r1, g_ffn, s.eps_ffn)
@@ -463,9 +468,10 @@ def _precision(value: str, setting: str) -> str:
     return value
 
 
-def _coda_block(layer, fqn: str, precision: str = "bf16") -> CodaLlama3TransformerBlock.Config:
+def _coda_block(layer, fqn: str, precision: str = "bf16",
+                recompute_a: bool = False) -> CodaLlama3TransformerBlock.Config:
     if isinstance(layer, CodaLlama3TransformerBlock.Config):
-        return replace(layer, precision=precision)
+        return replace(layer, precision=precision, fp8_recompute_a=recompute_a)
     if type(layer) is not Llama3TransformerBlock.Config:
         raise TypeError(f"{_WHO}: {fqn} is a {type(layer).__qualname__}; coda converts "
                         "Llama3TransformerBlock.Config blocks only (a converter such as LoRA "
@@ -518,7 +524,7 @@ def _coda_block(layer, fqn: str, precision: str = "bf16") -> CodaLlama3Transform
         attention=attention, feed_forward=feed_forward, moe=None,
         attention_norm=layer.attention_norm, ffn_norm=layer.ffn_norm,
         param_init=layer.param_init, sharding_config=layer.sharding_config,
-        precision=precision)
+        precision=precision, fp8_recompute_a=recompute_a)
 
 
 class CodaLlama3Model(Llama3Model):
@@ -547,6 +553,7 @@ class CodaConverter(ModelConfigConverter):
     @dataclass(kw_only=True, slots=True)
     class Config(ModelConfigConverter.Config):
         precision: str = "bf16"  # "fp8": every block's projections in blockwise FP8
+        fp8_recompute_a: bool = False  # FP8: a's weight-gradient copy made in the backward
 
     def __init__(self, config: Config, **kwargs):
         self.config = config
@@ -558,7 +565,8 @@ class CodaConverter(ModelConfigConverter):
                             f"{type(model_config).__qualname__}")
         layers = model_config.layers
         for i, layer in enumerate(layers):
-            layers[i] = _coda_block(layer, f"layers.{i}", self.config.precision)
+            layers[i] = _coda_block(layer, f"layers.{i}", self.config.precision,
+                                    self.config.fp8_recompute_a)
         if isinstance(model_config, CodaLlama3Model.Config):
             return model_config
         return CodaLlama3Model.Config(
