@@ -181,11 +181,11 @@ void check_qk_norm(const Args& c, const programs::QkNorm& qk, int64_t width) {
 }
 }  // namespace
 
-void gemm_rmsnorm_qk_norm_rope(View h, View w_qkv, View r, View q_gamma, View k_gamma,
-                               const programs::QkNorm& qk, View pos, View rope_table, View qkv,
-                               View qk_pre, cudaStream_t stream) {
-  Args c("coda::ops::gemm_rmsnorm_qk_norm_rope");
-  const auto [m, n, k] = c.gemm_operands("h", h, "w_qkv", w_qkv, Operands::kXWt);
+namespace detail {
+void rmsnorm_qk_norm_rope(Args& c, Operands o, kernel::GemmProblem p, View r, View q_gamma,
+                          View k_gamma, const programs::QkNorm& qk, View pos, View rope_table,
+                          View qkv, View qk_pre, cudaStream_t stream) {
+  const int64_t m = p.m, n = p.n;
   check_qk_norm(c, qk, n);
   const int64_t d = qk.layout.head_dim, normed = qk.normed_width();
   c.vector("r", r, kF, m);
@@ -213,10 +213,21 @@ void gemm_rmsnorm_qk_norm_rope(View h, View w_qkv, View r, View q_gamma, View k_
   args.normed_width = int(normed);
   args.eps = float(qk.eps);
   // No D: the program's node stores qkv and qk_pre.
-  launch<Program::kRmsnormQkNormRope>(
+  p.d = nullptr;
+  p.ldd = n;
+  launch<Program::kRmsnormQkNormRope>(c, o, p, args, stream);
+}
+}  // namespace detail
+
+void gemm_rmsnorm_qk_norm_rope(View h, View w_qkv, View r, View q_gamma, View k_gamma,
+                               const programs::QkNorm& qk, View pos, View rope_table, View qkv,
+                               View qk_pre, cudaStream_t stream) {
+  Args c("coda::ops::gemm_rmsnorm_qk_norm_rope");
+  const auto [m, n, k] = c.gemm_operands("h", h, "w_qkv", w_qkv, Operands::kXWt);
+  rmsnorm_qk_norm_rope(
       c, Operands::kXWt,
-      {int(m), int(n), int(k), bf(h), h.ld, bf(w_qkv), w_qkv.ld, nullptr, 0, nullptr, n}, args,
-      stream);
+      {int(m), int(n), int(k), bf(h), h.ld, bf(w_qkv), w_qkv.ld, nullptr, 0, nullptr, n}, r,
+      q_gamma, k_gamma, qk, pos, rope_table, qkv, qk_pre, stream);
 }
 
 PartialLayout rmsnorm_backward_partials_layout(int64_t m, int64_t hidden, int64_t n_out) {

@@ -230,6 +230,16 @@ void gemm_fp8_rmsnorm_rope(View h, View h_scales, View w_qkv, View w_qkv_scales,
   rmsnorm_rope(c, Operands::kFp8XWt, p, r, bias, pos, rope_table, qkv, stream);
 }
 
+void gemm_fp8_rmsnorm_qk_norm_rope(View h, View h_scales, View w_qkv, View w_qkv_scales, View r,
+                                   View q_gamma, View k_gamma, const programs::QkNorm& qk, View pos,
+                                   View rope_table, View qkv, View qk_pre, cudaStream_t stream) {
+  Args c("coda::ops::gemm_fp8_rmsnorm_qk_norm_rope");
+  const kernel::GemmProblem p = fp8_problem(c, {"h", h, "h_scales", h_scales},
+                                            {"w_qkv", w_qkv, "w_qkv_scales", w_qkv_scales}, true);
+  rmsnorm_qk_norm_rope(c, Operands::kFp8XWt, p, r, q_gamma, k_gamma, qk, pos, rope_table, qkv,
+                       qk_pre, stream);
+}
+
 PartialLayout fp8_rmsnorm_backward_partials_layout(int64_t m, int64_t hidden, int64_t n_out) {
   return checked_layout("coda::ops::fp8_rmsnorm_backward_partials_layout",
                         Program::kRmsnormBackwardFp8, Operands::kFp8XWt, {m, hidden, n_out});

@@ -209,6 +209,10 @@ void residual_rmsnorm_partial(Args& c, Operands o, kernel::GemmProblem p, View r
 //   F3: qkv = rope(r ⊙ (A·B) + bias).
 void rmsnorm_rope(Args& c, Operands o, kernel::GemmProblem p, View r, View bias, View pos,
                   View rope_table, View qkv, cudaStream_t stream);
+//   F3q: qkv = rope(qk_norm(r ⊙ (A·B))) on the Q and K heads, qk_pre their columns before it.
+void rmsnorm_qk_norm_rope(Args& c, Operands o, kernel::GemmProblem p, View r, View q_gamma,
+                          View k_gamma, const programs::QkNorm& qk, View pos, View rope_table,
+                          View qkv, View qk_pre, cudaStream_t stream);
 // B1's epilogue operands and output, (M, H): x, r, γ, ZdZ, dres, dx.
 void rmsnorm_backward_inputs(Args& c, View x, View r, View gamma, View zdz, View dres, View dx,
                              int64_t m, int64_t hidden);

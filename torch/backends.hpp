@@ -92,6 +92,13 @@ class TorchTensors {
     return fp8::rmsnorm_rope(h.codes, h.scales, w.codes, w.scales, r, bias, pos, rope_table,
                              act_dtype());
   }
+  std::tuple<Tensor, Tensor> fp8_rmsnorm_qk_norm_rope(const Fp8& h, const Fp8& w, const Tensor& r,
+                                                      const Tensor& q_gamma, const Tensor& k_gamma,
+                                                      const programs::QkNorm& qk, const Tensor& pos,
+                                                      const Tensor& rope_table) const {
+    return fp8::rmsnorm_qk_norm_rope(h.codes, h.scales, w.codes, w.scales, r, q_gamma, k_gamma, qk,
+                                     pos, rope_table, act_dtype());
+  }
   // B1 from dz's rows and Wᵀ's codes (w.codes_t): dx, h_out's copy (codes_t, scales_t), the dγ
   // partials.
   static std::tuple<Tensor, Fp8, Tensor> fp8_rmsnorm_backward(const Fp8& dz, const Fp8& w,

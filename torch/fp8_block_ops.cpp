@@ -160,6 +160,28 @@ Tensor fp8_norm_qkv(const Tensor& x, const Tensor& gamma, const Tensor& w_qkv,
       x, [&](auto& b) { return block::fp8_norm_qkv(b, hq, r, w, b_qkv, pos, rope_table); });
 }
 
+// norm_qkv_qk_norm's FP8 counterpart (Qwen3): F3q on FP8 operands; qk_pre for the backward.
+std::tuple<Tensor, Tensor> fp8_norm_qkv_qk_norm(
+    const Tensor& x, const Tensor& gamma, const Tensor& w_qkv, const Tensor& w_codes,
+    const Tensor& w_scales, const Tensor& w_codes_t, const Tensor& w_scales_t, const Tensor& h,
+    const Tensor& h_scales, const Tensor& r, const Tensor& pos, const Tensor& rope_table,
+    const Tensor& q_gamma, const Tensor& k_gamma, int64_t n_heads, int64_t n_kv_heads, double eps) {
+  const auto c = OpContext::from("coda::fp8_norm_qkv_qk_norm", "x", x);
+  const auto s = validate_norm_qkv_qk_norm(c, x, gamma, w_qkv, nullptr, r, pos, rope_table, q_gamma,
+                                           k_gamma, n_heads, n_kv_heads, eps);
+  check_positions(c, pos);
+  const Fp8 w{w_codes, w_scales, w_codes_t, w_scales_t};
+  check_fp8_weight(c, "w", "the QKV width (w_qkv.size(0))", w_qkv, w, true);
+  const Fp8 hq{h, h_scales, {}, {}};
+  check_fp8_act(c, "h", hq, s.proj.m, s.proj.hidden, true, false);
+  fp8_width(c, "H (x.size(1))", s.proj.hidden);
+  return on_backend(x, [&](auto& b) {
+    const auto o =
+        block::fp8_norm_qkv_qk_norm(b, hq, r, w, q_gamma, k_gamma, s.qk, pos, rope_table);
+    return std::make_tuple(o.qkv, o.qk_pre);
+  });
+}
+
 // ---- backward ops ---------------------------------------------------------------------------
 
 std::tuple<Tensor, Tensor> fp8_linear_backward(const Tensor& dout, const Tensor& input_t,
@@ -228,6 +250,25 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_norm_qkv_backward(
   });
 }
 
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fp8_norm_qkv_qk_norm_backward(
+    const Tensor& dqkv, const Tensor& qkv, const Tensor& qk_pre, const Tensor& x,
+    const Tensor& gamma, const Tensor& w_qkv, const Tensor& w_codes_t, const Tensor& w_scales_t,
+    const Tensor& r, const Tensor& pos, const Tensor& rope_table, const Tensor& q_gamma,
+    const Tensor& k_gamma, int64_t n_heads, int64_t n_kv_heads, double eps) {
+  const auto c = OpContext::from("coda::fp8_norm_qkv_qk_norm_backward", "x", x);
+  const auto s =
+      validate_norm_qkv_qk_norm_backward(c, dqkv, qkv, qk_pre, x, gamma, w_qkv, r, pos, rope_table,
+                                         q_gamma, k_gamma, n_heads, n_kv_heads, eps);
+  check_positions(c, pos);
+  const Fp8 w{{}, {}, w_codes_t, w_scales_t};
+  check_fp8_weight(c, "w", "the QKV width (w_qkv.size(0))", w_qkv, w, false);
+  return on_backend(x, [&](auto& b) {
+    const auto g = block::fp8_norm_qkv_qk_norm_backward(b, dqkv, qkv, qk_pre, x, gamma, w, q_gamma,
+                                                        k_gamma, s.qk, r, pos, rope_table);
+    return std::make_tuple(g.dx, g.dgamma, g.dw, g.dq_gamma, g.dk_gamma);
+  });
+}
+
 // ---- Meta kernels ---------------------------------------------------------------------------
 
 at::ScalarType stat_of(const Tensor& act) {
@@ -270,6 +311,23 @@ Tensor fp8_norm_qkv_meta(const Tensor& x, const Tensor&, const Tensor& w_qkv, co
                          const Tensor&, const Tensor&, const Tensor&,
                          const std::optional<Tensor>&) {
   return at::empty({x.size(0), w_qkv.size(0)}, x.options());
+}
+std::tuple<Tensor, Tensor> fp8_norm_qkv_qk_norm_meta(const Tensor& x, const Tensor&,
+                                                     const Tensor& w_qkv, const Tensor&,
+                                                     const Tensor&, const Tensor&, const Tensor&,
+                                                     const Tensor&, const Tensor&, const Tensor&,
+                                                     const Tensor&, const Tensor&,
+                                                     const Tensor& q_gamma, const Tensor&,
+                                                     int64_t n_heads, int64_t n_kv_heads, double) {
+  const int64_t m = x.size(0), normed = (n_heads + n_kv_heads) * q_gamma.size(0);
+  return {at::empty({m, w_qkv.size(0)}, x.options()), at::empty({m, normed}, x.options())};
+}
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fp8_norm_qkv_qk_norm_backward_meta(
+    const Tensor&, const Tensor&, const Tensor&, const Tensor& x, const Tensor& gamma,
+    const Tensor& w_qkv, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+    const Tensor& q_gamma, const Tensor& k_gamma, int64_t, int64_t, double) {
+  return {at::empty_like(x), at::empty_like(gamma), at::empty_like(w_qkv), at::empty_like(q_gamma),
+          at::empty_like(k_gamma)};
 }
 std::tuple<Tensor, Tensor> fp8_linear_backward_meta(const Tensor& dout, const Tensor&,
                                                     const Tensor&, const Tensor& weight,
@@ -424,6 +482,46 @@ class Fp8NormQkv : public torch::autograd::Function<Fp8NormQkv> {
   }
 };
 
+class Fp8NormQkvQkNorm : public torch::autograd::Function<Fp8NormQkvQkNorm> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& gamma,
+                               const Tensor& w_qkv, const Tensor& wc, const Tensor& ws,
+                               const Tensor& wct, const Tensor& wst, const Tensor& h,
+                               const Tensor& hs, const Tensor& r, const Tensor& pos,
+                               const Tensor& table, const Tensor& q_gamma, const Tensor& k_gamma,
+                               int64_t n_heads, int64_t n_kv_heads, double eps) {
+    ctx->set_materialize_grads(false);
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static const auto f = op<decltype(fp8_norm_qkv_qk_norm)>("coda::fp8_norm_qkv_qk_norm");
+    auto [qkv, qk_pre] = f.call(x, gamma, w_qkv, wc, ws, wct, wst, h, hs, r, pos, table, q_gamma,
+                                k_gamma, n_heads, n_kv_heads, eps);
+    ctx->mark_non_differentiable({qk_pre});
+    ctx->save_for_backward(
+        {qkv, qk_pre, x, gamma, w_qkv, wct, wst, r, pos, table, q_gamma, k_gamma});
+    ctx->saved_data["n_heads"] = n_heads;
+    ctx->saved_data["n_kv_heads"] = n_kv_heads;
+    ctx->saved_data["eps"] = eps;
+    return {qkv, qk_pre};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    variable_list out(17);
+    if (!g[0].defined()) return out;
+    const auto s = ctx->get_saved_variables();
+    static const auto b =
+        op<decltype(fp8_norm_qkv_qk_norm_backward)>("coda::fp8_norm_qkv_qk_norm_backward");
+    auto [dx, dgamma, dw, dqg, dkg] =
+        b.call(g[0].contiguous(), s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], s[9], s[10],
+               s[11], ctx->saved_data["n_heads"].toInt(), ctx->saved_data["n_kv_heads"].toInt(),
+               ctx->saved_data["eps"].toDouble());
+    out[0] = dx;
+    out[1] = dgamma;
+    out[2] = dw;
+    out[12] = dqg;
+    out[13] = dkg;
+    return out;
+  }
+};
+
 namespace names {
 inline constexpr char out_proj[] = "coda::fp8_out_proj_residual_norm";
 inline constexpr char mlp[] = "coda::fp8_mlp";
@@ -431,6 +529,8 @@ inline constexpr char norm_qkv[] = "coda::fp8_norm_qkv";
 inline constexpr char linear_backward[] = "coda::fp8_linear_backward";
 inline constexpr char mlp_backward[] = "coda::fp8_mlp_backward";
 inline constexpr char norm_qkv_backward[] = "coda::fp8_norm_qkv_backward";
+inline constexpr char norm_qkv_qk_norm[] = "coda::fp8_norm_qkv_qk_norm";
+inline constexpr char norm_qkv_qk_norm_backward[] = "coda::fp8_norm_qkv_qk_norm_backward";
 }  // namespace names
 
 void register_kernels(torch::Library& m) {
@@ -440,6 +540,9 @@ void register_kernels(torch::Library& m) {
   m.impl("fp8_linear_backward", CODA_GUARDED(names::linear_backward, fp8_linear_backward));
   m.impl("fp8_mlp_backward", CODA_GUARDED(names::mlp_backward, fp8_mlp_backward));
   m.impl("fp8_norm_qkv_backward", CODA_GUARDED(names::norm_qkv_backward, fp8_norm_qkv_backward));
+  m.impl("fp8_norm_qkv_qk_norm", CODA_GUARDED(names::norm_qkv_qk_norm, fp8_norm_qkv_qk_norm));
+  m.impl("fp8_norm_qkv_qk_norm_backward",
+         CODA_GUARDED(names::norm_qkv_qk_norm_backward, fp8_norm_qkv_qk_norm_backward));
 }
 
 }  // namespace
@@ -467,6 +570,13 @@ TORCH_LIBRARY_FRAGMENT(coda, m) {
       "fp8_norm_qkv(Tensor x, Tensor gamma, Tensor w_qkv, Tensor w_codes, Tensor w_scales, "
       "Tensor w_codes_t, Tensor w_scales_t, Tensor h, Tensor h_scales, Tensor r, Tensor pos, "
       "Tensor rope_table, Tensor? b_qkv=None) -> Tensor");
+  // With QK-norm (Qwen3), as norm_qkv_qk_norm: qk_pre (the Q and K columns before their norm)
+  // is for the backward.
+  m.def(
+      "fp8_norm_qkv_qk_norm(Tensor x, Tensor gamma, Tensor w_qkv, Tensor w_codes, "
+      "Tensor w_scales, Tensor w_codes_t, Tensor w_scales_t, Tensor h, Tensor h_scales, Tensor r, "
+      "Tensor pos, Tensor rope_table, Tensor q_gamma, Tensor k_gamma, int n_heads, "
+      "int n_kv_heads, float eps) -> (Tensor qkv, Tensor qk_pre)");
   // Backward: the incoming gradient cast once; the weights' transposed codes; the copies kept
   // (fp8_mlp_backward without a's: made from z).
   m.def(
@@ -477,6 +587,12 @@ TORCH_LIBRARY_FRAGMENT(coda, m) {
       "Tensor gu_scales_t, Tensor w_down, Tensor dn_codes_t, Tensor dn_scales_t, Tensor r, "
       "Tensor z, Tensor? a_t, Tensor? a_t_scales) -> (Tensor dx, Tensor dgamma, Tensor dw_gu, "
       "Tensor dw_down)");
+  m.def(
+      "fp8_norm_qkv_qk_norm_backward(Tensor dqkv, Tensor qkv, Tensor qk_pre, Tensor x, "
+      "Tensor gamma, Tensor w_qkv, Tensor w_codes_t, Tensor w_scales_t, Tensor r, Tensor pos, "
+      "Tensor rope_table, Tensor q_gamma, Tensor k_gamma, int n_heads, int n_kv_heads, "
+      "float eps) -> (Tensor dx, Tensor dgamma, Tensor dw_qkv, Tensor dq_gamma, "
+      "Tensor dk_gamma)");
   m.def(
       "fp8_norm_qkv_backward(Tensor dqkv, Tensor qkv, Tensor x, Tensor gamma, Tensor w_qkv, "
       "Tensor w_codes_t, Tensor w_scales_t, Tensor r, Tensor pos, Tensor rope_table, "
@@ -495,11 +611,24 @@ TORCH_LIBRARY_IMPL(coda, Meta, m) {
   m.impl("fp8_linear_backward", &fp8_linear_backward_meta);
   m.impl("fp8_mlp_backward", &fp8_mlp_backward_meta);
   m.impl("fp8_norm_qkv_backward", &fp8_norm_qkv_backward_meta);
+  m.impl("fp8_norm_qkv_qk_norm", &fp8_norm_qkv_qk_norm_meta);
+  m.impl("fp8_norm_qkv_qk_norm_backward", &fp8_norm_qkv_qk_norm_backward_meta);
 }
 
 TORCH_LIBRARY_IMPL(coda, Autograd, m) {
-  for (const char* name : {"fp8_linear_backward", "fp8_mlp_backward", "fp8_norm_qkv_backward"})
+  for (const char* name : {"fp8_linear_backward", "fp8_mlp_backward", "fp8_norm_qkv_backward",
+                           "fp8_norm_qkv_qk_norm_backward"})
     m.impl(name, torch::autograd::autogradNotImplementedFallback());
+  m.impl(
+      "fp8_norm_qkv_qk_norm",
+      [](const Tensor& x, const Tensor& gamma, const Tensor& w_qkv, const Tensor& wc,
+         const Tensor& ws, const Tensor& wct, const Tensor& wst, const Tensor& h, const Tensor& hs,
+         const Tensor& r, const Tensor& pos, const Tensor& table, const Tensor& q_gamma,
+         const Tensor& k_gamma, int64_t n_heads, int64_t n_kv_heads, double eps) {
+        auto o = Fp8NormQkvQkNorm::apply(x, gamma, w_qkv, wc, ws, wct, wst, h, hs, r, pos, table,
+                                         q_gamma, k_gamma, n_heads, n_kv_heads, eps);
+        return std::make_tuple(o[0], o[1]);
+      });
   // copies=False (the caller computes no gradient: coda.nn passes torch.is_grad_enabled()):
   // below autograd without the transposed copies, the weight gradients' operands only; refused
   // where a gradient would be recorded.

@@ -682,6 +682,47 @@ Tensor fp8_gemm_rmsnorm_rope(const Tensor& h, const Tensor& h_scales, const Tens
 #endif
 }
 
+// F3q over FP8 operands: (qkv (M, N), qk_pre (M, qk.normed_width())) in `act`, as
+// gemm_rmsnorm_qk_norm_rope's (the QK-norm per Q and K head before RoPE; qk_pre their columns
+// before it), from h's 1x128 and w_qkv's 128x128 codes.
+std::tuple<Tensor, Tensor> fp8_gemm_rmsnorm_qk_norm_rope(
+    const Tensor& h, const Tensor& h_scales, const Tensor& w, const Tensor& w_scales,
+    const Tensor& r, const Tensor& q_gamma, const Tensor& k_gamma, const programs::QkNorm& qk,
+    const Tensor& pos, const Tensor& rope_table, at::ScalarType act) {
+  const char* op = "coda::fp8_gemm_rmsnorm_qk_norm_rope";
+  const auto [m, n, k] =
+      check_pair(op, "h", h, "h_scales", h_scales, w, w_scales, true, "w_qkv", "w_qkv_scales");
+  check_statistic(op, "r", r, m, h);
+  const int64_t normed = qk.normed_width();
+  if (h.is_cpu()) {
+    std::vector<int32_t> p(static_cast<size_t>(m));
+    const Tensor pc = pos.to(at::kInt).contiguous();
+    std::copy(pc.data_ptr<int32_t>(), pc.data_ptr<int32_t>() + m, p.begin());
+    std::vector<programs::RopeFrequency> freq(static_cast<size_t>(n));
+    const Tensor tc = rope_table.contiguous();
+    const auto* words = reinterpret_cast<const uint32_t*>(tc.data_ptr<int32_t>());
+    for (int64_t j = 0; j < n; ++j) freq[j] = {words[j], words[n + j]};
+    const auto f = reference::fp8_rmsnorm_qk_norm_rope<double>(
+        read_operand(h, h_scales, false), read_operand(w, w_scales, true), to_doubles(r),
+        to_doubles(q_gamma), to_doubles(k_gamma), qk, p, freq);
+    return {from_doubles(f.qkv, m, n).to(act), from_doubles(f.qk_pre, m, normed).to(act)};
+  }
+#if CODA_TORCH_CUDA
+  const c10::cuda::CUDAGuard guard(h.device());
+  const Tensor qkv = at::empty({m, n}, h.options().dtype(at::kBFloat16));
+  const Tensor qk_pre = at::empty({m, normed}, h.options().dtype(at::kBFloat16));
+  ops::gemm_fp8_rmsnorm_qk_norm_rope(
+      codes_view(h), scales_view(h_scales), codes_view(w), scales_view(w_scales),
+      vector_view(r, DType::kF32), vector_view(q_gamma, DType::kBF16),
+      vector_view(k_gamma, DType::kBF16), qk, vector_view(pos, DType::kI32),
+      view(rope_table, DType::kI32), view(qkv, DType::kBF16), view(qk_pre, DType::kBF16),
+      stream_of(h));
+  return {qkv, qk_pre};
+#else
+  TORCH_CHECK(false, op, ": this build has no CUDA kernels");
+#endif
+}
+
 // Benchmarks' kernel sweeps: kernel::set_kernel_overrides (CODA_KERNEL_OVERRIDE's syntax).
 void set_kernel_overrides(c10::string_view spec) {
 #if CODA_TORCH_CUDA
@@ -783,6 +824,15 @@ Tensor rmsnorm_rope(const Tensor& h, const Tensor& h_scales, const Tensor& w_qkv
                     const Tensor& w_qkv_scales, const Tensor& r, const Tensor& b_qkv,
                     const Tensor& pos, const Tensor& rope_table, at::ScalarType act) {
   return fp8_gemm_rmsnorm_rope(h, h_scales, w_qkv, w_qkv_scales, r, b_qkv, pos, rope_table, act);
+}
+std::tuple<Tensor, Tensor> rmsnorm_qk_norm_rope(const Tensor& h, const Tensor& h_scales,
+                                                const Tensor& w_qkv, const Tensor& w_qkv_scales,
+                                                const Tensor& r, const Tensor& q_gamma,
+                                                const Tensor& k_gamma, const programs::QkNorm& qk,
+                                                const Tensor& pos, const Tensor& rope_table,
+                                                at::ScalarType act) {
+  return fp8_gemm_rmsnorm_qk_norm_rope(h, h_scales, w_qkv, w_qkv_scales, r, q_gamma, k_gamma, qk,
+                                       pos, rope_table, act);
 }
 Fp8B1 rmsnorm_backward(const Tensor& dz, const Tensor& dz_scales, const Tensor& w_t,
                        const Tensor& w_t_scales, const Tensor& x, const Tensor& r,

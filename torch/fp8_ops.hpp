@@ -9,6 +9,8 @@
 
 #include <tuple>
 
+#include "coda/programs/forward.hpp"
+
 namespace coda::torch_ext::fp8 {
 
 using at::Tensor;
@@ -45,6 +47,13 @@ Fp8F2 rmsnorm_swiglu(const Tensor& h, const Tensor& h_scales, const Tensor& w_gu
 Tensor rmsnorm_rope(const Tensor& h, const Tensor& h_scales, const Tensor& w_qkv,
                     const Tensor& w_qkv_scales, const Tensor& r, const Tensor& b_qkv,
                     const Tensor& pos, const Tensor& rope_table, at::ScalarType act);
+// F3q: (qkv, qk_pre) in `act`.
+std::tuple<Tensor, Tensor> rmsnorm_qk_norm_rope(const Tensor& h, const Tensor& h_scales,
+                                                const Tensor& w_qkv, const Tensor& w_qkv_scales,
+                                                const Tensor& r, const Tensor& q_gamma,
+                                                const Tensor& k_gamma, const programs::QkNorm& qk,
+                                                const Tensor& pos, const Tensor& rope_table,
+                                                at::ScalarType act);
 // B1: (dx, h_out's transposed copy: codes, scales; dγ partials), h_out = x·r·γ.
 Fp8B1 rmsnorm_backward(const Tensor& dz, const Tensor& dz_scales, const Tensor& w_t,
                        const Tensor& w_t_scales, const Tensor& x, const Tensor& r,

@@ -191,6 +191,11 @@ void gemm_fp8_rmsnorm_swiglu(View h, View h_scales, View w_gu, View w_gu_scales,
 // rope(r ⊙ (h · w_qkvᵀ) + bias, pos, freq), the arguments as gemm_rmsnorm_rope's.
 void gemm_fp8_rmsnorm_rope(View h, View h_scales, View w_qkv, View w_qkv_scales, View r, View bias,
                            View pos, View rope_table, View qkv, cudaStream_t stream);
+// F3q over FP8 operands (as gemm_fp8_rmsnorm_rope's): qkv and qk_pre as gemm_rmsnorm_qk_norm_rope
+// writes them.
+void gemm_fp8_rmsnorm_qk_norm_rope(View h, View h_scales, View w_qkv, View w_qkv_scales, View r,
+                                   View q_gamma, View k_gamma, const programs::QkNorm& qk, View pos,
+                                   View rope_table, View qkv, View qk_pre, cudaStream_t stream);
 // B1 over FP8 operands: g = dz · W from dz (M, K) in 1x128 blocks and w_t = Wᵀ's codes (H, K) in
 // 128x128 blocks (quantize_fp8_blocks' codes_t of W (K, H)); dx = dres + r·(g·γ − x·r·ZdZ) in
 // bf16 (may alias dres; dres null: no residual gradient); h_out = x·r·γ, the GEMM's normalized

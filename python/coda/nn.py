@@ -158,7 +158,8 @@ def decoder_layer_fp8(c: LlamaConfig, x: Tensor, h: tuple[Tensor, Tensor], r: Te
                       gamma: Tensor, weights: Mapping[str, tuple[Tensor, Sequence[Tensor]]],
                       gamma_ffn: Tensor, pos: Tensor, rope_table: Tensor, gamma_next: Tensor,
                       batch: int, attention: Attention, last: bool, b_qkv: Tensor | None = None,
-                      recompute_a: bool = False
+                      recompute_a: bool = False, q_gamma: Tensor | None = None,
+                      k_gamma: Tensor | None = None
                       ) -> tuple[Tensor, tuple[Tensor, Tensor] | Tensor, Tensor]:
     """One decoder layer in blockwise FP8 (docs/math.md §6): ``x (M, H)`` with its norm's caches,
     ``h`` in 1x128 blocks (codes, scales: ``fp8_quantize_rows(h)[:2]``) and ``r`` -> ``(x, h, r)``
@@ -167,12 +168,17 @@ def decoder_layer_fp8(c: LlamaConfig, x: Tensor, h: tuple[Tensor, Tensor], r: Te
     FP8_PROJECTIONS to ``(weight, its FP8 operands)``: the weight in coda's layout (what the
     gradient is for) and ``fp8_quantize_blocks(weight, True, True)`` of it, e.g. from an
     Fp8WeightCache. ``recompute_a``: the backward makes the down-projection's weight-gradient
-    operand (a's transposed copy) from z instead of keeping F2's (fp8_mlp)."""
+    operand (a's transposed copy) from z instead of keeping F2's (fp8_mlp). ``q_gamma, k_gamma``:
+    the QK-norm weights (with ``c.qk_norm``), as decoder_layer takes them."""
     coda = torch.ops.coda
     (w_qkv, q_qkv), (w_o, q_o), (w_gu, q_gu), (w_down, q_down) = (
         weights[n] for n in FP8_PROJECTIONS)
     copies = torch.is_grad_enabled()  # the weight gradients' operands: none without a backward
-    qkv = coda.fp8_norm_qkv(x, gamma, w_qkv, *q_qkv, *h, r, pos, rope_table, b_qkv)
+    if c.qk_norm:
+        qkv, _ = coda.fp8_norm_qkv_qk_norm(x, gamma, w_qkv, *q_qkv, *h, r, pos, rope_table, q_gamma,
+                                           k_gamma, c.num_heads, c.num_kv_heads, c.rms_norm_eps)
+    else:
+        qkv = coda.fp8_norm_qkv(x, gamma, w_qkv, *q_qkv, *h, r, pos, rope_table, b_qkv)
     y = _attention(c, qkv, batch, attention)
     x1, h1, h1s, r1, _, _ = coda.fp8_out_proj_residual_norm(y, w_o, *q_o, x, gamma_ffn,
                                                             c.rms_norm_eps, copies)
@@ -185,9 +191,6 @@ def decoder_layer_fp8(c: LlamaConfig, x: Tensor, h: tuple[Tensor, Tensor], r: Te
 def _check_precision(config: LlamaConfig, precision: str) -> None:
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    if precision == "fp8" and config.qk_norm:
-        raise NotImplementedError("precision='fp8' has no QK-norm (Qwen3) program yet: use "
-                                  "precision='bf16'")
     if precision == "fp8":
         c = config
         for what, width in (("hidden_size", c.hidden_size),
@@ -348,7 +351,8 @@ class CodaDecoderLayer(nn.Module):
                        for n in FP8_PROJECTIONS}
             return decoder_layer_fp8(self.config, x, h, r, gamma, weights, self.gamma_ffn, pos,
                                      rope_table, gamma_next, batch, attention, last, self.b_qkv,
-                                     self.fp8_recompute_a)
+                                     self.fp8_recompute_a, q_gamma=self.q_gamma,
+                                     k_gamma=self.k_gamma)
         return decoder_layer(self.config, x, h, r, gamma, self.w_qkv, self.w_o, self.gamma_ffn,
                              self.w_gu, self.w_down, pos, rope_table, gamma_next, batch, attention,
                              self.b_qkv, self.q_gamma, self.k_gamma)

@@ -151,6 +151,60 @@ TEST_F(GpuKernelTest, Fp8RmsnormRopeMatchesTheRecipe) {
       }
 }
 
+// F3q (QK-norm, Qwen3) on FP8 operands: head_dim 128, 64, 32 and 8, GQA, N = 320 leaves a
+// 64-column last tile; qkv and qk_pre against the program on the dequantized operands.
+TEST_F(GpuKernelTest, Fp8RmsnormQkNormRopeMatchesTheRecipe) {
+  testing::Rng rng(25);
+  const programs::QkvLayout layouts[] = {{4, 2, 128}, {3, 1, 64}, {2, 2, 32}, {6, 3, 8}};
+  for (const auto& ql : layouts)
+    for (int m : {1, 130, 4097}) {
+      const Shape s{m, ql.width(), 272};
+      if (skip_large(s)) continue;
+      const programs::QkNorm qk{ql, 1e-6};
+      const int d = ql.head_dim, normed = int(qk.normed_width());
+      const auto qh = quantized(wide_values(s.m, s.k, rng), s.m, s.k, 1);
+      const auto qw = quantized(wide_values(s.n, s.k, rng), s.n, s.k, 128);
+      const std::vector<double> r = testing::bf16_uniform(size_t(s.m), 0.3, 3, rng),
+                                qg = testing::bf16_uniform(size_t(d), 0.5, 1.5, rng),
+                                kg = testing::bf16_uniform(size_t(d), 0.5, 1.5, rng);
+      std::vector<int32_t> pos(size_t(s.m));
+      for (int32_t& p : pos) p = int32_t(rng.integer(0, 1 << 17));
+      const auto table = programs::rope_column_table(ql, programs::rope_inv_freq(d, 1000000.0, {}));
+      std::vector<uint32_t> hi, lo;
+      ops::split_rope_table(table, hi, lo);
+      const Fp8Operand dh = upload_rows(qh), dw = upload_blocks(qw);
+      DeviceBuffer<float> dr(std::vector<float>(r.begin(), r.end()));
+      auto dqg = upload_bf16(qg), dkg = upload_bf16(kg);
+      DeviceBuffer<int32_t> dpos(pos);
+      DeviceBuffer<uint32_t> dhi(hi), dlo(lo);
+      DeviceBuffer<bf16> qkv(size_t(s.m) * s.n), pre(size_t(s.m) * normed);
+      qkv.poison();
+      pre.poison();
+      RmsnormQkNormRopeArgs args;
+      args.r = dr.get();
+      args.q_gamma = dqg.get();
+      args.k_gamma = dkg.get();
+      args.pos = dpos.get();
+      args.freq_hi = dhi.get();
+      args.freq_lo = dlo.get();
+      args.qkv = qkv.get();
+      args.ld_qkv = s.n;
+      args.qk_pre = pre.get();
+      args.ld_qk_pre = normed;
+      args.head_dim = d;
+      args.q_width = ql.q_width();
+      args.normed_width = normed;
+      args.eps = float(qk.eps);
+      GemmProblem p = fp8_problem(s, dh, dw);  // no D: the node stores qkv and qk_pre
+      p.ldd = s.n;
+      run<Program::kRmsnormQkNormRope>(kConfig, p, args, Operands::kFp8XWt);
+      const auto want =
+          reference::fp8_rmsnorm_qk_norm_rope<double>(qh, qw, r, qg, kg, qk, pos, table);
+      expect_close("qkv " + at(s) + " d=" + std::to_string(d), download_bf16(qkv), want.qkv);
+      expect_close("qk_pre " + at(s) + " d=" + std::to_string(d), download_bf16(pre), want.qk_pre);
+    }
+}
+
 // B1 on FP8 operands with h_out's transposed copy quantized: {M, H, K}, K the consumer's width
 // (dz's columns). One shape accumulates in place (dx aliases dres); one runs without dres (C is
 // the poisoned dx and must not be read).

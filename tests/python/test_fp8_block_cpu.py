@@ -242,6 +242,53 @@ def test_fp8_block_chain_matches_the_recipe(shape, bias):
         close(g, want_grads[name], f"d {name}")
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fp8_norm_qkv_qk_norm_matches_the_recipe(shape):
+    """F3q on FP8 operands (Qwen3's QK-norm in the QKV GEMM's epilogue) and its backward (B3q,
+    the cast of its output, B1 on W's transposed blocks with h_out's copy), against the recipe
+    unfused in fp64: u = r ⊙ (h · Wᵀ) from the dequantized codes, the head norms and RoPE by
+    autograd; qkv, qk_pre and the gradients of x, γ, W, q_gamma and k_gamma."""
+    p, up, pos, (hq, hkv, d) = chain_inputs(shape, False, seed=11)
+    inv_freq, table = rope_inputs(hq, hkv, d)
+    g = torch.Generator().manual_seed(12)
+    x, gamma, w = p["x0"], p["gamma_attn"], p["w_qkv"]
+    q_gamma, k_gamma = (1 + 0.3 * torch.randn(d, generator=g, dtype=F64) for _ in range(2))
+    hidden, qk_cols = x.shape[1], (hq + hkv) * d
+    r = torch.rsqrt((x * x).mean(1) + EPS)
+    h_codes, h_scales = CODA.fp8_quantize_rows(x * gamma)[:2]
+    leaves = [t.clone().requires_grad_() for t in (x, gamma, w, q_gamma, k_gamma)]
+    qkv, qk_pre = CODA.fp8_norm_qkv_qk_norm(
+        leaves[0], leaves[1], leaves[2], *weight_cache(w), h_codes, h_scales, r, pos, table,
+        leaves[3], leaves[4], hq, hkv, EPS)
+    got = torch.autograd.grad(qkv, leaves, up["dqkv"])
+
+    # The recipe: u from the casts, then the head norms and RoPE (autograd gives B3q's dpre).
+    h, w_deq = cast(x * gamma, what="h"), cast(w, 128, "w", guard=False).deq
+    u = (r[:, None] * (h.deq @ w_deq.t())).requires_grad_()
+    qg, kg = q_gamma.clone().requires_grad_(), k_gamma.clone().requires_grad_()
+    m = x.shape[0]
+
+    def head_norm(t, heads, weight):
+        t = t.reshape(m, heads, d)
+        return (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + EPS) * weight).flatten(1)
+
+    normed = torch.cat((head_norm(u[:, :hq * d], hq, qg), head_norm(u[:, hq * d:qk_cols], hkv, kg),
+                        u[:, qk_cols:]), dim=1)
+    want_qkv = ref_rope(normed, pos, inv_freq, hq, hkv, d)
+    close(qkv.detach(), want_qkv.detach(), "qkv")
+    close(qk_pre, u.detach()[:, :qk_cols], "qk_pre")
+    dpre, dqg, dkg = torch.autograd.grad(want_qkv, (u, qg, kg), up["dqkv"])
+    # B1 over dpre's cast: dx = r·(g·γ − x·r·ZdZ), ZdZ = Σ u·dpre / H; dW from the copies.
+    zdz = (u.detach() * dpre).sum(1)[:, None] / hidden
+    dq, dqt = cast(dpre, what="dpre"), cast(dpre.t(), what="dpreᵀ")
+    gr, n = dq.deq @ w_deq, x * r[:, None]
+    hout = cast((n * gamma).t(), what="h_outᵀ")
+    want = dict(x=r[:, None] * (gr * gamma - n * zdz), gamma=(gr * n).sum(0),
+                w=dqt.deq @ hout.deq.t(), q_gamma=dqg, k_gamma=dkg)
+    for (name, want_g), got_g in zip(want.items(), got):
+        close(got_g, want_g, f"d {name}")
+
+
 def test_fp8_mlp_act_h_out_keeps_h_in_the_activation_dtype():
     """The last layer's MLP (act_h_out): x_out, r_out, z, a's copy and every gradient as without
     it; h_out = x_out ⊙ γ_next unquantized, h_out_scales empty."""
@@ -306,8 +353,8 @@ def rel_err(got, want):
 U = 2.0**-3 / math.sqrt(12) * math.sqrt(0.75 / (2 * math.log(2)))  # 0.0265, see below
 
 
-@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
-def test_fp8_model_loss_and_gradients_within_the_recipe_error(bias):
+@pytest.mark.parametrize("variant", ["", "bias", "qk_norm"])
+def test_fp8_model_loss_and_gradients_within_the_recipe_error(variant):
     """Loss and every parameter gradient of the FP8 model against the same model's bf16 path, both
     fp64, so the difference is the quantization alone. Its size, per gradient (Frobenius-relative):
     one e4m3 rounding is off by at most 2^-4 relative, by U = 2^-3/sqrt(12)·sqrt(E[1/m²]) = 0.0265
@@ -321,7 +368,7 @@ def test_fp8_model_loss_and_gradients_within_the_recipe_error(bias):
     really are rounded: err >= err_w / 2 (measured >= 0.99 err_w). The loss: the logits (~0.16 at
     this init) are off by a few %, which a mean over 44 tokens shrinks to ~1e-3 of 4.6: bound 5e-3
     relative (measured at most 5e-4)."""
-    ref, fp8, wq = tiny_models(qkv_bias=bias)
+    ref, fp8, wq = tiny_models(qkv_bias=variant == "bias", qk_norm=variant == "qk_norm")
     ids, labels = tiny_batch()
     losses = []
     for model in (ref, fp8, wq):
@@ -350,8 +397,6 @@ def test_fp8_precision_is_not_in_the_state_dict():
     CodaLlamaForCausalLM(fp8.config, dtype=F64, precision="bf16").load_state_dict(b)
     with pytest.raises(ValueError, match="precision must be one of"):
         CodaLlamaForCausalLM(fp8.config, precision="fp16")
-    with pytest.raises(NotImplementedError, match="precision='fp8' has no QK-norm"):
-        CodaLlamaForCausalLM(LlamaConfig(**TINY, qk_norm=True), precision="fp8")
     # extents that are not whole 16-byte rows of codes: refused at construction, named
     for field, value, what in (("hidden_size", 72, "hidden_size"),
                                ("intermediate_size", 104, "intermediate_size"),
@@ -548,6 +593,11 @@ def opcheck_cases():
         # a's copy made in the backward (fp8_mlp_backward without a_t)
         "mlp_recompute_a": (CODA.fp8_mlp.default, mlp_args(case) + [False, True, True]),
         "norm_qkv": (CODA.fp8_norm_qkv.default, qkv_args(case)),
+        # QK-norm (M19: 4 Q and 2 K/V heads of 16)
+        "norm_qkv_qk_norm": (CODA.fp8_norm_qkv_qk_norm.default,
+                             qkv_args(case)[:-1] + [rg(1 + 0.1 * torch.arange(16, dtype=F64)),
+                                                    rg(1 - 0.1 * torch.arange(16, dtype=F64)),
+                                                    4, 2, EPS]),
     }
 
 
@@ -556,7 +606,8 @@ def e4m3_as_bytes(outs):
     return tuple(o.view(torch.uint8) if o.dtype == E4M3 else o for o in outs)
 
 
-@pytest.mark.parametrize("name", ["out_proj", "mlp", "mlp_recompute_a", "norm_qkv"])
+@pytest.mark.parametrize("name", ["out_proj", "mlp", "mlp_recompute_a", "norm_qkv",
+                                  "norm_qkv_qk_norm"])
 def test_opcheck_fp8_block_ops(name):
     """torch.library.opcheck's autograd-registration and fake-tensor checks (float64, with the
     differentiable inputs requiring grad). Its other two cannot take e4m3 tensors on the CPU
@@ -569,7 +620,7 @@ def test_opcheck_fp8_block_ops(name):
     op, args = opcheck_cases()[name]
     utils = ("test_autograd_registration", "test_faketensor")
     torch.library.opcheck(op, args, test_utils=utils + ("test_aot_dispatch_dynamic",) * (
-        name == "norm_qkv"))  # its one output is float64
+        name.startswith("norm_qkv")))  # their outputs are float64
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     before = [t.detach().clone() for t in tensors]
     outs = e4m3_as_bytes(op(*args))
@@ -591,7 +642,7 @@ def test_opcheck_fp8_block_ops(name):
                              fullgraph=True, dynamic=True)
     (eager, d_eager), (traced, d_traced) = grads(lambda *a: e4m3_as_bytes(op(*a))), grads(compiled)
     # out-proj's γ and the MLP's γ_next are not differentiable (their consumer differentiates).
-    assert sum(d is None for d in d_eager) == (name != "norm_qkv")
+    assert sum(d is None for d in d_eager) == (not name.startswith("norm_qkv"))
     for a, b in zip(eager + d_eager, traced + d_traced):
         assert (a is None and b is None) or torch.equal(a, b)
 

@@ -291,10 +291,10 @@ TINY = dict(vocab_size=1000, hidden_size=256, intermediate_size=512, num_layers=
             num_kv_heads=2, head_dim=32)
 
 
-def tiny_state(seed=0):
+def tiny_state(seed=0, **config):
     """Weights as bf16 values (fp64 tensors): the default init, norm weights away from 1."""
     torch.manual_seed(seed)
-    ref = CodaLlamaForCausalLM(LlamaConfig(**TINY), dtype=F64)
+    ref = CodaLlamaForCausalLM(LlamaConfig(**TINY, **config), dtype=F64)
     with torch.no_grad():
         for n, t in ref.named_parameters():
             if "gamma" in n:
@@ -303,8 +303,8 @@ def tiny_state(seed=0):
     return ref.state_dict()
 
 
-def model(precision, state, dtype=BF16, device="cuda"):
-    out = CodaLlamaForCausalLM(LlamaConfig(**TINY), device=device, dtype=dtype,
+def model(precision, state, dtype=BF16, device="cuda", **config):
+    out = CodaLlamaForCausalLM(LlamaConfig(**TINY, **config), device=device, dtype=dtype,
                                precision=precision)
     out.load_state_dict(state)
     return out
@@ -318,7 +318,8 @@ def tiny_batch(seed=0, batch=2, seq=64):
     return ids, labels
 
 
-def test_fp8_model_on_cuda_matches_the_cpu_fp8_model():
+@pytest.mark.parametrize("config", [{}, {"qk_norm": True}], ids=["", "qk_norm"])
+def test_fp8_model_on_cuda_matches_the_cpu_fp8_model(config):
     """Loss and every gradient of the bf16 FP8 model on CUDA against the fp64 FP8 model on the CPU
     (the same weights). The two runs round their casts apart (see the module docstring): once a
     cast's inputs differ, its codes are an independent rounding, so the difference is at most
@@ -326,11 +327,12 @@ def test_fp8_model_on_cuda_matches_the_cpu_fp8_model():
     model, both fp64; 6-12% per gradient here). Measured on the CPU with the weights moved by
     2^-9 (bf16's rounding) instead: 0.8-1.07 err_q. Bound: 2·err_q, plus 0.03 for bf16 itself
     (activations and the LM head in bf16). The loss: 2·its err_q + 5e-3."""
-    state = tiny_state()
+    state = tiny_state(**config)
     ids, labels = tiny_batch()
     runs = {}
-    for name, m in (("gpu", model("fp8", state)), ("cpu", model("fp8", state, F64, "cpu")),
-                    ("ref", model("bf16", state, F64, "cpu"))):
+    for name, m in (("gpu", model("fp8", state, **config)),
+                    ("cpu", model("fp8", state, F64, "cpu", **config)),
+                    ("ref", model("bf16", state, F64, "cpu", **config))):
         dev = "cuda" if name == "gpu" else "cpu"
         loss = m(ids.to(dev), labels.to(dev))
         loss.backward()
@@ -341,8 +343,9 @@ def test_fp8_model_on_cuda_matches_the_cpu_fp8_model():
     for name, p in got.items():
         err_q = ((cpu8[name].grad - ref[name].grad).norm() / ref[name].grad.norm()).item()
         # err_q comes from the CPU FP8 path, itself under test: capped so that a regression there
-        # cannot widen this bound (0.065-0.115 over these gradients at this seed).
-        assert err_q <= 0.15, (name, err_q)
+        # cannot widen this bound (0.065-0.115 over these gradients at this seed; with QK-norm
+        # 0.083-0.26, the largest the head norms' weights', measured on the CPU).
+        assert err_q <= (0.3 if config else 0.15), (name, err_q)
         normwise(p.grad, cpu8[name].grad, 2 * err_q + 0.03, f"d {name} (err_q {err_q:.3g})")
 
 

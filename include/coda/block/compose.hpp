@@ -202,6 +202,7 @@ struct InputGrads {  // gradients of a norm consumer: its input, the norm weight
 template <class B>
 struct RopeGrad {  // B3's pre-RoPE gradient and its ZdZ; the bias gradient, their column sum
   T<B> dpre{}, zdz{}, dbias{};
+  T<B> dq_gamma{}, dk_gamma{};  // B3q's: the QK-norm weights' gradients
 };
 
 // B3, and db_qkv = Σ_tokens of its output when there is a bias: the first half of norm_qkv's
@@ -233,6 +234,23 @@ InputGrads<B> norm_qkv_backward(B& b, const T<B>& dqkv, const T<B>& qkv, const T
   return {dx, b.param_like(g.dgamma, gamma), weight_grad(b, d.dpre, g.h_out), {}, d.dbias};
 }
 
+// B3q (RoPE and QK-norm backward), its ZdZ and the QK-norm weights' gradients: the first half of
+// norm_qkv_qk_norm's backward in either precision.
+template <class B>
+RopeGrad<B> qkv_qk_norm_rope_backward(B& b, const T<B>& dqkv, const T<B>& qkv, const T<B>& qk_pre,
+                                      const T<B>& q_gamma, const T<B>& k_gamma,
+                                      const programs::QkNorm& qk, int64_t hidden, const auto& pos,
+                                      const auto& rope_table) {
+  const int64_t m = b.rows(qkv), d = qk.layout.head_dim;
+  RopeGrad<B> o{b.act(m, b.cols(qkv)), b.stat(m)};
+  T<B> dqg = b.stat(d), dkg = b.stat(d);
+  b.qk_norm_rope_backward(qk_pre, qkv, dqkv, q_gamma, k_gamma, qk, pos, rope_table, hidden, o.dpre,
+                          o.zdz, dqg, dkg);
+  o.dq_gamma = b.param_like(dqg, q_gamma);
+  o.dk_gamma = b.param_like(dkg, k_gamma);
+  return o;
+}
+
 // B3 with QK-norm → B1 (+ dW_qkv, dγ_q, dγ_k): the backward of norm_qkv_qk_norm. dx excludes the
 // residual stream's own gradient.
 template <class B>
@@ -241,15 +259,14 @@ InputGrads<B> norm_qkv_qk_norm_backward(B& b, const T<B>& dqkv, const T<B>& qkv,
                                         const T<B>& q_gamma, const T<B>& k_gamma,
                                         const programs::QkNorm& qk, const T<B>& r, const auto& pos,
                                         const auto& rope_table) {
-  const int64_t m = b.rows(x), hidden = b.cols(x), d = qk.layout.head_dim;
-  T<B> dpre = b.act(m, b.cols(qkv)), zdz = b.stat(m), dqg = b.stat(d), dkg = b.stat(d);
-  b.qk_norm_rope_backward(qk_pre, qkv, dqkv, q_gamma, k_gamma, qk, pos, rope_table, hidden, dpre,
-                          zdz, dqg, dkg);
+  const int64_t m = b.rows(x), hidden = b.cols(x);
+  const RopeGrad<B> d = qkv_qk_norm_rope_backward(b, dqkv, qkv, qk_pre, q_gamma, k_gamma, qk,
+                                                  hidden, pos, rope_table);
   T<B> dx = b.act(m, hidden);  // B1 writes it: no dres (autograd adds the residual's gradient)
-  NormGrad<B> g = rmsnorm_backward(b, dpre, w_qkv, x, r, gamma, zdz, T<B>{}, dx);
-  InputGrads<B> o{dx, b.param_like(g.dgamma, gamma), weight_grad(b, dpre, g.h_out), {}, {}};
-  o.dq_gamma = b.param_like(dqg, q_gamma);
-  o.dk_gamma = b.param_like(dkg, k_gamma);
+  NormGrad<B> g = rmsnorm_backward(b, d.dpre, w_qkv, x, r, gamma, d.zdz, T<B>{}, dx);
+  InputGrads<B> o{dx, b.param_like(g.dgamma, gamma), weight_grad(b, d.dpre, g.h_out), {}, {}};
+  o.dq_gamma = d.dq_gamma;
+  o.dk_gamma = d.dk_gamma;
   return o;
 }
 

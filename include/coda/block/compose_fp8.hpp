@@ -20,6 +20,8 @@
 //   fp8_rmsnorm_swiglu(h, w, r, copy) -> (z, a)                             F2, a's rows and
 //                                                                           (copy) its copy
 //   fp8_rmsnorm_rope(h, w, r, bias, pos, rope_table) -> qkv                 F3
+//   fp8_rmsnorm_qk_norm_rope(h, w, r, q_gamma, k_gamma, qk, pos, rope_table) -> (qkv, qk_pre)
+//                                                                           F3q
 //   fp8_rmsnorm_backward(dz, w, x, r, gamma, zdz, dres) -> (dx, h_out, partials)   B1 (Wᵀ's
 //                                                                      codes), h_out's copy
 //   fp8_swiglu_copy(z) -> Fp8                 a = silu(g)·u of z, rounded, as its copy (only
@@ -111,6 +113,18 @@ T<B> fp8_norm_qkv(B& b, const Fp8<B>& h, const T<B>& r, const Fp8<B>& w_qkv, con
   return b.fp8_rmsnorm_rope(h, w_qkv, r, b_qkv, pos, rope_table);
 }
 
+// F3q on FP8 operands: qkv = rope(qk_norm(r ⊙ (h · W_qkvᵀ))) on the Q and K heads, and qk_pre
+// (norm_qkv_qk_norm's, from h's rows and W_qkv's codes).
+template <class B>
+QkNormQkv<B> fp8_norm_qkv_qk_norm(B& b, const Fp8<B>& h, const T<B>& r, const Fp8<B>& w_qkv,
+                                  const T<B>& q_gamma, const T<B>& k_gamma,
+                                  const programs::QkNorm& qk, const auto& pos,
+                                  const auto& rope_table) {
+  auto [qkv, qk_pre] =
+      b.fp8_rmsnorm_qk_norm_rope(h, w_qkv, r, q_gamma, k_gamma, qk, pos, rope_table);
+  return {qkv, qk_pre};
+}
+
 // ---- backward -------------------------------------------------------------------------------
 
 // B1 + dγ fold on FP8 operands: dx = dres + r·(g·γ − x·r·ZdZ), g = dz · W from dz's rows and
@@ -164,6 +178,25 @@ InputGrads<B> fp8_norm_qkv_backward(B& b, const T<B>& dqkv, const T<B>& qkv, con
   // No dres: autograd adds the residual stream's own gradient.
   InputGrads<B> g = fp8_rmsnorm_backward(b, dp, w_qkv, x, r, gamma, d.zdz, T<B>{});
   g.dbias = d.dbias;
+  return g;
+}
+
+// B3q → cast → B1 (+ dW_qkv, dγ_q, dγ_k): fp8_norm_qkv_qk_norm's backward (B3q in the activation
+// dtype, as in bf16). dx excludes the residual stream's own gradient.
+template <class B>
+InputGrads<B> fp8_norm_qkv_qk_norm_backward(B& b, const T<B>& dqkv, const T<B>& qkv,
+                                            const T<B>& qk_pre, const T<B>& x, const T<B>& gamma,
+                                            const Fp8<B>& w_qkv, const T<B>& q_gamma,
+                                            const T<B>& k_gamma, const programs::QkNorm& qk,
+                                            const T<B>& r, const auto& pos,
+                                            const auto& rope_table) {
+  const RopeGrad<B> d = qkv_qk_norm_rope_backward(b, dqkv, qkv, qk_pre, q_gamma, k_gamma, qk,
+                                                  b.cols(x), pos, rope_table);
+  const Fp8<B> dp = b.fp8_cast(d.dpre, true, true);
+  // No dres: autograd adds the residual stream's own gradient.
+  InputGrads<B> g = fp8_rmsnorm_backward(b, dp, w_qkv, x, r, gamma, d.zdz, T<B>{});
+  g.dq_gamma = d.dq_gamma;
+  g.dk_gamma = d.dk_gamma;
   return g;
 }
 

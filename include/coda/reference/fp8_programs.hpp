@@ -3,6 +3,7 @@
 // reference/fp8.hpp, the oracle of the quantizing GPU programs (kernel/fusions/*_fp8.cuh). Kept
 // apart from fp8.hpp, whose recipe CUDA translation units include too.
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -106,6 +107,40 @@ std::vector<Real> fp8_rmsnorm_rope(const BlockQuantized& h, const BlockQuantized
   p.qkv = {qkv.data(), m, n, n};
   execute_fp8<Real>(h, w_qkv, p);
   return qkv;
+}
+
+// F3q over FP8 operands (Program::kRmsnormQkNormRope on Operands::kFp8XWt), in Real: qkv =
+// rope(qk_norm(r ⊙ (h · w_qkvᵀ))) on the Q and K heads and qk_pre, their columns before the norm
+// (programs::RmsnormQkNormRope, each head inside one epilogue subtile, as on the device).
+template <class Real>
+struct Fp8RmsnormQkNormRope {
+  std::vector<Real> qkv, qk_pre;
+};
+template <class Real>
+Fp8RmsnormQkNormRope<Real> fp8_rmsnorm_qk_norm_rope(
+    const BlockQuantized& h, const BlockQuantized& w_qkv, const std::vector<Real>& r,
+    const std::vector<Real>& q_gamma, const std::vector<Real>& k_gamma, const programs::QkNorm& qk,
+    const std::vector<int32_t>& pos, const std::vector<programs::RopeFrequency>& freq) {
+  const int64_t m = h.rows, n = w_qkv.rows, normed = qk.normed_width();
+  const int d = qk.layout.head_dim;
+  Fp8RmsnormQkNormRope<Real> out{std::vector<Real>(size_t(m * n)),
+                                 std::vector<Real>(size_t(m * normed))};
+  programs::RmsnormQkNormRope<Real> p;
+  p.r = {r.data(), int64_t(r.size())};
+  p.q_gamma = {q_gamma.data(), int64_t(q_gamma.size())};
+  p.k_gamma = {k_gamma.data(), int64_t(k_gamma.size())};
+  p.qk = qk;
+  p.pos = {pos.data(), int64_t(pos.size())};
+  p.freq = {freq.data(), int64_t(freq.size())};
+  p.qkv = {out.qkv.data(), m, n, n};
+  p.qk_pre = {out.qk_pre.data(), m, normed, normed};
+  TileConfig cfg = fp8_tiles();
+  cfg.tile_n = d * std::max(1, cfg.tile_n / d);
+  cfg.subtile_n = d;
+  const std::vector<double> dh = h.dequantized(), dw = w_qkv.dequantized();
+  execute<Real>(MatrixRef<double>::row_major(dh.data(), h.rows, h.cols),
+                MatrixRef<double>::row_major(dw.data(), w_qkv.rows, w_qkv.cols), p, cfg);
+  return out;
 }
 
 // B1 over FP8 operands (Program::kRmsnormBackwardFp8), in Real: g = dz · W from dz (M, K) and

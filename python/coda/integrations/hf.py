@@ -139,8 +139,8 @@ def patch_hf(model: nn.Module, precision: str = "bf16", fp8_recompute_a: bool = 
     (docs/math.md §6), as ``CodaLlamaForCausalLM(config, precision="fp8")`` does: the packed
     weights are quantized when their HF parameters change (once per optimizer step), kept
     outside the model's state; the embedding, norms, LM head and the parameters keep their dtype.
-    Every extent must be a multiple of 16 (ValueError naming it otherwise); Qwen3's QK-norm has
-    no FP8 program (NotImplementedError). ``fp8_recompute_a``: as
+    Every extent must be a multiple of 16 (ValueError naming it otherwise); Qwen3's QK-norm runs
+    in the QKV GEMM's epilogue as in bf16. ``fp8_recompute_a``: as
     ``CodaLlamaForCausalLM.fp8_recompute_a`` (a's weight-gradient copy made from z in the
     backward: about I bytes less kept per token and layer). Patching a patched model again sets
     both."""
@@ -440,15 +440,15 @@ def _layer(c, dtype, layer, gamma_next, pos, table, batch, attention, rebuilt, f
              if c.qkv_bias else None)
     gamma, gamma_ffn = (w(cast, layer.input_layernorm.weight),
                         w(cast, layer.post_attention_layernorm.weight))
+    head_norm = functools.partial(_head_norm, c, dtype)
+    q_gamma = w(head_norm, a.q_norm.weight) if c.qk_norm else None
+    k_gamma = w(head_norm, a.k_norm.weight) if c.qk_norm else None
     if fp8_cache is not None:
         fp8 = {n: (weights[n], fp8_cache.get(n, weights[n], spec[n][1])) for n in FP8_PROJECTIONS}
         x, h, r = decoder_layer_fp8(c, x, tuple(h), r, gamma, fp8, gamma_ffn, pos, table,
                                     w(cast, gamma_next), batch, attention, last, b_qkv,
-                                    recompute_a)
+                                    recompute_a, q_gamma=q_gamma, k_gamma=k_gamma)
         return (x, r, h) if last else (x, r, *h)
-    head_norm = functools.partial(_head_norm, c, dtype)
-    q_gamma = w(head_norm, a.q_norm.weight) if c.qk_norm else None
-    k_gamma = w(head_norm, a.k_norm.weight) if c.qk_norm else None
     x, h, r = decoder_layer(
         c, x, h[0], r, gamma, weights["w_qkv"], weights["w_o"], gamma_ffn, weights["w_gu"],
         weights["w_down"], pos, table, w(cast, gamma_next), batch, attention, b_qkv, q_gamma,
