@@ -180,21 +180,9 @@ TEST_F(GpuKernelTest, Fp8RmsnormQkNormRopeMatchesTheRecipe) {
       DeviceBuffer<bf16> qkv(size_t(s.m) * s.n), pre(size_t(s.m) * normed);
       qkv.poison();
       pre.poison();
-      RmsnormQkNormRopeArgs args;
-      args.r = dr.get();
-      args.q_gamma = dqg.get();
-      args.k_gamma = dkg.get();
-      args.pos = dpos.get();
-      args.freq_hi = dhi.get();
-      args.freq_lo = dlo.get();
-      args.qkv = qkv.get();
-      args.ld_qkv = s.n;
-      args.qk_pre = pre.get();
-      args.ld_qk_pre = normed;
-      args.head_dim = d;
-      args.q_width = ql.q_width();
-      args.normed_width = normed;
-      args.eps = float(qk.eps);
+      const RmsnormQkNormRopeArgs args =
+          qk_norm_rope_args(qk, dr.get(), dqg.get(), dkg.get(), dpos.get(), dhi.get(), dlo.get(),
+                            qkv.get(), pre.get());
       GemmProblem p = fp8_problem(s, dh, dw);  // no D: the node stores qkv and qk_pre
       p.ldd = s.n;
       run<Program::kRmsnormQkNormRope>(kConfig, p, args, Operands::kFp8XWt);

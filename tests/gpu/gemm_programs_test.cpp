@@ -385,21 +385,9 @@ TEST_F(GpuKernelTest, RmsnormQkNormRopeMatchesReference) {
         DeviceBuffer<bf16> dq(mn), dpre(mp);
         dq.poison();
         dpre.poison();
-        RmsnormQkNormRopeArgs args;
-        args.r = dr.get();
-        args.q_gamma = dqg.get();
-        args.k_gamma = dkg.get();
-        args.pos = dpos.get();
-        args.freq_hi = dhi.get();
-        args.freq_lo = dlo.get();
-        args.qkv = dq.get();
-        args.ld_qkv = s.n;
-        args.qk_pre = dpre.get();
-        args.ld_qk_pre = normed;
-        args.head_dim = d;
-        args.q_width = ql.q_width();
-        args.normed_width = normed;
-        args.eps = float(qk.eps);
+        const RmsnormQkNormRopeArgs args =
+            qk_norm_rope_args(qk, dr.get(), dqg.get(), dkg.get(), dpos.get(), dhi.get(), dlo.get(),
+                              dq.get(), dpre.get());
         run<Program::kRmsnormQkNormRope>(
             c, {s.m, s.n, s.k, dh.get(), s.k, dw.get(), s.k, nullptr, 0, nullptr, s.n}, args);
 

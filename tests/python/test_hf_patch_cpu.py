@@ -165,17 +165,24 @@ def test_the_patched_model_pickles_and_deep_copies(tmp_path):
         assert torch.equal(out.loss.detach(), want)
 
 
-def test_gradient_checkpointing():
-    ref, patched = pair("llama3", seed=4)
-    patched.gradient_checkpointing_enable()
-    patched.train()
-    ref.train()
+def checkpointed(model):
+    """Turns on HF's gradient checkpointing; returns the list each layer's checkpointed call
+    appends to."""
+    model.gradient_checkpointing_enable()
+    model.train()
     calls = []
-    for layer in patched.model.layers:
+    for layer in model.model.layers:
         def counted(*args, checkpoint=layer._gradient_checkpointing_func, **kw):
             calls.append(1)
             return checkpoint(*args, **kw)
         layer._gradient_checkpointing_func = counted
+    return calls
+
+
+def test_gradient_checkpointing():
+    ref, patched = pair("llama3", seed=4)
+    calls = checkpointed(patched)
+    ref.train()
     ids, labels = batch(seed=9)
     expect_same_training_step(ref, patched, input_ids=ids, labels=labels)
     assert len(calls) == len(patched.model.layers), "each layer runs checkpointed"

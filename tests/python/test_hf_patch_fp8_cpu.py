@@ -17,6 +17,7 @@ from coda.integrations import hf as coda_hf
 from coda.integrations import patch_hf, refresh_fp8_weights
 from helpers import assert_rel
 from test_hf_cpu import batch, coda_grads_in_hf_layout, make_hf
+from test_hf_patch_cpu import checkpointed
 
 transformers = pytest.importorskip("transformers")
 
@@ -100,14 +101,7 @@ def test_fp8_gradient_checkpointing():
     hf = make_hf("llama3", seed=6)
     ids, labels = batch(seed=7)
     patched = patch_hf(copy.deepcopy(hf), precision="fp8")
-    patched.gradient_checkpointing_enable()
-    patched.train()
-    calls = []
-    for layer in patched.model.layers:
-        def counted(*args, checkpoint=layer._gradient_checkpointing_func, **kw):
-            calls.append(1)
-            return checkpoint(*args, **kw)
-        layer._gradient_checkpointing_func = counted
+    calls = checkpointed(patched)
     expect_step(step(patched, ids, labels), converted_step(hf, ids, labels, "fp8"), 1e-12,
                 "checkpointed")
     assert len(calls) == len(patched.model.layers), "each layer runs checkpointed"

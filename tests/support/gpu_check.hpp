@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "coda/kernel/args.hpp"
+#include "coda/programs/rope.hpp"
 #include "coda/reference/executor.hpp"
 #include "support/bf16.hpp"
 #include "support/device.hpp"
@@ -47,6 +48,30 @@ inline std::vector<Config> compiled_configs(Program p, Operands o = Operands::kX
   for (int c = 0; c < static_cast<int>(Config::kCount); ++c)
     if (find_kernel(p, static_cast<Config>(c), o)) out.push_back(static_cast<Config>(c));
   return out;
+}
+
+// F3q's launch arguments over device buffers: qkv (M, N) and qk_pre (M, qk.normed_width()),
+// rows packed (the bf16 and FP8 F3q tests).
+inline RmsnormQkNormRopeArgs qk_norm_rope_args(const programs::QkNorm& qk, const float* r,
+                                               const bf16* q_gamma, const bf16* k_gamma,
+                                               const int32_t* pos, const uint32_t* freq_hi,
+                                               const uint32_t* freq_lo, bf16* qkv, bf16* qk_pre) {
+  RmsnormQkNormRopeArgs a;
+  a.r = r;
+  a.q_gamma = q_gamma;
+  a.k_gamma = k_gamma;
+  a.pos = pos;
+  a.freq_hi = freq_hi;
+  a.freq_lo = freq_lo;
+  a.qkv = qkv;
+  a.ld_qkv = qk.layout.width();
+  a.qk_pre = qk_pre;
+  a.normed_width = int(qk.normed_width());
+  a.ld_qk_pre = a.normed_width;
+  a.head_dim = qk.layout.head_dim;
+  a.q_width = qk.layout.q_width();
+  a.eps = float(qk.eps);
+  return a;
 }
 
 inline reference::TileConfig reference_tiles(Config c) {
