@@ -645,6 +645,19 @@ std::tuple<Tensor, Tensor, Tensor> fp8_gemm_residual_rmsnorm_act_h(
 #endif
 }
 
+// The host oracle's RoPE inputs: positions (M) and the column table (N) from a (2, N) int32
+// rope_table of (hi, lo) words.
+std::tuple<std::vector<int32_t>, std::vector<programs::RopeFrequency>> host_rope(
+    const Tensor& pos, const Tensor& rope_table) {
+  const Tensor pc = pos.to(at::kInt).contiguous(), tc = rope_table.contiguous();
+  std::vector<int32_t> p(pc.data_ptr<int32_t>(), pc.data_ptr<int32_t>() + pc.numel());
+  const int64_t n = tc.size(1);
+  std::vector<programs::RopeFrequency> freq(static_cast<size_t>(n));
+  const auto* words = reinterpret_cast<const uint32_t*>(tc.data_ptr<int32_t>());
+  for (int64_t j = 0; j < n; ++j) freq[j] = {words[j], words[n + j]};
+  return {p, freq};
+}
+
 // F3 over FP8 operands: qkv (M, N) = rope(r ⊙ (h · w_qkvᵀ) + b_qkv) in `act`, from h's 1x128 and
 // w_qkv's 128x128 codes; b_qkv undefined for none; pos int32 (M), rope_table (2, N) int32.
 Tensor fp8_gemm_rmsnorm_rope(const Tensor& h, const Tensor& h_scales, const Tensor& w,
@@ -655,13 +668,7 @@ Tensor fp8_gemm_rmsnorm_rope(const Tensor& h, const Tensor& h_scales, const Tens
       check_pair(op, "h", h, "h_scales", h_scales, w, w_scales, true, "w_qkv", "w_qkv_scales");
   check_statistic(op, "r", r, m, h);
   if (h.is_cpu()) {
-    std::vector<int32_t> p(static_cast<size_t>(m));
-    const Tensor pc = pos.to(at::kInt).contiguous();
-    std::copy(pc.data_ptr<int32_t>(), pc.data_ptr<int32_t>() + m, p.begin());
-    std::vector<programs::RopeFrequency> freq(static_cast<size_t>(n));
-    const Tensor tc = rope_table.contiguous();
-    const auto* words = reinterpret_cast<const uint32_t*>(tc.data_ptr<int32_t>());
-    for (int64_t j = 0; j < n; ++j) freq[j] = {words[j], words[n + j]};
+    const auto [p, freq] = host_rope(pos, rope_table);
     const std::vector<double> bias = b_qkv.defined() ? to_doubles(b_qkv) : std::vector<double>{};
     const auto q = reference::fp8_rmsnorm_rope<double>(read_operand(h, h_scales, false),
                                                        read_operand(w, w_scales, true),
@@ -695,13 +702,7 @@ std::tuple<Tensor, Tensor> fp8_gemm_rmsnorm_qk_norm_rope(
   check_statistic(op, "r", r, m, h);
   const int64_t normed = qk.normed_width();
   if (h.is_cpu()) {
-    std::vector<int32_t> p(static_cast<size_t>(m));
-    const Tensor pc = pos.to(at::kInt).contiguous();
-    std::copy(pc.data_ptr<int32_t>(), pc.data_ptr<int32_t>() + m, p.begin());
-    std::vector<programs::RopeFrequency> freq(static_cast<size_t>(n));
-    const Tensor tc = rope_table.contiguous();
-    const auto* words = reinterpret_cast<const uint32_t*>(tc.data_ptr<int32_t>());
-    for (int64_t j = 0; j < n; ++j) freq[j] = {words[j], words[n + j]};
+    const auto [p, freq] = host_rope(pos, rope_table);
     const auto f = reference::fp8_rmsnorm_qk_norm_rope<double>(
         read_operand(h, h_scales, false), read_operand(w, w_scales, true), to_doubles(r),
         to_doubles(q_gamma), to_doubles(k_gamma), qk, p, freq);
