@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import ops
 
@@ -221,11 +223,29 @@ def _quantize_weight(w: Tensor) -> tuple[Tensor, ...]:
         return tuple(torch.ops.coda.fp8_quantize_blocks(w.detach(), True, True))
 
 
+# Optimizer steps per parameter, counted by a global step post-hook: the fused AdamW / Adam / SGD
+# kernels (`fused=True`, TorchTitan's default) update the parameters in place without moving
+# their version counters, so a version counter alone misses those steps (Fp8WeightCache keys on
+# both). Weak keys: an entry goes with its parameter.
+_optimizer_steps = WeakIdKeyDictionary()
+
+
+def _count_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            _optimizer_steps[p] = _optimizer_steps.get(p, 0) + 1
+
+
+register_optimizer_step_post_hook(_count_optimizer_step)
+
+
 class Fp8WeightCache:
     """Each weight's FP8 operands, ``fp8_quantize_blocks(w, True, True)`` (the 128x128 codes and
-    scales of ``w`` and of ``wᵀ``), remade only when the weight changed: its version counter
-    moves with every in-place update (an optimizer step), so a weight is quantized once per
-    step, not once per forward or micro-batch. Not module state (no state_dict entries).
+    scales of ``w`` and of ``wᵀ``), remade only when the weight changed: after a step of any
+    ``torch.optim`` optimizer holding it (counted by a step post-hook: fused optimizer kernels
+    leave the version counter alone) or any other in-place update (its version counter moves),
+    so a weight is quantized once per step, not once per forward or micro-batch. Not module
+    state (no state_dict entries).
     Writes through ``.data`` do not move the version counter: after one, call ``refresh()`` (or
     the model's ``refresh_fp8_weights()``). A captured CUDA graph keeps reading the tensors it was
     captured with, and a replay runs no Python to see a weight change: ``refresh()`` writes the new
@@ -285,7 +305,7 @@ class Fp8WeightCache:
 
     @staticmethod
     def _key(w: Tensor) -> tuple:
-        return (w._version, w.data_ptr(), w.dtype, w.device)
+        return (w._version, _optimizer_steps.get(w, 0), w.data_ptr(), w.dtype, w.device)
 
 
 class CodaDecoderLayer(nn.Module):

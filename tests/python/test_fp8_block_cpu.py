@@ -418,13 +418,23 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_fp8_weight_cache_quantizes_once_per_step():
+# The optimizers a step must be seen from: a per-parameter loop (moves the version counters) and
+# the fused kernels (TorchTitan's default AdamW), which leave the version counters alone.
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.5, foreach=False),
+    "sgd_fused": lambda params: torch.optim.SGD(params, lr=0.5, fused=True),
+    "adamw_fused": lambda params: torch.optim.AdamW(params, lr=0.01, fused=True),
+}
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_fp8_weight_cache_quantizes_once_per_step(optimizer):
     """The projection weights are quantized on the first forward, reused (the same cache entry)
     by later forwards and backwards, and requantized after an optimizer step's in-place update,
-    to the codes of the updated weights."""
+    to the codes of the updated weights, whether or not the step moved the version counters."""
     _, model, _ = tiny_models()
     ids, labels = tiny_batch()
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    opt = OPTIMIZERS[optimizer](model.parameters())
     layer = model.layers[0]
     n_weights = 4 * len(model.layers)
 
