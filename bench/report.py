@@ -442,6 +442,50 @@ def train_parity_table(path):
     return out + [""]
 
 
+E2E_TARGETS = {"llama3.2-1B": 1.15, "llama3-8B": 1.25}  # FP8 coda / the best bf16 peer
+
+
+def e2e_fp8_table(path):
+    """The e2e section's FP8 comparison (bench/suite_e2e.py, FP8_COMPARISON): a whole model's
+    training step per system, with the ratios the FP8 targets are stated in and the training
+    check (suite_report.loss_check); a row that fails the check is marked, its speed no result."""
+    d = json.load(open(path))
+    commands = d.get("commands") or [d.get("command", "?")]
+    out = ["## Whole-model training step in FP8 (e2e)\n",
+           f"Source: `{os.path.relpath(path)}` — commit `{d.get('commit', '?')}`, "
+           f"{d.get('device', '?')}, torch {d.get('torch', '?')}; commands: "
+           + "; ".join(f"`{c}`" for c in commands) + ".\n",
+           "Forward + backward + AdamW(fused) per step, median of the timed steps; peak: "
+           "torch.cuda.max_memory_allocated over them. `vs bf16 peer`: tokens/s over the best "
+           "non-coda bf16 system's (the target for coda's FP8 in brackets); `peak vs coda bf16`: "
+           "GiB over our bf16 path's (target ≤ 0). `loss drop`: the loss drop over the run "
+           "relative to coda bf16's from the same weights and batch; below "
+           f"{sr.LOSS_DROP_FLOOR} the system does not train as the others do (**LAGS**) and its "
+           "time is not a result.\n"]
+    for name, res in d["sections"]["e2e"]["models"].items():
+        sr.loss_check(res)
+        rows = res["rows"]
+        bf16_peers = [r for r in rows if not r["system"].startswith(("coda", "torchao"))]
+        peer = max(bf16_peers, key=lambda r: r["tokens_per_s"], default=None)
+        ours = next((r for r in rows if r["system"] == "coda"), None)
+        s = res["shape"]
+        out += [f"**{name}** ({s['layers']} layers, {s['batch']}×{s['seq']} tokens; best bf16 "
+                f"peer: {peer['system'] if peer else '—'})\n",
+                "| system | ms/step | tokens/s | vs bf16 peer | peak GiB | peak vs coda bf16 | "
+                "loss drop |", "|---|---|---|---|---|---|---|"]
+        for r in rows:
+            vs = f"{r['tokens_per_s'] / peer['tokens_per_s']:.3f}" if peer else "—"
+            if r["system"].startswith("coda_fp8") and name in E2E_TARGETS:
+                vs += f" [{E2E_TARGETS[name]}]"
+            dm = f"{r['peak_gib'] - ours['peak_gib']:+.2f}" if ours else "—"
+            drop = r.get("loss_drop_vs_ref")
+            check = "—" if drop is None else f"{drop:.3f}" + (" **LAGS**" if r["loss_lags"] else "")
+            out.append(f"| {r['system']} | {r['median_step_ms']:.2f} | {r['tokens_per_s']} | {vs} "
+                       f"| {r['peak_gib']:.2f} | {dm} | {check} |")
+        out.append("")
+    return out
+
+
 def fsdp_table(path):
     d = json.load(open(path))
     v = d.get("vs_single", {})
@@ -655,6 +699,7 @@ def main():
                         ("*-fp8-chain.json", fp8_chain_tables),
                         ("*-train-compare.json", train_compare_table),
                         ("*-train-parity.json", train_parity_table),
+                        ("*-fp8-e2e.json", e2e_fp8_table),
                         ("*-fsdp-fsdp.json", fsdp_table)):
         path = latest(a.results, pattern)
         if path:

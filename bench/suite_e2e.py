@@ -28,7 +28,11 @@ and has its first step timed on the wall clock
 (compilation included), then `warmup` more steps and `steps` timed ones (CUDA events; the median
 is the result). Peak memory is torch.cuda.max_memory_allocated over the timed steps, parameters
 and optimizer state included. The first step's loss is recorded: every system starts from the
-same weights and batch, so they must agree to bf16 accuracy.
+same weights and batch, so they must agree to bf16 accuracy. So is the last: each system's loss
+drop over its steps, relative to the bf16 reference's (`coda`, else `hf_eager`), is the row's
+`loss_drop_vs_ref`, and a drop below suite_report.LOSS_DROP_FLOOR of the reference's marks the
+row `loss_lags` (a system that does not learn as the others do, e.g. weights left stale after an
+optimizer step, is not a result).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import sys
 import time
 
 import torch
+from suite_report import loss_check
 
 import coda
 
@@ -218,6 +223,8 @@ def run(progress=print, models=tuple(MODEL_SHAPES), systems=SYSTEMS, warmup=3, s
                 res["absent"][system] = f"{type(ex).__name__}: {ex}"[:400]
                 progress(f"e2e {name} {system}: absent ({res['absent'][system][:160]})")
             save()
+        for line in loss_check(res):
+            progress(line)
         best_peer = max((r for r in res["rows"] if not r["system"].startswith("coda")),
                         key=lambda r: r["tokens_per_s"], default=None)
         if best_peer:

@@ -261,3 +261,31 @@ def test_an_older_days_run_does_not_fill_in(tmp_path):
     (tmp_path / "2026-01-01-run1-sustained.json").write_text(json.dumps(dict(d, rows=later)))
     pairs = report.sustained_rows(report.sustained_files(str(tmp_path)))
     assert list(pairs) == [("llama3-8B", 8192)]
+
+
+def e2e_row(system, tok_s, peak, first, last):
+    return {"system": system, "median_step_ms": 16384 / tok_s * 1e3, "tokens_per_s": tok_s,
+            "peak_gib": peak, "first_loss": first, "last_loss": last}
+
+
+def test_e2e_rows_that_do_not_train_are_marked_and_ratios_use_the_bf16_peers(tmp_path):
+    """A system whose loss drops far less than coda bf16's from the same start is marked LAGS
+    (its speed no result); `vs bf16 peer` divides by the fastest non-coda, non-torchao system."""
+    rows = [e2e_row("coda_fp8", 72000, 25.0, 12.0, 11.9), e2e_row("coda", 63000, 21.0, 12.0, 11.0),
+            e2e_row("torchao_fp8_tensorwise", 70000, 30.0, 12.0, 11.1),
+            e2e_row("liger", 60000, 26.0, 12.0, 11.0)]
+    shape = {"layers": 16, "batch": 4, "seq": 4096}
+    d = {"commit": "abc", "device": "test", "commands": ["synthetic"],
+         "sections": {"e2e": {"models": {"llama3.2-1B": {"shape": shape, "rows": rows}}}}}
+    path = tmp_path / "2026-01-01-fp8-e2e.json"
+    path.write_text(json.dumps(d))
+    table = {line.split(" | ")[0].lstrip("| "): line for line in report.e2e_fp8_table(str(path))
+             if line.startswith("| ") and not line.startswith("| system")}
+    assert "0.100 **LAGS**" in table["coda_fp8"]
+    torchao = table["torchao_fp8_tensorwise"]
+    assert "0.900" in torchao and "LAGS" not in torchao
+    assert "| 1.200 [1.15] |" in table["coda_fp8"]  # 72000 / liger's 60000, not torchao's 70000
+    assert "| +4.00 |" in table["coda_fp8"]  # peak over coda bf16's
+    # without a bf16 reference nothing is marked
+    res = {"rows": [e2e_row("coda_fp8", 1, 1.0, 12.0, 11.9)]}
+    assert sr.loss_check(res) == [] and "loss_drop_vs_ref" not in res["rows"][0]
