@@ -97,7 +97,8 @@ using OutProj = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
 OutProj fp8_out_proj_residual_norm(const Tensor& y, const Tensor& w_o, const Tensor& w_codes,
                                    const Tensor& w_scales, const Tensor& w_codes_t,
                                    const Tensor& w_scales_t, const Tensor& residual,
-                                   const Tensor& gamma, double eps, bool copies) {
+                                   const Tensor& gamma, double eps, bool copies,
+                                   bool recompute_y) {
   const auto c = OpContext::from("coda::fp8_out_proj_residual_norm", "y", y);
   const auto s = validate_out_proj_residual_norm(c, y, w_o, residual, gamma, eps);
   const Fp8 w{w_codes, w_scales, w_codes_t, w_scales_t};
@@ -105,7 +106,8 @@ OutProj fp8_out_proj_residual_norm(const Tensor& y, const Tensor& w_o, const Ten
   fp8_width(c, "K (y.size(1))", s.k);
   fp8_width(c, "H (w_o.size(0))", s.hidden);
   return on_backend(y, [&](auto& b) {
-    const auto o = block::fp8_out_proj_residual_norm(b, y, w, residual, gamma, eps, copies);
+    const auto o =
+        block::fp8_out_proj_residual_norm(b, y, w, residual, gamma, eps, copies && !recompute_y);
     const auto& n = o.out;
     return std::make_tuple(n.x, n.h.codes, n.h.scales, n.r, o.y.codes_t, o.y.scales_t);
   });
@@ -184,9 +186,12 @@ std::tuple<Tensor, Tensor> fp8_norm_qkv_qk_norm(
 
 // ---- backward ops ---------------------------------------------------------------------------
 
-std::tuple<Tensor, Tensor> fp8_linear_backward(const Tensor& dout, const Tensor& input_t,
-                                               const Tensor& input_t_scales, const Tensor& weight,
-                                               const Tensor& w_codes_t, const Tensor& w_scales_t) {
+std::tuple<Tensor, Tensor> fp8_linear_backward(const Tensor& dout,
+                                               const std::optional<Tensor>& input_t,
+                                               const std::optional<Tensor>& input_t_scales,
+                                               const Tensor& weight, const Tensor& w_codes_t,
+                                               const Tensor& w_scales_t,
+                                               const std::optional<Tensor>& input) {
   const auto c = OpContext::from("coda::fp8_linear_backward", "dout", dout);
   c.matrix("dout", dout);
   const int64_t m = dout.size(0), n = dout.size(1);
@@ -198,12 +203,21 @@ std::tuple<Tensor, Tensor> fp8_linear_backward(const Tensor& dout, const Tensor&
   const int64_t k = weight.size(1);
   const Fp8 w{{}, {}, w_codes_t, w_scales_t};
   check_fp8_weight(c, "w", "N (dout.size(1))", weight, w, false);
-  const Fp8 in{{}, {}, input_t, input_t_scales};
-  check_fp8_act(c, "input", in, m, k, false, true);
+  TORCH_CHECK(input_t.has_value() == input_t_scales.has_value() &&
+                  input_t.has_value() != input.has_value(),
+              c.op, ": pass input_t and input_t_scales (the input's transposed copy), or input "
+              "alone (the copy made from it)");
+  Fp8 in;
+  if (input_t) {
+    in = Fp8{{}, {}, *input_t, *input_t_scales};
+    check_fp8_act(c, "input", in, m, k, false, true);
+  } else {
+    c.activation("input", *input, {m, k});
+  }
   fp8_width(c, "N (dout.size(1))", n);
   fp8_width(c, "K (weight.size(1))", k);
   return on_backend(dout, [&](auto& b) {
-    const auto g = block::fp8_linear_backward(b, dout, in, w);
+    const auto g = block::fp8_linear_backward(b, dout, in, w, input.value_or(Tensor()));
     return std::make_tuple(g.dx, g.dw);
   });
 }
@@ -277,10 +291,10 @@ at::ScalarType stat_of(const Tensor& act) {
 
 OutProj fp8_out_proj_residual_norm_meta(const Tensor& y, const Tensor& w_o, const Tensor&,
                                         const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                        const Tensor&, double, bool copies) {
+                                        const Tensor&, double, bool copies, bool recompute_y) {
   const int64_t m = y.size(0), k = y.size(1), hidden = w_o.size(0);
   const fp8::Quantized h = fp8::empty_quantized(y, m, hidden, true, false);
-  const fp8::Quantized y_copy = fp8::empty_quantized(y, m, k, false, copies);
+  const fp8::Quantized y_copy = fp8::empty_quantized(y, m, k, false, copies && !recompute_y);
   return {at::empty({m, hidden}, y.options()),           std::get<0>(h),      std::get<1>(h),
           at::empty({m}, y.options().dtype(stat_of(y))), std::get<2>(y_copy), std::get<3>(y_copy)};
 }
@@ -329,9 +343,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fp8_norm_qkv_qk_norm_backward
   return {at::empty_like(x), at::empty_like(gamma), at::empty_like(w_qkv), at::empty_like(q_gamma),
           at::empty_like(k_gamma)};
 }
-std::tuple<Tensor, Tensor> fp8_linear_backward_meta(const Tensor& dout, const Tensor&,
-                                                    const Tensor&, const Tensor& weight,
-                                                    const Tensor&, const Tensor&) {
+std::tuple<Tensor, Tensor> fp8_linear_backward_meta(const Tensor& dout,
+                                                    const std::optional<Tensor>&,
+                                                    const std::optional<Tensor>&,
+                                                    const Tensor& weight, const Tensor&,
+                                                    const Tensor&, const std::optional<Tensor>&) {
   return {at::empty({dout.size(0), weight.size(1)}, dout.options()), at::empty_like(weight)};
 }
 std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_mlp_backward_meta(
@@ -379,24 +395,28 @@ class Fp8OutProjResidualNorm : public torch::autograd::Function<Fp8OutProjResidu
   static variable_list forward(AutogradContext* ctx, const Tensor& y, const Tensor& w_o,
                                const Tensor& wc, const Tensor& ws, const Tensor& wct,
                                const Tensor& wst, const Tensor& residual, const Tensor& gamma,
-                               double eps) {
+                               double eps, bool recompute_y) {
     ctx->set_materialize_grads(false);
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [x, h, hs, r, yt, yts] =
-        out_proj_op().call(y, w_o, wc, ws, wct, wst, residual, gamma, eps, true);
+        out_proj_op().call(y, w_o, wc, ws, wct, wst, residual, gamma, eps, true, recompute_y);
     ctx->mark_non_differentiable({h, hs, r, yt, yts});  // caches for the consumer, its operands
-    ctx->save_for_backward({yt, yts, w_o, wct, wst});
+    // recompute_y: y itself (the attention's output, which attention's backward keeps anyway)
+    // instead of its transposed copy; the backward makes the copy.
+    ctx->save_for_backward({recompute_y ? y : yt, yts, w_o, wct, wst});
+    ctx->saved_data["recompute_y"] = recompute_y;
     return {x, h, hs, r, yt, yts};
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
-    variable_list out(9);
+    variable_list out(10);
     if (!g[0].defined()) return out;
     const auto s = ctx->get_saved_variables();
-    static auto b =
-        op<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                      const Tensor&, const Tensor&)>("coda::fp8_linear_backward");
+    static const auto b = op<decltype(fp8_linear_backward)>("coda::fp8_linear_backward");
     const Tensor dx = g[0].contiguous();
-    auto [dy, dw] = b.call(dx, s[0], s[1], s[2], s[3], s[4]);
+    // y's copy as the forward made it, or y (recompute_y): the backward op makes the copy.
+    const bool kept = !ctx->saved_data["recompute_y"].toBool();
+    auto [dy, dw] = kept ? b.call(dx, s[0], s[1], s[2], s[3], s[4], std::nullopt)
+                         : b.call(dx, std::nullopt, std::nullopt, s[2], s[3], s[4], s[0]);
     out[0] = dy;
     out[1] = dw;
     out[6] = dx;  // the residual add
@@ -549,15 +569,16 @@ void register_kernels(torch::Library& m) {
 
 TORCH_LIBRARY_FRAGMENT(coda, m) {
   // Forward: as out_proj_residual_norm, mlp and norm_qkv, each weight with its FP8 cache and h in
-  // its 1x128 blocks. out-proj also returns y's transposed copy (its backward's dW_o operand);
+  // its 1x128 blocks. out-proj also returns y's transposed copy (its backward's dW_o operand;
+  // with recompute_y none, empty: the backward makes it from y, which it keeps instead);
   // mlp returns z and a's copy (its backward's operands; with recompute_a no copy, empty: the
   // backward makes it from z); with act_h_out mlp's h_out is the activation-dtype h (the LM
   // head's input) and h_out_scales is empty.
   m.def(
       "fp8_out_proj_residual_norm(Tensor y, Tensor w_o, Tensor w_codes, Tensor w_scales, "
       "Tensor w_codes_t, Tensor w_scales_t, Tensor residual, Tensor gamma, float eps, "
-      "bool copies=True) -> (Tensor x, Tensor h, Tensor h_scales, Tensor r, Tensor y_t, "
-      "Tensor y_t_scales)");
+      "bool copies=True, bool recompute_y=False) -> (Tensor x, Tensor h, Tensor h_scales, "
+      "Tensor r, Tensor y_t, Tensor y_t_scales)");
   m.def(
       "fp8_mlp(Tensor x, Tensor gamma, Tensor w_gu, Tensor gu_codes, Tensor gu_scales, "
       "Tensor gu_codes_t, Tensor gu_scales_t, Tensor w_down, Tensor dn_codes, Tensor dn_scales, "
@@ -580,8 +601,9 @@ TORCH_LIBRARY_FRAGMENT(coda, m) {
   // Backward: the incoming gradient cast once; the weights' transposed codes; the copies kept
   // (fp8_mlp_backward without a's: made from z).
   m.def(
-      "fp8_linear_backward(Tensor dout, Tensor input_t, Tensor input_t_scales, Tensor weight, "
-      "Tensor w_codes_t, Tensor w_scales_t) -> (Tensor dinput, Tensor dweight)");
+      "fp8_linear_backward(Tensor dout, Tensor? input_t, Tensor? input_t_scales, Tensor weight, "
+      "Tensor w_codes_t, Tensor w_scales_t, Tensor? input=None) -> (Tensor dinput, "
+      "Tensor dweight)");
   m.def(
       "fp8_mlp_backward(Tensor dx_out, Tensor x, Tensor gamma, Tensor w_gu, Tensor gu_codes_t, "
       "Tensor gu_scales_t, Tensor w_down, Tensor dn_codes_t, Tensor dn_scales_t, Tensor r, "
@@ -635,13 +657,15 @@ TORCH_LIBRARY_IMPL(coda, Autograd, m) {
   m.impl("fp8_out_proj_residual_norm", [](const Tensor& y, const Tensor& w_o, const Tensor& wc,
                                           const Tensor& ws, const Tensor& wct, const Tensor& wst,
                                           const Tensor& residual, const Tensor& gamma, double eps,
-                                          bool copies) {
+                                          bool copies, bool recompute_y) {
     if (!copies) {
       no_copies_without_grad("coda::fp8_out_proj_residual_norm", {&y, &w_o, &residual, &gamma});
       at::AutoDispatchBelowADInplaceOrView guard;
-      return out_proj_op().call(y, w_o, wc, ws, wct, wst, residual, gamma, eps, false);
+      return out_proj_op().call(y, w_o, wc, ws, wct, wst, residual, gamma, eps, false,
+                                recompute_y);
     }
-    auto o = Fp8OutProjResidualNorm::apply(y, w_o, wc, ws, wct, wst, residual, gamma, eps);
+    auto o =
+        Fp8OutProjResidualNorm::apply(y, w_o, wc, ws, wct, wst, residual, gamma, eps, recompute_y);
     return std::make_tuple(o[0], o[1], o[2], o[3], o[4], o[5]);
   });
   m.impl("fp8_mlp",

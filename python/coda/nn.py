@@ -182,8 +182,11 @@ def decoder_layer_fp8(c: LlamaConfig, x: Tensor, h: tuple[Tensor, Tensor], r: Te
     else:
         qkv = coda.fp8_norm_qkv(x, gamma, w_qkv, *q_qkv, *h, r, pos, rope_table, b_qkv)
     y = _attention(c, qkv, batch, attention)
+    # recompute_y: the out-projection's backward keeps y, which the attention's backward keeps
+    # anyway, and makes y's transposed copy (dW_o's operand) from it: A + A/32 bytes a token less
+    # than keeping the copy, for one more read of y.
     x1, h1, h1s, r1, _, _ = coda.fp8_out_proj_residual_norm(y, w_o, *q_o, x, gamma_ffn,
-                                                            c.rms_norm_eps, copies)
+                                                            c.rms_norm_eps, copies, True)
     x2, h2, h2s, r2, _, _, _ = coda.fp8_mlp(x1, gamma_ffn, w_gu, *q_gu, w_down, *q_down, h1, h1s,
                                             r1, gamma_next, c.rms_norm_eps, last, copies,
                                             recompute_a)

@@ -600,6 +600,9 @@ def opcheck_cases():
     return {
         "out_proj": (CODA.fp8_out_proj_residual_norm.default, out_proj_args(case)),
         "mlp": (CODA.fp8_mlp.default, mlp_args(case)),
+        # y's copy made in the backward, from y
+        "out_proj_recompute_y": (CODA.fp8_out_proj_residual_norm.default,
+                                 out_proj_args(case) + [True, True]),
         # a's copy made in the backward (fp8_mlp_backward without a_t)
         "mlp_recompute_a": (CODA.fp8_mlp.default, mlp_args(case) + [False, True, True]),
         "norm_qkv": (CODA.fp8_norm_qkv.default, qkv_args(case)),
@@ -616,8 +619,8 @@ def e4m3_as_bytes(outs):
     return tuple(o.view(torch.uint8) if o.dtype == E4M3 else o for o in outs)
 
 
-@pytest.mark.parametrize("name", ["out_proj", "mlp", "mlp_recompute_a", "norm_qkv",
-                                  "norm_qkv_qk_norm"])
+@pytest.mark.parametrize("name", ["out_proj", "out_proj_recompute_y", "mlp", "mlp_recompute_a",
+                                  "norm_qkv", "norm_qkv_qk_norm"])
 def test_opcheck_fp8_block_ops(name):
     """torch.library.opcheck's autograd-registration and fake-tensor checks (float64, with the
     differentiable inputs requiring grad). Its other two cannot take e4m3 tensors on the CPU
@@ -786,6 +789,49 @@ def test_recompute_a_trains_as_the_kept_copy_and_keeps_less():
     m, inter = ids.numel(), fp8.config.intermediate_size
     a_copy = inter * ((m + 15) // 16 * 16) + 4 * inter * ((m + 127) // 128)
     assert kept - recomputed == len(fp8.layers) * a_copy, (kept, recomputed)
+
+
+def test_recompute_y_keeps_y_itself_and_trains_as_the_kept_copy():
+    """fp8_out_proj_residual_norm(recompute_y=True) returns no copy of y (every other output the
+    same, byte for byte; the Meta kernel agrees); its backward keeps y itself, the tensor the
+    caller passed (the attention output, which the attention's backward keeps: no bytes of its
+    own), instead of the copy, and makes the copy from it: every gradient equals the kept
+    copy's."""
+    case = small_case()
+    args = out_proj_args(case)
+    kept = CODA.fp8_out_proj_residual_norm(*args)
+    lean = CODA.fp8_out_proj_residual_norm(*args, True, True)
+    assert lean[4].numel() == 0 and lean[5].numel() == 0, "y's copy was written"
+    for a, b in zip(kept[:4], lean[:4]):
+        assert torch.equal(e4m3_as_bytes(a)[0], e4m3_as_bytes(b)[0])
+    meta = CODA.fp8_out_proj_residual_norm(
+        *[a.to("meta") if isinstance(a, torch.Tensor) else a for a in args], True, True)
+    for a, b in zip(meta, lean):
+        assert (a.device.type, a.shape, a.dtype) == ("meta", b.shape, b.dtype)
+    grads, saved = {}, {}
+    for recompute in (False, True):
+        leaves = [a.detach().clone().requires_grad_() if i in (0, 1, 6) else a
+                  for i, a in enumerate(args)]  # x depends on y, w_o and the residual
+        packed = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t,
+                                                      lambda t: t):
+            x = CODA.fp8_out_proj_residual_norm(*leaves, True, recompute)[0]
+        saved[recompute] = (packed, leaves[0])
+        dx = torch.randn(x.shape, dtype=x.dtype, generator=torch.Generator().manual_seed(3))
+        grads[recompute] = torch.autograd.grad(x, [leaves[i] for i in (0, 1, 6)], dx)
+    (lean_saved, y), (kept_saved, _) = saved[True], saved[False]
+    assert any(t.data_ptr() == y.data_ptr() and t.shape == y.shape for t in lean_saved)
+    copy = kept[4]
+    assert not any(t.shape == copy.shape and t.dtype == copy.dtype for t in lean_saved)
+    assert any(t.shape == copy.shape and t.dtype == copy.dtype for t in kept_saved)
+    for a, b in zip(grads[True], grads[False]):
+        assert torch.equal(a, b)
+    dx = torch.ones_like(kept[0])
+    for inputs in ((kept[4], kept[5], args[0]), (None, None, None), (kept[4], None, None)):
+        with pytest.raises(RuntimeError, match=r"pass input_t and input_t_scales \(the input's "
+                                               r"transposed copy\), or input alone"):
+            CODA.fp8_linear_backward(dx, inputs[0], inputs[1], args[1], args[4], args[5],
+                                     inputs[2])
 
 
 def test_fp8_mlp_backward_without_a_makes_its_copy_from_z():

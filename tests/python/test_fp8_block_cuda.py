@@ -498,3 +498,41 @@ def test_hf_model_patched_in_fp8_trains_as_the_converted_fp8_model():
     for n, p in patched.named_parameters():
         assert p.grad is not None and p.grad.dtype == BF16, n
         normwise(p.grad, want_grads[n].double().cpu(), 1e-3, f"d {n}")
+
+
+def test_recompute_y_keeps_no_bytes_of_its_own_behind_the_attention():
+    """The model's out-projection runs with recompute_y: its backward keeps y, and on CUDA y is
+    the storage of the attention's output, which SDPA's backward keeps anyway; so the layer's
+    saved storages (attention and out-projection, counted once each) are less than with the
+    kept copy by exactly the copy's bytes, and the gradients are the kept copy's (the copy is
+    made from the same y)."""
+    c = LlamaConfig(**TINY)
+    batch, seq = 2, 256
+    g = torch.Generator(device="cuda").manual_seed(5)
+    qkv0 = torch.randn(batch * seq, c.qkv_width, device="cuda", dtype=BF16, generator=g)
+    w_o = 0.05 * torch.randn(c.hidden_size, c.num_heads * c.head_dim, device="cuda", dtype=BF16,
+                             generator=g)
+    x0 = torch.randn(batch * seq, c.hidden_size, device="cuda", dtype=BF16, generator=g)
+    gamma = torch.ones(c.hidden_size, device="cuda", dtype=BF16)
+    q_o = coda.nn._quantize_weight(w_o)
+    runs = {}
+    for recompute in (False, True):
+        qkv = qkv0.clone().requires_grad_()
+        storages = {}
+
+        def pack(t):
+            s = t.untyped_storage()
+            storages[s.data_ptr()] = s.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = coda.nn._attention(c, qkv, batch, coda.nn.sdpa_causal)
+            out = torch.ops.coda.fp8_out_proj_residual_norm(y, w_o, *q_o, x0, gamma,
+                                                            c.rms_norm_eps, True, recompute)
+        (dqkv,) = torch.autograd.grad(out[0], [qkv], torch.ones_like(out[0]))
+        runs[recompute] = (sum(storages.values()), out, dqkv)
+    (kept_bytes, kept, dq_kept), (lean_bytes, lean, dq_lean) = runs[False], runs[True]
+    copy_bytes = sum(t.untyped_storage().nbytes() for t in kept[4:6])
+    assert lean[4].numel() == 0 and copy_bytes > 0
+    assert kept_bytes - lean_bytes == copy_bytes, (kept_bytes, lean_bytes, copy_bytes)
+    assert torch.equal(dq_kept, dq_lean)

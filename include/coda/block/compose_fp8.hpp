@@ -142,9 +142,11 @@ InputGrads<B> fp8_rmsnorm_backward(B& b, const Fp8<B>& dz, const Fp8<B>& w, cons
 
 // dy = dout · W, dW = doutᵀ · input: the out-projection's backward, dout cast once for both.
 template <class B>
-InputGrads<B> fp8_linear_backward(B& b, const T<B>& dout, const Fp8<B>& input, const Fp8<B>& w) {
+InputGrads<B> fp8_linear_backward(B& b, const T<B>& dout, const Fp8<B>& input, const Fp8<B>& w,
+                                  const T<B>& input_act = {}) {
   const Fp8<B> d = b.fp8_cast(dout, true, true);
-  return {b.fp8_gemm(d, w.codes_t, w.scales_t), {}, b.fp8_wgrad(d, input), {}};
+  const Fp8<B> in = b.present(input.codes_t) ? input : b.fp8_cast(input_act, false, true);
+  return {b.fp8_gemm(d, w.codes_t, w.scales_t), {}, b.fp8_wgrad(d, in), {}};
 }
 
 // B2 (+ dW_down) → B1 (+ dW_gu): fp8_mlp's backward, dx_out cast once (B2's A, dW_down's B);
