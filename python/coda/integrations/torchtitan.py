@@ -353,8 +353,10 @@ class CodaLlama3TransformerBlock(Llama3TransformerBlock):
             # are the activation-dtype h (`last`), which skips the quantizing epilogue.
             if self._fp8:
                 copies = torch.is_grad_enabled()  # the weight gradients' operands
+                # recompute_y: y is a view of the attention's output, which its backward keeps;
+                # the out-projection's backward makes y's copy from it (decoder_layer_fp8's way)
                 x1, h1, h1s, r1, _, _ = coda.fp8_out_proj_residual_norm(
-                    y, w_o, *q8[1], xm, g_ffn, s.eps_ffn, copies)
+                    y, w_o, *q8[1], xm, g_ffn, s.eps_ffn, copies, True)
                 out = coda.fp8_mlp(x1, g_ffn, w_gu, *q8[2], w_down, *q8[3], h1, h1s, r1, g_ffn,
                                    s.eps_ffn, True, copies, self._recompute_a)[0]
             else:
