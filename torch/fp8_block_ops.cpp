@@ -292,22 +292,26 @@ at::ScalarType stat_of(const Tensor& act) {
 OutProj fp8_out_proj_residual_norm_meta(const Tensor& y, const Tensor& w_o, const Tensor&,
                                         const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                         const Tensor&, double, bool copies, bool recompute_y) {
-  const int64_t m = y.size(0), k = y.size(1), hidden = w_o.size(0);
+  const c10::SymInt m = y.sym_size(0), k = y.sym_size(1), hidden = w_o.sym_size(0);
   const fp8::Quantized h = fp8::empty_quantized(y, m, hidden, true, false);
   const fp8::Quantized y_copy = fp8::empty_quantized(y, m, k, false, copies && !recompute_y);
-  return {at::empty({m, hidden}, y.options()),           std::get<0>(h),      std::get<1>(h),
-          at::empty({m}, y.options().dtype(stat_of(y))), std::get<2>(y_copy), std::get<3>(y_copy)};
+  return {at::empty_symint({m, hidden}, y.options()),
+          std::get<0>(h),
+          std::get<1>(h),
+          at::empty_symint({m}, y.options().dtype(stat_of(y))),
+          std::get<2>(y_copy),
+          std::get<3>(y_copy)};
 }
 MlpOut fp8_mlp_meta(const Tensor& x, const Tensor&, const Tensor& w_gu, const Tensor&,
                     const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                     const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                     const Tensor&, const Tensor&, double, bool act_h_out, bool copies,
                     bool recompute_a) {
-  const int64_t m = x.size(0), hidden = x.size(1), two_i = w_gu.size(0);
+  const c10::SymInt m = x.sym_size(0), hidden = x.sym_size(1), two_i = w_gu.sym_size(0);
   const fp8::Quantized a_copy =
       fp8::empty_quantized(x, m, two_i / 2, false, copies && !recompute_a);
-  const Tensor r = at::empty({m}, x.options().dtype(stat_of(x)));
-  const Tensor z = at::empty({m, two_i}, x.options());
+  const Tensor r = at::empty_symint({m}, x.options().dtype(stat_of(x)));
+  const Tensor z = at::empty_symint({m, two_i}, x.options());
   const Tensor &a_t = std::get<2>(a_copy), &a_t_scales = std::get<3>(a_copy);
   if (act_h_out)
     return {at::empty_like(x),
@@ -324,7 +328,7 @@ Tensor fp8_norm_qkv_meta(const Tensor& x, const Tensor&, const Tensor& w_qkv, co
                          const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                          const Tensor&, const Tensor&, const Tensor&,
                          const std::optional<Tensor>&) {
-  return at::empty({x.size(0), w_qkv.size(0)}, x.options());
+  return at::empty_symint({x.sym_size(0), w_qkv.sym_size(0)}, x.options());
 }
 std::tuple<Tensor, Tensor> fp8_norm_qkv_qk_norm_meta(const Tensor& x, const Tensor&,
                                                      const Tensor& w_qkv, const Tensor&,
@@ -333,8 +337,9 @@ std::tuple<Tensor, Tensor> fp8_norm_qkv_qk_norm_meta(const Tensor& x, const Tens
                                                      const Tensor&, const Tensor&,
                                                      const Tensor& q_gamma, const Tensor&,
                                                      int64_t n_heads, int64_t n_kv_heads, double) {
-  const int64_t m = x.size(0), normed = (n_heads + n_kv_heads) * q_gamma.size(0);
-  return {at::empty({m, w_qkv.size(0)}, x.options()), at::empty({m, normed}, x.options())};
+  const c10::SymInt m = x.sym_size(0), normed = (n_heads + n_kv_heads) * q_gamma.sym_size(0);
+  return {at::empty_symint({m, w_qkv.sym_size(0)}, x.options()),
+          at::empty_symint({m, normed}, x.options())};
 }
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fp8_norm_qkv_qk_norm_backward_meta(
     const Tensor&, const Tensor&, const Tensor&, const Tensor& x, const Tensor& gamma,
@@ -348,7 +353,8 @@ std::tuple<Tensor, Tensor> fp8_linear_backward_meta(const Tensor& dout,
                                                     const std::optional<Tensor>&,
                                                     const Tensor& weight, const Tensor&,
                                                     const Tensor&, const std::optional<Tensor>&) {
-  return {at::empty({dout.size(0), weight.size(1)}, dout.options()), at::empty_like(weight)};
+  return {at::empty_symint({dout.sym_size(0), weight.sym_size(1)}, dout.options()),
+          at::empty_like(weight)};
 }
 std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_mlp_backward_meta(
     const Tensor&, const Tensor& x, const Tensor& gamma, const Tensor& w_gu, const Tensor&,
@@ -440,6 +446,7 @@ class Fp8Mlp : public torch::autograd::Function<Fp8Mlp> {
                       gamma_next, eps, act_h_out, true, recompute_a);
     ctx->mark_non_differentiable({h_out, h_outs, r_out, z, at, ats});
     ctx->save_for_backward({x, gamma, w_gu, guct, gust, w_down, dnct, dnst, r, z, at, ats});
+    ctx->saved_data["recompute_a"] = recompute_a;
     return {x_out, h_out, h_outs, r_out, z, at, ats};
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
@@ -451,7 +458,7 @@ class Fp8Mlp : public torch::autograd::Function<Fp8Mlp> {
         const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
         const std::optional<Tensor>&, const std::optional<Tensor>&)>("coda::fp8_mlp_backward");
     // a's copy, or none (recompute_a: F2 wrote no copy, an empty tensor): made from z.
-    const bool kept = s[10].numel() > 0;
+    const bool kept = !ctx->saved_data["recompute_a"].toBool();
     auto [dx, dgamma, dw_gu, dw_down] =
         b.call(g[0].contiguous(), s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], s[9],
                kept ? std::optional<Tensor>(s[10]) : std::nullopt,

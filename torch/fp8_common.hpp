@@ -59,6 +59,32 @@ inline Tensor scales_with_ld(const Tensor& like, int64_t rows, int64_t cols, int
 }
 inline Tensor none(const Tensor& like) { return at::empty({0}, scale_options(like)); }
 
+// The outputs of a cast of a (rows, cols) tensor, uninitialized, in the layouts above (1x128
+// blocks, or 128x128 with `tiles`; the ones not asked for empty), from sizes that may be
+// symbolic: what the Meta kernels return, so torch.compile's fake tensors trace through the FP8
+// ops at dynamic shapes.
+inline Quantized empty_quantized_sym(const Tensor& like, const c10::SymInt& rows,
+                                     const c10::SymInt& cols, bool want_rows, bool transposed,
+                                     bool tiles = false) {
+  constexpr int64_t b = ScaleLayout::kBlock;
+  const auto blocks_of = [](const c10::SymInt& n) { return (n + (b - 1)) / b; };
+  Tensor codes = none(like), scales = none(like), codes_t = none(like), scales_t = none(like);
+  if (want_rows) {
+    codes = at::empty_symint({rows, cols}, codes_options(like));
+    scales = tiles ? at::empty_symint({blocks_of(rows), blocks_of(cols)}, scale_options(like))
+                   : at::empty_symint({blocks_of(cols), (rows + 3) / 4 * 4}, scale_options(like))
+                         .narrow_symint(1, 0, rows);  // row_scales_ld(rows) wide storage
+  }
+  if (transposed) {
+    codes_t = tiles ? at::empty_symint({cols, rows}, codes_options(like))
+                    : at::empty_symint({cols, (rows + 15) / 16 * 16},  // padded_tokens(rows)
+                                       codes_options(like));
+    scales_t = tiles ? at::empty_symint({blocks_of(cols), blocks_of(rows)}, scale_options(like))
+                     : at::empty_symint({blocks_of(rows), cols}, scale_options(like));
+  }
+  return {codes, scales, codes_t, scales_t};
+}
+
 // ---- the CPU reference: from BlockQuantized to the kernels' layouts and back ----------------
 inline std::vector<float> as_floats(const Tensor& x) {
   const Tensor f = x.to(at::kFloat).contiguous();

@@ -47,7 +47,6 @@ Quantized quantize(const char* op, const Tensor& x, bool rows, bool transposed, 
     scales_t = tiles ? at::empty({blocks(k), blocks(m)}, scale_options(x))
                      : at::empty({blocks(m), k}, scale_options(x));
   }
-  if (x.is_meta()) return {codes, scales, codes_t, scales_t};  // the Meta kernel: shapes only
   if (x.is_cpu()) {
     const std::vector<float> v = as_floats(x);
     if (rows) {
@@ -208,11 +207,36 @@ Tensor gemm_xyt(const Tensor& x, const Tensor& x_scales, const Tensor& y, const 
 }
 }  // namespace fp8
 
+namespace {
 // The casts' Meta kernels (the model's first cast and its weight caches, under torch.compile):
-// the same checks and outputs, no data.
+// the outputs at the input's sizes, symbolic ones too (dynamic shapes); at concrete sizes the
+// CPU and CUDA kernels' checks, at symbolic ones those that need no size's value.
+Quantized quantize_meta(const char* op, const Tensor& x, bool rows, bool transposed, bool tiles) {
+  TORCH_CHECK(x.defined() && x.dim() == 2, op, ": x must be a matrix");
+  if (!x.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
+    check_input(op, "x", x);
+    TORCH_CHECK(!(tiles && transposed) || x.size(0) % 16 == 0, op,
+                ": the transposed copy of a 128x128-blocked tensor needs rows a multiple of 16, "
+                "got ",
+                x.size(0));
+  }
+  const auto t = x.scalar_type();
+  TORCH_CHECK(t == at::kBFloat16 || t == at::kFloat || t == at::kDouble, op,
+              ": x must be bfloat16 (or float32 / float64 on the CPU), got ", t);
+  TORCH_CHECK(rows || transposed, op, ": neither rows nor transposed is asked for");
+  return empty_quantized_sym(x, x.sym_size(0), x.sym_size(1), rows, transposed, tiles);
+}
+Quantized fp8_quantize_rows_meta(const Tensor& x, bool rows, bool transposed) {
+  return quantize_meta("coda::fp8_quantize_rows", x, rows, transposed, false);
+}
+Quantized fp8_quantize_blocks_meta(const Tensor& w, bool rows, bool transposed) {
+  return quantize_meta("coda::fp8_quantize_blocks", w, rows, transposed, true);
+}
+}  // namespace
+
 TORCH_LIBRARY_IMPL(coda, Meta, m) {
-  m.impl("fp8_quantize_rows", &fp8_quantize_rows);
-  m.impl("fp8_quantize_blocks", &fp8_quantize_blocks);
+  m.impl("fp8_quantize_rows", &fp8_quantize_rows_meta);
+  m.impl("fp8_quantize_blocks", &fp8_quantize_blocks_meta);
 }
 
 TORCH_LIBRARY_FRAGMENT(coda, m) {

@@ -21,9 +21,9 @@ using Fp8B1 = std::tuple<Tensor, Tensor, Tensor, Tensor>;
 using Fp8B2 = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
 
 // The uninitialized outputs of a (rows, cols) tensor quantized as quantize_rows writes it, on
-// like's device (Meta included); the ones not wanted empty.
-Quantized empty_quantized(const Tensor& like, int64_t rows, int64_t cols, bool want_rows,
-                          bool transposed);
+// like's device (Meta included; sizes may be symbolic); the ones not wanted empty.
+Quantized empty_quantized(const Tensor& like, const c10::SymInt& rows, const c10::SymInt& cols,
+                          bool want_rows, bool transposed);
 // x (rows, cols) in 1x128 blocks (`rows`) and as its transposed 128x1 copy (`transposed`).
 Quantized quantize_rows(const Tensor& x, bool rows, bool transposed);
 // x (M, K) 1x128 · w (N, K) 128x128 -> (M, N) (bf16 on CUDA, fp64 on the CPU).

@@ -335,7 +335,6 @@ std::tuple<Tensor, Tensor> fp8_swiglu_quantize_t(const Tensor& z) {
               "multiple of 16), got ", z.size(1));
   const int64_t m = z.size(0), inter = z.size(1) / 2;
   RowCast q = row_cast_outputs(z, m, inter, false, true);
-  if (z.is_meta()) return {q.codes_t, q.scales_t};
   if (z.is_cpu()) {
     const std::vector<double> zv = to_doubles(z);
     std::vector<double> a(size_t(m * inter));
@@ -487,10 +486,9 @@ void register_programs(torch::Library& m) {
 
 // The FP8 programs for the block compositions' backends (torch/fp8_ops.hpp).
 namespace fp8 {
-Quantized empty_quantized(const Tensor& like, int64_t rows, int64_t cols, bool want_rows,
-                          bool transposed) {
-  RowCast o = row_cast_outputs(like, rows, cols, want_rows, transposed);
-  return {o.codes, o.scales, o.codes_t, o.scales_t};
+Quantized empty_quantized(const Tensor& like, const c10::SymInt& rows, const c10::SymInt& cols,
+                          bool want_rows, bool transposed) {
+  return empty_quantized_sym(like, rows, cols, want_rows, transposed);
 }
 Fp8F1 residual_rmsnorm(const Tensor& a, const Tensor& a_scales, const Tensor& w,
                        const Tensor& w_scales, const Tensor& residual, const Tensor& gamma,
@@ -536,8 +534,23 @@ Fp8B2 swiglu_backward(const Tensor& dx_out, const Tensor& dx_out_scales, const T
 }
 }  // namespace fp8
 
-// a's recomputed copy inside fp8_mlp's backward, under torch.compile: shapes only.
-TORCH_LIBRARY_IMPL(coda, Meta, m) { m.impl("fp8_swiglu_quantize_t", &fp8_swiglu_quantize_t); }
+namespace {
+// a's recomputed copy inside fp8_mlp's backward, under torch.compile: the outputs at z's sizes,
+// symbolic ones too; at concrete sizes the CPU and CUDA kernels' checks.
+std::tuple<Tensor, Tensor> fp8_swiglu_quantize_t_meta(const Tensor& z) {
+  const char* op = "coda::fp8_swiglu_quantize_t";
+  TORCH_CHECK(z.defined() && z.dim() == 2, op, ": z must be a matrix");
+  if (!z.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
+    check_input(op, "z", z);
+    TORCH_CHECK(z.size(1) % 32 == 0, op, ": z's columns (2I) must be a multiple of 32 (I a ",
+                "multiple of 16), got ", z.size(1));
+  }
+  const auto q = empty_quantized_sym(z, z.sym_size(0), z.sym_size(1) / 2, false, true);
+  return {std::get<2>(q), std::get<3>(q)};
+}
+}  // namespace
+
+TORCH_LIBRARY_IMPL(coda, Meta, m) { m.impl("fp8_swiglu_quantize_t", &fp8_swiglu_quantize_t_meta); }
 
 TORCH_LIBRARY_FRAGMENT(coda, m) {
   m.def(

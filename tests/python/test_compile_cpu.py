@@ -188,3 +188,30 @@ def test_fp8_model_compiled_trains_as_eager(whole):
         assert pair[0] == pair[1], pair
         losses.append(pair[0])
     assert len(set(losses)) == 3, losses  # the steps moved the weights
+
+
+@pytest.mark.parametrize("recompute_a", [False, True], ids=["kept-a", "recompute-a"])
+def test_fp8_model_compiled_at_dynamic_shapes_trains_as_eager(recompute_a):
+    """The FP8 model compiled with dynamic=True runs sequence lengths 24 and 40
+    (its Meta kernels take symbolic sizes, and the backward's branch on a's copy reads the op's
+    flag, not a size) and gives eager's loss and gradients exactly (aot_eager, fp32 on the
+    CPU); without symbolic-size Meta kernels the trace fails on the first call."""
+    cfg = LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=96, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16)
+    torch.manual_seed(0)
+    eager = CodaLlamaForCausalLM(cfg, dtype=torch.float32, precision="fp8")
+    compiled = CodaLlamaForCausalLM(cfg, dtype=torch.float32, precision="fp8")
+    compiled.load_state_dict(eager.state_dict())
+    eager.fp8_recompute_a = compiled.fp8_recompute_a = recompute_a
+    run = torch.compile(compiled, dynamic=True, backend="aot_eager")
+    for seq in (24, 40):
+        gen = torch.Generator().manual_seed(seq)
+        ids = torch.randint(0, cfg.vocab_size, (2, seq), generator=gen)
+        want, got = eager(ids, ids), run(ids, ids)
+        want.backward()
+        got.backward()
+        assert want.item() == got.item(), (seq, want.item(), got.item())
+        for (n, p), q in zip(eager.named_parameters(), compiled.parameters()):
+            assert torch.equal(p.grad, q.grad), f"d {n} at {seq}"
+            p.grad = q.grad = None
+    torch._dynamo.reset()
