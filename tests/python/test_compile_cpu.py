@@ -152,6 +152,17 @@ def test_inductor_never_formats_the_implicit_fallback_message_for_coda_ops(monke
         assert_rel(got[1][n], eager[1][n], 1e-5, f"grad {n}")
 
 
+def fp8_twins():
+    """(config, two FP8 models with the same weights): fp32 on the CPU, tiny."""
+    cfg = LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=96, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16)
+    torch.manual_seed(0)
+    eager = CodaLlamaForCausalLM(cfg, dtype=torch.float32, precision="fp8")
+    compiled = CodaLlamaForCausalLM(cfg, dtype=torch.float32, precision="fp8")
+    compiled.load_state_dict(eager.state_dict())
+    return cfg, eager, compiled
+
+
 @pytest.mark.parametrize("whole", [False, True], ids=["per-block", "fullgraph"])
 def test_fp8_model_compiled_trains_as_eager(whole):
     """precision="fp8" with each decoder layer torch.compile'd (the documented way), or the whole
@@ -159,12 +170,7 @@ def test_fp8_model_compiled_trains_as_eager(whole):
     Dynamo cannot guard on a version counter): three SGD steps give the eager FP8 model's losses
     and gradients exactly (aot_eager, fp32 on the CPU), so the compiled model computes with each
     step's updated weights."""
-    cfg = LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=96, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=16)
-    torch.manual_seed(0)
-    eager = CodaLlamaForCausalLM(cfg, dtype=torch.float32, precision="fp8")
-    compiled = CodaLlamaForCausalLM(cfg, dtype=torch.float32, precision="fp8")
-    compiled.load_state_dict(eager.state_dict())
+    cfg, eager, compiled = fp8_twins()
     run = compiled
     if whole:
         run = torch.compile(compiled, fullgraph=True, backend="aot_eager")
@@ -192,16 +198,11 @@ def test_fp8_model_compiled_trains_as_eager(whole):
 
 @pytest.mark.parametrize("recompute_a", [False, True], ids=["kept-a", "recompute-a"])
 def test_fp8_model_compiled_at_dynamic_shapes_trains_as_eager(recompute_a):
-    """The FP8 model compiled with dynamic=True runs sequence lengths 24 and 40
-    (its Meta kernels take symbolic sizes, and the backward's branch on a's copy reads the op's
-    flag, not a size) and gives eager's loss and gradients exactly (aot_eager, fp32 on the
-    CPU); without symbolic-size Meta kernels the trace fails on the first call."""
-    cfg = LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=96, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=16)
-    torch.manual_seed(0)
-    eager = CodaLlamaForCausalLM(cfg, dtype=torch.float32, precision="fp8")
-    compiled = CodaLlamaForCausalLM(cfg, dtype=torch.float32, precision="fp8")
-    compiled.load_state_dict(eager.state_dict())
+    """The FP8 model compiled with dynamic=True runs sequence lengths 24 and 40 (its Meta
+    kernels take symbolic sizes, and the backward's branch on a's copy reads the op's flag, not
+    a size) and gives eager's loss and gradients exactly (aot_eager, fp32 on the CPU); without
+    symbolic-size Meta kernels the trace fails on the first call."""
+    cfg, eager, compiled = fp8_twins()
     eager.fp8_recompute_a = compiled.fp8_recompute_a = recompute_a
     run = torch.compile(compiled, dynamic=True, backend="aot_eager")
     for seq in (24, 40):
