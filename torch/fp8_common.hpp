@@ -53,19 +53,15 @@ inline at::TensorOptions codes_options(const Tensor& like) {
 inline at::TensorOptions scale_options(const Tensor& like) {
   return at::TensorOptions().dtype(at::kFloat).device(like.device());
 }
-// (rows, cols) scales whose storage rows are `ld` wide.
-inline Tensor scales_with_ld(const Tensor& like, int64_t rows, int64_t cols, int64_t ld) {
-  return at::empty({rows, ld}, scale_options(like)).narrow(1, 0, cols);
-}
 inline Tensor none(const Tensor& like) { return at::empty({0}, scale_options(like)); }
 
 // The outputs of a cast of a (rows, cols) tensor, uninitialized, in the layouts above (1x128
-// blocks, or 128x128 with `tiles`; the ones not asked for empty), from sizes that may be
-// symbolic: what the Meta kernels return, so torch.compile's fake tensors trace through the FP8
-// ops at dynamic shapes.
-inline Quantized empty_quantized_sym(const Tensor& like, const c10::SymInt& rows,
-                                     const c10::SymInt& cols, bool want_rows, bool transposed,
-                                     bool tiles = false) {
+// blocks, or 128x128 with `tiles`; the ones not asked for empty): what the casts and the FP8
+// programs write into, and what the Meta kernels return. Sizes may be symbolic, so
+// torch.compile's fake tensors trace through the FP8 ops at dynamic shapes.
+inline Quantized empty_quantized_outputs(const Tensor& like, const c10::SymInt& rows,
+                                         const c10::SymInt& cols, bool want_rows, bool transposed,
+                                         bool tiles = false) {
   constexpr int64_t b = ScaleLayout::kBlock;
   const auto blocks_of = [](const c10::SymInt& n) { return (n + (b - 1)) / b; };
   Tensor codes = none(like), scales = none(like), codes_t = none(like), scales_t = none(like);

@@ -35,18 +35,8 @@ Quantized quantize(const char* op, const Tensor& x, bool rows, bool transposed, 
   TORCH_CHECK(!(tiles && transposed) || m % 16 == 0, op,
               ": the transposed copy of a 128x128-blocked tensor needs rows a multiple of 16, got ",
               m);
-  Tensor codes = none(x), scales = none(x), codes_t = none(x), scales_t = none(x);
-  if (rows) {
-    codes = at::empty({m, k}, codes_options(x));
-    scales = tiles ? at::empty({blocks(m), blocks(k)}, scale_options(x))
-                   : scales_with_ld(x, blocks(k), m, ScaleLayout::row_scales_ld(m));
-  }
-  if (transposed) {
-    codes_t = tiles ? at::empty({k, m}, codes_options(x))
-                    : at::empty({k, ScaleLayout::padded_tokens(m)}, codes_options(x));
-    scales_t = tiles ? at::empty({blocks(k), blocks(m)}, scale_options(x))
-                     : at::empty({blocks(m), k}, scale_options(x));
-  }
+  auto [codes, scales, codes_t, scales_t] =
+      empty_quantized_outputs(x, m, k, rows, transposed, tiles);
   if (x.is_cpu()) {
     const std::vector<float> v = as_floats(x);
     if (rows) {
@@ -224,7 +214,7 @@ Quantized quantize_meta(const char* op, const Tensor& x, bool rows, bool transpo
   TORCH_CHECK(t == at::kBFloat16 || t == at::kFloat || t == at::kDouble, op,
               ": x must be bfloat16 (or float32 / float64 on the CPU), got ", t);
   TORCH_CHECK(rows || transposed, op, ": neither rows nor transposed is asked for");
-  return empty_quantized_sym(x, x.sym_size(0), x.sym_size(1), rows, transposed, tiles);
+  return empty_quantized_outputs(x, x.sym_size(0), x.sym_size(1), rows, transposed, tiles);
 }
 Quantized fp8_quantize_rows_meta(const Tensor& x, bool rows, bool transposed) {
   return quantize_meta("coda::fp8_quantize_rows", x, rows, transposed, false);

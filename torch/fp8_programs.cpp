@@ -35,16 +35,9 @@ struct RowCast {
 };
 RowCast row_cast_outputs(const Tensor& like, int64_t rows, int64_t cols, bool want_rows,
                          bool want_t) {
-  RowCast o{none(like), none(like), none(like), none(like)};
-  if (want_rows) {
-    o.codes = at::empty({rows, cols}, codes_options(like));
-    o.scales = scales_with_ld(like, blocks(cols), rows, ScaleLayout::row_scales_ld(rows));
-  }
-  if (want_t) {
-    o.codes_t = at::empty({cols, ScaleLayout::padded_tokens(rows)}, codes_options(like));
-    o.scales_t = at::empty({blocks(rows), cols}, scale_options(like));
-  }
-  return o;
+  auto [codes, scales, codes_t, scales_t] =
+      empty_quantized_outputs(like, rows, cols, want_rows, want_t);
+  return {codes, scales, codes_t, scales_t};
 }
 
 std::vector<double> to_doubles(const Tensor& t) {
@@ -488,7 +481,7 @@ void register_programs(torch::Library& m) {
 namespace fp8 {
 Quantized empty_quantized(const Tensor& like, const c10::SymInt& rows, const c10::SymInt& cols,
                           bool want_rows, bool transposed) {
-  return empty_quantized_sym(like, rows, cols, want_rows, transposed);
+  return empty_quantized_outputs(like, rows, cols, want_rows, transposed);
 }
 Fp8F1 residual_rmsnorm(const Tensor& a, const Tensor& a_scales, const Tensor& w,
                        const Tensor& w_scales, const Tensor& residual, const Tensor& gamma,
@@ -545,7 +538,7 @@ std::tuple<Tensor, Tensor> fp8_swiglu_quantize_t_meta(const Tensor& z) {
     TORCH_CHECK(z.size(1) % 32 == 0, op, ": z's columns (2I) must be a multiple of 32 (I a ",
                 "multiple of 16), got ", z.size(1));
   }
-  const auto q = empty_quantized_sym(z, z.sym_size(0), z.sym_size(1) / 2, false, true);
+  const auto q = empty_quantized_outputs(z, z.sym_size(0), z.sym_size(1) / 2, false, true);
   return {std::get<2>(q), std::get<3>(q)};
 }
 }  // namespace
