@@ -8,8 +8,9 @@ backward from the upstream gradients of x2 (the residual stream) and qkv. LLaMA-
 Variants (each one a whole forward + backward):
   coda_fp8            our FP8 block ops through autograd (torch.ops.coda fp8_out_proj_residual_norm
                       -> fp8_mlp -> fp8_norm_qkv); the weights' FP8 caches (fp8_quantize_blocks,
-                      128x128 blocks and the transposed copy) made once, outside the timed region,
-                      as a training step quantizes its weights once per optimizer step
+                      128x128 blocks) made once, outside the timed region, as a training step
+                      quantizes its weights once per optimizer step; wᵀ's codes transposed from
+                      them in the backward (fp8_transpose_blocks), as the model does
   coda_fp8_lt         the same with the weight gradients on our op's cuBLASLt backend
                       (coda::set_fp8_wgrad_backend "cublaslt"; absent where the build has none)
   coda_fp8_wcast      the same with the four weight casts (fp8_quantize_blocks) inside the timed
@@ -76,7 +77,8 @@ NAN = float("nan")
 FP8_TOL = 0.1
 LT_TOL = 1e-2  # ours vs cuBLASLt on the same codes (suite_fp8's rule)
 # The four FP8 ops of the chain; coda_fp8 is absent (with this reason) while any is missing.
-FP8_BLOCK_OPS = ("fp8_out_proj_residual_norm", "fp8_mlp", "fp8_norm_qkv", "fp8_quantize_blocks")
+FP8_BLOCK_OPS = ("fp8_out_proj_residual_norm", "fp8_mlp", "fp8_norm_qkv", "fp8_quantize_blocks",
+                 "fp8_transpose_blocks")
 # Gradient names in the HF layouts (suite_chain_fwd_bwd's order), then the two outputs.
 GRADS = ("y", "x0", "wo", "g_ffn", "wgu", "wd", "g_attn", "wqkv")
 OUTPUTS = ("x2", "qkv")
@@ -143,9 +145,10 @@ def fused_leaves(t):
 
 
 def fp8_weight_caches(t):
-    """Each weight's FP8 cache (codes, scales, transposed codes, their scales) in 128x128 blocks:
-    made once per optimizer step in training, so once here, outside the timed region."""
-    return {k: tuple(CODA.fp8_quantize_blocks(w, True, True))
+    """Each weight's FP8 operands as the model's cache holds them (coda.nn._quantize_weight: codes
+    and scales in 128x128 blocks; wᵀ's None, transposed by each backward, inside the timed
+    step): made once per optimizer step in training, so once here, outside the timed region."""
+    return {k: CODA.fp8_quantize_blocks(w, True, False)[:2] + (None, None)
             for k, w in (("wo", t.wo), ("wgu", t.wgu_inter), ("wd", t.wd), ("wqkv", t.wqkv_f))}
 
 

@@ -109,6 +109,22 @@ void quantize_fp8_blocks(View w, View codes, View scales, View codes_t, View sca
       codes_t.data ? fp8_output(codes_t, scales_t) : kernel::Fp8Output{}, stream);
 }
 
+void transpose_fp8_blocks(View codes, View scales, View codes_t, View scales_t,
+                          cudaStream_t stream) {
+  Args c("coda::ops::transpose_fp8_blocks");
+  CODA_CHECK(codes.dims == 2, c.op(), ": codes must be a matrix");
+  const int64_t n = codes.rows, k = codes.cols;
+  CODA_CHECK(n > 0 && k > 0 && n % 16 == 0 && k % 16 == 0, c.op(),
+             ": codes must be (N, K) with both multiples of 16, got (", n, ", ", k, ")");
+  c.matrix("codes", codes, DType::kE4M3, n, k);
+  c.scales("scales", scales, blocks(n), blocks(k), false);
+  c.matrix("codes_t", codes_t, DType::kE4M3, k, n);
+  c.scales("scales_t", scales_t, blocks(k), blocks(n), false);
+  c.on_device();
+  kernel::transpose_fp8_blocks(codes.as<uint8_t>(), n, k, codes.ld, scales.as<float>(), scales.ld,
+                               fp8_output(codes_t, scales_t), stream);
+}
+
 namespace {
 // An FP8 GEMM's operands, checked: a (M, K) in 1x128 blocks and b (N, K) in 128x128 blocks
 // (`b_blocks`) or 1x128 blocks, K a multiple of 16; the problem without C and D.

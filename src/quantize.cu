@@ -164,6 +164,49 @@ __global__ void __launch_bounds__(kThreads)
   if (out_t.codes) fp8_tile::quantize_columns<kBlocks>(staged, t, out_t, threadIdx.x, tile_inv);
 }
 
+// One 64x64 tile of codes per CTA: each thread loads 16 bytes of a row into shared memory (row
+// pitch 68 bytes, 4-byte stores: a warp's byte reads down the columns hit each bank at most
+// twice) and stores 16 bytes of a column, i.e. of out_t's row. rows and cols are multiples of 16,
+// so a thread's 16 bytes are all inside the matrix or all outside. The CTA at the origin of a
+// 128x128 block (every other tile in each direction) also moves that block's scale.
+constexpr int kTransposeTile = 64, kTransposePitch = kTransposeTile + 4;
+__global__ void __launch_bounds__(256)
+    transpose_blocks_kernel(const uint8_t* __restrict__ codes, int64_t rows, int64_t cols,
+                            int64_t ld, const float* __restrict__ scales, int64_t ld_scales,
+                            Fp8Output out) {
+  __shared__ uint32_t tile[kTransposeTile * kTransposePitch / 4];
+  auto* bytes = reinterpret_cast<uint8_t*>(tile);
+  const int64_t r0 = int64_t(blockIdx.y) * kTransposeTile,
+                c0 = int64_t(blockIdx.x) * kTransposeTile;
+  const int t = static_cast<int>(threadIdx.x), line = t / 4, part = t % 4 * 16;
+  if (r0 + line < rows && c0 + part < cols) {
+    const uint4 v = *reinterpret_cast<const uint4*>(codes + (r0 + line) * ld + c0 + part);
+    uint32_t* dst = tile + (line * kTransposePitch + part) / 4;
+    dst[0] = v.x;
+    dst[1] = v.y;
+    dst[2] = v.z;
+    dst[3] = v.w;
+  }
+  __syncthreads();
+  // Thread t writes out_t's row c0 + line (the input's column), columns r0 + part .. + 15.
+  if (c0 + line < cols && r0 + part < rows) {
+    uint32_t w[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      w[q] = 0;
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        w[q] |= uint32_t(bytes[(part + 4 * q + j) * kTransposePitch + line]) << (8 * j);
+    }
+    *reinterpret_cast<uint4*>(out.codes + (c0 + line) * out.ld + r0 + part) =
+        make_uint4(w[0], w[1], w[2], w[3]);
+  }
+  constexpr int64_t kBlock = ScaleLayout::kBlock;
+  if (t == 0 && r0 % kBlock == 0 && c0 % kBlock == 0)
+    out.scales[c0 / kBlock * out.ld_scales + r0 / kBlock] =
+        scales[r0 / kBlock * ld_scales + c0 / kBlock];
+}
+
 // An output of `cols`-wide code rows whose scale rows hold `scale_cols` entries.
 void check_output(const char* op, const char* name, const Fp8Output& o, int64_t cols,
                   int64_t scale_cols) {
@@ -246,6 +289,32 @@ void quantize_fp8_blocks(const bf16* x, int64_t rows, int64_t cols, int64_t ldx,
   check_output(op, "out", out, cols, ScaleLayout::blocks(cols));
   check_output(op, "out_t", out_t, rows, ScaleLayout::blocks(rows));
   launch_tiles<Blocks::kTiles>(op, x, rows, cols, ldx, out, out_t, stream);
+}
+
+void transpose_fp8_blocks(const uint8_t* codes, int64_t rows, int64_t cols, int64_t ld,
+                          const float* scales, int64_t ld_scales, Fp8Output out_t,
+                          cudaStream_t stream) {
+  const char* op = "coda::kernel::transpose_fp8_blocks";
+  CODA_CHECK(codes != nullptr && scales != nullptr && out_t.codes != nullptr, op,
+             ": codes, scales and out_t are all needed");
+  CODA_CHECK(rows > 0 && cols > 0 && rows % 16 == 0 && cols % 16 == 0, op,
+             ": the codes must be (rows, cols) with both multiples of 16, got (", rows, ", ", cols,
+             ")");
+  CODA_CHECK(ld >= cols && ld % 16 == 0 && reinterpret_cast<uintptr_t>(codes) % 16 == 0, op,
+             ": the codes' start and row stride must be 16-byte aligned with the stride >= ", cols,
+             ", got row stride ", ld, " at address ", static_cast<const void*>(codes));
+  CODA_CHECK(ld_scales >= ScaleLayout::blocks(cols), op,
+             ": the scales' row stride must be >= ", ScaleLayout::blocks(cols), ", got ",
+             ld_scales);
+  check_output(op, "out_t", out_t, rows, ScaleLayout::blocks(rows));
+  const int64_t tiles_r = (rows + kTransposeTile - 1) / kTransposeTile,
+                tiles_c = (cols + kTransposeTile - 1) / kTransposeTile;
+  CODA_CHECK(tiles_r < 65536 && tiles_c < (int64_t(1) << 31), op, ": (", rows, ", ", cols,
+             ") is too large");
+  const dim3 grid{unsigned(tiles_c), unsigned(tiles_r)};
+  transpose_blocks_kernel<<<grid, 256, 0, stream>>>(codes, rows, cols, ld, scales, ld_scales,
+                                                    out_t);
+  CODA_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace coda::kernel

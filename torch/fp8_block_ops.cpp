@@ -2,8 +2,9 @@
 // the CPU and CUDA kernels (one definition each: block/compose_fp8.hpp on the tensors' backend,
 // the FP8 programs of torch/fp8_ops.hpp), Meta kernels and C++ autograd. They mirror
 // out_proj_residual_norm, mlp and norm_qkv, with every projection GEMM on FP8 operands: each
-// weight comes with its FP8 cache (fp8_quantize_blocks(w, True, True): the 128x128 codes and
-// scales of w and of wᵀ, made once per optimizer step by the caller), and the norms' h travels
+// weight comes with its FP8 operands, made once per optimizer step by the caller (the 128x128
+// codes and scales of w, and of wᵀ or None: the backward transposes w's codes then, so wᵀ's
+// exist only while it runs), and the norms' h travels
 // quantized (its 1x128 rows, the next GEMM's A; the weight gradients' copy of the normalized
 // input comes from B1 in the backward). The residual stream, r, z and the gradients autograd
 // hands between ops stay in the activation dtype.
@@ -52,7 +53,8 @@ void check_scales(const OpContext& c, const char* name, const Tensor& t, int64_t
 }
 // An FP8 weight cache of w (N, K), its arguments named `prefix`_codes, ..: codes (N, K), scales
 // (ceil(N/128), ceil(K/128)) where `forward`, and wᵀ's codes (K, N), scales (ceil(K/128),
-// ceil(N/128)); `width` names N for the CUDA width check.
+// ceil(N/128)), which a forward may leave out (its backward transposes the codes then);
+// `width` names N, a multiple of 16 (the transposed codes' rows).
 void check_fp8_weight(const OpContext& c, const std::string& prefix, const char* width,
                       const Tensor& w, const Fp8& q, bool forward) {
   const int64_t n = w.size(0), k = w.size(1);
@@ -61,10 +63,22 @@ void check_fp8_weight(const OpContext& c, const std::string& prefix, const char*
   if (forward) {
     check_codes(c, codes.c_str(), q.codes, n, k);
     check_scales(c, scales.c_str(), q.scales, blocks(n), blocks(k), false);
+    TORCH_CHECK(q.codes_t.defined() == q.scales_t.defined(), c.op, ": pass both ", codes_t, " and ",
+                scales_t, " (wᵀ's operand, kept), or neither (the backward makes it)");
   }
-  check_codes(c, codes_t.c_str(), q.codes_t, k, n);
-  check_scales(c, scales_t.c_str(), q.scales_t, blocks(k), blocks(n), false);
+  if (!forward || q.codes_t.defined()) {
+    check_codes(c, codes_t.c_str(), q.codes_t, k, n);
+    check_scales(c, scales_t.c_str(), q.scales_t, blocks(k), blocks(n), false);
+  }
+  TORCH_CHECK(q.codes_t.defined() || n % 16 == 0, c.op, ": ", width, " = ", n,
+              " must be a multiple of 16 for the backward to transpose ", codes,
+              " (16-byte rows of wᵀ's codes); pass ", codes_t, " and ", scales_t, " otherwise");
   c.cuda_width(width, n, 16);
+}
+// A forward's weight operands; wᵀ's may be absent (None).
+Fp8 fp8_weight(const Tensor& codes, const Tensor& scales, const std::optional<Tensor>& codes_t,
+               const std::optional<Tensor>& scales_t) {
+  return {codes, scales, codes_t.value_or(Tensor()), scales_t.value_or(Tensor())};
 }
 // An FP8 activation `name` (M, N): its 1x128 rows (codes `name` (M, N), scales `name`_scales
 // (ceil(N/128), M)) where `rows`, its 128x1 copy (`name`_t (N, M16), `name`_t_scales
@@ -95,13 +109,12 @@ Tensor empty_like_stat(const Tensor& like) {
 
 using OutProj = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
 OutProj fp8_out_proj_residual_norm(const Tensor& y, const Tensor& w_o, const Tensor& w_codes,
-                                   const Tensor& w_scales, const Tensor& w_codes_t,
-                                   const Tensor& w_scales_t, const Tensor& residual,
-                                   const Tensor& gamma, double eps, bool copies,
-                                   bool recompute_y) {
+                                   const Tensor& w_scales, const std::optional<Tensor>& w_codes_t,
+                                   const std::optional<Tensor>& w_scales_t, const Tensor& residual,
+                                   const Tensor& gamma, double eps, bool copies, bool recompute_y) {
   const auto c = OpContext::from("coda::fp8_out_proj_residual_norm", "y", y);
   const auto s = validate_out_proj_residual_norm(c, y, w_o, residual, gamma, eps);
-  const Fp8 w{w_codes, w_scales, w_codes_t, w_scales_t};
+  const Fp8 w = fp8_weight(w_codes, w_scales, w_codes_t, w_scales_t);
   check_fp8_weight(c, "w", "H (w_o.size(0))", w_o, w, true);
   fp8_width(c, "K (y.size(1))", s.k);
   fp8_width(c, "H (w_o.size(0))", s.hidden);
@@ -115,17 +128,18 @@ OutProj fp8_out_proj_residual_norm(const Tensor& y, const Tensor& w_o, const Ten
 
 using MlpOut = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
 MlpOut fp8_mlp(const Tensor& x, const Tensor& gamma, const Tensor& w_gu, const Tensor& gu_codes,
-               const Tensor& gu_scales, const Tensor& gu_codes_t, const Tensor& gu_scales_t,
-               const Tensor& w_down, const Tensor& dn_codes, const Tensor& dn_scales,
-               const Tensor& dn_codes_t, const Tensor& dn_scales_t, const Tensor& h,
-               const Tensor& h_scales, const Tensor& r, const Tensor& gamma_next, double eps,
-               bool act_h_out, bool copies, bool recompute_a) {
+               const Tensor& gu_scales, const std::optional<Tensor>& gu_codes_t,
+               const std::optional<Tensor>& gu_scales_t, const Tensor& w_down,
+               const Tensor& dn_codes, const Tensor& dn_scales,
+               const std::optional<Tensor>& dn_codes_t, const std::optional<Tensor>& dn_scales_t,
+               const Tensor& h, const Tensor& h_scales, const Tensor& r, const Tensor& gamma_next,
+               double eps, bool act_h_out, bool copies, bool recompute_a) {
   const auto c = OpContext::from("coda::fp8_mlp", "x", x);
   const auto s = validate_mlp(c, x, gamma, w_gu, w_down, nullptr, r);
   c.activation("gamma_next", gamma_next, {s.hidden});
   check_eps(c.op, eps);
-  const Fp8 gu{gu_codes, gu_scales, gu_codes_t, gu_scales_t};
-  const Fp8 dn{dn_codes, dn_scales, dn_codes_t, dn_scales_t};
+  const Fp8 gu = fp8_weight(gu_codes, gu_scales, gu_codes_t, gu_scales_t);
+  const Fp8 dn = fp8_weight(dn_codes, dn_scales, dn_codes_t, dn_scales_t);
   check_fp8_weight(c, "gu", "2I (w_gu.size(0))", w_gu, gu, true);
   check_fp8_weight(c, "dn", "H (w_down.size(0))", w_down, dn, true);
   const Fp8 hq{h, h_scales, {}, {}};
@@ -145,15 +159,15 @@ MlpOut fp8_mlp(const Tensor& x, const Tensor& gamma, const Tensor& w_gu, const T
 }
 
 Tensor fp8_norm_qkv(const Tensor& x, const Tensor& gamma, const Tensor& w_qkv,
-                    const Tensor& w_codes, const Tensor& w_scales, const Tensor& w_codes_t,
-                    const Tensor& w_scales_t, const Tensor& h, const Tensor& h_scales,
-                    const Tensor& r, const Tensor& pos, const Tensor& rope_table,
-                    const std::optional<Tensor>& b_qkv_in) {
+                    const Tensor& w_codes, const Tensor& w_scales,
+                    const std::optional<Tensor>& w_codes_t, const std::optional<Tensor>& w_scales_t,
+                    const Tensor& h, const Tensor& h_scales, const Tensor& r, const Tensor& pos,
+                    const Tensor& rope_table, const std::optional<Tensor>& b_qkv_in) {
   const auto c = OpContext::from("coda::fp8_norm_qkv", "x", x);
   const Tensor b_qkv = b_qkv_in.value_or(Tensor());
   const auto s = validate_norm_qkv(c, x, gamma, w_qkv, nullptr, r, pos, rope_table, b_qkv);
   check_positions(c, pos);
-  const Fp8 w{w_codes, w_scales, w_codes_t, w_scales_t};
+  const Fp8 w = fp8_weight(w_codes, w_scales, w_codes_t, w_scales_t);
   check_fp8_weight(c, "w", "the QKV width (w_qkv.size(0))", w_qkv, w, true);
   const Fp8 hq{h, h_scales, {}, {}};
   check_fp8_act(c, "h", hq, s.m, s.hidden, true, false);
@@ -165,14 +179,15 @@ Tensor fp8_norm_qkv(const Tensor& x, const Tensor& gamma, const Tensor& w_qkv,
 // norm_qkv_qk_norm's FP8 counterpart (Qwen3): F3q on FP8 operands; qk_pre for the backward.
 std::tuple<Tensor, Tensor> fp8_norm_qkv_qk_norm(
     const Tensor& x, const Tensor& gamma, const Tensor& w_qkv, const Tensor& w_codes,
-    const Tensor& w_scales, const Tensor& w_codes_t, const Tensor& w_scales_t, const Tensor& h,
-    const Tensor& h_scales, const Tensor& r, const Tensor& pos, const Tensor& rope_table,
-    const Tensor& q_gamma, const Tensor& k_gamma, int64_t n_heads, int64_t n_kv_heads, double eps) {
+    const Tensor& w_scales, const std::optional<Tensor>& w_codes_t,
+    const std::optional<Tensor>& w_scales_t, const Tensor& h, const Tensor& h_scales,
+    const Tensor& r, const Tensor& pos, const Tensor& rope_table, const Tensor& q_gamma,
+    const Tensor& k_gamma, int64_t n_heads, int64_t n_kv_heads, double eps) {
   const auto c = OpContext::from("coda::fp8_norm_qkv_qk_norm", "x", x);
   const auto s = validate_norm_qkv_qk_norm(c, x, gamma, w_qkv, nullptr, r, pos, rope_table, q_gamma,
                                            k_gamma, n_heads, n_kv_heads, eps);
   check_positions(c, pos);
-  const Fp8 w{w_codes, w_scales, w_codes_t, w_scales_t};
+  const Fp8 w = fp8_weight(w_codes, w_scales, w_codes_t, w_scales_t);
   check_fp8_weight(c, "w", "the QKV width (w_qkv.size(0))", w_qkv, w, true);
   const Fp8 hq{h, h_scales, {}, {}};
   check_fp8_act(c, "h", hq, s.proj.m, s.proj.hidden, true, false);
@@ -290,8 +305,9 @@ at::ScalarType stat_of(const Tensor& act) {
 }
 
 OutProj fp8_out_proj_residual_norm_meta(const Tensor& y, const Tensor& w_o, const Tensor&,
-                                        const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                        const Tensor&, double, bool copies, bool recompute_y) {
+                                        const Tensor&, const std::optional<Tensor>&,
+                                        const std::optional<Tensor>&, const Tensor&, const Tensor&,
+                                        double, bool copies, bool recompute_y) {
   const c10::SymInt m = y.sym_size(0), k = y.sym_size(1), hidden = w_o.sym_size(0);
   const fp8::Quantized h = fp8::empty_quantized(y, m, hidden, true, false);
   const fp8::Quantized y_copy = fp8::empty_quantized(y, m, k, false, copies && !recompute_y);
@@ -303,10 +319,10 @@ OutProj fp8_out_proj_residual_norm_meta(const Tensor& y, const Tensor& w_o, cons
           std::get<3>(y_copy)};
 }
 MlpOut fp8_mlp_meta(const Tensor& x, const Tensor&, const Tensor& w_gu, const Tensor&,
-                    const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                    const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                    const Tensor&, const Tensor&, double, bool act_h_out, bool copies,
-                    bool recompute_a) {
+                    const Tensor&, const std::optional<Tensor>&, const std::optional<Tensor>&,
+                    const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&,
+                    const std::optional<Tensor>&, const Tensor&, const Tensor&, const Tensor&,
+                    const Tensor&, double, bool act_h_out, bool copies, bool recompute_a) {
   const c10::SymInt m = x.sym_size(0), hidden = x.sym_size(1), two_i = w_gu.sym_size(0);
   const fp8::Quantized a_copy =
       fp8::empty_quantized(x, m, two_i / 2, false, copies && !recompute_a);
@@ -325,18 +341,16 @@ MlpOut fp8_mlp_meta(const Tensor& x, const Tensor&, const Tensor& w_gu, const Te
   return {at::empty_like(x), std::get<0>(h), std::get<1>(h), r, z, a_t, a_t_scales};
 }
 Tensor fp8_norm_qkv_meta(const Tensor& x, const Tensor&, const Tensor& w_qkv, const Tensor&,
+                         const Tensor&, const std::optional<Tensor>&, const std::optional<Tensor>&,
                          const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                         const Tensor&, const Tensor&, const Tensor&,
                          const std::optional<Tensor>&) {
   return at::empty_symint({x.sym_size(0), w_qkv.sym_size(0)}, x.options());
 }
-std::tuple<Tensor, Tensor> fp8_norm_qkv_qk_norm_meta(const Tensor& x, const Tensor&,
-                                                     const Tensor& w_qkv, const Tensor&,
-                                                     const Tensor&, const Tensor&, const Tensor&,
-                                                     const Tensor&, const Tensor&, const Tensor&,
-                                                     const Tensor&, const Tensor&,
-                                                     const Tensor& q_gamma, const Tensor&,
-                                                     int64_t n_heads, int64_t n_kv_heads, double) {
+std::tuple<Tensor, Tensor> fp8_norm_qkv_qk_norm_meta(
+    const Tensor& x, const Tensor&, const Tensor& w_qkv, const Tensor&, const Tensor&,
+    const std::optional<Tensor>&, const std::optional<Tensor>&, const Tensor&, const Tensor&,
+    const Tensor&, const Tensor&, const Tensor&, const Tensor& q_gamma, const Tensor&,
+    int64_t n_heads, int64_t n_kv_heads, double) {
   const c10::SymInt m = x.sym_size(0), normed = (n_heads + n_kv_heads) * q_gamma.sym_size(0);
   return {at::empty_symint({m, w_qkv.sym_size(0)}, x.options()),
           at::empty_symint({m, normed}, x.options())};
@@ -384,6 +398,29 @@ const c10::TypedOperatorHandle<decltype(fp8_mlp)>& mlp_op() {
   return f;
 }
 
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// What a forward saves of a weight for its backward's data gradient (wᵀ's operand): the one the
+// caller passed, or else the weight's own codes and scales, which the backward transposes
+// (fp8_transpose_blocks), so that wᵀ's codes live only while their layer's backward runs. `key`
+// records which.
+std::pair<Tensor, Tensor> weight_t_to_save(AutogradContext* ctx, const char* key, const Tensor& wc,
+                                           const Tensor& ws, const std::optional<Tensor>& wct,
+                                           const std::optional<Tensor>& wst) {
+  ctx->saved_data[key] = !wct.has_value();
+  if (wct) return {*wct, *wst};
+  return {wc, ws};
+}
+// wᵀ's operand in the backward, from what weight_t_to_save saved (a, b).
+std::tuple<Tensor, Tensor> weight_t(AutogradContext* ctx, const char* key, const Tensor& a,
+                                    const Tensor& b) {
+  if (!ctx->saved_data[key].toBool()) return {a, b};
+  static const auto t =
+      op<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&)>("coda::fp8_transpose_blocks");
+  return t.call(a, b);
+}
+
 // copies=False leaves out what the backward reads: only where no gradient is recorded.
 void no_copies_without_grad(const char* op, std::initializer_list<const Tensor*> inputs) {
   if (!at::GradMode::is_enabled()) return;
@@ -393,15 +430,12 @@ void no_copies_without_grad(const char* op, std::initializer_list<const Tensor*>
                 "a gradient; call it under torch.no_grad() or with copies=True");
 }
 
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-
 class Fp8OutProjResidualNorm : public torch::autograd::Function<Fp8OutProjResidualNorm> {
  public:
   static variable_list forward(AutogradContext* ctx, const Tensor& y, const Tensor& w_o,
-                               const Tensor& wc, const Tensor& ws, const Tensor& wct,
-                               const Tensor& wst, const Tensor& residual, const Tensor& gamma,
-                               double eps, bool recompute_y) {
+                               const Tensor& wc, const Tensor& ws, const std::optional<Tensor>& wct,
+                               const std::optional<Tensor>& wst, const Tensor& residual,
+                               const Tensor& gamma, double eps, bool recompute_y) {
     ctx->set_materialize_grads(false);
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [x, h, hs, r, yt, yts] =
@@ -409,7 +443,8 @@ class Fp8OutProjResidualNorm : public torch::autograd::Function<Fp8OutProjResidu
     ctx->mark_non_differentiable({h, hs, r, yt, yts});  // caches for the consumer, its operands
     // recompute_y: y itself (the attention's output, which attention's backward keeps anyway)
     // instead of its transposed copy; the backward makes the copy.
-    ctx->save_for_backward({recompute_y ? y : yt, yts, w_o, wct, wst});
+    const auto [wt, wts] = weight_t_to_save(ctx, "transpose_w", wc, ws, wct, wst);
+    ctx->save_for_backward({recompute_y ? y : yt, yts, w_o, wt, wts});
     ctx->saved_data["recompute_y"] = recompute_y;
     return {x, h, hs, r, yt, yts};
   }
@@ -421,8 +456,9 @@ class Fp8OutProjResidualNorm : public torch::autograd::Function<Fp8OutProjResidu
     const Tensor dx = g[0].contiguous();
     // y's copy as the forward made it, or y (recompute_y): the backward op makes the copy.
     const bool kept = !ctx->saved_data["recompute_y"].toBool();
-    auto [dy, dw] = kept ? b.call(dx, s[0], s[1], s[2], s[3], s[4], std::nullopt)
-                         : b.call(dx, std::nullopt, std::nullopt, s[2], s[3], s[4], s[0]);
+    const auto [wt, wts] = weight_t(ctx, "transpose_w", s[3], s[4]);
+    auto [dy, dw] = kept ? b.call(dx, s[0], s[1], s[2], wt, wts, std::nullopt)
+                         : b.call(dx, std::nullopt, std::nullopt, s[2], wt, wts, s[0]);
     out[0] = dy;
     out[1] = dw;
     out[6] = dx;  // the residual add
@@ -434,18 +470,21 @@ class Fp8Mlp : public torch::autograd::Function<Fp8Mlp> {
  public:
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& gamma,
                                const Tensor& w_gu, const Tensor& guc, const Tensor& gus,
-                               const Tensor& guct, const Tensor& gust, const Tensor& w_down,
-                               const Tensor& dnc, const Tensor& dns, const Tensor& dnct,
-                               const Tensor& dnst, const Tensor& h, const Tensor& hs,
-                               const Tensor& r, const Tensor& gamma_next, double eps,
-                               bool act_h_out, bool recompute_a) {
+                               const std::optional<Tensor>& guct, const std::optional<Tensor>& gust,
+                               const Tensor& w_down, const Tensor& dnc, const Tensor& dns,
+                               const std::optional<Tensor>& dnct, const std::optional<Tensor>& dnst,
+                               const Tensor& h, const Tensor& hs, const Tensor& r,
+                               const Tensor& gamma_next, double eps, bool act_h_out,
+                               bool recompute_a) {
     ctx->set_materialize_grads(false);
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [x_out, h_out, h_outs, r_out, z, at, ats] =
         mlp_op().call(x, gamma, w_gu, guc, gus, guct, gust, w_down, dnc, dns, dnct, dnst, h, hs, r,
                       gamma_next, eps, act_h_out, true, recompute_a);
     ctx->mark_non_differentiable({h_out, h_outs, r_out, z, at, ats});
-    ctx->save_for_backward({x, gamma, w_gu, guct, gust, w_down, dnct, dnst, r, z, at, ats});
+    const auto [gut, guts] = weight_t_to_save(ctx, "transpose_gu", guc, gus, guct, gust);
+    const auto [dnt, dnts] = weight_t_to_save(ctx, "transpose_dn", dnc, dns, dnct, dnst);
+    ctx->save_for_backward({x, gamma, w_gu, gut, guts, w_down, dnt, dnts, r, z, at, ats});
     ctx->saved_data["recompute_a"] = recompute_a;
     return {x_out, h_out, h_outs, r_out, z, at, ats};
   }
@@ -459,8 +498,10 @@ class Fp8Mlp : public torch::autograd::Function<Fp8Mlp> {
         const std::optional<Tensor>&, const std::optional<Tensor>&)>("coda::fp8_mlp_backward");
     // a's copy, or none (recompute_a: F2 wrote no copy, an empty tensor): made from z.
     const bool kept = !ctx->saved_data["recompute_a"].toBool();
+    const auto [gut, guts] = weight_t(ctx, "transpose_gu", s[3], s[4]);
+    const auto [dnt, dnts] = weight_t(ctx, "transpose_dn", s[6], s[7]);
     auto [dx, dgamma, dw_gu, dw_down] =
-        b.call(g[0].contiguous(), s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], s[9],
+        b.call(g[0].contiguous(), s[0], s[1], s[2], gut, guts, s[5], dnt, dnts, s[8], s[9],
                kept ? std::optional<Tensor>(s[10]) : std::nullopt,
                kept ? std::optional<Tensor>(s[11]) : std::nullopt);
     out[0] = dx;
@@ -474,20 +515,17 @@ class Fp8Mlp : public torch::autograd::Function<Fp8Mlp> {
 class Fp8NormQkv : public torch::autograd::Function<Fp8NormQkv> {
  public:
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& gamma,
-                        const Tensor& w_qkv, const Tensor& wc, const Tensor& ws, const Tensor& wct,
-                        const Tensor& wst, const Tensor& h, const Tensor& hs, const Tensor& r,
-                        const Tensor& pos, const Tensor& table,
-                        const std::optional<Tensor>& b_qkv) {
+                        const Tensor& w_qkv, const Tensor& wc, const Tensor& ws,
+                        const std::optional<Tensor>& wct, const std::optional<Tensor>& wst,
+                        const Tensor& h, const Tensor& hs, const Tensor& r, const Tensor& pos,
+                        const Tensor& table, const std::optional<Tensor>& b_qkv) {
     ctx->set_materialize_grads(false);
     at::AutoDispatchBelowADInplaceOrView guard;
-    static auto f =
-        op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                  const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                  const Tensor&, const Tensor&, const std::optional<Tensor>&)>(
-            "coda::fp8_norm_qkv");
+    static auto f = op<decltype(fp8_norm_qkv)>("coda::fp8_norm_qkv");
     Tensor qkv = f.call(x, gamma, w_qkv, wc, ws, wct, wst, h, hs, r, pos, table, b_qkv);
+    const auto [wt, wts] = weight_t_to_save(ctx, "transpose_w", wc, ws, wct, wst);
     ctx->save_for_backward(
-        {qkv, x, gamma, w_qkv, wct, wst, r, pos, table, b_qkv.value_or(Tensor())});
+        {qkv, x, gamma, w_qkv, wt, wts, r, pos, table, b_qkv.value_or(Tensor())});
     return qkv;
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
@@ -499,8 +537,9 @@ class Fp8NormQkv : public torch::autograd::Function<Fp8NormQkv> {
         const Tensor&, const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&)>(
         "coda::fp8_norm_qkv_backward");
     const std::optional<Tensor> bias = s[9].defined() ? std::optional<Tensor>(s[9]) : std::nullopt;
+    const auto [wt, wts] = weight_t(ctx, "transpose_w", s[4], s[5]);
     auto [dx, dgamma, dw, db] =
-        b.call(g[0].contiguous(), s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], bias);
+        b.call(g[0].contiguous(), s[0], s[1], s[2], s[3], wt, wts, s[6], s[7], s[8], bias);
     out[0] = dx;
     out[1] = dgamma;
     out[2] = dw;
@@ -513,18 +552,20 @@ class Fp8NormQkvQkNorm : public torch::autograd::Function<Fp8NormQkvQkNorm> {
  public:
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& gamma,
                                const Tensor& w_qkv, const Tensor& wc, const Tensor& ws,
-                               const Tensor& wct, const Tensor& wst, const Tensor& h,
-                               const Tensor& hs, const Tensor& r, const Tensor& pos,
-                               const Tensor& table, const Tensor& q_gamma, const Tensor& k_gamma,
-                               int64_t n_heads, int64_t n_kv_heads, double eps) {
+                               const std::optional<Tensor>& wct, const std::optional<Tensor>& wst,
+                               const Tensor& h, const Tensor& hs, const Tensor& r,
+                               const Tensor& pos, const Tensor& table, const Tensor& q_gamma,
+                               const Tensor& k_gamma, int64_t n_heads, int64_t n_kv_heads,
+                               double eps) {
     ctx->set_materialize_grads(false);
     at::AutoDispatchBelowADInplaceOrView guard;
     static const auto f = op<decltype(fp8_norm_qkv_qk_norm)>("coda::fp8_norm_qkv_qk_norm");
     auto [qkv, qk_pre] = f.call(x, gamma, w_qkv, wc, ws, wct, wst, h, hs, r, pos, table, q_gamma,
                                 k_gamma, n_heads, n_kv_heads, eps);
     ctx->mark_non_differentiable({qk_pre});
+    const auto [wt, wts] = weight_t_to_save(ctx, "transpose_w", wc, ws, wct, wst);
     ctx->save_for_backward(
-        {qkv, qk_pre, x, gamma, w_qkv, wct, wst, r, pos, table, q_gamma, k_gamma});
+        {qkv, qk_pre, x, gamma, w_qkv, wt, wts, r, pos, table, q_gamma, k_gamma});
     ctx->saved_data["n_heads"] = n_heads;
     ctx->saved_data["n_kv_heads"] = n_kv_heads;
     ctx->saved_data["eps"] = eps;
@@ -536,8 +577,9 @@ class Fp8NormQkvQkNorm : public torch::autograd::Function<Fp8NormQkvQkNorm> {
     const auto s = ctx->get_saved_variables();
     static const auto b =
         op<decltype(fp8_norm_qkv_qk_norm_backward)>("coda::fp8_norm_qkv_qk_norm_backward");
+    const auto [wt, wts] = weight_t(ctx, "transpose_w", s[5], s[6]);
     auto [dx, dgamma, dw, dqg, dkg] =
-        b.call(g[0].contiguous(), s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], s[9], s[10],
+        b.call(g[0].contiguous(), s[0], s[1], s[2], s[3], s[4], wt, wts, s[7], s[8], s[9], s[10],
                s[11], ctx->saved_data["n_heads"].toInt(), ctx->saved_data["n_kv_heads"].toInt(),
                ctx->saved_data["eps"].toDouble());
     out[0] = dx;
@@ -575,35 +617,36 @@ void register_kernels(torch::Library& m) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(coda, m) {
-  // Forward: as out_proj_residual_norm, mlp and norm_qkv, each weight with its FP8 cache and h in
-  // its 1x128 blocks. out-proj also returns y's transposed copy (its backward's dW_o operand;
-  // with recompute_y none, empty: the backward makes it from y, which it keeps instead);
-  // mlp returns z and a's copy (its backward's operands; with recompute_a no copy, empty: the
-  // backward makes it from z); with act_h_out mlp's h_out is the activation-dtype h (the LM
-  // head's input) and h_out_scales is empty.
+  // Forward: as out_proj_residual_norm, mlp and norm_qkv, each weight with its FP8 operands (wᵀ's
+  // optional: None, and the backward transposes w's codes) and h in its 1x128 blocks. out-proj also
+  // returns y's transposed copy (its backward's dW_o operand; with recompute_y none, empty: the
+  // backward makes it from y, which it keeps instead); mlp returns z and a's copy (its backward's
+  // operands; with recompute_a no copy, empty: the backward makes it from z); with act_h_out mlp's
+  // h_out is the activation-dtype h (the LM head's input) and h_out_scales is empty.
   m.def(
       "fp8_out_proj_residual_norm(Tensor y, Tensor w_o, Tensor w_codes, Tensor w_scales, "
-      "Tensor w_codes_t, Tensor w_scales_t, Tensor residual, Tensor gamma, float eps, "
+      "Tensor? w_codes_t, Tensor? w_scales_t, Tensor residual, Tensor gamma, float eps, "
       "bool copies=True, bool recompute_y=False) -> (Tensor x, Tensor h, Tensor h_scales, "
       "Tensor r, Tensor y_t, Tensor y_t_scales)");
   m.def(
       "fp8_mlp(Tensor x, Tensor gamma, Tensor w_gu, Tensor gu_codes, Tensor gu_scales, "
-      "Tensor gu_codes_t, Tensor gu_scales_t, Tensor w_down, Tensor dn_codes, Tensor dn_scales, "
-      "Tensor dn_codes_t, Tensor dn_scales_t, Tensor h, Tensor h_scales, Tensor r, "
+      "Tensor? gu_codes_t, Tensor? gu_scales_t, Tensor w_down, Tensor dn_codes, "
+      "Tensor dn_scales, Tensor? dn_codes_t, Tensor? dn_scales_t, Tensor h, Tensor h_scales, "
+      "Tensor r, "
       "Tensor gamma_next, float eps, bool act_h_out=False, bool copies=True, "
       "bool recompute_a=False) -> (Tensor x_out, "
       "Tensor h_out, "
       "Tensor h_out_scales, Tensor r_out, Tensor z, Tensor a_t, Tensor a_t_scales)");
   m.def(
       "fp8_norm_qkv(Tensor x, Tensor gamma, Tensor w_qkv, Tensor w_codes, Tensor w_scales, "
-      "Tensor w_codes_t, Tensor w_scales_t, Tensor h, Tensor h_scales, Tensor r, Tensor pos, "
+      "Tensor? w_codes_t, Tensor? w_scales_t, Tensor h, Tensor h_scales, Tensor r, Tensor pos, "
       "Tensor rope_table, Tensor? b_qkv=None) -> Tensor");
   // With QK-norm (Qwen3), as norm_qkv_qk_norm: qk_pre (the Q and K columns before their norm)
   // is for the backward.
   m.def(
       "fp8_norm_qkv_qk_norm(Tensor x, Tensor gamma, Tensor w_qkv, Tensor w_codes, "
-      "Tensor w_scales, Tensor w_codes_t, Tensor w_scales_t, Tensor h, Tensor h_scales, Tensor r, "
-      "Tensor pos, Tensor rope_table, Tensor q_gamma, Tensor k_gamma, int n_heads, "
+      "Tensor w_scales, Tensor? w_codes_t, Tensor? w_scales_t, Tensor h, Tensor h_scales, "
+      "Tensor r, Tensor pos, Tensor rope_table, Tensor q_gamma, Tensor k_gamma, int n_heads, "
       "int n_kv_heads, float eps) -> (Tensor qkv, Tensor qk_pre)");
   // Backward: the incoming gradient cast once; the weights' transposed codes; the copies kept
   // (fp8_mlp_backward without a's: made from z).
@@ -648,23 +691,24 @@ TORCH_LIBRARY_IMPL(coda, Autograd, m) {
   for (const char* name : {"fp8_linear_backward", "fp8_mlp_backward", "fp8_norm_qkv_backward",
                            "fp8_norm_qkv_qk_norm_backward"})
     m.impl(name, torch::autograd::autogradNotImplementedFallback());
-  m.impl(
-      "fp8_norm_qkv_qk_norm",
-      [](const Tensor& x, const Tensor& gamma, const Tensor& w_qkv, const Tensor& wc,
-         const Tensor& ws, const Tensor& wct, const Tensor& wst, const Tensor& h, const Tensor& hs,
-         const Tensor& r, const Tensor& pos, const Tensor& table, const Tensor& q_gamma,
-         const Tensor& k_gamma, int64_t n_heads, int64_t n_kv_heads, double eps) {
-        auto o = Fp8NormQkvQkNorm::apply(x, gamma, w_qkv, wc, ws, wct, wst, h, hs, r, pos, table,
-                                         q_gamma, k_gamma, n_heads, n_kv_heads, eps);
-        return std::make_tuple(o[0], o[1]);
-      });
+  m.impl("fp8_norm_qkv_qk_norm",
+         [](const Tensor& x, const Tensor& gamma, const Tensor& w_qkv, const Tensor& wc,
+            const Tensor& ws, const std::optional<Tensor>& wct, const std::optional<Tensor>& wst,
+            const Tensor& h, const Tensor& hs, const Tensor& r, const Tensor& pos,
+            const Tensor& table, const Tensor& q_gamma, const Tensor& k_gamma, int64_t n_heads,
+            int64_t n_kv_heads, double eps) {
+           auto o = Fp8NormQkvQkNorm::apply(x, gamma, w_qkv, wc, ws, wct, wst, h, hs, r, pos, table,
+                                            q_gamma, k_gamma, n_heads, n_kv_heads, eps);
+           return std::make_tuple(o[0], o[1]);
+         });
   // copies=False (the caller computes no gradient: coda.nn passes torch.is_grad_enabled()):
   // below autograd without the transposed copies, the weight gradients' operands only; refused
   // where a gradient would be recorded.
   m.impl("fp8_out_proj_residual_norm", [](const Tensor& y, const Tensor& w_o, const Tensor& wc,
-                                          const Tensor& ws, const Tensor& wct, const Tensor& wst,
-                                          const Tensor& residual, const Tensor& gamma, double eps,
-                                          bool copies, bool recompute_y) {
+                                          const Tensor& ws, const std::optional<Tensor>& wct,
+                                          const std::optional<Tensor>& wst, const Tensor& residual,
+                                          const Tensor& gamma, double eps, bool copies,
+                                          bool recompute_y) {
     if (!copies) {
       no_copies_without_grad("coda::fp8_out_proj_residual_norm", {&y, &w_o, &residual, &gamma});
       at::AutoDispatchBelowADInplaceOrView guard;
@@ -677,10 +721,11 @@ TORCH_LIBRARY_IMPL(coda, Autograd, m) {
   });
   m.impl("fp8_mlp",
          [](const Tensor& x, const Tensor& gamma, const Tensor& w_gu, const Tensor& guc,
-            const Tensor& gus, const Tensor& guct, const Tensor& gust, const Tensor& w_down,
-            const Tensor& dnc, const Tensor& dns, const Tensor& dnct, const Tensor& dnst,
-            const Tensor& h, const Tensor& hs, const Tensor& r, const Tensor& gamma_next,
-            double eps, bool act_h_out, bool copies, bool recompute_a) {
+            const Tensor& gus, const std::optional<Tensor>& guct, const std::optional<Tensor>& gust,
+            const Tensor& w_down, const Tensor& dnc, const Tensor& dns,
+            const std::optional<Tensor>& dnct, const std::optional<Tensor>& dnst, const Tensor& h,
+            const Tensor& hs, const Tensor& r, const Tensor& gamma_next, double eps, bool act_h_out,
+            bool copies, bool recompute_a) {
            if (!copies) {
              no_copies_without_grad("coda::fp8_mlp", {&x, &gamma, &w_gu, &w_down, &r, &gamma_next});
              at::AutoDispatchBelowADInplaceOrView guard;
@@ -693,9 +738,9 @@ TORCH_LIBRARY_IMPL(coda, Autograd, m) {
          });
   m.impl("fp8_norm_qkv",
          [](const Tensor& x, const Tensor& gamma, const Tensor& w_qkv, const Tensor& wc,
-            const Tensor& ws, const Tensor& wct, const Tensor& wst, const Tensor& h,
-            const Tensor& hs, const Tensor& r, const Tensor& pos, const Tensor& table,
-            const std::optional<Tensor>& b_qkv) {
+            const Tensor& ws, const std::optional<Tensor>& wct, const std::optional<Tensor>& wst,
+            const Tensor& h, const Tensor& hs, const Tensor& r, const Tensor& pos,
+            const Tensor& table, const std::optional<Tensor>& b_qkv) {
            return Fp8NormQkv::apply(x, gamma, w_qkv, wc, ws, wct, wst, h, hs, r, pos, table, b_qkv);
          });
 }

@@ -84,6 +84,63 @@ Quantized fp8_quantize_blocks(const Tensor& w, bool rows, bool transposed) {
   return quantize("coda::fp8_quantize_blocks", w, rows, transposed, true);
 }
 
+// The transpose's arguments: a weight's codes (N, K) e4m3, contiguous, N and K multiples of 16,
+// and scales (ceil(N/128), ceil(K/128)) fp32 row-major, on one device. Sizes may be symbolic
+// (Meta), their checks then left to the real kernels.
+void check_blocks_operand(const char* op, const Tensor& codes, const Tensor& scales) {
+  TORCH_CHECK(codes.defined() && scales.defined(), op, ": codes and scales must be defined");
+  TORCH_CHECK(codes.scalar_type() == at::kFloat8_e4m3fn, op, ": codes must be float8_e4m3fn, got ",
+              codes.scalar_type());
+  TORCH_CHECK(scales.scalar_type() == at::kFloat, op, ": scales must be float32, got ",
+              scales.scalar_type());
+  TORCH_CHECK(codes.dim() == 2 && scales.dim() == 2, op,
+              ": codes and scales must be matrices, got ", codes.dim(), " and ", scales.dim(),
+              " dimensions");
+  TORCH_CHECK(scales.device() == codes.device(), op, ": scales is on ", scales.device(),
+              ", codes on ", codes.device());
+  if (codes.unsafeGetTensorImpl()->has_symbolic_sizes_strides() ||
+      scales.unsafeGetTensorImpl()->has_symbolic_sizes_strides())
+    return;
+  const int64_t n = codes.size(0), k = codes.size(1);
+  TORCH_CHECK(n > 0 && k > 0 && n % 16 == 0 && k % 16 == 0, op,
+              ": codes must be (N, K) with N and K positive multiples of 16, got ",
+              shape_string(codes.sizes()));
+  TORCH_CHECK(codes.is_contiguous(), op, ": codes must be contiguous, got strides ",
+              shape_string(codes.strides()));
+  const int64_t nb = ScaleLayout::blocks(n), kb = ScaleLayout::blocks(k);
+  TORCH_CHECK(scales.size(0) == nb && scales.size(1) == kb, op, ": scales must have shape (", nb,
+              ", ", kb, ") for codes of shape ", shape_string(codes.sizes()), ", got ",
+              shape_string(scales.sizes()));
+  TORCH_CHECK(scales.stride(1) == 1 && scales.stride(0) >= kb, op,
+              ": scales must be row-major with a row stride >= ", kb, ", got strides ",
+              shape_string(scales.strides()));
+}
+
+// codes_t (K, N), scales_t (ceil(K/128), ceil(N/128)) of a weight from its codes and scales, bit
+// for bit fp8_quantize_blocks(w, False, True) of the w they came from: its data-gradient operand,
+// made in a backward instead of kept from the weight cast.
+std::tuple<Tensor, Tensor> fp8_transpose_blocks(const Tensor& codes, const Tensor& scales) {
+  const char* op = "coda::fp8_transpose_blocks";
+  check_blocks_operand(op, codes, scales);
+  TORCH_CHECK(codes.is_cpu() || codes.is_cuda(), op, ": codes is on ", codes.device(),
+              "; coda ops run on CPU or CUDA");
+  auto [c, s, codes_t, scales_t] =
+      empty_quantized_outputs(codes, codes.size(0), codes.size(1), false, true, true);
+  if (codes.is_cpu()) {
+    codes_t.copy_(codes.t());
+    scales_t.copy_(scales.t());
+    return {codes_t, scales_t};
+  }
+#if CODA_TORCH_CUDA
+  const c10::cuda::CUDAGuard guard(codes.device());
+  ops::transpose_fp8_blocks(codes_view(codes), scales_view(scales), codes_view(codes_t),
+                            scales_view(scales_t), stream_of(codes));
+  return {codes_t, scales_t};
+#else
+  TORCH_CHECK(false, op, ": this build has no CUDA kernels");
+#endif
+}
+
 Tensor gemm(const char* op, const Tensor& x, const Tensor& xs, const Tensor& w, const Tensor& ws,
             bool w_blocks, const Tensor* accumulate) {
   const auto [m, n, k] = check_pair(op, "x", x, "x_scales", xs, w, ws, w_blocks);
@@ -169,6 +226,7 @@ inline constexpr char overrides[] = "coda::set_kernel_overrides";
 inline constexpr char wgrad_backend[] = "coda::set_fp8_wgrad_backend";
 inline constexpr char quantize_rows[] = "coda::fp8_quantize_rows";
 inline constexpr char quantize_blocks[] = "coda::fp8_quantize_blocks";
+inline constexpr char transpose_blocks[] = "coda::fp8_transpose_blocks";
 inline constexpr char gemm_blocks[] = "coda::fp8_gemm";
 inline constexpr char gemm_xyt[] = "coda::fp8_gemm_xyt";
 inline constexpr char gemm_xyt_acc[] = "coda::fp8_gemm_xyt_accumulate_";
@@ -177,6 +235,7 @@ inline constexpr char gemm_xyt_acc[] = "coda::fp8_gemm_xyt_accumulate_";
 void register_fp8(torch::Library& m) {
   m.impl("fp8_quantize_rows", CODA_GUARDED(names::quantize_rows, fp8_quantize_rows));
   m.impl("fp8_quantize_blocks", CODA_GUARDED(names::quantize_blocks, fp8_quantize_blocks));
+  m.impl("fp8_transpose_blocks", CODA_GUARDED(names::transpose_blocks, fp8_transpose_blocks));
   m.impl("fp8_gemm", CODA_GUARDED(names::gemm_blocks, fp8_gemm));
   m.impl("fp8_gemm_xyt", CODA_GUARDED(names::gemm_xyt, fp8_gemm_xyt));
   m.impl("fp8_gemm_xyt_accumulate_", CODA_GUARDED(names::gemm_xyt_acc, fp8_gemm_xyt_accumulate_));
@@ -222,11 +281,18 @@ Quantized fp8_quantize_rows_meta(const Tensor& x, bool rows, bool transposed) {
 Quantized fp8_quantize_blocks_meta(const Tensor& w, bool rows, bool transposed) {
   return quantize_meta("coda::fp8_quantize_blocks", w, rows, transposed, true);
 }
+std::tuple<Tensor, Tensor> fp8_transpose_blocks_meta(const Tensor& codes, const Tensor& scales) {
+  check_blocks_operand("coda::fp8_transpose_blocks", codes, scales);
+  auto [c, s, codes_t, scales_t] =
+      empty_quantized_outputs(codes, codes.sym_size(0), codes.sym_size(1), false, true, true);
+  return {codes_t, scales_t};
+}
 }  // namespace
 
 TORCH_LIBRARY_IMPL(coda, Meta, m) {
   m.impl("fp8_quantize_rows", &fp8_quantize_rows_meta);
   m.impl("fp8_quantize_blocks", &fp8_quantize_blocks_meta);
+  m.impl("fp8_transpose_blocks", &fp8_transpose_blocks_meta);
 }
 
 TORCH_LIBRARY_FRAGMENT(coda, m) {
@@ -236,6 +302,9 @@ TORCH_LIBRARY_FRAGMENT(coda, m) {
   m.def(
       "fp8_quantize_blocks(Tensor w, bool rows=True, bool transposed=False) "
       "-> (Tensor codes, Tensor scales, Tensor codes_t, Tensor scales_t)");
+  // A weight's transposed operand from its codes and scales (fp8_quantize_blocks(w)'s), as
+  // fp8_quantize_blocks(w, False, True) makes it from w.
+  m.def("fp8_transpose_blocks(Tensor codes, Tensor scales) -> (Tensor codes_t, Tensor scales_t)");
   m.def("fp8_gemm(Tensor x, Tensor x_scales, Tensor w, Tensor w_scales) -> Tensor");
   m.def("fp8_gemm_xyt(Tensor x, Tensor x_scales, Tensor y, Tensor y_scales) -> Tensor");
   m.def(

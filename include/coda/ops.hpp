@@ -162,6 +162,11 @@ void quantize_fp8_swiglu_t(View z, View codes_t, View scales_t, cudaStream_t str
 // blocks transposed (N a multiple of 16 then): the data gradient's operand.
 void quantize_fp8_blocks(View w, View codes, View scales, View codes_t, View scales_t,
                          cudaStream_t stream);
+// The transpose of quantize_fp8_blocks' codes (N, K) and scales (ceil(N/128), ceil(K/128)), N and
+// K multiples of 16: codes_t (K, N) and scales_t (ceil(K/128), ceil(N/128)), bit for bit its
+// codes_t and scales_t of the same w (a weight's data-gradient operand made from the forward's).
+void transpose_fp8_blocks(View codes, View scales, View codes_t, View scales_t,
+                          cudaStream_t stream);
 // d (M, N) bf16 = x · wᵀ: x (M, K) in 1x128 blocks, w (N, K) in 128x128 blocks, K a multiple of
 // 16, N of 8; partial sums promoted to fp32 and scaled once per 128 of K.
 void gemm_fp8(View x, View x_scales, View w, View w_scales, View d, cudaStream_t stream);

@@ -168,10 +168,11 @@ def decoder_layer_fp8(c: LlamaConfig, x: Tensor, h: tuple[Tensor, Tensor], r: Te
     of the layer output for ``gamma_next``; with ``last`` the output's ``h`` is the
     activation-dtype tensor the LM head reads (it stays in bf16). ``weights`` maps each of
     FP8_PROJECTIONS to ``(weight, its FP8 operands)``: the weight in coda's layout (what the
-    gradient is for) and ``fp8_quantize_blocks(weight, True, True)`` of it, e.g. from an
-    Fp8WeightCache. ``recompute_a``: the backward makes the down-projection's weight-gradient
-    operand (a's transposed copy) from z instead of keeping F2's (fp8_mlp). ``q_gamma, k_gamma``:
-    the QK-norm weights (with ``c.qk_norm``), as decoder_layer takes them."""
+    gradient is for) and its FP8 operands (codes, scales, codes_t, scales_t), e.g. from an
+    Fp8WeightCache (wᵀ's as None: the backward transposes the codes). ``recompute_a``: the
+    backward makes the down-projection's weight-gradient operand (a's transposed copy) from z
+    instead of keeping F2's (fp8_mlp). ``q_gamma, k_gamma``: the QK-norm weights (with
+    ``c.qk_norm``), as decoder_layer takes them."""
     coda = torch.ops.coda
     (w_qkv, q_qkv), (w_o, q_o), (w_gu, q_gu), (w_down, q_down) = (
         weights[n] for n in FP8_PROJECTIONS)
@@ -220,10 +221,14 @@ def _under_fsdp2(model: nn.Module) -> bool:
 FP8_PROJECTIONS = ("w_qkv", "w_o", "w_gu", "w_down")
 
 
-def _quantize_weight(w: Tensor) -> tuple[Tensor, ...]:
-    """w's FP8 operands: 128x128 codes and scales of w and of wᵀ."""
+def _quantize_weight(w: Tensor) -> tuple[Tensor | None, ...]:
+    """w's FP8 operands as the FP8 block ops take them: the 128x128 codes and scales of w, and
+    None for wᵀ's: each op's backward transposes the codes (fp8_transpose_blocks, bit for bit
+    the cast of wᵀ) when it needs them, so no layer holds wᵀ's codes between its forward and its
+    backward (1 byte a parameter, for one more pass over the codes in each backward)."""
     with torch.no_grad():
-        return tuple(torch.ops.coda.fp8_quantize_blocks(w.detach(), True, True))
+        codes, scales, _, _ = torch.ops.coda.fp8_quantize_blocks(w.detach(), True, False)
+    return codes, scales, None, None
 
 
 # Optimizer steps per parameter, counted by a global step post-hook: the fused AdamW / Adam / SGD
@@ -243,8 +248,8 @@ register_optimizer_step_post_hook(_count_optimizer_step)
 
 
 class Fp8WeightCache:
-    """Each weight's FP8 operands, ``fp8_quantize_blocks(w, True, True)`` (the 128x128 codes and
-    scales of ``w`` and of ``wᵀ``), remade only when the weight changed: after a step of any
+    """Each weight's FP8 operands (the 128x128 codes and scales of ``w``; ``wᵀ``'s left to the
+    backward, see _quantize_weight), remade only when the weight changed: after a step of any
     ``torch.optim`` optimizer holding it (counted by a step post-hook: fused optimizer kernels
     leave the version counter alone) or any other in-place update (its version counter moves),
     so a weight is quantized once per step, not once per forward or micro-batch. Not module
@@ -295,11 +300,14 @@ class Fp8WeightCache:
         new = _quantize_weight(w)
         entry = self._entries.get(name)
         if entry is not None and all(
-                (a.shape, a.stride(), a.dtype, a.device) == (b.shape, b.stride(), b.dtype, b.device)
+                (a is None and b is None) or (a is not None and b is not None and (
+                    a.shape, a.stride(), a.dtype, a.device) == (b.shape, b.stride(), b.dtype,
+                                                                b.device))
                 for a, b in zip(entry[1], new)):
             with torch.no_grad():
                 for old, t in zip(entry[1], new):
-                    old.copy_(t)
+                    if old is not None:
+                        old.copy_(t)
             new = entry[1]
         self._entries[name] = (self._key(w), new)
 

@@ -181,6 +181,39 @@ TEST_F(GpuKernelTest, BlockCastMatchesTheRecipeCodeForCode) {
   }
 }
 
+// A weight's transposed operand made from its codes (the FP8 backward's data-gradient operand):
+// code for code the recipe's cast of wᵀ, on 64x64 tiles that straddle the 128x128 blocks, and
+// with the codes at a row stride wider than K.
+TEST_F(GpuKernelTest, BlockTransposeMatchesTheRecipeOfTheTranspose) {
+  testing::Rng rng(14);
+  const std::pair<int64_t, int64_t> shapes[] = {{16, 16}, {272, 400}, {80, 1040}, {1040, 4096}};
+  for (const auto& [n, k] : shapes) {
+    const std::string what = "N=" + std::to_string(n) + " K=" + std::to_string(k);
+    const std::vector<double> w = wide_values(n, k, rng);
+    const auto qt =
+        reference::quantize_blockwise(MatrixRef<double>::transposed(w.data(), k, n), 128, 128);
+    const int64_t ld = n == 272 ? k + 48 : k;  // one wider row stride
+    const int64_t grid_n = ScaleLayout::blocks(n), grid_k = ScaleLayout::blocks(k);
+    const int64_t ld_scales = n == 272 ? grid_k + 3 : grid_k;
+    auto dw = upload_bf16(w);
+    DeviceBuffer<uint8_t> codes(size_t(n * ld)), codes_t(size_t(k * n));
+    DeviceBuffer<float> scales(size_t(grid_n * ld_scales)), scales_t(qt.scales.size());
+    codes_t.poison();
+    scales_t.poison();
+    ops::quantize_fp8_blocks(
+        dev(dw.get(), DType::kBF16, n, k, k), dev(codes.get(), DType::kE4M3, n, k, ld),
+        dev(scales.get(), DType::kF32, grid_n, grid_k, ld_scales), {}, {}, nullptr);
+    ops::transpose_fp8_blocks(
+        dev(codes.get(), DType::kE4M3, n, k, ld),
+        dev(scales.get(), DType::kF32, grid_n, grid_k, ld_scales),
+        dev(codes_t.get(), DType::kE4M3, k, n, n),
+        dev(scales_t.get(), DType::kF32, qt.grid_rows(), qt.grid_cols(), qt.grid_cols()), nullptr);
+    CODA_CUDA_CHECK(cudaDeviceSynchronize());
+    expect_same_bytes(what + " codes_t", codes_t.download(), qt.codes);
+    expect_same_floats(what + " scales_t", scales_t.download(), qt.scales);
+  }
+}
+
 const Shape kShapes[] = {{1, 200, 144},    {19, 8, 16},      {111, 200, 400},
                          {300, 264, 1040}, {4097, 264, 272}, {256, 1024, 2048}};
 

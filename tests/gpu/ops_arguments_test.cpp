@@ -261,6 +261,23 @@ TEST(OpArguments, Fp8OperandsAndScalesAreChecked) {
                                   typed(512, e4, 32, 20, 32), typed(1024, f, 1, 32), nullptr);
               }),
               HasSubstr("codes_t must have shape (32, 32), got (32, 20)"));
+  // A weight's transpose: N and K multiples of 16 (16-byte rows both ways), wᵀ's shapes.
+  EXPECT_THAT(error_of([&] {
+                transpose_fp8_blocks(typed(256, e4, 24, 32), typed(512, f, 1, 1),
+                                     typed(768, e4, 32, 24), typed(1024, f, 1, 1), nullptr);
+              }),
+              AllOf(HasSubstr("coda::ops::transpose_fp8_blocks"),
+                    HasSubstr("both multiples of 16, got (24, 32)")));
+  EXPECT_THAT(error_of([&] {
+                transpose_fp8_blocks(typed(256, e4, 32, 144), typed(512, f, 1, 2),
+                                     typed(768, e4, 32, 144), typed(1024, f, 2, 1), nullptr);
+              }),
+              HasSubstr("codes_t must have shape (144, 32), got (32, 144)"));
+  EXPECT_THAT(error_of([&] {
+                transpose_fp8_blocks(typed(256, e4, 32, 144), typed(512, f, 1, 1),
+                                     typed(768, e4, 144, 32), typed(1024, f, 2, 1), nullptr);
+              }),
+              HasSubstr("scales must be fp32 scales of shape (1, 2), got (1, 1)"));
 }
 
 // The FP8 programs' own checks, each before anything reaches the device: operand names, the

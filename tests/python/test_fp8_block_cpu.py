@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import coda  # noqa: F401  (loads the extension: torch.ops.coda)
+import coda.nn
 from coda import ops
 from coda.nn import CodaLlamaForCausalLM, LlamaConfig
 from test_fp8_cpu import E4M3, dequantize, quantize_ref, same_codes, wide
@@ -431,7 +432,9 @@ OPTIMIZERS = {
 def test_fp8_weight_cache_quantizes_once_per_step(optimizer):
     """The projection weights are quantized on the first forward, reused (the same cache entry)
     by later forwards and backwards, and requantized after an optimizer step's in-place update,
-    to the codes of the updated weights, whether or not the step moved the version counters."""
+    to the codes of the updated weights, whether or not the step moved the version counters.
+    The cache keeps no transposed codes (None): each backward transposes a weight's codes, once
+    per weight."""
     _, model, _ = tiny_models()
     ids, labels = tiny_batch()
     opt = OPTIMIZERS[optimizer](model.parameters())
@@ -440,8 +443,10 @@ def test_fp8_weight_cache_quantizes_once_per_step(optimizer):
 
     def step_calls():
         count = CountOps("coda::fp8_quantize_blocks")
-        with count:
+        transposes = CountOps("coda::fp8_transpose_blocks")
+        with count, transposes:
             model(ids, labels).backward()
+        assert transposes.calls == n_weights
         return count.calls
 
     assert step_calls() == n_weights
@@ -456,8 +461,8 @@ def test_fp8_weight_cache_quantizes_once_per_step(optimizer):
         codes, scales, codes_t, scales_t = after[name]
         want = weight_cache(getattr(layer, name).detach())
         same_codes(codes, want[0], f"{name} codes after the step")
-        same_codes(codes_t, want[2], f"{name}ᵀ codes after the step")
-        assert torch.equal(scales, want[1]) and torch.equal(scales_t, want[3]), name
+        assert torch.equal(scales, want[1]), name
+        assert codes_t is None and scales_t is None, f"{name}: the cache keeps wᵀ's codes"
 
 
 def test_fp8_weight_cache_misses_data_writes_until_refreshed():
@@ -479,11 +484,10 @@ def test_fp8_weight_cache_misses_data_writes_until_refreshed():
     with torch.no_grad():
         model(ids, labels)
     assert layer.fp8_weights()["w_gu"] is refreshed  # the refresh's key: no requantization
-    codes, scales, codes_t, scales_t = refreshed
+    codes, scales, _, _ = refreshed
     want = weight_cache(layer.w_gu.detach())
     same_codes(codes, want[0], "w_gu codes after the refresh")
-    same_codes(codes_t, want[2], "w_guᵀ codes after the refresh")
-    assert torch.equal(scales, want[1]) and torch.equal(scales_t, want[3])
+    assert torch.equal(scales, want[1])
     assert not torch.equal(scales, old_scales)  # x3 moves every power-of-two scale
 
 
@@ -564,6 +568,8 @@ def test_fp8_block_ops_bad_arguments_name_the_argument():
         (CODA.fp8_norm_qkv, qkv_args(case, w_codes_t=cache["w_o"][2]),
          r"fp8_norm_qkv: w_codes_t must have shape \(64, 128\), got \(64, 64\)"),
         (CODA.fp8_norm_qkv, qkv_args(case, pos=-pos - 1), r"\bpos\b"),
+        (CODA.fp8_mlp, mlp_args(case, dn_scales_t=None),
+         r"fp8_mlp: pass both dn_codes_t and dn_scales_t \(wᵀ's operand, kept\), or neither"),
     ]
     for op, args, pattern in cases:
         with pytest.raises(RuntimeError, match=pattern):
@@ -576,6 +582,11 @@ def test_fp8_block_ops_bad_arguments_name_the_argument():
           torch.ones(1, 1))
     with pytest.raises(RuntimeError, match=r"H \(w_o.size\(0\)\) = 40 must be a multiple of 16"):
         CODA.fp8_out_proj_residual_norm(y, w, *wc, torch.zeros(5, 40, dtype=F64),
+                                        torch.ones(40, dtype=F64), EPS)
+    # ... and wᵀ's rows, for the backward to transpose the codes when wᵀ's operand is left out.
+    with pytest.raises(RuntimeError, match=r"H \(w_o.size\(0\)\) = 40 must be a multiple of 16 "
+                                           r"for the backward to transpose w_codes"):
+        CODA.fp8_out_proj_residual_norm(y, w, *wc[:2], None, None, torch.zeros(5, 40, dtype=F64),
                                         torch.ones(40, dtype=F64), EPS)
 
 
@@ -605,7 +616,12 @@ def opcheck_cases():
                                  out_proj_args(case) + [True, True]),
         # a's copy made in the backward (fp8_mlp_backward without a_t)
         "mlp_recompute_a": (CODA.fp8_mlp.default, mlp_args(case) + [False, True, True]),
+        # wᵀ's operands left out (None): the backward transposes the weights' codes
+        "mlp_transpose_in_backward": (CODA.fp8_mlp.default, mlp_args(
+            case, gu_codes_t=None, gu_scales_t=None, dn_codes_t=None, dn_scales_t=None)),
         "norm_qkv": (CODA.fp8_norm_qkv.default, qkv_args(case)),
+        "norm_qkv_transpose_in_backward": (CODA.fp8_norm_qkv.default, qkv_args(
+            case, w_codes_t=None, w_scales_t=None)),
         # QK-norm (M19: 4 Q and 2 K/V heads of 16)
         "norm_qkv_qk_norm": (CODA.fp8_norm_qkv_qk_norm.default,
                              qkv_args(case)[:-1] + [rg(1 + 0.1 * torch.arange(16, dtype=F64)),
@@ -619,8 +635,7 @@ def e4m3_as_bytes(outs):
     return tuple(o.view(torch.uint8) if o.dtype == E4M3 else o for o in outs)
 
 
-@pytest.mark.parametrize("name", ["out_proj", "out_proj_recompute_y", "mlp", "mlp_recompute_a",
-                                  "norm_qkv", "norm_qkv_qk_norm"])
+@pytest.mark.parametrize("name", sorted(opcheck_cases()))
 def test_opcheck_fp8_block_ops(name):
     """torch.library.opcheck's autograd-registration and fake-tensor checks (float64, with the
     differentiable inputs requiring grad). Its other two cannot take e4m3 tensors on the CPU
@@ -716,9 +731,10 @@ def test_refresh_after_a_device_move_makes_new_operands_there():
     old = model.layers[0].fp8_weights()["w_qkv"]
     model.to("meta")
     model.refresh_fp8_weights()
-    new = model.layers[0]._fp8_cache._entries["w_qkv"][1]
+    new = model.layers[0]._fp8_cache._entries["w_qkv"][1][:2]  # codes, scales (wᵀ's: None)
     assert all(t.device.type == "meta" for t in new)
-    assert all(t.device.type == "cpu" for t in old) and all(a is not b for a, b in zip(new, old))
+    assert all(t.device.type == "cpu" for t in old[:2])
+    assert all(a is not b for a, b in zip(new, old[:2]))
 
 
 def test_copies_false_leaves_out_the_weight_gradients_copies():
@@ -789,6 +805,38 @@ def test_recompute_a_trains_as_the_kept_copy_and_keeps_less():
     m, inter = ids.numel(), fp8.config.intermediate_size
     a_copy = inter * ((m + 15) // 16 * 16) + 4 * inter * ((m + 127) // 128)
     assert kept - recomputed == len(fp8.layers) * a_copy, (kept, recomputed)
+
+
+def test_weights_transposed_in_the_backward_train_as_the_kept_transpose(monkeypatch):
+    """The model's weight cache passes None for wᵀ's operand: each backward transposes the
+    weight's codes (fp8_transpose_blocks), bit for bit the cast of wᵀ, so the loss and every
+    gradient equal a model's that keeps the cast's transposed codes, and the cache holds exactly
+    those codes and scales less (N·K codes and ceil(K/128)·ceil(N/128) scales a weight)."""
+    _, fp8, _ = tiny_models()
+    ids, labels = tiny_batch()
+
+    def cached_bytes():
+        return sum(t.numel() * t.element_size() for layer in fp8.layers
+                   for q in layer.fp8_weights().values() for t in q if t is not None)
+
+    loss = fp8(ids, labels)
+    loss.backward()
+    lean = cached_bytes()
+    want = {n: p.grad.clone() for n, p in fp8.named_parameters()}
+    fp8.zero_grad(set_to_none=True)
+    monkeypatch.setattr(coda.nn, "_quantize_weight",
+                        lambda w: tuple(CODA.fp8_quantize_blocks(w.detach(), True, True)))
+    for layer in fp8.layers:
+        layer._fp8_cache.clear()
+    loss2 = fp8(ids, labels)
+    loss2.backward()
+    assert torch.equal(loss2, loss)
+    for n, p in fp8.named_parameters():
+        assert torch.equal(p.grad, want[n]), n
+    transposed = sum(w.numel() + 4 * (-(-w.shape[0] // 128)) * (-(-w.shape[1] // 128))
+                     for layer in fp8.layers
+                     for w in (layer.w_qkv, layer.w_o, layer.w_gu, layer.w_down))
+    assert cached_bytes() - lean == transposed, (cached_bytes(), lean)
 
 
 def test_recompute_y_keeps_y_itself_and_trains_as_the_kept_copy():

@@ -140,6 +140,40 @@ def test_block_cast_matches_the_recipe(n, k, g):
     assert torch.equal(scales_t, want_s.t())
 
 
+@pytest.mark.parametrize("n,k", [(16, 16), (272, 400), (80, 1040)])
+def test_block_transpose_is_the_cast_of_the_transpose(n, k, g):
+    """fp8_transpose_blocks(codes, scales) of w's cast is the cast's own wᵀ operand, byte for
+    byte (ragged: N, K multiples of 16, not of 128); its Meta kernel gives the same layouts."""
+    w = wide(n, k, g)
+    codes, scales, _, _ = CODA.fp8_quantize_blocks(w)
+    _, _, want, want_s = CODA.fp8_quantize_blocks(w, False, True)
+    codes_t, scales_t = CODA.fp8_transpose_blocks(codes, scales)
+    same_codes(codes_t, want, "codes_t")
+    assert torch.equal(scales_t, want_s) and scales_t.stride() == want_s.stride()
+    torch.library.opcheck(CODA.fp8_transpose_blocks.default, (codes, scales),
+                          test_utils=("test_faketensor",))
+    for got, real in zip(CODA.fp8_transpose_blocks(codes.to("meta"), scales.to("meta")),
+                         (codes_t, scales_t)):
+        assert (got.device.type, got.shape, got.stride(), got.dtype) == (
+            "meta", real.shape, real.stride(), real.dtype)
+
+
+def test_block_transpose_bad_arguments(g):
+    codes, scales, _, _ = CODA.fp8_quantize_blocks(wide(32, 144, g))
+    op = CODA.fp8_transpose_blocks
+    with pytest.raises(RuntimeError, match=r"codes must be float8_e4m3fn, got Float"):
+        op(codes.float(), scales)
+    with pytest.raises(RuntimeError, match=r"N and K positive multiples of 16, got \(24, 144\)"):
+        op(codes[:24], scales)
+    with pytest.raises(RuntimeError, match=r"scales must have shape \(1, 2\) for codes of shape "
+                                           r"\(32, 144\), got \(2, 1\)"):
+        op(codes, scales.t().contiguous())
+    with pytest.raises(RuntimeError, match=r"codes must be contiguous"):
+        op(torch.cat([codes.view(torch.uint8)] * 2, 1).view(E4M3)[:, :144], scales)
+    with pytest.raises(RuntimeError, match=r"scales must be float32, got Double"):
+        op(codes, scales.double())
+
+
 def test_nan_spoils_its_blocks_only(g):
     x = wide(130, 256, g)
     x[3, 200] = float("nan")

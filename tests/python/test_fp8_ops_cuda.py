@@ -57,6 +57,21 @@ def test_fp8_casts_match_the_cpu_recipe_bit_for_bit(m, n, k):
         same_bits(got, want, f"blocks {name}")
 
 
+@pytest.mark.parametrize("n,k", [(16, 16), (272, 400), (80, 1040), (4096, 14336)])
+def test_fp8_transpose_blocks_is_the_cast_of_the_transpose(n, k):
+    """The CUDA transpose of a weight's codes: byte for byte the CUDA cast's own wᵀ operand
+    (ragged N, K; a LLaMA-3-8B down-projection's size), and the CPU op's on the same codes."""
+    w = wide_bf16(n, k, torch.Generator().manual_seed(n + k)).cuda()
+    codes, scales, want, want_s = CODA.fp8_quantize_blocks(w, True, True)
+    codes_t, scales_t = CODA.fp8_transpose_blocks(codes, scales)
+    same_bits(codes_t, want.cpu(), "codes_t")
+    same_bits(scales_t, want_s.cpu(), "scales_t")
+    if n * k <= 1 << 20:
+        for got, cpu in zip((codes_t, scales_t), CODA.fp8_transpose_blocks(codes.cpu(),
+                                                                           scales.cpu())):
+            same_bits(got, cpu, "against the CPU op")
+
+
 @pytest.mark.parametrize("m,n,k", FP8_SHAPES)
 def test_fp8_gemms_match_the_cpu_recipe(m, n, k):
     """Forward, data and weight gradient on the codes the CUDA casts wrote, against the CPU

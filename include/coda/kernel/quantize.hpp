@@ -38,4 +38,13 @@ void quantize_fp8_swiglu_t(const bf16* z, int64_t rows, int64_t cols, int64_t ld
 void quantize_fp8_blocks(const bf16* x, int64_t rows, int64_t cols, int64_t ldx, Fp8Output out,
                          Fp8Output out_t, cudaStream_t stream);
 
+// The transpose of a 128x128-blocked matrix as quantize_fp8_blocks writes it (codes (rows, cols),
+// row stride ld; block (rb, cb)'s scale at rb · ld_scales + cb), rows and cols multiples of 16:
+// out_t = codesᵀ (cols, rows) with block (cb, rb)'s scale at cb · out_t.ld_scales + rb, bit for
+// bit quantize_fp8_blocks' out_t of the matrix the codes came from (the blocks are the same, so
+// are their amaxes). A pass over bytes, through shared memory in 64x64 tiles.
+void transpose_fp8_blocks(const uint8_t* codes, int64_t rows, int64_t cols, int64_t ld,
+                          const float* scales, int64_t ld_scales, Fp8Output out_t,
+                          cudaStream_t stream);
+
 }  // namespace coda::kernel
