@@ -53,10 +53,10 @@ void check_scales(const OpContext& c, const char* name, const Tensor& t, int64_t
 }
 // An FP8 weight cache of w (N, K), its arguments named `prefix`_codes, ..: codes (N, K), scales
 // (ceil(N/128), ceil(K/128)) where `forward`, and wᵀ's codes (K, N), scales (ceil(K/128),
-// ceil(N/128)), which a forward may leave out (its backward transposes the codes then);
-// `width` names N, a multiple of 16 (the transposed codes' rows).
+// ceil(N/128)), which a forward may leave out (its backward transposes the codes then, or with
+// `recast` casts wᵀ from w); `width` names N, a multiple of 16 (the transposed codes' rows).
 void check_fp8_weight(const OpContext& c, const std::string& prefix, const char* width,
-                      const Tensor& w, const Fp8& q, bool forward) {
+                      const Tensor& w, const Fp8& q, bool forward, bool recast = false) {
   const int64_t n = w.size(0), k = w.size(1);
   const std::string codes = prefix + "_codes", scales = prefix + "_scales",
                     codes_t = prefix + "_codes_t", scales_t = prefix + "_scales_t";
@@ -65,14 +65,18 @@ void check_fp8_weight(const OpContext& c, const std::string& prefix, const char*
     check_scales(c, scales.c_str(), q.scales, blocks(n), blocks(k), false);
     TORCH_CHECK(q.codes_t.defined() == q.scales_t.defined(), c.op, ": pass both ", codes_t, " and ",
                 scales_t, " (wᵀ's operand, kept), or neither (the backward makes it)");
+    TORCH_CHECK(!(recast && q.codes_t.defined()), c.op,
+                ": recast_w_t casts wᵀ's operand in the "
+                "backward: pass ",
+                codes_t, " and ", scales_t, " as None with it");
   }
   if (!forward || q.codes_t.defined()) {
     check_codes(c, codes_t.c_str(), q.codes_t, k, n);
     check_scales(c, scales_t.c_str(), q.scales_t, blocks(k), blocks(n), false);
   }
   TORCH_CHECK(q.codes_t.defined() || n % 16 == 0, c.op, ": ", width, " = ", n,
-              " must be a multiple of 16 for the backward to transpose ", codes,
-              " (16-byte rows of wᵀ's codes); pass ", codes_t, " and ", scales_t, " otherwise");
+              " must be a multiple of 16 for the backward to make wᵀ's codes (16-byte rows); pass ",
+              codes_t, " and ", scales_t, " otherwise");
   c.cuda_width(width, n, 16);
 }
 // A forward's weight operands; wᵀ's may be absent (None).
@@ -111,11 +115,12 @@ using OutProj = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
 OutProj fp8_out_proj_residual_norm(const Tensor& y, const Tensor& w_o, const Tensor& w_codes,
                                    const Tensor& w_scales, const std::optional<Tensor>& w_codes_t,
                                    const std::optional<Tensor>& w_scales_t, const Tensor& residual,
-                                   const Tensor& gamma, double eps, bool copies, bool recompute_y) {
+                                   const Tensor& gamma, double eps, bool copies, bool recompute_y,
+                                   bool recast_w_t) {
   const auto c = OpContext::from("coda::fp8_out_proj_residual_norm", "y", y);
   const auto s = validate_out_proj_residual_norm(c, y, w_o, residual, gamma, eps);
   const Fp8 w = fp8_weight(w_codes, w_scales, w_codes_t, w_scales_t);
-  check_fp8_weight(c, "w", "H (w_o.size(0))", w_o, w, true);
+  check_fp8_weight(c, "w", "H (w_o.size(0))", w_o, w, true, recast_w_t);
   fp8_width(c, "K (y.size(1))", s.k);
   fp8_width(c, "H (w_o.size(0))", s.hidden);
   return on_backend(y, [&](auto& b) {
@@ -133,15 +138,15 @@ MlpOut fp8_mlp(const Tensor& x, const Tensor& gamma, const Tensor& w_gu, const T
                const Tensor& dn_codes, const Tensor& dn_scales,
                const std::optional<Tensor>& dn_codes_t, const std::optional<Tensor>& dn_scales_t,
                const Tensor& h, const Tensor& h_scales, const Tensor& r, const Tensor& gamma_next,
-               double eps, bool act_h_out, bool copies, bool recompute_a) {
+               double eps, bool act_h_out, bool copies, bool recompute_a, bool recast_w_t) {
   const auto c = OpContext::from("coda::fp8_mlp", "x", x);
   const auto s = validate_mlp(c, x, gamma, w_gu, w_down, nullptr, r);
   c.activation("gamma_next", gamma_next, {s.hidden});
   check_eps(c.op, eps);
   const Fp8 gu = fp8_weight(gu_codes, gu_scales, gu_codes_t, gu_scales_t);
   const Fp8 dn = fp8_weight(dn_codes, dn_scales, dn_codes_t, dn_scales_t);
-  check_fp8_weight(c, "gu", "2I (w_gu.size(0))", w_gu, gu, true);
-  check_fp8_weight(c, "dn", "H (w_down.size(0))", w_down, dn, true);
+  check_fp8_weight(c, "gu", "2I (w_gu.size(0))", w_gu, gu, true, recast_w_t);
+  check_fp8_weight(c, "dn", "H (w_down.size(0))", w_down, dn, true, recast_w_t);
   const Fp8 hq{h, h_scales, {}, {}};
   check_fp8_act(c, "h", hq, s.m, s.hidden, true, false);
   fp8_width(c, "H (x.size(1))", s.hidden);
@@ -162,13 +167,14 @@ Tensor fp8_norm_qkv(const Tensor& x, const Tensor& gamma, const Tensor& w_qkv,
                     const Tensor& w_codes, const Tensor& w_scales,
                     const std::optional<Tensor>& w_codes_t, const std::optional<Tensor>& w_scales_t,
                     const Tensor& h, const Tensor& h_scales, const Tensor& r, const Tensor& pos,
-                    const Tensor& rope_table, const std::optional<Tensor>& b_qkv_in) {
+                    const Tensor& rope_table, const std::optional<Tensor>& b_qkv_in,
+                    bool recast_w_t) {
   const auto c = OpContext::from("coda::fp8_norm_qkv", "x", x);
   const Tensor b_qkv = b_qkv_in.value_or(Tensor());
   const auto s = validate_norm_qkv(c, x, gamma, w_qkv, nullptr, r, pos, rope_table, b_qkv);
   check_positions(c, pos);
   const Fp8 w = fp8_weight(w_codes, w_scales, w_codes_t, w_scales_t);
-  check_fp8_weight(c, "w", "the QKV width (w_qkv.size(0))", w_qkv, w, true);
+  check_fp8_weight(c, "w", "the QKV width (w_qkv.size(0))", w_qkv, w, true, recast_w_t);
   const Fp8 hq{h, h_scales, {}, {}};
   check_fp8_act(c, "h", hq, s.m, s.hidden, true, false);
   fp8_width(c, "H (x.size(1))", s.hidden);
@@ -182,13 +188,13 @@ std::tuple<Tensor, Tensor> fp8_norm_qkv_qk_norm(
     const Tensor& w_scales, const std::optional<Tensor>& w_codes_t,
     const std::optional<Tensor>& w_scales_t, const Tensor& h, const Tensor& h_scales,
     const Tensor& r, const Tensor& pos, const Tensor& rope_table, const Tensor& q_gamma,
-    const Tensor& k_gamma, int64_t n_heads, int64_t n_kv_heads, double eps) {
+    const Tensor& k_gamma, int64_t n_heads, int64_t n_kv_heads, double eps, bool recast_w_t) {
   const auto c = OpContext::from("coda::fp8_norm_qkv_qk_norm", "x", x);
   const auto s = validate_norm_qkv_qk_norm(c, x, gamma, w_qkv, nullptr, r, pos, rope_table, q_gamma,
                                            k_gamma, n_heads, n_kv_heads, eps);
   check_positions(c, pos);
   const Fp8 w = fp8_weight(w_codes, w_scales, w_codes_t, w_scales_t);
-  check_fp8_weight(c, "w", "the QKV width (w_qkv.size(0))", w_qkv, w, true);
+  check_fp8_weight(c, "w", "the QKV width (w_qkv.size(0))", w_qkv, w, true, recast_w_t);
   const Fp8 hq{h, h_scales, {}, {}};
   check_fp8_act(c, "h", hq, s.proj.m, s.proj.hidden, true, false);
   fp8_width(c, "H (x.size(1))", s.proj.hidden);
@@ -307,7 +313,7 @@ at::ScalarType stat_of(const Tensor& act) {
 OutProj fp8_out_proj_residual_norm_meta(const Tensor& y, const Tensor& w_o, const Tensor&,
                                         const Tensor&, const std::optional<Tensor>&,
                                         const std::optional<Tensor>&, const Tensor&, const Tensor&,
-                                        double, bool copies, bool recompute_y) {
+                                        double, bool copies, bool recompute_y, bool) {
   const c10::SymInt m = y.sym_size(0), k = y.sym_size(1), hidden = w_o.sym_size(0);
   const fp8::Quantized h = fp8::empty_quantized(y, m, hidden, true, false);
   const fp8::Quantized y_copy = fp8::empty_quantized(y, m, k, false, copies && !recompute_y);
@@ -322,7 +328,7 @@ MlpOut fp8_mlp_meta(const Tensor& x, const Tensor&, const Tensor& w_gu, const Te
                     const Tensor&, const std::optional<Tensor>&, const std::optional<Tensor>&,
                     const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&,
                     const std::optional<Tensor>&, const Tensor&, const Tensor&, const Tensor&,
-                    const Tensor&, double, bool act_h_out, bool copies, bool recompute_a) {
+                    const Tensor&, double, bool act_h_out, bool copies, bool recompute_a, bool) {
   const c10::SymInt m = x.sym_size(0), hidden = x.sym_size(1), two_i = w_gu.sym_size(0);
   const fp8::Quantized a_copy =
       fp8::empty_quantized(x, m, two_i / 2, false, copies && !recompute_a);
@@ -343,14 +349,14 @@ MlpOut fp8_mlp_meta(const Tensor& x, const Tensor&, const Tensor& w_gu, const Te
 Tensor fp8_norm_qkv_meta(const Tensor& x, const Tensor&, const Tensor& w_qkv, const Tensor&,
                          const Tensor&, const std::optional<Tensor>&, const std::optional<Tensor>&,
                          const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                         const std::optional<Tensor>&) {
+                         const std::optional<Tensor>&, bool) {
   return at::empty_symint({x.sym_size(0), w_qkv.sym_size(0)}, x.options());
 }
 std::tuple<Tensor, Tensor> fp8_norm_qkv_qk_norm_meta(
     const Tensor& x, const Tensor&, const Tensor& w_qkv, const Tensor&, const Tensor&,
     const std::optional<Tensor>&, const std::optional<Tensor>&, const Tensor&, const Tensor&,
     const Tensor&, const Tensor&, const Tensor&, const Tensor& q_gamma, const Tensor&,
-    int64_t n_heads, int64_t n_kv_heads, double) {
+    int64_t n_heads, int64_t n_kv_heads, double, bool) {
   const c10::SymInt m = x.sym_size(0), normed = (n_heads + n_kv_heads) * q_gamma.sym_size(0);
   return {at::empty_symint({m, w_qkv.sym_size(0)}, x.options()),
           at::empty_symint({m, normed}, x.options())};
@@ -401,24 +407,39 @@ const c10::TypedOperatorHandle<decltype(fp8_mlp)>& mlp_op() {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// What a forward saves of a weight for its backward's data gradient (wᵀ's operand): the one the
-// caller passed, or else the weight's own codes and scales, which the backward transposes
-// (fp8_transpose_blocks), so that wᵀ's codes live only while their layer's backward runs. `key`
-// records which.
+// How a backward gets a weight's data-gradient operand (wᵀ's codes and scales).
+enum class WeightT : int64_t {
+  kKept = 0,       // the caller passed it: saved
+  kTranspose = 1,  // w's codes saved, transposed in the backward (fp8_transpose_blocks)
+  kRecast = 2,     // nothing FP8 saved: cast from the bf16 w (saved anyway) in the backward
+};
+// What a forward saves of a weight for wᵀ's operand, `key` recording how (WeightT): without
+// the caller's, wᵀ's codes live only while the layer's backward runs; with `recast` w's codes
+// do not outlive the forward either (a caller that casts w every forward: nothing of it kept).
 std::pair<Tensor, Tensor> weight_t_to_save(AutogradContext* ctx, const char* key, const Tensor& wc,
                                            const Tensor& ws, const std::optional<Tensor>& wct,
-                                           const std::optional<Tensor>& wst) {
-  ctx->saved_data[key] = !wct.has_value();
-  if (wct) return {*wct, *wst};
-  return {wc, ws};
+                                           const std::optional<Tensor>& wst, bool recast) {
+  const WeightT how = wct ? WeightT::kKept : recast ? WeightT::kRecast : WeightT::kTranspose;
+  ctx->saved_data[key] = static_cast<int64_t>(how);
+  if (how == WeightT::kKept) return {*wct, *wst};
+  if (how == WeightT::kTranspose) return {wc, ws};
+  return {Tensor(), Tensor()};
 }
-// wᵀ's operand in the backward, from what weight_t_to_save saved (a, b).
+// wᵀ's operand in the backward, from what weight_t_to_save saved (a, b) or from w.
 std::tuple<Tensor, Tensor> weight_t(AutogradContext* ctx, const char* key, const Tensor& a,
-                                    const Tensor& b) {
-  if (!ctx->saved_data[key].toBool()) return {a, b};
-  static const auto t =
-      op<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&)>("coda::fp8_transpose_blocks");
-  return t.call(a, b);
+                                    const Tensor& b, const Tensor& w) {
+  const auto how = static_cast<WeightT>(ctx->saved_data[key].toInt());
+  if (how == WeightT::kKept) return {a, b};
+  if (how == WeightT::kTranspose) {
+    static const auto t =
+        op<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&)>("coda::fp8_transpose_blocks");
+    return t.call(a, b);
+  }
+  static const auto cast =
+      op<std::tuple<Tensor, Tensor, Tensor, Tensor>(const Tensor&, bool, bool)>(
+          "coda::fp8_quantize_blocks");
+  auto [codes, scales, codes_t, scales_t] = cast.call(w, false, true);
+  return {codes_t, scales_t};
 }
 
 // copies=False leaves out what the backward reads: only where no gradient is recorded.
@@ -435,28 +456,28 @@ class Fp8OutProjResidualNorm : public torch::autograd::Function<Fp8OutProjResidu
   static variable_list forward(AutogradContext* ctx, const Tensor& y, const Tensor& w_o,
                                const Tensor& wc, const Tensor& ws, const std::optional<Tensor>& wct,
                                const std::optional<Tensor>& wst, const Tensor& residual,
-                               const Tensor& gamma, double eps, bool recompute_y) {
+                               const Tensor& gamma, double eps, bool recompute_y, bool recast_w_t) {
     ctx->set_materialize_grads(false);
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [x, h, hs, r, yt, yts] =
-        out_proj_op().call(y, w_o, wc, ws, wct, wst, residual, gamma, eps, true, recompute_y);
+    auto [x, h, hs, r, yt, yts] = out_proj_op().call(y, w_o, wc, ws, wct, wst, residual, gamma, eps,
+                                                     true, recompute_y, recast_w_t);
     ctx->mark_non_differentiable({h, hs, r, yt, yts});  // caches for the consumer, its operands
     // recompute_y: y itself (the attention's output, which attention's backward keeps anyway)
     // instead of its transposed copy; the backward makes the copy.
-    const auto [wt, wts] = weight_t_to_save(ctx, "transpose_w", wc, ws, wct, wst);
+    const auto [wt, wts] = weight_t_to_save(ctx, "w_t", wc, ws, wct, wst, recast_w_t);
     ctx->save_for_backward({recompute_y ? y : yt, yts, w_o, wt, wts});
     ctx->saved_data["recompute_y"] = recompute_y;
     return {x, h, hs, r, yt, yts};
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
-    variable_list out(10);
+    variable_list out(11);
     if (!g[0].defined()) return out;
     const auto s = ctx->get_saved_variables();
     static const auto b = op<decltype(fp8_linear_backward)>("coda::fp8_linear_backward");
     const Tensor dx = g[0].contiguous();
     // y's copy as the forward made it, or y (recompute_y): the backward op makes the copy.
     const bool kept = !ctx->saved_data["recompute_y"].toBool();
-    const auto [wt, wts] = weight_t(ctx, "transpose_w", s[3], s[4]);
+    const auto [wt, wts] = weight_t(ctx, "w_t", s[3], s[4], s[2]);
     auto [dy, dw] = kept ? b.call(dx, s[0], s[1], s[2], wt, wts, std::nullopt)
                          : b.call(dx, std::nullopt, std::nullopt, s[2], wt, wts, s[0]);
     out[0] = dy;
@@ -475,21 +496,21 @@ class Fp8Mlp : public torch::autograd::Function<Fp8Mlp> {
                                const std::optional<Tensor>& dnct, const std::optional<Tensor>& dnst,
                                const Tensor& h, const Tensor& hs, const Tensor& r,
                                const Tensor& gamma_next, double eps, bool act_h_out,
-                               bool recompute_a) {
+                               bool recompute_a, bool recast_w_t) {
     ctx->set_materialize_grads(false);
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [x_out, h_out, h_outs, r_out, z, at, ats] =
         mlp_op().call(x, gamma, w_gu, guc, gus, guct, gust, w_down, dnc, dns, dnct, dnst, h, hs, r,
-                      gamma_next, eps, act_h_out, true, recompute_a);
+                      gamma_next, eps, act_h_out, true, recompute_a, recast_w_t);
     ctx->mark_non_differentiable({h_out, h_outs, r_out, z, at, ats});
-    const auto [gut, guts] = weight_t_to_save(ctx, "transpose_gu", guc, gus, guct, gust);
-    const auto [dnt, dnts] = weight_t_to_save(ctx, "transpose_dn", dnc, dns, dnct, dnst);
+    const auto [gut, guts] = weight_t_to_save(ctx, "gu_t", guc, gus, guct, gust, recast_w_t);
+    const auto [dnt, dnts] = weight_t_to_save(ctx, "dn_t", dnc, dns, dnct, dnst, recast_w_t);
     ctx->save_for_backward({x, gamma, w_gu, gut, guts, w_down, dnt, dnts, r, z, at, ats});
     ctx->saved_data["recompute_a"] = recompute_a;
     return {x_out, h_out, h_outs, r_out, z, at, ats};
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
-    variable_list out(19);
+    variable_list out(20);
     if (!g[0].defined()) return out;
     const auto s = ctx->get_saved_variables();
     static auto b = op<std::tuple<Tensor, Tensor, Tensor, Tensor>(
@@ -498,8 +519,8 @@ class Fp8Mlp : public torch::autograd::Function<Fp8Mlp> {
         const std::optional<Tensor>&, const std::optional<Tensor>&)>("coda::fp8_mlp_backward");
     // a's copy, or none (recompute_a: F2 wrote no copy, an empty tensor): made from z.
     const bool kept = !ctx->saved_data["recompute_a"].toBool();
-    const auto [gut, guts] = weight_t(ctx, "transpose_gu", s[3], s[4]);
-    const auto [dnt, dnts] = weight_t(ctx, "transpose_dn", s[6], s[7]);
+    const auto [gut, guts] = weight_t(ctx, "gu_t", s[3], s[4], s[2]);
+    const auto [dnt, dnts] = weight_t(ctx, "dn_t", s[6], s[7], s[5]);
     auto [dx, dgamma, dw_gu, dw_down] =
         b.call(g[0].contiguous(), s[0], s[1], s[2], gut, guts, s[5], dnt, dnts, s[8], s[9],
                kept ? std::optional<Tensor>(s[10]) : std::nullopt,
@@ -518,18 +539,18 @@ class Fp8NormQkv : public torch::autograd::Function<Fp8NormQkv> {
                         const Tensor& w_qkv, const Tensor& wc, const Tensor& ws,
                         const std::optional<Tensor>& wct, const std::optional<Tensor>& wst,
                         const Tensor& h, const Tensor& hs, const Tensor& r, const Tensor& pos,
-                        const Tensor& table, const std::optional<Tensor>& b_qkv) {
+                        const Tensor& table, const std::optional<Tensor>& b_qkv, bool recast_w_t) {
     ctx->set_materialize_grads(false);
     at::AutoDispatchBelowADInplaceOrView guard;
     static auto f = op<decltype(fp8_norm_qkv)>("coda::fp8_norm_qkv");
-    Tensor qkv = f.call(x, gamma, w_qkv, wc, ws, wct, wst, h, hs, r, pos, table, b_qkv);
-    const auto [wt, wts] = weight_t_to_save(ctx, "transpose_w", wc, ws, wct, wst);
+    Tensor qkv = f.call(x, gamma, w_qkv, wc, ws, wct, wst, h, hs, r, pos, table, b_qkv, recast_w_t);
+    const auto [wt, wts] = weight_t_to_save(ctx, "w_t", wc, ws, wct, wst, recast_w_t);
     ctx->save_for_backward(
         {qkv, x, gamma, w_qkv, wt, wts, r, pos, table, b_qkv.value_or(Tensor())});
     return qkv;
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
-    variable_list out(13);
+    variable_list out(14);
     if (!g[0].defined()) return out;
     const auto s = ctx->get_saved_variables();
     static auto b = op<std::tuple<Tensor, Tensor, Tensor, Tensor>(
@@ -537,7 +558,7 @@ class Fp8NormQkv : public torch::autograd::Function<Fp8NormQkv> {
         const Tensor&, const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&)>(
         "coda::fp8_norm_qkv_backward");
     const std::optional<Tensor> bias = s[9].defined() ? std::optional<Tensor>(s[9]) : std::nullopt;
-    const auto [wt, wts] = weight_t(ctx, "transpose_w", s[4], s[5]);
+    const auto [wt, wts] = weight_t(ctx, "w_t", s[4], s[5], s[3]);
     auto [dx, dgamma, dw, db] =
         b.call(g[0].contiguous(), s[0], s[1], s[2], s[3], wt, wts, s[6], s[7], s[8], bias);
     out[0] = dx;
@@ -556,14 +577,14 @@ class Fp8NormQkvQkNorm : public torch::autograd::Function<Fp8NormQkvQkNorm> {
                                const Tensor& h, const Tensor& hs, const Tensor& r,
                                const Tensor& pos, const Tensor& table, const Tensor& q_gamma,
                                const Tensor& k_gamma, int64_t n_heads, int64_t n_kv_heads,
-                               double eps) {
+                               double eps, bool recast_w_t) {
     ctx->set_materialize_grads(false);
     at::AutoDispatchBelowADInplaceOrView guard;
     static const auto f = op<decltype(fp8_norm_qkv_qk_norm)>("coda::fp8_norm_qkv_qk_norm");
     auto [qkv, qk_pre] = f.call(x, gamma, w_qkv, wc, ws, wct, wst, h, hs, r, pos, table, q_gamma,
-                                k_gamma, n_heads, n_kv_heads, eps);
+                                k_gamma, n_heads, n_kv_heads, eps, recast_w_t);
     ctx->mark_non_differentiable({qk_pre});
-    const auto [wt, wts] = weight_t_to_save(ctx, "transpose_w", wc, ws, wct, wst);
+    const auto [wt, wts] = weight_t_to_save(ctx, "w_t", wc, ws, wct, wst, recast_w_t);
     ctx->save_for_backward(
         {qkv, qk_pre, x, gamma, w_qkv, wt, wts, r, pos, table, q_gamma, k_gamma});
     ctx->saved_data["n_heads"] = n_heads;
@@ -572,12 +593,12 @@ class Fp8NormQkvQkNorm : public torch::autograd::Function<Fp8NormQkvQkNorm> {
     return {qkv, qk_pre};
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
-    variable_list out(17);
+    variable_list out(18);
     if (!g[0].defined()) return out;
     const auto s = ctx->get_saved_variables();
     static const auto b =
         op<decltype(fp8_norm_qkv_qk_norm_backward)>("coda::fp8_norm_qkv_qk_norm_backward");
-    const auto [wt, wts] = weight_t(ctx, "transpose_w", s[5], s[6]);
+    const auto [wt, wts] = weight_t(ctx, "w_t", s[5], s[6], s[4]);
     auto [dx, dgamma, dw, dqg, dkg] =
         b.call(g[0].contiguous(), s[0], s[1], s[2], s[3], s[4], wt, wts, s[7], s[8], s[9], s[10],
                s[11], ctx->saved_data["n_heads"].toInt(), ctx->saved_data["n_kv_heads"].toInt(),
@@ -618,7 +639,8 @@ void register_kernels(torch::Library& m) {
 
 TORCH_LIBRARY_FRAGMENT(coda, m) {
   // Forward: as out_proj_residual_norm, mlp and norm_qkv, each weight with its FP8 operands (wᵀ's
-  // optional: None, and the backward transposes w's codes) and h in its 1x128 blocks. out-proj also
+  // optional: None, and the backward transposes w's codes, or with recast_w_t casts wᵀ from w,
+  // keeping nothing FP8 of the weight) and h in its 1x128 blocks. out-proj also
   // returns y's transposed copy (its backward's dW_o operand; with recompute_y none, empty: the
   // backward makes it from y, which it keeps instead); mlp returns z and a's copy (its backward's
   // operands; with recompute_a no copy, empty: the backward makes it from z); with act_h_out mlp's
@@ -626,28 +648,27 @@ TORCH_LIBRARY_FRAGMENT(coda, m) {
   m.def(
       "fp8_out_proj_residual_norm(Tensor y, Tensor w_o, Tensor w_codes, Tensor w_scales, "
       "Tensor? w_codes_t, Tensor? w_scales_t, Tensor residual, Tensor gamma, float eps, "
-      "bool copies=True, bool recompute_y=False) -> (Tensor x, Tensor h, Tensor h_scales, "
-      "Tensor r, Tensor y_t, Tensor y_t_scales)");
+      "bool copies=True, bool recompute_y=False, bool recast_w_t=False) -> (Tensor x, "
+      "Tensor h, Tensor h_scales, Tensor r, Tensor y_t, Tensor y_t_scales)");
   m.def(
       "fp8_mlp(Tensor x, Tensor gamma, Tensor w_gu, Tensor gu_codes, Tensor gu_scales, "
       "Tensor? gu_codes_t, Tensor? gu_scales_t, Tensor w_down, Tensor dn_codes, "
       "Tensor dn_scales, Tensor? dn_codes_t, Tensor? dn_scales_t, Tensor h, Tensor h_scales, "
-      "Tensor r, "
-      "Tensor gamma_next, float eps, bool act_h_out=False, bool copies=True, "
-      "bool recompute_a=False) -> (Tensor x_out, "
+      "Tensor r, Tensor gamma_next, float eps, bool act_h_out=False, bool copies=True, "
+      "bool recompute_a=False, bool recast_w_t=False) -> (Tensor x_out, "
       "Tensor h_out, "
       "Tensor h_out_scales, Tensor r_out, Tensor z, Tensor a_t, Tensor a_t_scales)");
   m.def(
       "fp8_norm_qkv(Tensor x, Tensor gamma, Tensor w_qkv, Tensor w_codes, Tensor w_scales, "
       "Tensor? w_codes_t, Tensor? w_scales_t, Tensor h, Tensor h_scales, Tensor r, Tensor pos, "
-      "Tensor rope_table, Tensor? b_qkv=None) -> Tensor");
+      "Tensor rope_table, Tensor? b_qkv=None, bool recast_w_t=False) -> Tensor");
   // With QK-norm (Qwen3), as norm_qkv_qk_norm: qk_pre (the Q and K columns before their norm)
   // is for the backward.
   m.def(
       "fp8_norm_qkv_qk_norm(Tensor x, Tensor gamma, Tensor w_qkv, Tensor w_codes, "
       "Tensor w_scales, Tensor? w_codes_t, Tensor? w_scales_t, Tensor h, Tensor h_scales, "
       "Tensor r, Tensor pos, Tensor rope_table, Tensor q_gamma, Tensor k_gamma, int n_heads, "
-      "int n_kv_heads, float eps) -> (Tensor qkv, Tensor qk_pre)");
+      "int n_kv_heads, float eps, bool recast_w_t=False) -> (Tensor qkv, Tensor qk_pre)");
   // Backward: the incoming gradient cast once; the weights' transposed codes; the copies kept
   // (fp8_mlp_backward without a's: made from z).
   m.def(
@@ -696,52 +717,53 @@ TORCH_LIBRARY_IMPL(coda, Autograd, m) {
             const Tensor& ws, const std::optional<Tensor>& wct, const std::optional<Tensor>& wst,
             const Tensor& h, const Tensor& hs, const Tensor& r, const Tensor& pos,
             const Tensor& table, const Tensor& q_gamma, const Tensor& k_gamma, int64_t n_heads,
-            int64_t n_kv_heads, double eps) {
+            int64_t n_kv_heads, double eps, bool recast_w_t) {
            auto o = Fp8NormQkvQkNorm::apply(x, gamma, w_qkv, wc, ws, wct, wst, h, hs, r, pos, table,
-                                            q_gamma, k_gamma, n_heads, n_kv_heads, eps);
+                                            q_gamma, k_gamma, n_heads, n_kv_heads, eps, recast_w_t);
            return std::make_tuple(o[0], o[1]);
          });
   // copies=False (the caller computes no gradient: coda.nn passes torch.is_grad_enabled()):
   // below autograd without the transposed copies, the weight gradients' operands only; refused
   // where a gradient would be recorded.
-  m.impl("fp8_out_proj_residual_norm", [](const Tensor& y, const Tensor& w_o, const Tensor& wc,
-                                          const Tensor& ws, const std::optional<Tensor>& wct,
-                                          const std::optional<Tensor>& wst, const Tensor& residual,
-                                          const Tensor& gamma, double eps, bool copies,
-                                          bool recompute_y) {
+  m.impl(
+      "fp8_out_proj_residual_norm",
+      [](const Tensor& y, const Tensor& w_o, const Tensor& wc, const Tensor& ws,
+         const std::optional<Tensor>& wct, const std::optional<Tensor>& wst, const Tensor& residual,
+         const Tensor& gamma, double eps, bool copies, bool recompute_y, bool recast_w_t) {
+        if (!copies) {
+          no_copies_without_grad("coda::fp8_out_proj_residual_norm", {&y, &w_o, &residual, &gamma});
+          at::AutoDispatchBelowADInplaceOrView guard;
+          return out_proj_op().call(y, w_o, wc, ws, wct, wst, residual, gamma, eps, false,
+                                    recompute_y, recast_w_t);
+        }
+        auto o = Fp8OutProjResidualNorm::apply(y, w_o, wc, ws, wct, wst, residual, gamma, eps,
+                                               recompute_y, recast_w_t);
+        return std::make_tuple(o[0], o[1], o[2], o[3], o[4], o[5]);
+      });
+  m.impl("fp8_mlp", [](const Tensor& x, const Tensor& gamma, const Tensor& w_gu, const Tensor& guc,
+                       const Tensor& gus, const std::optional<Tensor>& guct,
+                       const std::optional<Tensor>& gust, const Tensor& w_down, const Tensor& dnc,
+                       const Tensor& dns, const std::optional<Tensor>& dnct,
+                       const std::optional<Tensor>& dnst, const Tensor& h, const Tensor& hs,
+                       const Tensor& r, const Tensor& gamma_next, double eps, bool act_h_out,
+                       bool copies, bool recompute_a, bool recast_w_t) {
     if (!copies) {
-      no_copies_without_grad("coda::fp8_out_proj_residual_norm", {&y, &w_o, &residual, &gamma});
+      no_copies_without_grad("coda::fp8_mlp", {&x, &gamma, &w_gu, &w_down, &r, &gamma_next});
       at::AutoDispatchBelowADInplaceOrView guard;
-      return out_proj_op().call(y, w_o, wc, ws, wct, wst, residual, gamma, eps, false,
-                                recompute_y);
+      return mlp_op().call(x, gamma, w_gu, guc, gus, guct, gust, w_down, dnc, dns, dnct, dnst, h,
+                           hs, r, gamma_next, eps, act_h_out, false, recompute_a, recast_w_t);
     }
-    auto o =
-        Fp8OutProjResidualNorm::apply(y, w_o, wc, ws, wct, wst, residual, gamma, eps, recompute_y);
-    return std::make_tuple(o[0], o[1], o[2], o[3], o[4], o[5]);
+    auto o = Fp8Mlp::apply(x, gamma, w_gu, guc, gus, guct, gust, w_down, dnc, dns, dnct, dnst, h,
+                           hs, r, gamma_next, eps, act_h_out, recompute_a, recast_w_t);
+    return std::make_tuple(o[0], o[1], o[2], o[3], o[4], o[5], o[6]);
   });
-  m.impl("fp8_mlp",
-         [](const Tensor& x, const Tensor& gamma, const Tensor& w_gu, const Tensor& guc,
-            const Tensor& gus, const std::optional<Tensor>& guct, const std::optional<Tensor>& gust,
-            const Tensor& w_down, const Tensor& dnc, const Tensor& dns,
-            const std::optional<Tensor>& dnct, const std::optional<Tensor>& dnst, const Tensor& h,
-            const Tensor& hs, const Tensor& r, const Tensor& gamma_next, double eps, bool act_h_out,
-            bool copies, bool recompute_a) {
-           if (!copies) {
-             no_copies_without_grad("coda::fp8_mlp", {&x, &gamma, &w_gu, &w_down, &r, &gamma_next});
-             at::AutoDispatchBelowADInplaceOrView guard;
-             return mlp_op().call(x, gamma, w_gu, guc, gus, guct, gust, w_down, dnc, dns, dnct,
-                                  dnst, h, hs, r, gamma_next, eps, act_h_out, false, recompute_a);
-           }
-           auto o = Fp8Mlp::apply(x, gamma, w_gu, guc, gus, guct, gust, w_down, dnc, dns, dnct,
-                                  dnst, h, hs, r, gamma_next, eps, act_h_out, recompute_a);
-           return std::make_tuple(o[0], o[1], o[2], o[3], o[4], o[5], o[6]);
-         });
   m.impl("fp8_norm_qkv",
          [](const Tensor& x, const Tensor& gamma, const Tensor& w_qkv, const Tensor& wc,
             const Tensor& ws, const std::optional<Tensor>& wct, const std::optional<Tensor>& wst,
             const Tensor& h, const Tensor& hs, const Tensor& r, const Tensor& pos,
-            const Tensor& table, const std::optional<Tensor>& b_qkv) {
-           return Fp8NormQkv::apply(x, gamma, w_qkv, wc, ws, wct, wst, h, hs, r, pos, table, b_qkv);
+            const Tensor& table, const std::optional<Tensor>& b_qkv, bool recast_w_t) {
+           return Fp8NormQkv::apply(x, gamma, w_qkv, wc, ws, wct, wst, h, hs, r, pos, table, b_qkv,
+                                    recast_w_t);
          });
 }
 

@@ -161,7 +161,7 @@ def decoder_layer_fp8(c: LlamaConfig, x: Tensor, h: tuple[Tensor, Tensor], r: Te
                       gamma_ffn: Tensor, pos: Tensor, rope_table: Tensor, gamma_next: Tensor,
                       batch: int, attention: Attention, last: bool, b_qkv: Tensor | None = None,
                       recompute_a: bool = False, q_gamma: Tensor | None = None,
-                      k_gamma: Tensor | None = None
+                      k_gamma: Tensor | None = None, recast_w_t: bool = False
                       ) -> tuple[Tensor, tuple[Tensor, Tensor] | Tensor, Tensor]:
     """One decoder layer in blockwise FP8 (docs/math.md §6): ``x (M, H)`` with its norm's caches,
     ``h`` in 1x128 blocks (codes, scales: ``fp8_quantize_rows(h)[:2]``) and ``r`` -> ``(x, h, r)``
@@ -172,25 +172,31 @@ def decoder_layer_fp8(c: LlamaConfig, x: Tensor, h: tuple[Tensor, Tensor], r: Te
     Fp8WeightCache (wᵀ's as None: the backward transposes the codes). ``recompute_a``: the
     backward makes the down-projection's weight-gradient operand (a's transposed copy) from z
     instead of keeping F2's (fp8_mlp). ``q_gamma, k_gamma``: the QK-norm weights (with
-    ``c.qk_norm``), as decoder_layer takes them."""
+    ``c.qk_norm``), as decoder_layer takes them. ``recast_w_t`` (with wᵀ's operands None): the
+    backward casts wᵀ's codes from the weight instead of transposing w's, which the forward then
+    keeps none of: for weights cast in every forward (no Fp8WeightCache kept, FSDP2), so that no
+    FP8 copy of a weight lives from a layer's forward to its backward."""
     coda = torch.ops.coda
     (w_qkv, q_qkv), (w_o, q_o), (w_gu, q_gu), (w_down, q_down) = (
         weights[n] for n in FP8_PROJECTIONS)
     copies = torch.is_grad_enabled()  # the weight gradients' operands: none without a backward
     if c.qk_norm:
         qkv, _ = coda.fp8_norm_qkv_qk_norm(x, gamma, w_qkv, *q_qkv, *h, r, pos, rope_table, q_gamma,
-                                           k_gamma, c.num_heads, c.num_kv_heads, c.rms_norm_eps)
+                                           k_gamma, c.num_heads, c.num_kv_heads, c.rms_norm_eps,
+                                           recast_w_t)
     else:
-        qkv = coda.fp8_norm_qkv(x, gamma, w_qkv, *q_qkv, *h, r, pos, rope_table, b_qkv)
+        qkv = coda.fp8_norm_qkv(x, gamma, w_qkv, *q_qkv, *h, r, pos, rope_table, b_qkv,
+                                recast_w_t)
     y = _attention(c, qkv, batch, attention)
     # recompute_y: the out-projection's backward keeps y, which the attention's backward keeps
     # anyway, and makes y's transposed copy (dW_o's operand) from it: A + A/32 bytes a token less
     # than keeping the copy, for one more read of y.
     x1, h1, h1s, r1, _, _ = coda.fp8_out_proj_residual_norm(y, w_o, *q_o, x, gamma_ffn,
-                                                            c.rms_norm_eps, copies, True)
+                                                            c.rms_norm_eps, copies, True,
+                                                            recast_w_t)
     x2, h2, h2s, r2, _, _, _ = coda.fp8_mlp(x1, gamma_ffn, w_gu, *q_gu, w_down, *q_down, h1, h1s,
                                             r1, gamma_next, c.rms_norm_eps, last, copies,
-                                            recompute_a)
+                                            recompute_a, recast_w_t)
     return x2, (h2 if last else (h2, h2s)), r2
 
 
@@ -264,10 +270,12 @@ class Fp8WeightCache:
     Under torch.compile the weights are cast inside the compiled graph in every forward (Dynamo
     cannot guard on a version counter), as torchao's float8 casts them: once per optimizer step
     when each step has one micro-batch, and a CUDA graph of it replays with the current weights.
-    With ``persist`` off (the model under FSDP2) nothing is kept: every forward quantizes the
-    weights FSDP2 has just gathered. There the optimizer updates the shards, the gathered weight
-    lands at the same address without a version change, and a kept entry would be stale; it would
-    also hold every layer's full weights in FP8 on every rank."""
+    With ``persist`` off (the model under FSDP2, or ``fp8_weight_cache=False``) nothing is kept:
+    every forward quantizes the weights FSDP2 has just gathered, and the layers run with
+    ``recast_w_t`` (each backward casts wᵀ from the weight), so no FP8 copy of a weight outlives
+    the op that made it. Under FSDP2 the optimizer updates the shards, the gathered weight lands
+    at the same address without a version change, and a kept entry would be stale; it would also
+    hold every layer's full weights in FP8 on every rank."""
 
     def __init__(self) -> None:
         self._entries: dict[str, tuple[tuple, tuple[Tensor, ...]]] = {}
@@ -383,7 +391,8 @@ class CodaDecoderLayer(nn.Module):
             return decoder_layer_fp8(self.config, x, h, r, gamma, weights, self.gamma_ffn, pos,
                                      rope_table, gamma_next, batch, attention, last, self.b_qkv,
                                      self.fp8_recompute_a, q_gamma=self.q_gamma,
-                                     k_gamma=self.k_gamma)
+                                     k_gamma=self.k_gamma,
+                                     recast_w_t=not self._fp8_cache.persist)
         return decoder_layer(self.config, x, h, r, gamma, self.w_qkv, self.w_o, self.gamma_ffn,
                              self.w_gu, self.w_down, pos, rope_table, gamma_next, batch, attention,
                              self.b_qkv, self.q_gamma, self.k_gamma)
@@ -405,7 +414,10 @@ class CodaLlamaForCausalLM(nn.Module):
     quantized once per optimizer step); the parameters, the residual stream, the norms, the
     embedding and the LM head keep their dtype. ``precision`` is not part of the state dict:
     the same checkpoint loads into either, and setting it later switches every layer.
-    ``fp8_weight_cache``: see Fp8WeightCache (None: kept unless fully_shard manages the model).
+    ``fp8_weight_cache``: see Fp8WeightCache (None: kept unless fully_shard manages the model;
+    False: nothing FP8 of a weight is kept, not even from a layer's forward to its backward,
+    which casts wᵀ itself: by arithmetic 1 byte a projection parameter less at the peak than the
+    kept cache, for a second cast of each weight per micro-batch).
     ``fp8_recompute_a`` (False): the backward makes the down-projection's weight-gradient operand,
     a's 128x1 copy, from the saved z instead of keeping the forward's: I + I/32 bytes fewer kept
     per token and layer (at the 8B shape 14.8 kB, more than FP8 saves on y), for one more pass

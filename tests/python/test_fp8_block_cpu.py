@@ -570,6 +570,9 @@ def test_fp8_block_ops_bad_arguments_name_the_argument():
         (CODA.fp8_norm_qkv, qkv_args(case, pos=-pos - 1), r"\bpos\b"),
         (CODA.fp8_mlp, mlp_args(case, dn_scales_t=None),
          r"fp8_mlp: pass both dn_codes_t and dn_scales_t \(wᵀ's operand, kept\), or neither"),
+        (CODA.fp8_norm_qkv, qkv_args(case) + [True],
+         r"fp8_norm_qkv: recast_w_t casts wᵀ's operand in the backward: pass w_codes_t and "
+         r"w_scales_t as None with it"),
     ]
     for op, args, pattern in cases:
         with pytest.raises(RuntimeError, match=pattern):
@@ -583,9 +586,9 @@ def test_fp8_block_ops_bad_arguments_name_the_argument():
     with pytest.raises(RuntimeError, match=r"H \(w_o.size\(0\)\) = 40 must be a multiple of 16"):
         CODA.fp8_out_proj_residual_norm(y, w, *wc, torch.zeros(5, 40, dtype=F64),
                                         torch.ones(40, dtype=F64), EPS)
-    # ... and wᵀ's rows, for the backward to transpose the codes when wᵀ's operand is left out.
+    # ... and wᵀ's rows, for the backward to make them when wᵀ's operand is left out.
     with pytest.raises(RuntimeError, match=r"H \(w_o.size\(0\)\) = 40 must be a multiple of 16 "
-                                           r"for the backward to transpose w_codes"):
+                                           r"for the backward to make wᵀ's codes"):
         CODA.fp8_out_proj_residual_norm(y, w, *wc[:2], None, None, torch.zeros(5, 40, dtype=F64),
                                         torch.ones(40, dtype=F64), EPS)
 
@@ -622,6 +625,12 @@ def opcheck_cases():
         "norm_qkv": (CODA.fp8_norm_qkv.default, qkv_args(case)),
         "norm_qkv_transpose_in_backward": (CODA.fp8_norm_qkv.default, qkv_args(
             case, w_codes_t=None, w_scales_t=None)),
+        # ... or cast from the weight (recast_w_t)
+        "out_proj_recast_w_t": (CODA.fp8_out_proj_residual_norm.default, out_proj_args(
+            case, w_codes_t=None, w_scales_t=None) + [True, True, True]),
+        "mlp_recast_w_t": (CODA.fp8_mlp.default, mlp_args(
+            case, gu_codes_t=None, gu_scales_t=None, dn_codes_t=None, dn_scales_t=None)
+            + [False, True, False, True]),
         # QK-norm (M19: 4 Q and 2 K/V heads of 16)
         "norm_qkv_qk_norm": (CODA.fp8_norm_qkv_qk_norm.default,
                              qkv_args(case)[:-1] + [rg(1 + 0.1 * torch.arange(16, dtype=F64)),
@@ -666,6 +675,7 @@ def test_opcheck_fp8_block_ops(name):
                     if o.requires_grad)
         return res, torch.autograd.grad(total, leaves, allow_unused=True)
 
+    torch._dynamo.reset()  # each case its own compilation (one lambda: the recompile limit)
     compiled = torch.compile(lambda *a: e4m3_as_bytes(op(*a)), backend="aot_eager",
                              fullgraph=True, dynamic=True)
     (eager, d_eager), (traced, d_traced) = grads(lambda *a: e4m3_as_bytes(op(*a))), grads(compiled)
@@ -708,7 +718,8 @@ def test_precision_set_after_construction_switches_every_layer():
 
 def test_fp8_weight_cache_off_keeps_nothing_and_requantizes_every_forward():
     """fp8_weight_cache=False (sharding that gathers the weights per forward, other than
-    fully_shard on the model): no operands are kept, each forward quantizes the weights."""
+    fully_shard on the model): no operands are kept, each forward quantizes the weights and
+    each backward casts their transposes (recast_w_t)."""
     _, model, _ = tiny_models()
     model.fp8_weight_cache = False
     ids, labels = tiny_batch()
@@ -716,7 +727,7 @@ def test_fp8_weight_cache_off_keeps_nothing_and_requantizes_every_forward():
         count = CountOps("coda::fp8_quantize_blocks")
         with count:
             model(ids, labels).backward()
-        assert count.calls == 4 * len(model.layers)
+        assert count.calls == 2 * 4 * len(model.layers)
         assert all(not layer._fp8_cache._entries for layer in model.layers)
 
 
@@ -837,6 +848,35 @@ def test_weights_transposed_in_the_backward_train_as_the_kept_transpose(monkeypa
                      for layer in fp8.layers
                      for w in (layer.w_qkv, layer.w_o, layer.w_gu, layer.w_down))
     assert cached_bytes() - lean == transposed, (cached_bytes(), lean)
+
+
+def test_uncached_weights_keep_nothing_fp8_of_a_weight_for_the_backward():
+    """Without a kept weight cache (fp8_weight_cache=False; FSDP2) every forward casts the
+    weights, and the ops run with recast_w_t: the backward casts wᵀ from the weight, so the
+    forward saves neither w's nor wᵀ's codes. The loss and every gradient equal the cached
+    model's (the cast of wᵀ is the transpose of w's codes), the weights are cast twice a step
+    (once a forward, once a backward), and the tensors saved for the backward are smaller by
+    exactly the codes and scales of every projection weight."""
+    _, fp8, _ = tiny_models()
+    ids, labels = tiny_batch()
+    cached, kept = saved_bytes(lambda: fp8(ids, labels))
+    cached.backward()
+    want = {n: p.grad.clone() for n, p in fp8.named_parameters()}
+    fp8.zero_grad(set_to_none=True)
+    fp8.fp8_weight_cache = False
+    casts = CountOps("coda::fp8_quantize_blocks")
+    with casts:
+        loss, lean = saved_bytes(lambda: fp8(ids, labels))
+        loss.backward()
+    assert all(not layer._fp8_cache._entries for layer in fp8.layers)
+    weights = [w for layer in fp8.layers for w in (layer.w_qkv, layer.w_o, layer.w_gu,
+                                                   layer.w_down)]
+    assert casts.calls == 2 * len(weights)
+    assert torch.equal(loss, cached)
+    for n, p in fp8.named_parameters():
+        assert torch.equal(p.grad, want[n]), n
+    codes = sum(w.numel() + 4 * (-(-w.shape[0] // 128)) * (-(-w.shape[1] // 128)) for w in weights)
+    assert kept - lean == codes, (kept, lean, codes)
 
 
 def test_recompute_y_keeps_y_itself_and_trains_as_the_kept_copy():

@@ -369,27 +369,35 @@ def test_recompute_a_on_cuda_trains_as_the_kept_copy():
         normwise(made[n], g.double().cpu(), 2.0**-5, f"d {n}")
 
 
-def test_weights_transposed_in_the_backward_on_cuda_train_as_the_kept_transpose(monkeypatch):
+def test_weights_transposed_or_recast_in_the_backward_on_cuda_train_as_the_kept_transpose(
+        monkeypatch):
     """The model's weight cache keeps no wᵀ codes: each backward transposes the codes
-    (fp8_transpose_blocks' kernel), the cast of wᵀ bit for bit, so the loss and every gradient
-    equal, bit for bit, those of the same model with the cast's wᵀ operands kept."""
+    (fp8_transpose_blocks' kernel); without a kept cache (fp8_weight_cache=False) each backward
+    casts wᵀ from the weight (recast_w_t). Both are the cast of wᵀ bit for bit, so the loss and
+    every gradient equal, bit for bit, those of the same model with the cast's wᵀ operands
+    kept."""
     state = tiny_state(9)
     ids, labels = (t.cuda() for t in tiny_batch(10))
-    runs = []
-    for keep in (False, True):
-        if keep:
+    runs = {}
+    for mode in ("transpose", "recast", "kept"):
+        if mode == "kept":
             monkeypatch.setattr(coda.nn, "_quantize_weight",
                                 lambda w: tuple(CODA.fp8_quantize_blocks(w.detach(), True, True)))
         m = model("fp8", state)
+        m.fp8_weight_cache = mode != "recast"
         loss = m(ids, labels)
         loss.backward()
-        kept_t = [q[2] is not None for layer in m.layers for q in layer.fp8_weights().values()]
-        assert all(kept_t) if keep else not any(kept_t)
-        runs.append((loss.detach(), {n: p.grad for n, p in m.named_parameters()}))
-    (loss, made), (loss_k, kept) = runs
-    assert torch.equal(loss, loss_k)
-    for n, g in kept.items():
-        assert torch.equal(made[n], g), n
+        if mode != "recast":
+            kept_t = [q[2] is not None for layer in m.layers
+                      for q in layer.fp8_weights().values()]
+            assert all(kept_t) if mode == "kept" else not any(kept_t)
+        runs[mode] = (loss.detach(), {n: p.grad for n, p in m.named_parameters()})
+    loss_k, kept = runs["kept"]
+    for mode in ("transpose", "recast"):
+        loss, made = runs[mode]
+        assert torch.equal(loss, loss_k), mode
+        for n, g in kept.items():
+            assert torch.equal(made[n], g), (mode, n)
 
 
 def step_of(m, ids, labels):

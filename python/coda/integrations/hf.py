@@ -447,7 +447,8 @@ def _layer(c, dtype, layer, gamma_next, pos, table, batch, attention, rebuilt, f
         fp8 = {n: (weights[n], fp8_cache.get(n, weights[n], spec[n][1])) for n in FP8_PROJECTIONS}
         x, h, r = decoder_layer_fp8(c, x, tuple(h), r, gamma, fp8, gamma_ffn, pos, table,
                                     w(cast, gamma_next), batch, attention, last, b_qkv,
-                                    recompute_a, q_gamma=q_gamma, k_gamma=k_gamma)
+                                    recompute_a, q_gamma=q_gamma, k_gamma=k_gamma,
+                                    recast_w_t=not fp8_cache.persist)
         return (x, r, h) if last else (x, r, *h)
     x, h, r = decoder_layer(
         c, x, h[0], r, gamma, weights["w_qkv"], weights["w_o"], gamma_ffn, weights["w_gu"],

@@ -334,11 +334,14 @@ class CodaLlama3TransformerBlock(Llama3TransformerBlock):
         with torch.autocast(x.device.type, enabled=False):
             xm = x.to(dtype).reshape(tokens, dim).contiguous()
             h, r = ops.rmsnorm_stats(xm, g_attn, s.eps_attn)
-            if self._fp8:  # the weights' FP8 operands (128x128 blocks, and Wᵀ's) and h's rows
+            if self._fp8:  # the weights' FP8 operands (128x128 blocks) and h's rows
+                # Cast every forward (the weights FSDP2 gathered), so recast_w_t (the True last
+                # arguments below): each backward casts wᵀ from w, and no FP8 copy of a weight
+                # lives from the block's forward to its backward.
                 q8 = [_quantize_weight(w) for w in (w_qkv, w_o, w_gu, w_down)]
                 h8 = coda.fp8_quantize_rows(h)[:2]  # (h: the norm's cache, no gradient)
                 qkv = coda.fp8_norm_qkv(xm, g_attn, w_qkv, *q8[0], *h8, r, pos,
-                                        self.coda_rope_table)
+                                        self.coda_rope_table, None, True)
             else:
                 qkv = ops.norm_qkv(xm, g_attn, w_qkv, h, r, pos, self.coda_rope_table)
         # (M, W) -> (B, L, heads, d): q, k, v as TorchTitan's attention takes them (views).
@@ -356,9 +359,9 @@ class CodaLlama3TransformerBlock(Llama3TransformerBlock):
                 # recompute_y: y is a view of the attention's output, which its backward keeps;
                 # the out-projection's backward makes y's copy from it (decoder_layer_fp8's way)
                 x1, h1, h1s, r1, _, _ = coda.fp8_out_proj_residual_norm(
-                    y, w_o, *q8[1], xm, g_ffn, s.eps_ffn, copies, True)
+                    y, w_o, *q8[1], xm, g_ffn, s.eps_ffn, copies, True, True)
                 out = coda.fp8_mlp(x1, g_ffn, w_gu, *q8[2], w_down, *q8[3], h1, h1s, r1, g_ffn,
-                                   s.eps_ffn, True, copies, self._recompute_a)[0]
+                                   s.eps_ffn, True, copies, self._recompute_a, True)[0]
             else:
                 x1, h1, r1 = ops.out_proj_residual_norm(y, w_o, xm, g_ffn, s.eps_ffn)
                 out, _, _, _ = ops.mlp(x1, g_ffn, w_gu, w_down, h1, r1, g_ffn, s.eps_ffn)
