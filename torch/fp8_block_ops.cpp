@@ -66,9 +66,8 @@ void check_fp8_weight(const OpContext& c, const std::string& prefix, const char*
     TORCH_CHECK(q.codes_t.defined() == q.scales_t.defined(), c.op, ": pass both ", codes_t, " and ",
                 scales_t, " (wᵀ's operand, kept), or neither (the backward makes it)");
     TORCH_CHECK(!(recast && q.codes_t.defined()), c.op,
-                ": recast_w_t casts wᵀ's operand in the "
-                "backward: pass ",
-                codes_t, " and ", scales_t, " as None with it");
+                ": recast_w_t casts wᵀ's operand in the backward: pass ", codes_t, " and ",
+                scales_t, " as None with it");
   }
   if (!forward || q.codes_t.defined()) {
     check_codes(c, codes_t.c_str(), q.codes_t, k, n);

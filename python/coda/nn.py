@@ -253,6 +253,13 @@ def _count_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: A
 register_optimizer_step_post_hook(_count_optimizer_step)
 
 
+def _same_layout(a: Tensor | None, b: Tensor | None) -> bool:
+    """Both absent, or both tensors of one shape, strides, dtype and device."""
+    if a is None or b is None:
+        return a is b
+    return (a.shape, a.stride(), a.dtype, a.device) == (b.shape, b.stride(), b.dtype, b.device)
+
+
 class Fp8WeightCache:
     """Each weight's FP8 operands (the 128x128 codes and scales of ``w``; ``wᵀ``'s left to the
     backward, see _quantize_weight), remade only when the weight changed: after a step of any
@@ -307,11 +314,7 @@ class Fp8WeightCache:
             return
         new = _quantize_weight(w)
         entry = self._entries.get(name)
-        if entry is not None and all(
-                (a is None and b is None) or (a is not None and b is not None and (
-                    a.shape, a.stride(), a.dtype, a.device) == (b.shape, b.stride(), b.dtype,
-                                                                b.device))
-                for a, b in zip(entry[1], new)):
+        if entry is not None and all(_same_layout(a, b) for a, b in zip(entry[1], new)):
             with torch.no_grad():
                 for old, t in zip(entry[1], new):
                     if old is not None:

@@ -795,6 +795,31 @@ def saved_bytes(fn):
     return out, sum(total)
 
 
+def train_step(model, ids, labels):
+    """One forward + backward of `model`: (loss, {name: gradient}, bytes autograd saved)."""
+    model.zero_grad(set_to_none=True)
+    loss, saved = saved_bytes(lambda: model(ids, labels))
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, saved
+
+
+def same_step(got, want):
+    """The loss and every gradient of two train_step results equal, bit for bit."""
+    assert torch.equal(got[0], want[0])
+    for n, g in want[1].items():
+        assert torch.equal(got[1][n], g), n
+
+
+def block_bytes(weights):
+    """Codes and fp32 scales of the 128x128-blocked FP8 operands of `weights`."""
+    return sum(w.numel() + 4 * (-(-w.shape[0] // 128)) * (-(-w.shape[1] // 128)) for w in weights)
+
+
+def projection_weights(model):
+    return [w for layer in model.layers
+            for w in (layer.w_qkv, layer.w_o, layer.w_gu, layer.w_down)]
+
+
 def test_recompute_a_trains_as_the_kept_copy_and_keeps_less():
     """fp8_recompute_a: the backward makes a's copy from z. In fp64 z is F2's g, u unrounded, so
     a and its copy are F2's bit for bit: loss and every gradient equal the kept copy's. Saved for
@@ -802,20 +827,14 @@ def test_recompute_a_trains_as_the_kept_copy_and_keeps_less():
     ceil(M/128) x I scales) per layer."""
     _, fp8, _ = tiny_models()
     ids, labels = tiny_batch()
-    loss, kept = saved_bytes(lambda: fp8(ids, labels))
-    loss.backward()
-    want = {n: p.grad.clone() for n, p in fp8.named_parameters()}
-    fp8.zero_grad(set_to_none=True)
+    kept = train_step(fp8, ids, labels)
     fp8.fp8_recompute_a = True
     assert all(layer.fp8_recompute_a for layer in fp8.layers)
-    loss2, recomputed = saved_bytes(lambda: fp8(ids, labels))
-    loss2.backward()
-    assert torch.equal(loss2, loss)
-    for n, p in fp8.named_parameters():
-        assert torch.equal(p.grad, want[n]), n
+    recomputed = train_step(fp8, ids, labels)
+    same_step(recomputed, kept)
     m, inter = ids.numel(), fp8.config.intermediate_size
     a_copy = inter * ((m + 15) // 16 * 16) + 4 * inter * ((m + 127) // 128)
-    assert kept - recomputed == len(fp8.layers) * a_copy, (kept, recomputed)
+    assert kept[2] - recomputed[2] == len(fp8.layers) * a_copy, (kept[2], recomputed[2])
 
 
 def test_weights_transposed_in_the_backward_train_as_the_kept_transpose(monkeypatch):
@@ -830,24 +849,14 @@ def test_weights_transposed_in_the_backward_train_as_the_kept_transpose(monkeypa
         return sum(t.numel() * t.element_size() for layer in fp8.layers
                    for q in layer.fp8_weights().values() for t in q if t is not None)
 
-    loss = fp8(ids, labels)
-    loss.backward()
+    transposed = train_step(fp8, ids, labels)
     lean = cached_bytes()
-    want = {n: p.grad.clone() for n, p in fp8.named_parameters()}
-    fp8.zero_grad(set_to_none=True)
     monkeypatch.setattr(coda.nn, "_quantize_weight",
                         lambda w: tuple(CODA.fp8_quantize_blocks(w.detach(), True, True)))
     for layer in fp8.layers:
         layer._fp8_cache.clear()
-    loss2 = fp8(ids, labels)
-    loss2.backward()
-    assert torch.equal(loss2, loss)
-    for n, p in fp8.named_parameters():
-        assert torch.equal(p.grad, want[n]), n
-    transposed = sum(w.numel() + 4 * (-(-w.shape[0] // 128)) * (-(-w.shape[1] // 128))
-                     for layer in fp8.layers
-                     for w in (layer.w_qkv, layer.w_o, layer.w_gu, layer.w_down))
-    assert cached_bytes() - lean == transposed, (cached_bytes(), lean)
+    same_step(train_step(fp8, ids, labels), transposed)
+    assert cached_bytes() - lean == block_bytes(projection_weights(fp8)), (cached_bytes(), lean)
 
 
 def test_uncached_weights_keep_nothing_fp8_of_a_weight_for_the_backward():
@@ -859,24 +868,16 @@ def test_uncached_weights_keep_nothing_fp8_of_a_weight_for_the_backward():
     exactly the codes and scales of every projection weight."""
     _, fp8, _ = tiny_models()
     ids, labels = tiny_batch()
-    cached, kept = saved_bytes(lambda: fp8(ids, labels))
-    cached.backward()
-    want = {n: p.grad.clone() for n, p in fp8.named_parameters()}
-    fp8.zero_grad(set_to_none=True)
+    cached = train_step(fp8, ids, labels)
     fp8.fp8_weight_cache = False
     casts = CountOps("coda::fp8_quantize_blocks")
     with casts:
-        loss, lean = saved_bytes(lambda: fp8(ids, labels))
-        loss.backward()
+        recast = train_step(fp8, ids, labels)
     assert all(not layer._fp8_cache._entries for layer in fp8.layers)
-    weights = [w for layer in fp8.layers for w in (layer.w_qkv, layer.w_o, layer.w_gu,
-                                                   layer.w_down)]
+    weights = projection_weights(fp8)
     assert casts.calls == 2 * len(weights)
-    assert torch.equal(loss, cached)
-    for n, p in fp8.named_parameters():
-        assert torch.equal(p.grad, want[n]), n
-    codes = sum(w.numel() + 4 * (-(-w.shape[0] // 128)) * (-(-w.shape[1] // 128)) for w in weights)
-    assert kept - lean == codes, (kept, lean, codes)
+    same_step(recast, cached)
+    assert cached[2] - recast[2] == block_bytes(weights), (cached[2], recast[2])
 
 
 def test_recompute_y_keeps_y_itself_and_trains_as_the_kept_copy():

@@ -43,7 +43,8 @@ as the stock model, so a seed gives the same initial weights with coda on or off
 ``CodaConverter.Config(precision="fp8")`` runs every projection GEMM of the blocks in blockwise
 FP8 (docs/math.md §6, coda's FP8 block ops): each forward casts the block's four weights (FSDP2
 gathers them for every forward anyway, and a compiled block casts in its graph) and its attention
-norm's h; the embedding, final norm, LM head and loss stay TorchTitan's.
+norm's h, and each backward casts the weights' transposes (``recast_w_t``: no FP8 copy of a
+weight is kept from the forward); the embedding, final norm, LM head and loss stay TorchTitan's.
 ``fp8_recompute_a=True`` keeps the MLP's a for the down-projection's weight gradient as the
 bf16 path does, not at all (its FP8 copy made from z in the backward: about I bytes less per
 token and block; CodaLlamaForCausalLM.fp8_recompute_a).
