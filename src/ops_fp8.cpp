@@ -120,6 +120,8 @@ void transpose_fp8_blocks(View codes, View scales, View codes_t, View scales_t,
   c.scales("scales", scales, blocks(n), blocks(k), false);
   c.matrix("codes_t", codes_t, DType::kE4M3, k, n);
   c.scales("scales_t", scales_t, blocks(k), blocks(n), false);
+  c.distinct("codes", codes, "codes_t", codes_t);
+  c.distinct("scales", scales, "scales_t", scales_t);
   c.on_device();
   kernel::transpose_fp8_blocks(codes.as<uint8_t>(), n, k, codes.ld, scales.as<float>(), scales.ld,
                                fp8_output(codes_t, scales_t), stream);

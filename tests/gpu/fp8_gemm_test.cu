@@ -183,7 +183,7 @@ TEST_F(GpuKernelTest, BlockCastMatchesTheRecipeCodeForCode) {
 
 // A weight's transposed operand made from its codes (the FP8 backward's data-gradient operand):
 // code for code the recipe's cast of wᵀ, on 64x64 tiles that straddle the 128x128 blocks, and
-// with the codes at a row stride wider than K.
+// (one shape) with every operand at a row stride wider than its width.
 TEST_F(GpuKernelTest, BlockTransposeMatchesTheRecipeOfTheTranspose) {
   testing::Rng rng(14);
   const std::pair<int64_t, int64_t> shapes[] = {{16, 16}, {272, 400}, {80, 1040}, {1040, 4096}};
@@ -192,25 +192,36 @@ TEST_F(GpuKernelTest, BlockTransposeMatchesTheRecipeOfTheTranspose) {
     const std::vector<double> w = wide_values(n, k, rng);
     const auto qt =
         reference::quantize_blockwise(MatrixRef<double>::transposed(w.data(), k, n), 128, 128);
-    const int64_t ld = n == 272 ? k + 48 : k;  // one wider row stride
+    const bool wide = n == 272;
     const int64_t grid_n = ScaleLayout::blocks(n), grid_k = ScaleLayout::blocks(k);
-    const int64_t ld_scales = n == 272 ? grid_k + 3 : grid_k;
+    const int64_t ld = wide ? k + 48 : k, ld_scales = wide ? grid_k + 3 : grid_k;
+    const int64_t ld_t = wide ? n + 32 : n, ld_scales_t = wide ? grid_n + 1 : grid_n;
     auto dw = upload_bf16(w);
-    DeviceBuffer<uint8_t> codes(size_t(n * ld)), codes_t(size_t(k * n));
-    DeviceBuffer<float> scales(size_t(grid_n * ld_scales)), scales_t(qt.scales.size());
+    DeviceBuffer<uint8_t> codes(size_t(n * ld)), codes_t(size_t(k * ld_t));
+    DeviceBuffer<float> scales(size_t(grid_n * ld_scales)), scales_t(size_t(grid_k * ld_scales_t));
     codes_t.poison();
     scales_t.poison();
     ops::quantize_fp8_blocks(
         dev(dw.get(), DType::kBF16, n, k, k), dev(codes.get(), DType::kE4M3, n, k, ld),
         dev(scales.get(), DType::kF32, grid_n, grid_k, ld_scales), {}, {}, nullptr);
-    ops::transpose_fp8_blocks(
-        dev(codes.get(), DType::kE4M3, n, k, ld),
-        dev(scales.get(), DType::kF32, grid_n, grid_k, ld_scales),
-        dev(codes_t.get(), DType::kE4M3, k, n, n),
-        dev(scales_t.get(), DType::kF32, qt.grid_rows(), qt.grid_cols(), qt.grid_cols()), nullptr);
+    ops::transpose_fp8_blocks(dev(codes.get(), DType::kE4M3, n, k, ld),
+                              dev(scales.get(), DType::kF32, grid_n, grid_k, ld_scales),
+                              dev(codes_t.get(), DType::kE4M3, k, n, ld_t),
+                              dev(scales_t.get(), DType::kF32, grid_k, grid_n, ld_scales_t),
+                              nullptr);
     CODA_CUDA_CHECK(cudaDeviceSynchronize());
-    expect_same_bytes(what + " codes_t", codes_t.download(), qt.codes);
-    expect_same_floats(what + " scales_t", scales_t.download(), qt.scales);
+    // The rows of each output at its own stride, packed as the recipe's.
+    const std::vector<uint8_t> got_t = codes_t.download();
+    const std::vector<float> got_st = scales_t.download();
+    std::vector<uint8_t> rows_t;
+    std::vector<float> rows_st;
+    for (int64_t r = 0; r < k; ++r)
+      rows_t.insert(rows_t.end(), got_t.begin() + r * ld_t, got_t.begin() + r * ld_t + n);
+    for (int64_t r = 0; r < grid_k; ++r)
+      rows_st.insert(rows_st.end(), got_st.begin() + r * ld_scales_t,
+                     got_st.begin() + r * ld_scales_t + grid_n);
+    expect_same_bytes(what + " codes_t", rows_t, qt.codes);
+    expect_same_floats(what + " scales_t", rows_st, qt.scales);
   }
 }
 

@@ -278,6 +278,11 @@ TEST(OpArguments, Fp8OperandsAndScalesAreChecked) {
                                      typed(768, e4, 144, 32), typed(1024, f, 2, 1), nullptr);
               }),
               HasSubstr("scales must be fp32 scales of shape (1, 2), got (1, 1)"));
+  EXPECT_THAT(error_of([&] {  // in place (a square weight): refused, not raced
+                transpose_fp8_blocks(typed(256, e4, 32, 32), typed(512, f, 1, 1),
+                                     typed(256, e4, 32, 32), typed(1024, f, 1, 1), nullptr);
+              }),
+              HasSubstr("codes must not alias codes_t"));
 }
 
 // The FP8 programs' own checks, each before anything reaches the device: operand names, the

@@ -644,7 +644,16 @@ def e4m3_as_bytes(outs):
     return tuple(o.view(torch.uint8) if o.dtype == E4M3 else o for o in outs)
 
 
-@pytest.mark.parametrize("name", sorted(opcheck_cases()))
+OPCHECK_CASES = ("out_proj", "out_proj_recompute_y", "out_proj_recast_w_t", "mlp",
+                 "mlp_recompute_a", "mlp_transpose_in_backward", "mlp_recast_w_t", "norm_qkv",
+                 "norm_qkv_transpose_in_backward", "norm_qkv_qk_norm")
+
+
+def test_opcheck_cases_are_all_listed():
+    assert sorted(OPCHECK_CASES) == sorted(opcheck_cases())
+
+
+@pytest.mark.parametrize("name", OPCHECK_CASES)
 def test_opcheck_fp8_block_ops(name):
     """torch.library.opcheck's autograd-registration and fake-tensor checks (float64, with the
     differentiable inputs requiring grad). Its other two cannot take e4m3 tensors on the CPU
