@@ -156,6 +156,8 @@ KernelChoice program_config(Program p, const GemmShape& s) {
     case Program::kRmsnormSwigluFp8:
     case Program::kRmsnormBackwardFp8:
     case Program::kSwigluBackwardFp8:
+    case Program::kRmsnormSwigluFp8Z:
+    case Program::kSwigluBackwardFp8Z:
     case Program::kPlain:
     case Program::kCount:
       break;

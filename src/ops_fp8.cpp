@@ -66,6 +66,18 @@ RowOutputs row_outputs(Args& c, const char* codes_name, const TensorView& codes,
   if (codes_t.data) o.cols = copy_output(c, t_name, codes_t, ts_name, scales_t, rows, cols);
   return o;
 }
+// z saved in FP8 (M, 2I), 2I a multiple of 32, with its 1x128 scales.
+CastSizes fp8_z_input(Args& c, const TensorView& z, const TensorView& z_scales) {
+  CODA_CHECK(z.dims == 2, c.op(), ": z must be a matrix");
+  const int64_t m = z.rows, two_i = z.cols;
+  CODA_CHECK(
+      m > 0 && two_i > 0 && two_i % 32 == 0 && m < (int64_t(1) << 31) && two_i < (int64_t(1) << 31),
+      c.op(), ": z must be (M, 2I) with 2I a multiple of 32, both positive and below ",
+      "2^31, got (", m, ", ", two_i, ")");
+  c.matrix("z", z, DType::kE4M3, m, two_i);
+  c.scales("z_scales", z_scales, blocks(two_i), m, true);
+  return {m, two_i};
+}
 }  // namespace
 
 void quantize_fp8_rows(View x, View codes, View scales, View codes_t, View scales_t,
@@ -87,6 +99,17 @@ void quantize_fp8_swiglu_t(View z, View codes_t, View scales_t, cudaStream_t str
       copy_output(c, "codes_t", codes_t, "scales_t", scales_t, m, two_i / 2);
   c.on_device();
   kernel::quantize_fp8_swiglu_t(bf(z), m, two_i / 2, z.ld, out, stream);
+}
+
+void quantize_fp8_swiglu_t_fp8_z(View z, View z_scales, View codes_t, View scales_t,
+                                 cudaStream_t stream) {
+  Args c("coda::ops::quantize_fp8_swiglu_t_fp8_z");
+  const auto [m, two_i] = fp8_z_input(c, z, z_scales);
+  const kernel::Fp8Output out =
+      copy_output(c, "codes_t", codes_t, "scales_t", scales_t, m, two_i / 2);
+  c.on_device();
+  kernel::quantize_fp8_swiglu_t_fp8_z(z.as<const uint8_t>(), m, two_i / 2, z.ld, f32(z_scales),
+                                      z_scales.ld, out, stream);
 }
 
 void quantize_fp8_blocks(View w, View codes, View scales, View codes_t, View scales_t,
@@ -240,6 +263,28 @@ void gemm_fp8_rmsnorm_swiglu(View h, View h_scales, View w_gu, View w_gu_scales,
   launch<Program::kRmsnormSwigluFp8>(c, Operands::kFp8XWt, p, {f32(r), out.rows, out.cols}, stream);
 }
 
+void gemm_fp8_rmsnorm_swiglu_fp8_z(View h, View h_scales, View w_gu, View w_gu_scales, View r,
+                                   View z, View z_scales, View a, View a_scales, View a_t,
+                                   View a_t_scales, cudaStream_t stream) {
+  Args c("coda::ops::gemm_fp8_rmsnorm_swiglu_fp8_z");
+  const kernel::GemmProblem p = fp8_problem(c, {"h", h, "h_scales", h_scales},
+                                            {"w_gu", w_gu, "w_gu_scales", w_gu_scales}, true);
+  const int64_t m = p.m, two_i = p.n;
+  CODA_CHECK(two_i % 32 == 0, c.op(), ": 2I (w_gu's rows) must be a multiple of 32 (16-byte ",
+             "rows of a's codes), got ", two_i);
+  c.vector("r", r, kF, m);
+  CODA_CHECK(z.data, c.op(), ": z is null (its codes are this program's point)");
+  const RowOutputs zq =
+      row_outputs(c, "z", z, "z_scales", z_scales, "z_t", {}, "z_t_scales", {}, m, two_i);
+  const RowOutputs out = row_outputs(c, "a", a, "a_scales", a_scales, "a_t", a_t, "a_t_scales",
+                                     a_t_scales, m, two_i / 2);
+  c.on_device();
+  kernel::RmsnormSwigluFp8ZArgs args;
+  args.f2 = {f32(r), out.rows, out.cols};
+  args.z = zq.rows;
+  launch<Program::kRmsnormSwigluFp8Z>(c, Operands::kFp8XWt, p, args, stream);
+}
+
 void gemm_fp8_rmsnorm_rope(View h, View h_scales, View w_qkv, View w_qkv_scales, View r, View bias,
                            View pos, View rope_table, View qkv, cudaStream_t stream) {
   Args c("coda::ops::gemm_fp8_rmsnorm_rope");
@@ -316,6 +361,40 @@ void gemm_fp8_swiglu_backward(View dx_out, View dx_out_scales, View w_down_t, Vi
   args.dz = out.rows;
   args.dz_t = out.cols;
   launch<Program::kSwigluBackwardFp8>(c, Operands::kFp8XWt, kc, p, args, stream);
+}
+
+PartialLayout fp8_swiglu_backward_fp8_z_partials_layout(int64_t m, int64_t intermediate,
+                                                        int64_t hidden) {
+  return checked_layout("coda::ops::fp8_swiglu_backward_fp8_z_partials_layout",
+                        Program::kSwigluBackwardFp8Z, Operands::kFp8XWt, {m, intermediate, hidden});
+}
+
+void gemm_fp8_swiglu_backward_fp8_z(View dx_out, View dx_out_scales, View w_down_t,
+                                    View w_down_t_scales, View z, View z_scales, View dz,
+                                    View dz_scales, View dz_t, View dz_t_scales, View zdz_partials,
+                                    cudaStream_t stream) {
+  Args c("coda::ops::gemm_fp8_swiglu_backward_fp8_z");
+  kernel::GemmProblem p =
+      fp8_problem(c, {"dx_out", dx_out, "dx_out_scales", dx_out_scales},
+                  {"w_down_t", w_down_t, "w_down_t_scales", w_down_t_scales}, true);
+  const int64_t m = p.m, inter = p.n;
+  c.matrix("z", z, DType::kE4M3, m, 2 * inter);
+  c.scales("z_scales", z_scales, blocks(2 * inter), m, true);
+  const RowOutputs out = row_outputs(c, "dz", dz, "dz_scales", dz_scales, "dz_t", dz_t,
+                                     "dz_t_scales", dz_t_scales, m, 2 * inter);
+  const auto kc = choose_with_partials(c, Program::kSwigluBackwardFp8Z, Operands::kFp8XWt,
+                                       {m, inter, p.k}, "zdz_partials", zdz_partials);
+  c.on_device();
+  // (g, u) code pairs travel as one 16-bit element each: row strides in pairs.
+  kernel::SwigluBackwardFp8ZArgs args;
+  args.z = z.as<const uint16_t>();
+  args.ldz = z.ld / 2;
+  args.z_scales = f32(z_scales);
+  args.ld_z_scales = z_scales.ld;
+  args.zdz_partials = f32_out(zdz_partials);
+  args.dz = out.rows;
+  args.dz_t = out.cols;
+  launch<Program::kSwigluBackwardFp8Z>(c, Operands::kFp8XWt, kc, p, args, stream);
 }
 
 void gemm_fp8_xyt(View x, View x_scales, View y, View y_scales, View d, bool accumulate,

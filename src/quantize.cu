@@ -74,7 +74,15 @@ __global__ void __launch_bounds__(kThreads)
 // What a tile kernel quantizes: x itself, or a = silu(g)·u of the interleaved (g, u) pairs of
 // x = z (rows, 2·cols), F2's saved pre-activation, each a rounded to bf16 as the bf16 B2 rounds
 // the a it recomputes for dW_down.
-enum class TileInput { kX, kSwiGlu };
+// kSwiGluFp8: the same from z saved in FP8 (e4m3 codes, `ldx` bytes a row, and its 1x128 block
+// scales), each value decoded and rounded to bf16 (exact but below 2^-133) first, so that a is
+// kSwiGlu's of the decoded z, bit for bit.
+enum class TileInput { kX, kSwiGlu, kSwiGluFp8 };
+// An FP8 input's scales: block b of row r at b · ld + r.
+struct InputScales {
+  const float* scales = nullptr;
+  int64_t ld = 0;
+};
 
 // Eight consecutive a values from z's 16 values at `z` (two 16-byte loads), as 8 bf16.
 __device__ uint4 swiglu8(const uint4 (&z)[2]) {
@@ -93,14 +101,31 @@ __device__ uint4 swiglu8(const uint4 (&z)[2]) {
   return a;
 }
 
+// Eight consecutive a values from 16 of z's e4m3 codes (one 16-byte load) in a block of scale s.
+__device__ uint4 swiglu8_fp8(const uint4& z, float s) {
+  uint4 a;
+  __nv_bfloat162* out = reinterpret_cast<__nv_bfloat162*>(&a);
+  const uint32_t words[4] = {z.x, z.y, z.z, z.w};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {  // a word: (g, u) pairs of codes, two of them
+    const float2 p = fp8_tile::decode2(uint16_t(words[q] & 0xffffu));
+    const float2 r = fp8_tile::decode2(uint16_t(words[q] >> 16));
+    const float2 pz = __bfloat1622float2(__floats2bfloat162_rn(p.x * s, p.y * s));
+    const float2 rz = __bfloat1622float2(__floats2bfloat162_rn(r.x * s, r.y * s));
+    out[q] = __floats2bfloat162_rn(epilogue::SwiGlu{}(pz.x, pz.y), epilogue::SwiGlu{}(rz.x, rz.y));
+  }
+  return a;
+}
+
 // One CTA per 128x128 tile through shared memory (fp8_tile.cuh): loaded once, then its rows and
 // its columns quantized from there. Blocks::kRows: `out` per 1x128 row block, `out_t` per 128x1
 // column block. Blocks::kTiles: one scale for the whole 128x128 tile, for both. With
-// TileInput::kSwiGlu the tile is a's (rows, cols) from z at x (row stride ldx, 2·cols wide).
+// TileInput::kSwiGlu the tile is a's (rows, cols) from z at x (row stride ldx, 2·cols wide);
+// with kSwiGluFp8 from z's codes at x (ldx bytes a row) and their scales xs.
 template <Blocks kBlocks, TileInput kInput = TileInput::kX>
 __global__ void __launch_bounds__(kThreads)
-    quantize_tile_kernel(const bf16* __restrict__ x, int64_t rows, int64_t cols, int64_t ldx,
-                         Fp8Output out, Fp8Output out_t) {
+    quantize_tile_kernel(const void* __restrict__ x, int64_t rows, int64_t cols, int64_t ldx,
+                         Fp8Output out, Fp8Output out_t, InputScales xs) {
   using fp8_tile::kPitch;
   extern __shared__ __align__(16) unsigned char smem[];
   const fp8_tile::Staged staged = fp8_tile::staged(smem);
@@ -113,15 +138,30 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int kChunks = kTile * kTile / 8 / kThreads;
   constexpr int kLoads = kInput == TileInput::kSwiGlu ? 2 : 1;  // 16-byte loads per chunk
   uint4 v[kChunks][kLoads];
+  float scale[kChunks];  // kSwiGluFp8: the chunk's block scale (0 outside z)
 #pragma unroll
   for (int j = 0; j < kChunks; ++j) {
     const int i = threadIdx.x + j * kThreads, r = i / (kTile / 8), c = i % (kTile / 8) * 8;
+    const bool in = r < t.rows_here && c < t.cols_here;
+    scale[j] = 0.0f;
+    if constexpr (kInput == TileInput::kSwiGluFp8) {
+      // 16 codes (8 pairs) from z's column 2(col0 + c), all in one 128-column block.
+      v[j][0] = make_uint4(0, 0, 0, 0);
+      if (in) {
+        const int64_t zc = 2 * (t.col0 + c);
+        v[j][0] = *reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(x) +
+                                                  (t.row0 + r) * ldx + zc);
+        scale[j] = xs.scales[zc / kTile * xs.ld + t.row0 + r];
+      }
+    } else {
+      const bf16* xb = static_cast<const bf16*>(x);
 #pragma unroll
-    for (int l = 0; l < kLoads; ++l) {
-      v[j][l] = make_uint4(0, 0, 0, 0);
-      if (r < t.rows_here && c < t.cols_here)
-        v[j][l] =
-            *reinterpret_cast<const uint4*>(x + (t.row0 + r) * ldx + kLoads * (t.col0 + c) + 8 * l);
+      for (int l = 0; l < kLoads; ++l) {
+        v[j][l] = make_uint4(0, 0, 0, 0);
+        if (in)
+          v[j][l] = *reinterpret_cast<const uint4*>(xb + (t.row0 + r) * ldx +
+                                                    kLoads * (t.col0 + c) + 8 * l);
+      }
     }
   }
 #pragma unroll
@@ -130,6 +170,8 @@ __global__ void __launch_bounds__(kThreads)
     uint4 a;
     if constexpr (kInput == TileInput::kSwiGlu) {
       a = swiglu8(v[j]);
+    } else if constexpr (kInput == TileInput::kSwiGluFp8) {
+      a = swiglu8_fp8(v[j][0], scale[j]);
     } else {
       a = v[j][0];
     }
@@ -232,8 +274,9 @@ void check_input(const char* op, const bf16* x, int64_t rows, int64_t cols, int6
 }
 
 template <Blocks kBlocks, TileInput kInput = TileInput::kX>
-void launch_tiles(const char* op, const bf16* x, int64_t rows, int64_t cols, int64_t ldx,
-                  const Fp8Output& out, const Fp8Output& out_t, cudaStream_t stream) {
+void launch_tiles(const char* op, const void* x, int64_t rows, int64_t cols, int64_t ldx,
+                  const Fp8Output& out, const Fp8Output& out_t, cudaStream_t stream,
+                  InputScales xs = {}) {
   const int64_t row_blocks = ScaleLayout::blocks(rows), col_blocks = ScaleLayout::blocks(cols);
   CODA_CHECK(row_blocks < 65536, op, ": ", rows, " rows is too many (at most 65535 tiles)");
   // Per launch (the current device's function attribute; no synchronization).
@@ -242,7 +285,7 @@ void launch_tiles(const char* op, const bf16* x, int64_t rows, int64_t cols, int
                                        fp8_tile::kSmemBytes));
   const dim3 grid{unsigned(col_blocks), unsigned(row_blocks)};
   quantize_tile_kernel<kBlocks, kInput>
-      <<<grid, kThreads, fp8_tile::kSmemBytes, stream>>>(x, rows, cols, ldx, out, out_t);
+      <<<grid, kThreads, fp8_tile::kSmemBytes, stream>>>(x, rows, cols, ldx, out, out_t, xs);
   CODA_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -278,6 +321,25 @@ void quantize_fp8_swiglu_t(const bf16* z, int64_t rows, int64_t cols, int64_t ld
   check_output(op, "out_t", out_t, ScaleLayout::padded_tokens(rows), cols);
   launch_tiles<Blocks::kRows, TileInput::kSwiGlu>(op, z, rows, cols, ldz, Fp8Output{}, out_t,
                                                   stream);
+}
+
+void quantize_fp8_swiglu_t_fp8_z(const uint8_t* z, int64_t rows, int64_t cols, int64_t ldz,
+                                 const float* z_scales, int64_t ld_z_scales, Fp8Output out_t,
+                                 cudaStream_t stream) {
+  const char* op = "coda::kernel::quantize_fp8_swiglu_t_fp8_z";
+  CODA_CHECK(z != nullptr && z_scales != nullptr && rows > 0 && cols > 0 && cols % 16 == 0 &&
+                 ldz >= 2 * cols,
+             op, ": z must be (rows, 2·cols) codes with scales, cols a multiple of 16, got rows ",
+             rows, ", cols ", cols, ", row stride ", ldz);
+  CODA_CHECK(ldz % 16 == 0 && reinterpret_cast<uintptr_t>(z) % 16 == 0, op,
+             ": z's start and row stride must be 16-byte aligned (16-byte loads), got row stride ",
+             ldz, " at address ", static_cast<const void*>(z));
+  CODA_CHECK(ld_z_scales >= rows, op, ": z's scale row stride must be >= ", rows, ", got ",
+             ld_z_scales);
+  CODA_CHECK(out_t.codes != nullptr, op, ": no output");
+  check_output(op, "out_t", out_t, ScaleLayout::padded_tokens(rows), cols);
+  launch_tiles<Blocks::kRows, TileInput::kSwiGluFp8>(op, z, rows, cols, ldz, Fp8Output{}, out_t,
+                                                     stream, {z_scales, ld_z_scales});
 }
 
 void quantize_fp8_blocks(const bf16* x, int64_t rows, int64_t cols, int64_t ldx, Fp8Output out,

@@ -157,6 +157,11 @@ void quantize_fp8_rows(View x, View codes, View scales, View codes_t, View scale
 // of 16, each a rounded to bf16: a's transposed 128x1 copy codes_t (I, M16), scales_t
 // (ceil(M/128), I), as quantize_fp8_rows writes it for that a.
 void quantize_fp8_swiglu_t(View z, View codes_t, View scales_t, cudaStream_t stream);
+// The same from z saved in FP8 (gemm_fp8_rmsnorm_swiglu_fp8_z's z codes (M, 2I) and z_scales
+// (ceil(2I/128), M rounded up to 4)): each pair decoded, a = silu(g)·u rounded to bf16; bit for
+// bit quantize_fp8_swiglu_t of the decoded z in bf16.
+void quantize_fp8_swiglu_t_fp8_z(View z, View z_scales, View codes_t, View scales_t,
+                                 cudaStream_t stream);
 // w (N, K) bf16, K a multiple of 16, into 128x128 blocks: codes (N, K), scales (ceil(N/128),
 // ceil(K/128)); codes_t (K, N) = wᵀ's codes with scales_t (ceil(K/128), ceil(N/128)) the same
 // blocks transposed (N a multiple of 16 then): the data gradient's operand.
@@ -192,6 +197,12 @@ void gemm_fp8_residual_rmsnorm_bf16(View a, View a_scales, View w, View w_scales
 // (ceil(M/128), I), either of which may be left out. 2I a multiple of 32.
 void gemm_fp8_rmsnorm_swiglu(View h, View h_scales, View w_gu, View w_gu_scales, View r, View z,
                              View a, View a_scales, View a_t, View a_t_scales, cudaStream_t stream);
+// The same with z saved in FP8: z (M, 2I) rounded to bf16 and quantized in 1x128 blocks instead of
+// written in bf16, codes z (M, 2I) and z_scales (ceil(2I/128), M rounded up to 4), bit for bit
+// quantize_fp8_rows of gemm_fp8_rmsnorm_swiglu's z; a and its outputs as there.
+void gemm_fp8_rmsnorm_swiglu_fp8_z(View h, View h_scales, View w_gu, View w_gu_scales, View r,
+                                   View z, View z_scales, View a, View a_scales, View a_t,
+                                   View a_t_scales, cudaStream_t stream);
 // F3 over FP8 operands (h in 1x128 blocks, w_qkv (N, K) in 128x128 blocks): qkv (M, N) bf16 =
 // rope(r ⊙ (h · w_qkvᵀ) + bias, pos, freq), the arguments as gemm_rmsnorm_rope's.
 void gemm_fp8_rmsnorm_rope(View h, View h_scales, View w_qkv, View w_qkv_scales, View r, View bias,
@@ -221,6 +232,16 @@ PartialLayout fp8_swiglu_backward_partials_layout(int64_t m, int64_t intermediat
 void gemm_fp8_swiglu_backward(View dx_out, View dx_out_scales, View w_down_t, View w_down_t_scales,
                               View z, View dz, View dz_scales, View dz_t, View dz_t_scales,
                               View zdz_partials, cudaStream_t stream);
+// The same from z saved in FP8 (codes z (M, 2I), z_scales (ceil(2I/128), M rounded up to 4), as
+// gemm_fp8_rmsnorm_swiglu_fp8_z writes them), each (g, u) decoded first: bit for bit
+// gemm_fp8_swiglu_backward of the decoded z in bf16. Partials in
+// fp8_swiglu_backward_fp8_z_partials_layout.
+PartialLayout fp8_swiglu_backward_fp8_z_partials_layout(int64_t m, int64_t intermediate,
+                                                        int64_t hidden);
+void gemm_fp8_swiglu_backward_fp8_z(View dx_out, View dx_out_scales, View w_down_t,
+                                    View w_down_t_scales, View z, View z_scales, View dz,
+                                    View dz_scales, View dz_t, View dz_t_scales, View zdz_partials,
+                                    cudaStream_t stream);
 // d (M, N) = x · yᵀ with x (M, K) and y (N, K) both in 1x128 blocks (the weight gradient from
 // the transposed copies, K = tokens): d bf16, or with `accumulate` fp32 d += x · yᵀ. Runs on
 // the backend fp8_wgrad_backend() names.

@@ -1,4 +1,5 @@
-// The FP8 programs (F2's a, B1's h_out, B2's dz quantized in the epilogue; F3 on FP8 operands;
+// The FP8 programs (F2's a, B1's h_out, B2's dz quantized in the epilogue; F2 / B2 with z in FP8
+// against the same programs with z in bf16, byte for byte; F3 on FP8 operands;
 // F1's h is in fp8_gemm_test.cu) against the host recipe, on fresh random inputs over ragged shapes
 // (M = 1, 130, 300, 4097; N not a multiple of 128; a unit of F2's tile pairs half past N):
 //   - the bf16 outputs (z, dx, and a, h_out and dz as the staged bf16 copy the kernel can write)
@@ -16,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include "coda/kernel/cuda_check.hpp"
+#include "coda/kernel/quantize.hpp"
 #include "coda/ops.hpp"
 #include "coda/programs/rope.hpp"
 #include "support/fp8_check.hpp"
@@ -53,6 +56,20 @@ struct QuantizedOut {
         reference::quantize_blockwise(MatrixRef<double>::transposed(v.data(), cols, rows), 1, 128);
     expect_same_bytes(what + "ᵀ codes", codes_t.download(), padded_codes(qt, pad(rows, 16)));
     expect_same_floats(what + "ᵀ scales", scales_t.download(), row_scales(qt, cols));
+  }
+  // The rows alone (1x128 blocks) against the recipe.
+  void expect_quantizes_rows(const std::string& what, const std::vector<double>& v) const {
+    const auto q =
+        reference::quantize_blockwise(MatrixRef<double>::row_major(v.data(), rows, cols), 1, 128);
+    expect_same_bytes(what + " codes", codes.download(), q.codes);
+    expect_same_floats(what + " scales", scales.download(), row_scales(q, pad(rows, 4)));
+  }
+  // Everything the same bytes as `o`'s (another run's outputs).
+  void expect_same_as(const std::string& what, const QuantizedOut& o) const {
+    expect_same_bytes(what + " codes", codes.download(), o.codes.download());
+    expect_same_floats(what + " scales", scales.download(), o.scales.download());
+    expect_same_bytes(what + "ᵀ codes", codes_t.download(), o.codes_t.download());
+    expect_same_floats(what + "ᵀ scales", scales_t.download(), o.scales_t.download());
   }
   // Both copies against the recipe's quantization of v (rows, cols), the kernel's bf16 values.
   void expect_quantizes(const std::string& what, const std::vector<double>& v) const {
@@ -242,6 +259,104 @@ TEST_F(GpuKernelTest, Fp8RmsnormBackwardQuantizesHOutAsTheRecipe) {
     const std::vector<double> h_got = download_bf16(h_copy);
     expect_close("h_out " + what, h_got, ref.h);
     q.expect_quantizes_copy("h_out " + what, h_got);
+  }
+}
+
+// F2 with z in FP8 as well: z's codes and scales are the recipe's of the bf16 z that
+// kRmsnormSwigluFp8 writes on the same operands (the same mainloop, so the same accumulators),
+// byte for byte, and a's outputs are that program's.
+TEST_F(GpuKernelTest, Fp8RmsnormSwigluWithFp8ZQuantizesZAsTheRecipe) {
+  testing::Rng rng(25);
+  const Shape shapes[] = {{1, 256, 144}, {130, 384, 272}, {300, 2752, 1040}, {4097, 512, 272}};
+  for (const Shape& s : shapes) {
+    if (skip_large(s)) continue;
+    const int64_t m = s.m, two_i = s.n, inter = two_i / 2;
+    const auto qh = quantized(wide_values(m, s.k, rng), s.m, s.k, 1);
+    const auto qw = quantized(wide_values(two_i, s.k, rng), s.n, s.k, 128);
+    const std::vector<double> r = testing::bf16_uniform(size_t(m), 0.5, 1.5, rng);
+    const Fp8Operand dh = upload_rows(qh), dw = upload_blocks(qw);
+    DeviceBuffer<float> dr(std::vector<float>(r.begin(), r.end()));
+    DeviceBuffer<bf16> z(size_t(m * two_i));
+    z.poison();
+    QuantizedOut a(m, inter), a_z(m, inter), zq(m, two_i);
+    GemmProblem p = fp8_problem(s, dh, dw);
+    p.d = z.get();
+    p.ldd = two_i;
+    run<Program::kRmsnormSwigluFp8>(kConfig, p, {dr.get(), a.rows_out(), a.cols_out()},
+                                    Operands::kFp8XWt);
+    RmsnormSwigluFp8ZArgs args;
+    args.f2 = {dr.get(), a_z.rows_out(), a_z.cols_out()};
+    args.z = zq.rows_out();
+    run<Program::kRmsnormSwigluFp8Z>(kConfig, fp8_problem(s, dh, dw), args, Operands::kFp8XWt);
+    zq.expect_quantizes_rows("z " + at(s), download_bf16(z));
+    a_z.expect_same_as("a " + at(s), a);
+  }
+}
+
+// B2 from an FP8 z: every output byte for byte kSwigluBackwardFp8's on the decoded z in bf16
+// (exact there), the ZdZ partials bit for bit.
+TEST_F(GpuKernelTest, Fp8SwigluBackwardWithFp8ZIsB2OfTheDecodedZ) {
+  testing::Rng rng(27);
+  const Shape shapes[] = {{1, 128, 144}, {130, 200, 272}, {300, 456, 1040}, {4097, 128, 272}};
+  for (const Shape& s : shapes) {
+    if (skip_large(s)) continue;
+    const int64_t m = s.m, inter = s.n;
+    const auto qdx = quantized(wide_values(m, s.k, rng), s.m, s.k, 1);
+    const auto qwdt = quantized(wide_values(inter, s.k, rng), s.n, s.k, 128);
+    const auto qz =
+        quantized(testing::bf16_uniform(size_t(m * 2 * inter), -3, 3, rng), m, 2 * inter, 1);
+    const Fp8Operand ddx = upload_rows(qdx), dwdt = upload_blocks(qwdt), dzq = upload_rows(qz);
+    auto z_dec = upload_bf16(qz.dequantized());
+    const auto layout = epilogue::PartialLayout::per_row(m, inter, 128, 128);
+    DeviceBuffer<float> zdz(size_t(layout.tiles * layout.extent)),
+        zdz_z(size_t(layout.tiles * layout.extent));
+    zdz.poison();
+    zdz_z.poison();
+    QuantizedOut q(m, 2 * inter), q_z(m, 2 * inter);
+    SwigluBackwardFp8Args args;
+    args.z = reinterpret_cast<const uint32_t*>(z_dec.get());
+    args.ldz = inter;
+    args.zdz_partials = zdz.get();
+    args.dz = q.rows_out();
+    args.dz_t = q.cols_out();
+    run<Program::kSwigluBackwardFp8>(kConfig, fp8_problem(s, ddx, dwdt), args, Operands::kFp8XWt);
+    SwigluBackwardFp8ZArgs zargs;
+    zargs.z = reinterpret_cast<const uint16_t*>(dzq.codes.get());
+    zargs.ldz = inter;
+    zargs.z_scales = dzq.scales.get();
+    zargs.ld_z_scales = dzq.ld_scales;
+    zargs.zdz_partials = zdz_z.get();
+    zargs.dz = q_z.rows_out();
+    zargs.dz_t = q_z.cols_out();
+    run<Program::kSwigluBackwardFp8Z>(kConfig, fp8_problem(s, ddx, dwdt), zargs, Operands::kFp8XWt);
+    q_z.expect_same_as("dz " + at(s), q);
+    const std::vector<float> plain = zdz.download();
+    std::vector<double> want(plain.begin(), plain.end());  // kSwigluBackwardFp8's
+    const std::vector<double> got = defined_partials(zdz_z.download(), want, layout, m);
+    expect_same_floats("ZdZ partials " + at(s), std::vector<float>(got.begin(), got.end()),
+                       std::vector<float>(want.begin(), want.end()));
+  }
+}
+
+// a's transposed copy recomputed from an FP8 z: byte for byte the cast kernel's from the decoded
+// z in bf16.
+TEST_F(GpuKernelTest, SwigluCopyFromFp8ZIsThatOfTheDecodedZ) {
+  testing::Rng rng(29);
+  const int64_t sizes[][2] = {{1, 16}, {130, 272}, {4097, 128}, {300, 1040}};
+  for (const auto& mi : sizes) {
+    const int64_t m = mi[0], inter = mi[1];
+    const auto qz =
+        quantized(testing::bf16_uniform(size_t(m * 2 * inter), -3, 3, rng), m, 2 * inter, 1);
+    const Fp8Operand dzq = upload_rows(qz);
+    auto z_dec = upload_bf16(qz.dequantized());
+    QuantizedOut a(m, inter), a_z(m, inter);
+    quantize_fp8_swiglu_t(z_dec.get(), m, inter, 2 * inter, a.cols_out(), nullptr);
+    quantize_fp8_swiglu_t_fp8_z(dzq.codes.get(), m, inter, 2 * inter, dzq.scales.get(),
+                                dzq.ld_scales, a_z.cols_out(), nullptr);
+    CODA_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::string what = "a from z (" + std::to_string(m) + ", " + std::to_string(inter) + ")";
+    expect_same_bytes(what + "ᵀ codes", a_z.codes_t.download(), a.codes_t.download());
+    expect_same_floats(what + "ᵀ scales", a_z.scales_t.download(), a.scales_t.download());
   }
 }
 

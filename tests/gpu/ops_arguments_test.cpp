@@ -365,5 +365,51 @@ TEST(OpArguments, Fp8ProgramArgumentsAreChecked) {
                     HasSubstr("rope_table must have shape (2, 16), got (2, 8)")));
 }
 
+TEST(OpArguments, Fp8ZArgumentsAreChecked) {
+  const auto e4 = DType::kE4M3, f = DType::kF32;
+  const TensorView none{};
+  // F2 with z in FP8: z's codes are its point.
+  EXPECT_THAT(error_of([&] {
+                gemm_fp8_rmsnorm_swiglu_fp8_z(
+                    typed(256, e4, 4, 32), typed(512, f, 1, 4), typed(768, e4, 64, 32),
+                    typed(1024, f, 1, 1), f32_vector(1280, 4), none, none, typed(1792, e4, 4, 32),
+                    typed(2048, f, 1, 4), none, none, nullptr);
+              }),
+              AllOf(HasSubstr("coda::ops::gemm_fp8_rmsnorm_swiglu_fp8_z"), HasSubstr("z is null")));
+  EXPECT_THAT(error_of([&] {
+                gemm_fp8_rmsnorm_swiglu_fp8_z(typed(256, e4, 4, 32), typed(512, f, 1, 4),
+                                              typed(768, e4, 64, 32), typed(1024, f, 1, 1),
+                                              f32_vector(1280, 4), typed(1536, e4, 4, 64),
+                                              typed(1600, f, 1, 3), typed(1792, e4, 4, 32),
+                                              typed(2048, f, 1, 4), none, none, nullptr);
+              }),
+              HasSubstr("z_scales must be fp32 scales of shape (1, 4), got (1, 3)"));
+  // B2 from an FP8 z: codes, not bf16 pairs, with their scales.
+  EXPECT_THAT(error_of([&] {
+                gemm_fp8_swiglu_backward_fp8_z(typed(256, e4, 4, 32), typed(512, f, 1, 4),
+                                               typed(768, e4, 16, 32), typed(1024, f, 1, 1),
+                                               bf16_matrix(1280, 4, 32), typed(1408, f, 1, 4),
+                                               typed(1536, e4, 4, 32), typed(1792, f, 1, 4), none,
+                                               none, typed(2048, f, 1, 4), nullptr);
+              }),
+              AllOf(HasSubstr("coda::ops::gemm_fp8_swiglu_backward_fp8_z"),
+                    HasSubstr("z must be float8_e4m3fn"), HasSubstr("got bfloat16")));
+  EXPECT_THAT(error_of([&] {
+                gemm_fp8_swiglu_backward_fp8_z(typed(256, e4, 4, 32), typed(512, f, 1, 4),
+                                               typed(768, e4, 16, 32), typed(1024, f, 1, 1),
+                                               typed(1280, e4, 4, 32), typed(1408, f, 2, 4),
+                                               typed(1536, e4, 4, 32), typed(1792, f, 1, 4), none,
+                                               none, typed(2048, f, 1, 4), nullptr);
+              }),
+              HasSubstr("z_scales must be fp32 scales of shape (1, 4), got (2, 4)"));
+  // a's copy from an FP8 z: 2I a multiple of 32.
+  EXPECT_THAT(error_of([&] {
+                quantize_fp8_swiglu_t_fp8_z(typed(256, e4, 4, 48), typed(512, f, 1, 4),
+                                            typed(768, e4, 24, 16), typed(1024, f, 1, 24), nullptr);
+              }),
+              AllOf(HasSubstr("coda::ops::quantize_fp8_swiglu_t_fp8_z"),
+                    HasSubstr("2I a multiple of 32"), HasSubstr("got (4, 48)")));
+}
+
 }  // namespace
 }  // namespace coda::ops

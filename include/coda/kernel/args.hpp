@@ -128,6 +128,15 @@ struct RmsnormSwigluFp8Args {
   int64_t ld_a_copy = 0;
 };
 
+// F2 with a and z in FP8 (Program::kRmsnormSwigluFp8Z): a as RmsnormSwigluFp8Args; z, rounded to
+// bf16, quantized in 1x128 blocks along its 2I columns instead of written in bf16 (no D): the
+// pre-activation B2 and the recomputed aᵀ read back, in 2I bytes a token instead of 4I. A
+// 128-column tile of z is one block of each of its rows.
+struct RmsnormSwigluFp8ZArgs {
+  RmsnormSwigluFp8Args f2;
+  Fp8Output z;  // codes (M, 2I), scales (ceil(2I / 128), row_scales_ld(M))
+};
+
 struct RmsnormSwigluArgs {   // F2: D = z (M, 2I)
   const float* r = nullptr;  // (M)
   bf16* a = nullptr;         // (M, I)
@@ -224,6 +233,19 @@ struct SwigluBackwardFp8Args {
   Fp8Output dz_t;                 // codes (2I, padded_tokens(M)), scales (ceil(M / 128), 2I)
   bf16* dz_copy = nullptr;        // (M, 2I), leading dimension ld_dz_copy
   int64_t ld_dz_copy = 0;
+};
+
+// B2 over FP8 operands with z in FP8 (Program::kSwigluBackwardFp8Z): as SwigluBackwardFp8Args,
+// but z comes as F2's e4m3 codes, read as 16-bit (g, u) code pairs (the kernel's C), with its
+// 1x128 block scales; each pair is decoded (code · scale, exact) before B2's math.
+struct SwigluBackwardFp8ZArgs {
+  const uint16_t* z = nullptr;      // (M, I) interleaved (g, u) e4m3 code pairs
+  int64_t ldz = 0;                  // in pairs
+  const float* z_scales = nullptr;  // (ceil(2I / 128), row_scales_ld(M)): block b of row m at
+  int64_t ld_z_scales = 0;          // b · ld_z_scales + m
+  float* zdz_partials = nullptr;    // PartialLayout::per_row(M, I, 128, 128): Σ g·dg + u·du
+  Fp8Output dz;                     // as SwigluBackwardFp8Args
+  Fp8Output dz_t;
 };
 
 // ---- the program / configuration table (kernel/table.def) ----------------------------------

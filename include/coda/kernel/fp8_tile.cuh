@@ -7,6 +7,8 @@
 // are the cast kernel's codes of the same bf16 values, bit for bit.
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <cstdint>
 
@@ -42,6 +44,13 @@ __device__ __forceinline__ uint32_t pack4(float a, float b, float c, float d, fl
   using epilogue::E4m3;  // quantize_by_inverse, two at a time
   const uint32_t lo = E4m3::encode2(a * inv, b * inv), hi = E4m3::encode2(c * inv, d * inv);
   return lo | hi << 16;
+}
+
+// Two e4m3 codes (byte 0 the low value) as floats, exactly E4m3::decode's values (e4m3 lies
+// inside fp16, fp16 inside fp32; NaN stays NaN), in two conversions. The readers of an FP8 z.
+__device__ __forceinline__ float2 decode2(uint16_t codes) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(codes), __NV_E4M3);
+  return __half22float2(__half2(h));
 }
 
 // Where a tile sits in its (rows, cols) tensor, and how much of it is real.

@@ -30,6 +30,12 @@ void quantize_fp8_rows(const bf16* x, int64_t rows, int64_t cols, int64_t ldx, F
 // down-projection's weight-gradient operand, when the forward did not keep it).
 void quantize_fp8_swiglu_t(const bf16* z, int64_t rows, int64_t cols, int64_t ldz, Fp8Output out_t,
                            cudaStream_t stream);
+// The same from z saved in FP8: codes (rows, 2·cols), row stride ldz bytes, and their 1x128
+// scales (block b of row r at b · ld_z_scales + r); each value decoded and rounded to bf16, so
+// out_t is quantize_fp8_swiglu_t's of the decoded z in bf16, bit for bit.
+void quantize_fp8_swiglu_t_fp8_z(const uint8_t* z, int64_t rows, int64_t cols, int64_t ldz,
+                                 const float* z_scales, int64_t ld_z_scales, Fp8Output out_t,
+                                 cudaStream_t stream);
 
 // x (rows, cols) bf16 in 128x128 blocks (weights), cols a multiple of 16; one scale per block.
 //   out (if codes is set): codes (rows, cols); the scale of block (rb, cb) at rb · ld_scales + cb.

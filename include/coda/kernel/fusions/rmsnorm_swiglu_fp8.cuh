@@ -26,3 +26,30 @@ struct FusionOf<Program::kRmsnormSwigluFp8> : FusionTypes<void, bfloat16_t, Rmsn
 };
 
 }  // namespace coda::kernel
+
+namespace coda::kernel {
+
+// F2 with a and z in FP8: as kRmsnormSwigluFp8, and z itself, rounded to bf16, staged whole
+// (one 128-column tile of z is one 1x128 block of each of its rows) and quantized in its rows
+// at the tile's end (Fp8TileStore, WholeTile, in front of a's store, which gets z's values
+// unchanged). No D: B2 and the recomputed aᵀ read z's codes. z's codes are those of the bf16 z
+// of kRmsnormSwigluFp8 through the cast kernel, bit for bit; a's are kRmsnormSwigluFp8's.
+template <>
+struct FusionOf<Program::kRmsnormSwigluFp8Z> : FusionTypes<void, void, RmsnormSwigluFp8ZArgs> {
+  using Scheduler = PairedAlongN;
+  template <class EpilogueDesc>
+  struct Build {
+    using Tile = typename EpilogueDesc::TileShape;
+    using Z =
+        cf::Sm90EVT<ComputeNode<epilogue::Multiplies>, cf::Sm90AccFetch, RowVector<Tile, float>>;
+    using ZStore = cf::Sm90EVT<Fp8TileStore<Tile, fp8_staging::WholeTile>, Z>;
+    using Callbacks = cf::Sm90EVT<Fp8TileStore<Tile, fp8_staging::SwigluOfPairedTiles>, ZStore>;
+    static typename Callbacks::Arguments arguments(Args const& a) {
+      const RmsnormSwigluFp8Args& f2 = a.f2;
+      return {{{{}, {f2.r, 0.0f, {}}, {}}, {a.z, {}, nullptr, 0}},
+              {f2.a, f2.a_t, f2.a_copy, f2.ld_a_copy}};
+    }
+  };
+};
+
+}  // namespace coda::kernel

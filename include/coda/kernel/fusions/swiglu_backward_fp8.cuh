@@ -1,5 +1,6 @@
 #pragma once
 #include "coda/kernel/fusions/common.cuh"
+#include "coda/kernel/nodes/fp8_pair_decode.cuh"
 #include "coda/kernel/nodes/fp8_tile_store.cuh"
 #include "coda/kernel/nodes/swiglu_backward.cuh"
 
@@ -34,6 +35,37 @@ struct FusionOf<Program::kSwigluBackwardFp8> : FusionTypes<uint32_t, void, Swigl
       b.ldz = a.ldz;
       b.zdz_partials = a.zdz_partials;
       return {{{}, {}, {b, nullptr, 0}}, {a.dz, a.dz_t, a.dz_copy, a.ld_dz_copy}};
+    }
+  };
+};
+
+// B2 with z in FP8 (F2's kRmsnormSwigluFp8Z codes): as kSwigluBackwardFp8, z the kernel's C as
+// 16-bit e4m3 code pairs (half B2's C bytes), decoded with their block scales (Fp8PairDecode)
+// into the bf16 pairs SwigluBackwardNode reads. Bit for bit kSwigluBackwardFp8 given the decoded
+// z in bf16 (exact there).
+template <>
+struct FusionOf<Program::kSwigluBackwardFp8Z>
+    : FusionTypes<uint16_t, void, SwigluBackwardFp8ZArgs> {
+  // 16-bit C subtiles (8 KB each): the builder reuses C's ring for the (absent) D's two stages,
+  // so C takes three.
+  static constexpr int kStagesC = 3;
+  static KernelOperands operands(Args const& a, GemmProblem const&) {
+    return {a.z, a.ldz, nullptr, 0};
+  }
+  template <class EpilogueDesc>
+  struct Build {
+    using Tile = typename EpilogueDesc::TileShape;
+    using Z = cf::Sm90EVT<Fp8PairDecode<Tile>, cf::Sm90SrcFetch<uint16_t>>;
+    using Dz = cf::Sm90EVT<SwigluBackwardNode<Tile, WithoutOutput>, cf::Sm90AccFetch, Z>;
+    using Callbacks = cf::Sm90EVT<Fp8TileStore<Tile, fp8_staging::PairsInHalves>, Dz>;
+    static typename Callbacks::Arguments arguments(Args const& a) {
+      SwigluBackwardArgs b;
+      // The node reads z from its child; its z and ldz are only checked (present, rows 16-byte
+      // aligned: ldz pairs of 2 bytes, a multiple of 8, is a multiple of 4).
+      b.z = reinterpret_cast<const uint32_t*>(a.z);
+      b.ldz = a.ldz;
+      b.zdz_partials = a.zdz_partials;
+      return {{{}, {{}, {a.z_scales, a.ld_z_scales}}, {b, nullptr, 0}}, {a.dz, a.dz_t, nullptr, 0}};
     }
   };
 };
