@@ -81,11 +81,17 @@ class TorchTensors {
                                                                 const Tensor& gamma) const {
     return fp8::residual_rmsnorm_act_h(a.codes, a.scales, w.codes, w.scales, residual, gamma);
   }
-  std::tuple<Tensor, Fp8> fp8_rmsnorm_swiglu(const Fp8& h, const Fp8& w, const Tensor& r,
-                                             bool copy) const {
+  // z, its scales (z in FP8, with fp8_z; else undefined) and a.
+  std::tuple<Tensor, Tensor, Fp8> fp8_rmsnorm_swiglu(const Fp8& h, const Fp8& w, const Tensor& r,
+                                                     bool copy, bool fp8_z) const {
+    if (fp8_z) {
+      auto [z, zs, c, s, ct, st] = fp8::rmsnorm_swiglu_fp8_z(h.codes, h.scales, w.codes, w.scales,
+                                                             r, true, copy, act_dtype());
+      return {z, zs, Fp8{c, s, ct, st}};
+    }
     auto [z, c, s, ct, st] =
         fp8::rmsnorm_swiglu(h.codes, h.scales, w.codes, w.scales, r, true, copy, act_dtype());
-    return {z, Fp8{c, s, ct, st}};
+    return {z, Tensor(), Fp8{c, s, ct, st}};
   }
   Tensor fp8_rmsnorm_rope(const Fp8& h, const Fp8& w, const Tensor& r, const Tensor& bias,
                           const Tensor& pos, const Tensor& rope_table) const {
@@ -110,16 +116,18 @@ class TorchTensors {
         fp8::rmsnorm_backward(dz.codes, dz.scales, w.codes_t, w.scales_t, x, r, gamma, zdz, dres);
     return {dx, Fp8{{}, {}, ht, hts}, p};
   }
-  // a = silu(g)·u of z, rounded, as its transposed copy (a not kept by the forward).
-  static Fp8 fp8_swiglu_copy(const Tensor& z) {
-    auto [ct, st] = fp8::swiglu_quantize_t(z);
+  // a = silu(g)·u of z (z_scales defined: z in FP8), rounded, as its transposed copy (a not kept
+  // by the forward).
+  Fp8 fp8_swiglu_copy(const Tensor& z, const Tensor& z_scales) const {
+    auto [ct, st] = fp8::swiglu_quantize_t(z, z_scales, act_dtype());
     return Fp8{{}, {}, ct, st};
   }
   // B2 from dx_out's rows and W_downᵀ's codes (w_down.codes_t): dz (both copies), ZdZ partials.
-  static std::tuple<Fp8, Tensor> fp8_swiglu_backward(const Fp8& dx_out, const Fp8& w_down,
-                                                     const Tensor& z) {
-    auto [c, s, ct, st, p] = fp8::swiglu_backward(dx_out.codes, dx_out.scales, w_down.codes_t,
-                                                  w_down.scales_t, z, true, true);
+  std::tuple<Fp8, Tensor> fp8_swiglu_backward(const Fp8& dx_out, const Fp8& w_down, const Tensor& z,
+                                              const Tensor& z_scales) const {
+    auto [c, s, ct, st, p] =
+        fp8::swiglu_backward(dx_out.codes, dx_out.scales, w_down.codes_t, w_down.scales_t, z,
+                             z_scales, true, true, act_dtype());
     return {Fp8{c, s, ct, st}, p};
   }
   at::ScalarType act_dtype() const { return c10::typeMetaToScalarType(act_.dtype()); }

@@ -130,14 +130,15 @@ OutProj fp8_out_proj_residual_norm(const Tensor& y, const Tensor& w_o, const Ten
   });
 }
 
-using MlpOut = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
+using MlpOut = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
 MlpOut fp8_mlp(const Tensor& x, const Tensor& gamma, const Tensor& w_gu, const Tensor& gu_codes,
                const Tensor& gu_scales, const std::optional<Tensor>& gu_codes_t,
                const std::optional<Tensor>& gu_scales_t, const Tensor& w_down,
                const Tensor& dn_codes, const Tensor& dn_scales,
                const std::optional<Tensor>& dn_codes_t, const std::optional<Tensor>& dn_scales_t,
                const Tensor& h, const Tensor& h_scales, const Tensor& r, const Tensor& gamma_next,
-               double eps, bool act_h_out, bool copies, bool recompute_a, bool recast_w_t) {
+               double eps, bool act_h_out, bool copies, bool recompute_a, bool recast_w_t,
+               bool fp8_z) {
   const auto c = OpContext::from("coda::fp8_mlp", "x", x);
   const auto s = validate_mlp(c, x, gamma, w_gu, w_down, nullptr, r);
   c.activation("gamma_next", gamma_next, {s.hidden});
@@ -153,12 +154,15 @@ MlpOut fp8_mlp(const Tensor& x, const Tensor& gamma, const Tensor& w_gu, const T
               " must be a multiple of 16 (16-byte rows of a's codes)");
   return on_backend(x, [&](auto& b) {
     const auto o =
-        block::fp8_mlp(b, x, hq, r, gu, dn, gamma_next, eps, act_h_out, copies, recompute_a);
+        block::fp8_mlp(b, x, hq, r, gu, dn, gamma_next, eps, act_h_out, copies, recompute_a, fp8_z);
     const auto& n = o.out;
+    const Tensor z_scales = fp8_z ? o.z_scales : empty_like_stat(x);
     if (act_h_out) {
-      return std::make_tuple(n.x, o.h_act, empty_like_stat(x), n.r, o.z, o.a.codes_t, o.a.scales_t);
+      return std::make_tuple(n.x, o.h_act, empty_like_stat(x), n.r, o.z, o.a.codes_t, o.a.scales_t,
+                             z_scales);
     }
-    return std::make_tuple(n.x, n.h.codes, n.h.scales, n.r, o.z, o.a.codes_t, o.a.scales_t);
+    return std::make_tuple(n.x, n.h.codes, n.h.scales, n.r, o.z, o.a.codes_t, o.a.scales_t,
+                           z_scales);
   });
 }
 
@@ -246,9 +250,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_mlp_backward(
     const Tensor& dx_out, const Tensor& x, const Tensor& gamma, const Tensor& w_gu,
     const Tensor& gu_codes_t, const Tensor& gu_scales_t, const Tensor& w_down,
     const Tensor& dn_codes_t, const Tensor& dn_scales_t, const Tensor& r, const Tensor& z,
-    const std::optional<Tensor>& a_t, const std::optional<Tensor>& a_t_scales) {
+    const std::optional<Tensor>& a_t, const std::optional<Tensor>& a_t_scales,
+    const std::optional<Tensor>& z_scales) {
   const auto c = OpContext::from("coda::fp8_mlp_backward", "x", x);
-  const auto s = validate_mlp_backward(c, dx_out, x, gamma, w_gu, w_down, r, z);
+  // z as fp8_mlp saved it: in the activation dtype, or (fp8_z) its codes with z_scales.
+  const auto s = z_scales ? validate_mlp(c, x, gamma, w_gu, w_down, nullptr, r)
+                          : validate_mlp_backward(c, dx_out, x, gamma, w_gu, w_down, r, z);
+  if (z_scales) {
+    c.activation("dx_out", dx_out, {s.m, s.hidden});
+    const Fp8 zq{z, *z_scales, {}, {}};
+    check_fp8_act(c, "z", zq, s.m, 2 * s.intermediate, true, false);
+  }
   const Fp8 gu{{}, {}, gu_codes_t, gu_scales_t}, dn{{}, {}, dn_codes_t, dn_scales_t};
   check_fp8_weight(c, "gu", "2I (w_gu.size(0))", w_gu, gu, false);
   check_fp8_weight(c, "dn", "H (w_down.size(0))", w_down, dn, false);
@@ -260,7 +272,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_mlp_backward(
     check_fp8_act(c, "a", a, s.m, s.intermediate, false, true);
   }
   return on_backend(x, [&](auto& b) {
-    const auto g = block::fp8_mlp_backward(b, dx_out, x, gamma, gu, dn, r, z, a);
+    const auto g =
+        block::fp8_mlp_backward(b, dx_out, x, gamma, gu, dn, r, z, z_scales.value_or(Tensor()), a);
     return std::make_tuple(g.dx, g.dgamma, g.dw, g.dw2);
   });
 }
@@ -327,12 +340,19 @@ MlpOut fp8_mlp_meta(const Tensor& x, const Tensor&, const Tensor& w_gu, const Te
                     const Tensor&, const std::optional<Tensor>&, const std::optional<Tensor>&,
                     const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&,
                     const std::optional<Tensor>&, const Tensor&, const Tensor&, const Tensor&,
-                    const Tensor&, double, bool act_h_out, bool copies, bool recompute_a, bool) {
+                    const Tensor&, double, bool act_h_out, bool copies, bool recompute_a, bool,
+                    bool fp8_z) {
   const c10::SymInt m = x.sym_size(0), hidden = x.sym_size(1), two_i = w_gu.sym_size(0);
   const fp8::Quantized a_copy =
       fp8::empty_quantized(x, m, two_i / 2, false, copies && !recompute_a);
   const Tensor r = at::empty_symint({m}, x.options().dtype(stat_of(x)));
-  const Tensor z = at::empty_symint({m, two_i}, x.options());
+  Tensor z = at::empty_symint({m, two_i}, x.options());
+  Tensor z_scales = at::empty({0}, x.options().dtype(at::kFloat));
+  if (fp8_z) {
+    const fp8::Quantized zq = fp8::empty_quantized(x, m, two_i, true, false);
+    z = std::get<0>(zq);
+    z_scales = std::get<1>(zq);
+  }
   const Tensor &a_t = std::get<2>(a_copy), &a_t_scales = std::get<3>(a_copy);
   if (act_h_out)
     return {at::empty_like(x),
@@ -341,9 +361,10 @@ MlpOut fp8_mlp_meta(const Tensor& x, const Tensor&, const Tensor& w_gu, const Te
             r,
             z,
             a_t,
-            a_t_scales};
+            a_t_scales,
+            z_scales};
   const fp8::Quantized h = fp8::empty_quantized(x, m, hidden, true, false);
-  return {at::empty_like(x), std::get<0>(h), std::get<1>(h), r, z, a_t, a_t_scales};
+  return {at::empty_like(x), std::get<0>(h), std::get<1>(h), r, z, a_t, a_t_scales, z_scales};
 }
 Tensor fp8_norm_qkv_meta(const Tensor& x, const Tensor&, const Tensor& w_qkv, const Tensor&,
                          const Tensor&, const std::optional<Tensor>&, const std::optional<Tensor>&,
@@ -378,7 +399,7 @@ std::tuple<Tensor, Tensor> fp8_linear_backward_meta(const Tensor& dout,
 std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_mlp_backward_meta(
     const Tensor&, const Tensor& x, const Tensor& gamma, const Tensor& w_gu, const Tensor&,
     const Tensor&, const Tensor& w_down, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-    const std::optional<Tensor>&, const std::optional<Tensor>&) {
+    const std::optional<Tensor>&, const std::optional<Tensor>&, const std::optional<Tensor>&) {
   return {at::empty_like(x), at::empty_like(gamma), at::empty_like(w_gu), at::empty_like(w_down)};
 }
 std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_norm_qkv_backward_meta(
@@ -495,27 +516,25 @@ class Fp8Mlp : public torch::autograd::Function<Fp8Mlp> {
                                const std::optional<Tensor>& dnct, const std::optional<Tensor>& dnst,
                                const Tensor& h, const Tensor& hs, const Tensor& r,
                                const Tensor& gamma_next, double eps, bool act_h_out,
-                               bool recompute_a, bool recast_w_t) {
+                               bool recompute_a, bool recast_w_t, bool fp8_z) {
     ctx->set_materialize_grads(false);
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [x_out, h_out, h_outs, r_out, z, at, ats] =
+    auto [x_out, h_out, h_outs, r_out, z, at, ats, zs] =
         mlp_op().call(x, gamma, w_gu, guc, gus, guct, gust, w_down, dnc, dns, dnct, dnst, h, hs, r,
-                      gamma_next, eps, act_h_out, true, recompute_a, recast_w_t);
-    ctx->mark_non_differentiable({h_out, h_outs, r_out, z, at, ats});
+                      gamma_next, eps, act_h_out, true, recompute_a, recast_w_t, fp8_z);
+    ctx->mark_non_differentiable({h_out, h_outs, r_out, z, at, ats, zs});
     const auto [gut, guts] = weight_t_to_save(ctx, "gu_t", guc, gus, guct, gust, recast_w_t);
     const auto [dnt, dnts] = weight_t_to_save(ctx, "dn_t", dnc, dns, dnct, dnst, recast_w_t);
-    ctx->save_for_backward({x, gamma, w_gu, gut, guts, w_down, dnt, dnts, r, z, at, ats});
+    ctx->save_for_backward({x, gamma, w_gu, gut, guts, w_down, dnt, dnts, r, z, at, ats, zs});
     ctx->saved_data["recompute_a"] = recompute_a;
-    return {x_out, h_out, h_outs, r_out, z, at, ats};
+    ctx->saved_data["fp8_z"] = fp8_z;
+    return {x_out, h_out, h_outs, r_out, z, at, ats, zs};
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
-    variable_list out(20);
+    variable_list out(21);
     if (!g[0].defined()) return out;
     const auto s = ctx->get_saved_variables();
-    static auto b = op<std::tuple<Tensor, Tensor, Tensor, Tensor>(
-        const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-        const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-        const std::optional<Tensor>&, const std::optional<Tensor>&)>("coda::fp8_mlp_backward");
+    static auto b = op<decltype(fp8_mlp_backward)>("coda::fp8_mlp_backward");
     // a's copy, or none (recompute_a: F2 wrote no copy, an empty tensor): made from z.
     const bool kept = !ctx->saved_data["recompute_a"].toBool();
     const auto [gut, guts] = weight_t(ctx, "gu_t", s[3], s[4], s[2]);
@@ -523,7 +542,8 @@ class Fp8Mlp : public torch::autograd::Function<Fp8Mlp> {
     auto [dx, dgamma, dw_gu, dw_down] =
         b.call(g[0].contiguous(), s[0], s[1], s[2], gut, guts, s[5], dnt, dnts, s[8], s[9],
                kept ? std::optional<Tensor>(s[10]) : std::nullopt,
-               kept ? std::optional<Tensor>(s[11]) : std::nullopt);
+               kept ? std::optional<Tensor>(s[11]) : std::nullopt,
+               ctx->saved_data["fp8_z"].toBool() ? std::optional<Tensor>(s[12]) : std::nullopt);
     out[0] = dx;
     out[1] = dgamma;
     out[2] = dw_gu;
@@ -642,7 +662,8 @@ TORCH_LIBRARY_FRAGMENT(coda, m) {
   // keeping nothing FP8 of the weight) and h in its 1x128 blocks. out-proj also
   // returns y's transposed copy (its backward's dW_o operand; with recompute_y none, empty: the
   // backward makes it from y, which it keeps instead); mlp returns z and a's copy (its backward's
-  // operands; with recompute_a no copy, empty: the backward makes it from z); with act_h_out mlp's
+  // operands; with recompute_a no copy, empty: the backward makes it from z; with fp8_z z is its
+  // e4m3 codes in 1x128 blocks with z_scales, else z_scales is empty); with act_h_out mlp's
   // h_out is the activation-dtype h (the LM head's input) and h_out_scales is empty.
   m.def(
       "fp8_out_proj_residual_norm(Tensor y, Tensor w_o, Tensor w_codes, Tensor w_scales, "
@@ -654,9 +675,9 @@ TORCH_LIBRARY_FRAGMENT(coda, m) {
       "Tensor? gu_codes_t, Tensor? gu_scales_t, Tensor w_down, Tensor dn_codes, "
       "Tensor dn_scales, Tensor? dn_codes_t, Tensor? dn_scales_t, Tensor h, Tensor h_scales, "
       "Tensor r, Tensor gamma_next, float eps, bool act_h_out=False, bool copies=True, "
-      "bool recompute_a=False, bool recast_w_t=False) -> (Tensor x_out, "
-      "Tensor h_out, "
-      "Tensor h_out_scales, Tensor r_out, Tensor z, Tensor a_t, Tensor a_t_scales)");
+      "bool recompute_a=False, bool recast_w_t=False, bool fp8_z=False) -> (Tensor x_out, "
+      "Tensor h_out, Tensor h_out_scales, Tensor r_out, Tensor z, Tensor a_t, Tensor a_t_scales, "
+      "Tensor z_scales)");
   m.def(
       "fp8_norm_qkv(Tensor x, Tensor gamma, Tensor w_qkv, Tensor w_codes, Tensor w_scales, "
       "Tensor? w_codes_t, Tensor? w_scales_t, Tensor h, Tensor h_scales, Tensor r, Tensor pos, "
@@ -677,8 +698,8 @@ TORCH_LIBRARY_FRAGMENT(coda, m) {
   m.def(
       "fp8_mlp_backward(Tensor dx_out, Tensor x, Tensor gamma, Tensor w_gu, Tensor gu_codes_t, "
       "Tensor gu_scales_t, Tensor w_down, Tensor dn_codes_t, Tensor dn_scales_t, Tensor r, "
-      "Tensor z, Tensor? a_t, Tensor? a_t_scales) -> (Tensor dx, Tensor dgamma, Tensor dw_gu, "
-      "Tensor dw_down)");
+      "Tensor z, Tensor? a_t, Tensor? a_t_scales, Tensor? z_scales=None) -> (Tensor dx, "
+      "Tensor dgamma, Tensor dw_gu, Tensor dw_down)");
   m.def(
       "fp8_norm_qkv_qk_norm_backward(Tensor dqkv, Tensor qkv, Tensor qk_pre, Tensor x, "
       "Tensor gamma, Tensor w_qkv, Tensor w_codes_t, Tensor w_scales_t, Tensor r, Tensor pos, "
@@ -745,16 +766,17 @@ TORCH_LIBRARY_IMPL(coda, Autograd, m) {
                        const Tensor& dns, const std::optional<Tensor>& dnct,
                        const std::optional<Tensor>& dnst, const Tensor& h, const Tensor& hs,
                        const Tensor& r, const Tensor& gamma_next, double eps, bool act_h_out,
-                       bool copies, bool recompute_a, bool recast_w_t) {
+                       bool copies, bool recompute_a, bool recast_w_t, bool fp8_z) {
     if (!copies) {
       no_copies_without_grad("coda::fp8_mlp", {&x, &gamma, &w_gu, &w_down, &r, &gamma_next});
       at::AutoDispatchBelowADInplaceOrView guard;
       return mlp_op().call(x, gamma, w_gu, guc, gus, guct, gust, w_down, dnc, dns, dnct, dnst, h,
-                           hs, r, gamma_next, eps, act_h_out, false, recompute_a, recast_w_t);
+                           hs, r, gamma_next, eps, act_h_out, false, recompute_a, recast_w_t,
+                           fp8_z);
     }
     auto o = Fp8Mlp::apply(x, gamma, w_gu, guc, gus, guct, gust, w_down, dnc, dns, dnct, dnst, h,
-                           hs, r, gamma_next, eps, act_h_out, recompute_a, recast_w_t);
-    return std::make_tuple(o[0], o[1], o[2], o[3], o[4], o[5], o[6]);
+                           hs, r, gamma_next, eps, act_h_out, recompute_a, recast_w_t, fp8_z);
+    return std::make_tuple(o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7]);
   });
   m.impl("fp8_norm_qkv",
          [](const Tensor& x, const Tensor& gamma, const Tensor& w_qkv, const Tensor& wc,

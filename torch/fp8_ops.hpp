@@ -58,10 +58,19 @@ std::tuple<Tensor, Tensor> rmsnorm_qk_norm_rope(const Tensor& h, const Tensor& h
 Fp8B1 rmsnorm_backward(const Tensor& dz, const Tensor& dz_scales, const Tensor& w_t,
                        const Tensor& w_t_scales, const Tensor& x, const Tensor& r,
                        const Tensor& gamma, const Tensor& zdz, const Tensor& dres);
-// a = silu(g)·u of z (M, 2I), rounded to z's dtype, as its transposed 128x1 copy (codes, scales).
-std::tuple<Tensor, Tensor> swiglu_quantize_t(const Tensor& z);
-// B2: (dz codes, dz scales, dz_t codes, dz_t scales, ZdZ partials).
+// F2 with z saved in FP8: (z codes, z scales, a codes, a scales, a_t codes, a_t scales), z and a
+// rounded to `act` before their casts.
+using Fp8F2Z = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
+Fp8F2Z rmsnorm_swiglu_fp8_z(const Tensor& h, const Tensor& h_scales, const Tensor& w_gu,
+                            const Tensor& w_gu_scales, const Tensor& r, bool rows, bool transposed,
+                            at::ScalarType act);
+// a = silu(g)·u of z (M, 2I), rounded to z's dtype (z saved in FP8, z_scales defined: to
+// `act`), as its transposed 128x1 copy (codes, scales).
+std::tuple<Tensor, Tensor> swiglu_quantize_t(const Tensor& z, const Tensor& z_scales,
+                                             at::ScalarType act);
+// B2: (dz codes, dz scales, dz_t codes, dz_t scales, ZdZ partials); z as swiglu_quantize_t's.
 Fp8B2 swiglu_backward(const Tensor& dx_out, const Tensor& dx_out_scales, const Tensor& w_down_t,
-                      const Tensor& w_down_t_scales, const Tensor& z, bool rows, bool transposed);
+                      const Tensor& w_down_t_scales, const Tensor& z, const Tensor& z_scales,
+                      bool rows, bool transposed, at::ScalarType act);
 
 }  // namespace coda::torch_ext::fp8

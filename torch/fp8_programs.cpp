@@ -183,10 +183,13 @@ Fp8F1 fp8_gemm_residual_rmsnorm(const Tensor& a, const Tensor& a_scales, const T
 // names it, bfloat16 by default and on CUDA; on the CPU float32 or float64 keep z and a (before
 // the cast) in that precision. r (M): float32 (or float64 on the CPU).
 using Fp8F2 = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
-Fp8F2 fp8_gemm_rmsnorm_swiglu(const Tensor& h, const Tensor& h_scales, const Tensor& w_gu,
-                              const Tensor& w_gu_scales, const Tensor& r, bool rows,
-                              bool transposed, std::optional<at::ScalarType> dtype) {
-  const char* op = "coda::fp8_gemm_rmsnorm_swiglu";
+struct F2Sizes {
+  int64_t m, two_i;
+  at::ScalarType act;
+};
+F2Sizes check_f2(const char* op, const Tensor& h, const Tensor& h_scales, const Tensor& w_gu,
+                 const Tensor& w_gu_scales, const Tensor& r, bool rows, bool transposed,
+                 std::optional<at::ScalarType> dtype) {
   const auto [m, two_i, k] =
       check_pair(op, "h", h, "h_scales", h_scales, w_gu, w_gu_scales, true, "w_gu", "w_gu_scales");
   TORCH_CHECK(two_i % 32 == 0, op, ": w_gu's rows (2I) must be a multiple of 32 (a's codes are ",
@@ -197,6 +200,14 @@ Fp8F2 fp8_gemm_rmsnorm_swiglu(const Tensor& h, const Tensor& h_scales, const Ten
               ": dtype must be bfloat16", h.is_cpu() ? " (or float32 / float64 on the CPU)" : "",
               ", got ", act);
   TORCH_CHECK(rows || transposed, op, ": neither rows nor transposed is asked for");
+  return {m, two_i, act};
+}
+Fp8F2 fp8_gemm_rmsnorm_swiglu(const Tensor& h, const Tensor& h_scales, const Tensor& w_gu,
+                              const Tensor& w_gu_scales, const Tensor& r, bool rows,
+                              bool transposed, std::optional<at::ScalarType> dtype) {
+  const char* op = "coda::fp8_gemm_rmsnorm_swiglu";
+  const auto [m, two_i, act] =
+      check_f2(op, h, h_scales, w_gu, w_gu_scales, r, rows, transposed, dtype);
   const int64_t inter = two_i / 2;
   RowCast a = row_cast_outputs(h, m, inter, rows, transposed);
   if (h.is_cpu()) {
@@ -217,6 +228,74 @@ Fp8F2 fp8_gemm_rmsnorm_swiglu(const Tensor& h, const Tensor& h_scales, const Ten
 #else
   TORCH_CHECK(false, op, ": this build has no CUDA kernels");
 #endif
+}
+
+// F2 with z saved in FP8 (ops::gemm_fp8_rmsnorm_swiglu_fp8_z): as fp8_gemm_rmsnorm_swiglu, but z
+// is rounded to the activation dtype and quantized in 1x128 blocks (codes (M, 2I), scales
+// (ceil(2I/128), M)) instead of returned: z's codes are the cast of fp8_gemm_rmsnorm_swiglu's z.
+// Returns (z, z_scales, a, a_scales, a_t, a_t_scales).
+using Fp8F2Z = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
+Fp8F2Z fp8_gemm_rmsnorm_swiglu_fp8_z(const Tensor& h, const Tensor& h_scales, const Tensor& w_gu,
+                                     const Tensor& w_gu_scales, const Tensor& r, bool rows,
+                                     bool transposed, std::optional<at::ScalarType> dtype) {
+  const char* op = "coda::fp8_gemm_rmsnorm_swiglu_fp8_z";
+  const auto [m, two_i, act] =
+      check_f2(op, h, h_scales, w_gu, w_gu_scales, r, rows, transposed, dtype);
+  const int64_t inter = two_i / 2;
+  RowCast a = row_cast_outputs(h, m, inter, rows, transposed);
+  RowCast z = row_cast_outputs(h, m, two_i, true, false);
+  if (h.is_cpu()) {
+    const auto f = reference::fp8_rmsnorm_swiglu<double>(
+        read_operand(h, h_scales, false), read_operand(w_gu, w_gu_scales, true), to_doubles(r));
+    cast_on_cpu(f.a, m, inter, act, a);
+    cast_on_cpu(f.z, m, two_i, act, z);
+    return {z.codes, z.scales, a.codes, a.scales, a.codes_t, a.scales_t};
+  }
+#if CODA_TORCH_CUDA
+  const c10::cuda::CUDAGuard guard(h.device());
+  const RowCastViews v = views_of(a);
+  ops::gemm_fp8_rmsnorm_swiglu_fp8_z(codes_view(h), scales_view(h_scales), codes_view(w_gu),
+                                     scales_view(w_gu_scales), vector_view(r, DType::kF32),
+                                     codes_view(z.codes), scales_view(z.scales), v.codes, v.scales,
+                                     v.codes_t, v.scales_t, stream_of(h));
+  return {z.codes, z.scales, a.codes, a.scales, a.codes_t, a.scales_t};
+#else
+  TORCH_CHECK(false, op, ": this build has no CUDA kernels");
+#endif
+}
+
+// z as B2 and the recomputed aᵀ read it: in the activation dtype, or saved in FP8 (float8_e4m3fn
+// codes (M, 2I) with z_scales (ceil(2I/128), M), fp8_gemm_rmsnorm_swiglu_fp8_z's). Returns the
+// dtype the outputs round to: z's, or with FP8 z `dtype` (bfloat16 by default; float32 / float64
+// on the CPU).
+at::ScalarType check_z(const char* op, const Tensor& z, const std::optional<Tensor>& z_scales,
+                       std::optional<at::ScalarType> dtype, int64_t m, int64_t two_i,
+                       const Tensor& first) {
+  TORCH_CHECK(z.defined(), op, ": z is undefined");
+  const bool fp8 = z.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(fp8 == z_scales.has_value(), op,
+              ": pass z_scales exactly when z is float8_e4m3fn (z saved in FP8); got z of dtype ",
+              z.scalar_type(), z_scales ? " with z_scales" : " without z_scales");
+  if (!fp8) {
+    check_activation(op, "z", z, m, two_i, first);
+    TORCH_CHECK(!dtype || *dtype == z.scalar_type(), op, ": dtype (", *dtype,
+                ") applies to an FP8 z; the outputs round to z's dtype ", z.scalar_type());
+    return z.scalar_type();
+  }
+  check_operand(op, "z", z, "z_scales", *z_scales, first);
+  TORCH_CHECK(z.size(0) == m && z.size(1) == two_i, op, ": z must be (", m, ", ", two_i, "), got ",
+              shape_string(z.sizes()));
+  check_scale_shape(op, "z_scales", *z_scales, blocks(two_i), m);
+  const at::ScalarType act = dtype.value_or(at::kBFloat16);
+  TORCH_CHECK(act == at::kBFloat16 || (z.is_cpu() && (act == at::kFloat || act == at::kDouble)), op,
+              ": dtype must be bfloat16", z.is_cpu() ? " (or float32 / float64 on the CPU)" : "",
+              ", got ", act);
+  return act;
+}
+// z's values in fp64 (an FP8 z decoded: exact).
+std::vector<double> z_values(const Tensor& z, const std::optional<Tensor>& z_scales) {
+  if (z_scales) return read_operand(z, *z_scales, false).dequantized();
+  return to_doubles(z);
 }
 
 // B1 over FP8 operands (ops::gemm_fp8_rmsnorm_backward): g = dz · W from dz (M, K) in 1x128
@@ -283,30 +362,40 @@ Fp8B1 fp8_gemm_rmsnorm_backward(const Tensor& dz, const Tensor& dz_scales, const
 using Fp8B2 = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
 Fp8B2 fp8_gemm_swiglu_backward(const Tensor& dx_out, const Tensor& dx_out_scales,
                                const Tensor& w_down_t, const Tensor& w_down_t_scales,
-                               const Tensor& z, bool rows, bool transposed) {
+                               const Tensor& z, bool rows, bool transposed,
+                               const std::optional<Tensor>& z_scales,
+                               std::optional<at::ScalarType> dtype) {
   const char* op = "coda::fp8_gemm_swiglu_backward";
   const auto [m, inter, k] =
       check_pair(op, "dx_out", dx_out, "dx_out_scales", dx_out_scales, w_down_t, w_down_t_scales,
                  true, "w_down_t", "w_down_t_scales");
   TORCH_CHECK(inter % 8 == 0, op, ": w_down_t's rows (I) must be a multiple of 8 (dz's codes are ",
               "rows of 2I e4m3 bytes, 16-byte aligned), got ", inter);
-  check_activation(op, "z", z, m, 2 * inter, dx_out);
+  const at::ScalarType act = check_z(op, z, z_scales, dtype, m, 2 * inter, dx_out);
   TORCH_CHECK(rows || transposed, op, ": neither rows nor transposed is asked for");
-  const at::ScalarType act = z.scalar_type();
   RowCast q = row_cast_outputs(dx_out, m, 2 * inter, rows, transposed);
   if (dx_out.is_cpu()) {
     const auto f = reference::fp8_swiglu_backward<double>(
         read_operand(dx_out, dx_out_scales, false), read_operand(w_down_t, w_down_t_scales, true),
-        to_doubles(z));
+        z_values(z, z_scales));
     cast_on_cpu(f.dz, m, 2 * inter, act, q);
     const Tensor s = from_doubles(f.zdz_partials, f.layout.tiles, f.layout.extent).to(stat_of(act));
     return {q.codes, q.scales, q.codes_t, q.scales_t, s};
   }
 #if CODA_TORCH_CUDA
   const c10::cuda::CUDAGuard guard(dx_out.device());
+  const RowCastViews v = views_of(q);
+  if (z_scales) {
+    const auto l = ops::fp8_swiglu_backward_fp8_z_partials_layout(m, inter, k);
+    const Tensor s = at::empty({l.tiles, l.extent}, scale_options(dx_out));
+    ops::gemm_fp8_swiglu_backward_fp8_z(
+        codes_view(dx_out), scales_view(dx_out_scales), codes_view(w_down_t),
+        scales_view(w_down_t_scales), codes_view(z), scales_view(*z_scales), v.codes, v.scales,
+        v.codes_t, v.scales_t, view(s, DType::kF32), stream_of(dx_out));
+    return {q.codes, q.scales, q.codes_t, q.scales_t, s};
+  }
   const auto l = ops::fp8_swiglu_backward_partials_layout(m, inter, k);
   const Tensor s = at::empty({l.tiles, l.extent}, scale_options(dx_out));
-  const RowCastViews v = views_of(q);
   ops::gemm_fp8_swiglu_backward(codes_view(dx_out), scales_view(dx_out_scales),
                                 codes_view(w_down_t), scales_view(w_down_t_scales),
                                 view(z, DType::kBF16), v.codes, v.scales, v.codes_t, v.scales_t,
@@ -317,28 +406,37 @@ Fp8B2 fp8_gemm_swiglu_backward(const Tensor& dx_out, const Tensor& dx_out_scales
 #endif
 }
 
-// a = silu(g)·u of z (M, 2I) (F2's interleaved pre-activation), rounded to z's dtype, as its
-// transposed 128x1 copy (codes (I, M16), scales (ceil(M/128), I)): the down-projection's weight
-// gradient operand recomputed in the backward instead of kept from the forward
-// (ops::quantize_fp8_swiglu_t on CUDA; on the CPU a in fp64, rounded, then the recipe's cast).
-std::tuple<Tensor, Tensor> fp8_swiglu_quantize_t(const Tensor& z) {
+// a = silu(g)·u of z (M, 2I) (F2's interleaved pre-activation, in the activation dtype or in FP8
+// with z_scales), rounded to z's dtype (an FP8 z's: `dtype`), as its transposed 128x1 copy (codes
+// (I, M16), scales (ceil(M/128), I)): the down-projection's weight gradient operand recomputed in
+// the backward instead of kept from the forward (ops::quantize_fp8_swiglu_t[_fp8_z] on CUDA; on
+// the CPU a in fp64, rounded, then the recipe's cast).
+std::tuple<Tensor, Tensor> fp8_swiglu_quantize_t(const Tensor& z,
+                                                 const std::optional<Tensor>& z_scales,
+                                                 std::optional<at::ScalarType> dtype) {
   const char* op = "coda::fp8_swiglu_quantize_t";
-  check_input(op, "z", z);
+  TORCH_CHECK(z.defined() && z.dim() == 2, op, ": z must be a matrix");
+  const at::ScalarType act = check_z(op, z, z_scales, dtype, z.size(0), z.size(1), z);
   TORCH_CHECK(z.size(1) % 32 == 0, op, ": z's columns (2I) must be a multiple of 32 (I a ",
               "multiple of 16), got ", z.size(1));
   const int64_t m = z.size(0), inter = z.size(1) / 2;
   RowCast q = row_cast_outputs(z, m, inter, false, true);
   if (z.is_cpu()) {
-    const std::vector<double> zv = to_doubles(z);
+    const std::vector<double> zv = z_values(z, z_scales);
     std::vector<double> a(size_t(m * inter));
     for (size_t i = 0; i < a.size(); ++i) a[i] = epilogue::SwiGlu{}(zv[2 * i], zv[2 * i + 1]);
-    cast_on_cpu(a, m, inter, z.scalar_type(), q);
+    cast_on_cpu(a, m, inter, act, q);
     return {q.codes_t, q.scales_t};
   }
 #if CODA_TORCH_CUDA
   const c10::cuda::CUDAGuard guard(z.device());
-  ops::quantize_fp8_swiglu_t(view(z, DType::kBF16), codes_view(q.codes_t), scales_view(q.scales_t),
-                             stream_of(z));
+  if (z_scales) {
+    ops::quantize_fp8_swiglu_t_fp8_z(codes_view(z), scales_view(*z_scales), codes_view(q.codes_t),
+                                     scales_view(q.scales_t), stream_of(z));
+  } else {
+    ops::quantize_fp8_swiglu_t(view(z, DType::kBF16), codes_view(q.codes_t),
+                               scales_view(q.scales_t), stream_of(z));
+  }
   return {q.codes_t, q.scales_t};
 #else
   TORCH_CHECK(false, op, ": this build has no CUDA kernels");
@@ -459,6 +557,7 @@ std::tuple<Tensor, Tensor> fp8_gemm_rmsnorm_qk_norm_rope(
 namespace names {
 inline constexpr char residual_rmsnorm[] = "coda::fp8_gemm_residual_rmsnorm";
 inline constexpr char rmsnorm_swiglu[] = "coda::fp8_gemm_rmsnorm_swiglu";
+inline constexpr char rmsnorm_swiglu_fp8_z[] = "coda::fp8_gemm_rmsnorm_swiglu_fp8_z";
 inline constexpr char rmsnorm_backward[] = "coda::fp8_gemm_rmsnorm_backward";
 inline constexpr char swiglu_backward[] = "coda::fp8_gemm_swiglu_backward";
 inline constexpr char swiglu_quantize_t[] = "coda::fp8_swiglu_quantize_t";
@@ -468,6 +567,8 @@ void register_programs(torch::Library& m) {
   m.impl("fp8_gemm_residual_rmsnorm",
          CODA_GUARDED(names::residual_rmsnorm, fp8_gemm_residual_rmsnorm));
   m.impl("fp8_gemm_rmsnorm_swiglu", CODA_GUARDED(names::rmsnorm_swiglu, fp8_gemm_rmsnorm_swiglu));
+  m.impl("fp8_gemm_rmsnorm_swiglu_fp8_z",
+         CODA_GUARDED(names::rmsnorm_swiglu_fp8_z, fp8_gemm_rmsnorm_swiglu_fp8_z));
   m.impl("fp8_gemm_rmsnorm_backward",
          CODA_GUARDED(names::rmsnorm_backward, fp8_gemm_rmsnorm_backward));
   m.impl("fp8_gemm_swiglu_backward",
@@ -519,25 +620,49 @@ Fp8B1 rmsnorm_backward(const Tensor& dz, const Tensor& dz_scales, const Tensor& 
   return fp8_gemm_rmsnorm_backward(dz, dz_scales, w_t, w_t_scales, x, r, gamma, zdz,
                                    dres.defined() ? std::optional<Tensor>(dres) : std::nullopt);
 }
-std::tuple<Tensor, Tensor> swiglu_quantize_t(const Tensor& z) { return fp8_swiglu_quantize_t(z); }
+Fp8F2Z rmsnorm_swiglu_fp8_z(const Tensor& h, const Tensor& h_scales, const Tensor& w_gu,
+                            const Tensor& w_gu_scales, const Tensor& r, bool rows, bool transposed,
+                            at::ScalarType act) {
+  return fp8_gemm_rmsnorm_swiglu_fp8_z(h, h_scales, w_gu, w_gu_scales, r, rows, transposed, act);
+}
+namespace {
+std::optional<Tensor> scales_or_none(const Tensor& z_scales) {
+  return z_scales.defined() ? std::optional<Tensor>(z_scales) : std::nullopt;
+}
+std::optional<at::ScalarType> dtype_of_fp8_z(const Tensor& z_scales, at::ScalarType act) {
+  return z_scales.defined() ? std::optional<at::ScalarType>(act) : std::nullopt;
+}
+}  // namespace
+std::tuple<Tensor, Tensor> swiglu_quantize_t(const Tensor& z, const Tensor& z_scales,
+                                             at::ScalarType act) {
+  return fp8_swiglu_quantize_t(z, scales_or_none(z_scales), dtype_of_fp8_z(z_scales, act));
+}
 Fp8B2 swiglu_backward(const Tensor& dx_out, const Tensor& dx_out_scales, const Tensor& w_down_t,
-                      const Tensor& w_down_t_scales, const Tensor& z, bool rows, bool transposed) {
+                      const Tensor& w_down_t_scales, const Tensor& z, const Tensor& z_scales,
+                      bool rows, bool transposed, at::ScalarType act) {
   return fp8_gemm_swiglu_backward(dx_out, dx_out_scales, w_down_t, w_down_t_scales, z, rows,
-                                  transposed);
+                                  transposed, scales_or_none(z_scales),
+                                  dtype_of_fp8_z(z_scales, act));
 }
 }  // namespace fp8
 
 namespace {
 // a's recomputed copy inside fp8_mlp's backward, under torch.compile: the outputs at z's sizes,
 // symbolic ones too; at concrete sizes the CPU and CUDA kernels' checks.
-std::tuple<Tensor, Tensor> fp8_swiglu_quantize_t_meta(const Tensor& z) {
+std::tuple<Tensor, Tensor> fp8_swiglu_quantize_t_meta(const Tensor& z,
+                                                      const std::optional<Tensor>& z_scales,
+                                                      std::optional<at::ScalarType> dtype) {
   const char* op = "coda::fp8_swiglu_quantize_t";
   TORCH_CHECK(z.defined() && z.dim() == 2, op, ": z must be a matrix");
+  TORCH_CHECK((z.scalar_type() == at::kFloat8_e4m3fn) == z_scales.has_value(), op,
+              ": pass z_scales exactly when z is float8_e4m3fn (z saved in FP8); got z of dtype ",
+              z.scalar_type(), z_scales ? " with z_scales" : " without z_scales");
   if (!z.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
-    check_input(op, "z", z);
+    if (!z_scales) check_input(op, "z", z);
     TORCH_CHECK(z.size(1) % 32 == 0, op, ": z's columns (2I) must be a multiple of 32 (I a ",
                 "multiple of 16), got ", z.size(1));
   }
+  (void)dtype;
   const auto q = empty_quantized_outputs(z, z.sym_size(0), z.sym_size(1) / 2, false, true);
   return {std::get<2>(q), std::get<3>(q)};
 }
@@ -558,10 +683,17 @@ TORCH_LIBRARY_FRAGMENT(coda, m) {
       "fp8_gemm_rmsnorm_backward(Tensor dz, Tensor dz_scales, Tensor w_t, Tensor w_t_scales, "
       "Tensor x, Tensor r, Tensor gamma, Tensor zdz, Tensor? dres) -> (Tensor dx, Tensor h_t, "
       "Tensor h_t_scales, Tensor dgamma_partials)");
-  m.def("fp8_swiglu_quantize_t(Tensor z) -> (Tensor a_t, Tensor a_t_scales)");
+  m.def(
+      "fp8_gemm_rmsnorm_swiglu_fp8_z(Tensor h, Tensor h_scales, Tensor w_gu, Tensor w_gu_scales, "
+      "Tensor r, bool rows=True, bool transposed=False, ScalarType? dtype=None) -> (Tensor z, "
+      "Tensor z_scales, Tensor a, Tensor a_scales, Tensor a_t, Tensor a_t_scales)");
+  m.def(
+      "fp8_swiglu_quantize_t(Tensor z, Tensor? z_scales=None, ScalarType? dtype=None) -> "
+      "(Tensor a_t, Tensor a_t_scales)");
   m.def(
       "fp8_gemm_swiglu_backward(Tensor dx_out, Tensor dx_out_scales, Tensor w_down_t, "
-      "Tensor w_down_t_scales, Tensor z, bool rows=True, bool transposed=False) -> (Tensor dz, "
+      "Tensor w_down_t_scales, Tensor z, bool rows=True, bool transposed=False, "
+      "Tensor? z_scales=None, ScalarType? dtype=None) -> (Tensor dz, "
       "Tensor dz_scales, Tensor dz_t, Tensor dz_t_scales, Tensor zdz_partials)");
 }
 

@@ -161,7 +161,8 @@ def decoder_layer_fp8(c: LlamaConfig, x: Tensor, h: tuple[Tensor, Tensor], r: Te
                       gamma_ffn: Tensor, pos: Tensor, rope_table: Tensor, gamma_next: Tensor,
                       batch: int, attention: Attention, last: bool, b_qkv: Tensor | None = None,
                       recompute_a: bool = False, q_gamma: Tensor | None = None,
-                      k_gamma: Tensor | None = None, recast_w_t: bool = False
+                      k_gamma: Tensor | None = None, recast_w_t: bool = False,
+                      fp8_z: bool = False
                       ) -> tuple[Tensor, tuple[Tensor, Tensor] | Tensor, Tensor]:
     """One decoder layer in blockwise FP8 (docs/math.md §6): ``x (M, H)`` with its norm's caches,
     ``h`` in 1x128 blocks (codes, scales: ``fp8_quantize_rows(h)[:2]``) and ``r`` -> ``(x, h, r)``
@@ -175,7 +176,9 @@ def decoder_layer_fp8(c: LlamaConfig, x: Tensor, h: tuple[Tensor, Tensor], r: Te
     ``c.qk_norm``), as decoder_layer takes them. ``recast_w_t`` (with wᵀ's operands None): the
     backward casts wᵀ's codes from the weight instead of transposing w's, which the forward then
     keeps none of: for weights cast in every forward (no Fp8WeightCache kept, FSDP2), so that no
-    FP8 copy of a weight lives from a layer's forward to its backward."""
+    FP8 copy of a weight lives from a layer's forward to its backward. ``fp8_z``: the MLP's
+    pre-activation z is saved for the backward in FP8 (1x128 blocks of its bf16 values) instead
+    of bf16 (fp8_mlp)."""
     coda = torch.ops.coda
     (w_qkv, q_qkv), (w_o, q_o), (w_gu, q_gu), (w_down, q_down) = (
         weights[n] for n in FP8_PROJECTIONS)
@@ -194,9 +197,9 @@ def decoder_layer_fp8(c: LlamaConfig, x: Tensor, h: tuple[Tensor, Tensor], r: Te
     x1, h1, h1s, r1, _, _ = coda.fp8_out_proj_residual_norm(y, w_o, *q_o, x, gamma_ffn,
                                                             c.rms_norm_eps, copies, True,
                                                             recast_w_t)
-    x2, h2, h2s, r2, _, _, _ = coda.fp8_mlp(x1, gamma_ffn, w_gu, *q_gu, w_down, *q_down, h1, h1s,
-                                            r1, gamma_next, c.rms_norm_eps, last, copies,
-                                            recompute_a, recast_w_t)
+    x2, h2, h2s, r2, *_ = coda.fp8_mlp(x1, gamma_ffn, w_gu, *q_gu, w_down, *q_down, h1, h1s, r1,
+                                       gamma_next, c.rms_norm_eps, last, copies, recompute_a,
+                                       recast_w_t, fp8_z)
     return x2, (h2 if last else (h2, h2s)), r2
 
 
@@ -350,9 +353,10 @@ class CodaDecoderLayer(nn.Module):
         self.w_down = nn.Parameter(torch.empty(c.hidden_size, c.intermediate_size, **kw))
         self._fp8_cache = Fp8WeightCache()  # a plain object: not module state
         # "bf16" or "fp8" (decoder_layer_fp8); the model sets it on its layers, and
-        # fp8_recompute_a (CodaLlamaForCausalLM.fp8_recompute_a).
+        # fp8_recompute_a and fp8_z (CodaLlamaForCausalLM's).
         self.precision = "bf16"
         self.fp8_recompute_a = False
+        self.fp8_z = False
         self.reset_parameters()
 
     def fp8_weights(self) -> dict[str, tuple[Tensor, ...]]:
@@ -395,7 +399,7 @@ class CodaDecoderLayer(nn.Module):
                                      rope_table, gamma_next, batch, attention, last, self.b_qkv,
                                      self.fp8_recompute_a, q_gamma=self.q_gamma,
                                      k_gamma=self.k_gamma,
-                                     recast_w_t=not self._fp8_cache.persist)
+                                     recast_w_t=not self._fp8_cache.persist, fp8_z=self.fp8_z)
         return decoder_layer(self.config, x, h, r, gamma, self.w_qkv, self.w_o, self.gamma_ffn,
                              self.w_gu, self.w_down, pos, rope_table, gamma_next, batch, attention,
                              self.b_qkv, self.q_gamma, self.k_gamma)
@@ -426,6 +430,11 @@ class CodaLlamaForCausalLM(nn.Module):
     per token and layer (at the 8B shape 14.8 kB, more than FP8 saves on y), for one more pass
     over z in the backward. The result differs from the kept copy's by a's rounding only (a from
     z as rounded to the activation dtype, as the bf16 path's backward makes it).
+    ``fp8_z`` (False): the MLP's pre-activation z (M, 2I), which the backward reads, is saved in
+    FP8 (the bf16 z quantized in 1x128 blocks by F2's epilogue) instead of bf16: 2I - 2I/32 bytes
+    fewer kept per token and layer (at the 8B shape 27.6 kB, the largest saved tensor). The
+    backward then differentiates SwiGLU at the decoded z (its rounding to e4m3, as DeepSeek-V3
+    caches the SwiGLU input in FP8); a's copy, when recomputed, comes from the decoded z too.
     """
 
     def __init__(self, config: LlamaConfig, device=None, dtype=None,
@@ -454,6 +463,7 @@ class CodaLlamaForCausalLM(nn.Module):
             self.w_vocab = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, **kw))
         self.precision = precision  # (the property: the layers too)
         self.fp8_recompute_a = False
+        self.fp8_z = False
         self.register_buffer("rope_table", self._build_rope_table(device), persistent=False)
         self.reset_parameters()
 
@@ -468,6 +478,18 @@ class CodaLlamaForCausalLM(nn.Module):
         self._fp8_recompute_a = bool(value)
         for layer in self.layers:
             layer.fp8_recompute_a = self._fp8_recompute_a
+
+    @property
+    def fp8_z(self) -> bool:
+        """Whether FP8 layers save z in FP8 (see the class docstring); setting it sets every
+        layer's."""
+        return self._fp8_z
+
+    @fp8_z.setter
+    def fp8_z(self, value: bool) -> None:
+        self._fp8_z = bool(value)
+        for layer in self.layers:
+            layer.fp8_z = self._fp8_z
 
     @property
     def precision(self) -> str:

@@ -177,7 +177,7 @@ def run_ops(p, up, pos, heads, act_h_out=False, with_qkv=True):
     cache = {n: weight_cache(p[n]) for n in ("w_o", "w_gu", "w_down", "w_qkv")}
     x1, h1, h1s, r1, yt, yts = CODA.fp8_out_proj_residual_norm(
         v["y"], v["w_o"], *cache["w_o"], v["x0"], v["gamma_ffn"], EPS)
-    x2, h2, h2s, r2, z, at, ats = CODA.fp8_mlp(
+    x2, h2, h2s, r2, z, at, ats, _ = CODA.fp8_mlp(
         x1, v["gamma_ffn"], v["w_gu"], *cache["w_gu"], v["w_down"], *cache["w_down"], h1, h1s, r1,
         v["gamma_attn"], EPS, act_h_out)
     outs, ups, qkv = [x2], [up["dx2"]], None
@@ -518,6 +518,10 @@ def opcheck_cases():
                                  out_proj_args(case) + [True, True]),
         # a's copy made in the backward (fp8_mlp_backward without a_t)
         "mlp_recompute_a": (CODA.fp8_mlp.default, mlp_args(case) + [False, True, True]),
+        # z saved in FP8 (fp8_mlp_backward with z_scales), with a's copy kept and made from z
+        "mlp_fp8_z": (CODA.fp8_mlp.default, mlp_args(case) + [False, True, False, False, True]),
+        "mlp_fp8_z_recompute_a": (CODA.fp8_mlp.default,
+                                  mlp_args(case) + [False, True, True, False, True]),
         # wᵀ's operands left out (None): the backward transposes the weights' codes
         "mlp_transpose_in_backward": (CODA.fp8_mlp.default, mlp_args(
             case, gu_codes_t=None, gu_scales_t=None, dn_codes_t=None, dn_scales_t=None)),
@@ -544,7 +548,8 @@ def e4m3_as_bytes(outs):
 
 
 OPCHECK_CASES = ("out_proj", "out_proj_recompute_y", "out_proj_recast_w_t", "mlp",
-                 "mlp_recompute_a", "mlp_transpose_in_backward", "mlp_recast_w_t", "norm_qkv",
+                 "mlp_recompute_a", "mlp_fp8_z", "mlp_fp8_z_recompute_a",
+                 "mlp_transpose_in_backward", "mlp_recast_w_t", "norm_qkv",
                  "norm_qkv_transpose_in_backward", "norm_qkv_qk_norm")
 
 

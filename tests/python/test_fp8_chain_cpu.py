@@ -31,4 +31,10 @@ def test_fp8_chain_variants_pass_the_sections_check_on_the_cpu():
     errs = row["rel_err"]["coda_fp8"]
     assert set(errs) >= {"x2", "qkv", "wo", "wgu", "wd", "wqkv"}
     assert 1e-3 < max(errs.values()) <= fc.FP8_TOL
+    # With z saved in FP8 the same check passes; the forward's outputs are unchanged and the
+    # gate/up weight gradient moves (the backward reads the decoded z).
+    assert row["check"].get("coda_fp8_z") == "PASS"
+    errs_z = row["rel_err"]["coda_fp8_z"]
+    assert errs_z["x2"] == errs["x2"] and errs_z["qkv"] == errs["qkv"]
+    assert errs_z["wgu"] != errs["wgu"] and max(errs_z.values()) <= fc.FP8_TOL
     assert sec["rows"] == [row]

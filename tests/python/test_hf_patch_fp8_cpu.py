@@ -33,9 +33,10 @@ def step(model, ids, labels):
     return out.loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def converted_step(hf, ids, labels, precision):
+def converted_step(hf, ids, labels, precision, fp8_z=False):
     """The same step on the HF weights converted to coda's model: its gradients in HF's layout."""
     ref = convert.from_hf(hf, dtype=F64, precision=precision)
+    ref.fp8_z = fp8_z
     loss = ref(ids, labels)
     loss.backward()
     return loss.detach(), coda_grads_in_hf_layout(ref)
@@ -95,6 +96,20 @@ def test_fp8_recompute_a_trains_as_the_kept_copy():
             model(input_ids=ids, labels=labels)
         saved.append(sum(sizes))
     assert saved[1] < saved[0], saved
+
+
+def test_fp8_z_trains_as_the_converted_model_with_it():
+    """fp8_z: z saved in FP8; the step equals the converted FP8 model's with fp8_z, whose own
+    tests (test_fp8_z_cpu.py) check it against the decoded z, and differs from the step without
+    it (the backward reads the decoded z)."""
+    hf = make_hf("qwen2", seed=16)
+    ids, labels = batch(seed=17)
+    patched = patch_hf(copy.deepcopy(hf), precision="fp8", fp8_z=True)
+    got = step(patched, ids, labels)
+    expect_step(got, converted_step(hf, ids, labels, "fp8", fp8_z=True), 0, "fp8_z")
+    plain = converted_step(hf, ids, labels, "fp8")
+    assert torch.equal(got[0], plain[0]), "the forward changed"
+    assert any(not torch.equal(g, plain[1][n]) for n, g in got[1].items()), "z not read in FP8"
 
 
 def test_fp8_gradient_checkpointing():

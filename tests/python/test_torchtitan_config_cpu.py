@@ -429,6 +429,18 @@ def test_fp8_precision_trains_within_the_recipe_error_of_bf16():
     assert torch.equal(loss_ra, loss_f)
     g_ra = grads_by_checkpoint_name(ra)
     assert all(torch.equal(g_ra[n], g) for n, g in gf.items())
+    # fp8_z: z saved in FP8, the forward unchanged, the gradients those at the decoded z (within
+    # e4m3's rounding of z of the others, and not equal to them).
+    cfg_z = ct.CodaConverter.Config(precision="fp8", fp8_z=True).build().convert(small_config())
+    assert all(c.fp8_z and not c.fp8_recompute_a for c in cfg_z.layers)
+    fz = build(cfg_z, 9)
+    fz.load_state_dict(bf16.state_dict(), strict=True)
+    _, loss_z = run(fz, ids, labels, pos)
+    assert torch.equal(loss_z, loss_f)
+    g_z = grads_by_checkpoint_name(fz)
+    errs_z = {n: rel(g_z[n], g) for n, g in gf.items()}
+    w1 = next(n for n in gf if n.endswith("w1.weight"))
+    assert max(errs_z.values()) < 0.1 and errs_z[w1] > 0, errs_z
     with pytest.raises(ValueError, match="precision must be 'bf16' or 'fp8'"):
         ct.CodaConverter.Config(precision="fp16").build()
     # FP8 needs every GEMM extent a multiple of 16; bf16 takes this FFN width (a multiple of 8).

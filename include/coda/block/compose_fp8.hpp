@@ -17,17 +17,20 @@
 //   fp8_wgrad(dz, h) -> T                                        dzᵀ · h over their 128x1 copies
 //   fp8_residual_rmsnorm(a, w, residual, gamma) -> (x, h, partials)         F1, h's rows
 //   fp8_residual_rmsnorm_act_h(a, w, residual, gamma) -> (x, h, partials)   F1, h unquantized
-//   fp8_rmsnorm_swiglu(h, w, r, copy) -> (z, a)                             F2, a's rows and
-//                                                                           (copy) its copy
+//   fp8_rmsnorm_swiglu(h, w, r, copy, fp8_z) -> (z, z_scales, a)            F2, a's rows and
+//                                                                           (copy) its copy; z
+//                                                                           in FP8 (fp8_z: its
+//                                                                           codes, and scales)
 //   fp8_rmsnorm_rope(h, w, r, bias, pos, rope_table) -> qkv                 F3
 //   fp8_rmsnorm_qk_norm_rope(h, w, r, q_gamma, k_gamma, qk, pos, rope_table) -> (qkv, qk_pre)
 //                                                                           F3q
 //   fp8_rmsnorm_backward(dz, w, x, r, gamma, zdz, dres) -> (dx, h_out, partials)   B1 (Wᵀ's
 //                                                                      codes), h_out's copy
-//   fp8_swiglu_copy(z) -> Fp8                 a = silu(g)·u of z, rounded, as its copy (only
+//   fp8_swiglu_copy(z, z_scales) -> Fp8       a = silu(g)·u of z, rounded, as its copy (only
 //                                             codes_t, scales_t): a not kept by the forward
-//   fp8_swiglu_backward(dx_out, w_down, z) -> (dz, partials)                B2 (W_downᵀ's), dz
+//   fp8_swiglu_backward(dx_out, w_down, z, z_scales) -> (dz, partials)      B2 (W_downᵀ's), dz
 //                                                                           both copies
+// (z_scales empty: z in the activation dtype; else z's codes and their 1x128 scales)
 
 #include <cstdint>
 
@@ -81,20 +84,23 @@ template <class B>
 struct Fp8Mlp {
   Fp8Norm<B> out;  // x_out, h_out quantized (empty with act_h_out), r_out
   T<B> h_act;      // with act_h_out: h_out unquantized (the LM head's input); else empty
-  T<B> z;          // F2's pre-activation, saved for the backward
+  T<B> z;          // F2's pre-activation, saved for the backward: in the activation dtype, or
+  T<B> z_scales;   // (fp8_z) its 1x128 codes with these scales; else empty
   Fp8<B> a;        // F2's a; its copy (codes_t, scales_t) is the down-projection's dW operand
 };
 
 // F2 then F1 + A1 on FP8 operands. With act_h_out the next norm's h stays in the activation dtype
 // (the last layer's, for the LM head, which stays in bf16); without `copies` F2 writes a's rows
 // only (no backward); with `recompute_a` too, and the backward makes a's copy from z
-// (fp8_mlp_backward): I + I/32 bytes fewer kept per token for one more pass over z.
+// (fp8_mlp_backward): I + I/32 bytes fewer kept per token for one more pass over z. With `fp8_z`
+// F2 quantizes z as well (1x128 blocks of the bf16 z) instead of writing it in bf16: 2I + 2I/32
+// bytes kept per token instead of 4I; the backward decodes it (B2, and a's copy).
 template <class B>
 Fp8Mlp<B> fp8_mlp(B& b, const T<B>& x, const Fp8<B>& h, const T<B>& r, const Fp8<B>& w_gu,
                   const Fp8<B>& w_down, const T<B>& gamma_next, double eps, bool act_h_out,
-                  bool copies = true, bool recompute_a = false) {
-  auto [z, a] = b.fp8_rmsnorm_swiglu(h, w_gu, r, copies && !recompute_a);
-  Fp8Mlp<B> o{{}, {}, z, a};
+                  bool copies = true, bool recompute_a = false, bool fp8_z = false) {
+  auto [z, z_scales, a] = b.fp8_rmsnorm_swiglu(h, w_gu, r, copies && !recompute_a, fp8_z);
+  Fp8Mlp<B> o{{}, {}, z, z_scales, a};
   if (act_h_out) {
     auto [x2, h2, s] = b.fp8_residual_rmsnorm_act_h(a, w_down, x, gamma_next);
     o.out = {x2, {}, b.stat(b.rows(x2))};
@@ -152,17 +158,17 @@ InputGrads<B> fp8_linear_backward(B& b, const T<B>& dout, const Fp8<B>& input, c
 // B2 (+ dW_down) → B1 (+ dW_gu): fp8_mlp's backward, dx_out cast once (B2's A, dW_down's B);
 // the residual add's gradient enters B1 as dres. dw = dW_gu, dw2 = dW_down. `a` holds a's copy
 // as F2 wrote it, or nothing (recompute_a): then it is made from z here, as the bf16 B2
-// recomputes a.
+// recomputes a. z as fp8_mlp saved it (z_scales empty: in the activation dtype).
 template <class B>
 InputGrads<B> fp8_mlp_backward(B& b, const T<B>& dx_out, const T<B>& x, const T<B>& gamma,
                                const Fp8<B>& w_gu, const Fp8<B>& w_down, const T<B>& r,
-                               const T<B>& z, const Fp8<B>& a) {
+                               const T<B>& z, const T<B>& z_scales, const Fp8<B>& a) {
   const int64_t m = b.rows(x), hidden = b.cols(x);
   const Fp8<B> dxo = b.fp8_cast(dx_out, true, true);
-  auto [dz, p] = b.fp8_swiglu_backward(dxo, w_down, z);
+  auto [dz, p] = b.fp8_swiglu_backward(dxo, w_down, z, z_scales);
   T<B> zdz = b.stat(m);
   b.zdz_fold(p, hidden, zdz);
-  T<B> dw_down = b.fp8_wgrad(dxo, b.present(a.codes_t) ? a : b.fp8_swiglu_copy(z));
+  T<B> dw_down = b.fp8_wgrad(dxo, b.present(a.codes_t) ? a : b.fp8_swiglu_copy(z, z_scales));
   InputGrads<B> g = fp8_rmsnorm_backward(b, dz, w_gu, x, r, gamma, zdz, dx_out);
   g.dw2 = dw_down;
   return g;

@@ -72,6 +72,7 @@ class _Patch:
     config: LlamaConfig
     precision: str = "bf16"
     fp8_recompute_a: bool = False  # FP8: a's weight-gradient copy made from z in the backward
+    fp8_z: bool = False  # FP8: the MLP's pre-activation z saved for the backward in FP8
     tables: dict[torch.device, Tensor] = field(default_factory=dict)  # RoPE table per device
     warned: set[str] = field(default_factory=set)
     # precision="fp8": each layer's projection weights in FP8, kept while their HF parameters
@@ -125,8 +126,8 @@ def _supported_classes() -> tuple[type, ...]:
             transformers.Qwen3ForCausalLM)
 
 
-def patch_hf(model: nn.Module, precision: str = "bf16", fp8_recompute_a: bool = False
-             ) -> nn.Module:
+def patch_hf(model: nn.Module, precision: str = "bf16", fp8_recompute_a: bool = False,
+             fp8_z: bool = False) -> nn.Module:
     """Make ``model`` (a transformers ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` or
     ``Qwen3ForCausalLM``) train through
     coda, in place; returns it. Raises ``NotImplementedError`` for configurations coda does not
@@ -142,8 +143,9 @@ def patch_hf(model: nn.Module, precision: str = "bf16", fp8_recompute_a: bool = 
     Every extent must be a multiple of 16 (ValueError naming it otherwise); Qwen3's QK-norm runs
     in the QKV GEMM's epilogue as in bf16. ``fp8_recompute_a``: as
     ``CodaLlamaForCausalLM.fp8_recompute_a`` (a's weight-gradient copy made from z in the
-    backward: about I bytes less kept per token and layer). Patching a patched model again sets
-    both."""
+    backward: about I bytes less kept per token and layer); ``fp8_z``: as
+    ``CodaLlamaForCausalLM.fp8_z`` (z saved in FP8: about 2I bytes less). Patching a patched
+    model again sets all three."""
     known = [c for c in _supported_classes() if isinstance(model, c)]
     if not known or type(model).forward is not known[0].forward:
         raise TypeError(f"patch_hf: expected a transformers LlamaForCausalLM, Qwen2ForCausalLM or "
@@ -152,6 +154,7 @@ def patch_hf(model: nn.Module, precision: str = "bf16", fp8_recompute_a: bool = 
         patch = getattr(model, _ATTR)
         _check_precision(patch.config, precision)
         patch.precision, patch.fp8_recompute_a = precision, bool(fp8_recompute_a)
+        patch.fp8_z = bool(fp8_z)
         patch.fp8_caches.clear()
         return model
     if "forward" in vars(model):
@@ -162,7 +165,7 @@ def patch_hf(model: nn.Module, precision: str = "bf16", fp8_recompute_a: bool = 
     if problem:
         raise TypeError(f"patch_hf: {problem}")
     _check_precision(config, precision)
-    patch = _Patch(config, precision, bool(fp8_recompute_a))
+    patch = _Patch(config, precision, bool(fp8_recompute_a), bool(fp8_z))
     patch.rope_table(model.lm_head.weight.device)  # built eagerly, outside any compiled region
     setattr(model, _ATTR, patch)
     model.forward = _PatchedForward(model)
@@ -427,7 +430,7 @@ def _weights(c: LlamaConfig, dtype: torch.dtype, layer: nn.Module) -> dict[str, 
 
 
 def _layer(c, dtype, layer, gamma_next, pos, table, batch, attention, rebuilt, fp8_cache,
-           recompute_a, last, x, r, *h):
+           recompute_a, fp8_z, last, x, r, *h):
     """One decoder layer on the HF parameters: ``(x, r, *h) -> (x, r, *h)`` with ``h`` one
     tensor, or in FP8 (``fp8_cache`` set) its codes and scales (one tensor after the last
     layer: the LM head's input)."""
@@ -448,7 +451,7 @@ def _layer(c, dtype, layer, gamma_next, pos, table, batch, attention, rebuilt, f
         x, h, r = decoder_layer_fp8(c, x, tuple(h), r, gamma, fp8, gamma_ffn, pos, table,
                                     w(cast, gamma_next), batch, attention, last, b_qkv,
                                     recompute_a, q_gamma=q_gamma, k_gamma=k_gamma,
-                                    recast_w_t=not fp8_cache.persist)
+                                    recast_w_t=not fp8_cache.persist, fp8_z=fp8_z)
         return (x, r, h) if last else (x, r, *h)
     x, h, r = decoder_layer(
         c, x, h[0], r, gamma, weights["w_qkv"], weights["w_o"], gamma_ffn, weights["w_gu"],
@@ -547,7 +550,7 @@ def _fused_forward(self, patch, input_ids, inputs_embeds, attention_mask, positi
             with _RebuiltOnBackward() as rebuilt:
                 run = functools.partial(_layer, c, dtype, layer, gamma_next, pos, table, batch,
                                         attention, rebuilt, patch.fp8_cache(i) if fp8 else None,
-                                        patch.fp8_recompute_a, last)
+                                        patch.fp8_recompute_a, patch.fp8_z, last)
                 if layer.gradient_checkpointing:
                     x, r, *hs = layer._gradient_checkpointing_func(run, x, r, *hs)
                 else:

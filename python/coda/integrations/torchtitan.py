@@ -300,6 +300,7 @@ class CodaLlama3TransformerBlock(Llama3TransformerBlock):
     class Config(Llama3TransformerBlock.Config):
         precision: str = "bf16"  # "fp8": the projections in blockwise FP8 (CodaConverter.Config)
         fp8_recompute_a: bool = False  # FP8: a's weight-gradient copy made from z in the backward
+        fp8_z: bool = False  # FP8: the MLP's pre-activation z saved for the backward in FP8
 
     def __init__(self, config: Config):
         super().__init__(config)
@@ -307,6 +308,7 @@ class CodaLlama3TransformerBlock(Llama3TransformerBlock):
         self._shape = _shape_of(config)
         self._fp8 = _precision(config.precision, "precision") == "fp8"
         self._recompute_a = bool(config.fp8_recompute_a)
+        self._fp8_z = bool(config.fp8_z)
         self.register_buffer("coda_rope_table", self._rope_table(None), persistent=False)
 
     def _rope_table(self, device) -> Tensor:
@@ -362,7 +364,8 @@ class CodaLlama3TransformerBlock(Llama3TransformerBlock):
                 x1, h1, h1s, r1, _, _ = coda.fp8_out_proj_residual_norm(
                     y, w_o, *q8[1], xm, g_ffn, s.eps_ffn, copies, True, True)
                 out = coda.fp8_mlp(x1, g_ffn, w_gu, *q8[2], w_down, *q8[3], h1, h1s, r1, g_ffn,
-                                   s.eps_ffn, True, copies, self._recompute_a, True)[0]
+                                   s.eps_ffn, True, copies, self._recompute_a, True,
+                                   self._fp8_z)[0]
             else:
                 x1, h1, r1 = ops.out_proj_residual_norm(y, w_o, xm, g_ffn, s.eps_ffn)
                 out, _, _, _ = ops.mlp(x1, g_ffn, w_gu, w_down, h1, r1, g_ffn, s.eps_ffn)
@@ -474,10 +477,10 @@ def _precision(value: str, setting: str) -> str:
     return value
 
 
-def _coda_block(layer, fqn: str, precision: str = "bf16",
-                recompute_a: bool = False) -> CodaLlama3TransformerBlock.Config:
+def _coda_block(layer, fqn: str, precision: str = "bf16", recompute_a: bool = False,
+                fp8_z: bool = False) -> CodaLlama3TransformerBlock.Config:
     if isinstance(layer, CodaLlama3TransformerBlock.Config):
-        return replace(layer, precision=precision, fp8_recompute_a=recompute_a)
+        return replace(layer, precision=precision, fp8_recompute_a=recompute_a, fp8_z=fp8_z)
     if type(layer) is not Llama3TransformerBlock.Config:
         raise TypeError(f"{_WHO}: {fqn} is a {type(layer).__qualname__}; coda converts "
                         "Llama3TransformerBlock.Config blocks only (a converter such as LoRA "
@@ -530,7 +533,7 @@ def _coda_block(layer, fqn: str, precision: str = "bf16",
         attention=attention, feed_forward=feed_forward, moe=None,
         attention_norm=layer.attention_norm, ffn_norm=layer.ffn_norm,
         param_init=layer.param_init, sharding_config=layer.sharding_config,
-        precision=precision, fp8_recompute_a=recompute_a)
+        precision=precision, fp8_recompute_a=recompute_a, fp8_z=fp8_z)
 
 
 class CodaLlama3Model(Llama3Model):
@@ -560,6 +563,7 @@ class CodaConverter(ModelConfigConverter):
     class Config(ModelConfigConverter.Config):
         precision: str = "bf16"  # "fp8": every block's projections in blockwise FP8
         fp8_recompute_a: bool = False  # FP8: a's weight-gradient copy made in the backward
+        fp8_z: bool = False  # FP8: the MLP's z saved in FP8 (CodaLlamaForCausalLM.fp8_z)
 
     def __init__(self, config: Config, **kwargs):
         self.config = config
@@ -572,7 +576,7 @@ class CodaConverter(ModelConfigConverter):
         layers = model_config.layers
         for i, layer in enumerate(layers):
             layers[i] = _coda_block(layer, f"layers.{i}", self.config.precision,
-                                    self.config.fp8_recompute_a)
+                                    self.config.fp8_recompute_a, self.config.fp8_z)
         if isinstance(model_config, CodaLlama3Model.Config):
             return model_config
         return CodaLlama3Model.Config(
