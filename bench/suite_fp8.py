@@ -21,7 +21,10 @@ against our plain FP8 GEMM of the same shape (the issue's bar: fused <= 1.05x pl
   B1  qkv_bwd, gate_up_bwd   dx = dres + r·(g·γ − x·r·ZdZ) from g = dz · W; h_out = x·r·γ's
                        transposed copy quantized (the weight gradient's operand); dγ partials
   B2  down_bwd         dz = dSwiGLU(z, dx_out · W_down) quantized; ZdZ partials
-Before timing, every output is finite and one (F1's x, F2's z, B1's dx, B2's dz dequantized) is
+  F2z, B2z             F2 and B2 with z saved in FP8 (fp8_z): F2 quantizes z as well, in 1x128
+                       blocks, instead of writing it in bf16; B2 reads z's codes and decodes them
+Before timing, every output is finite and one (F1's x, F2's z, B1's dx, B2's dz dequantized; the
+FP8 z's rows dequantized, within e4m3's error) is
 within a normwise bound of the program's formula applied to the plain FP8 GEMM's result.
 Variants:
   fused          the program, its output in 1x128 blocks and as the transposed copy (B1: the
@@ -200,6 +203,12 @@ def fused_cases(model, m):
     cases.append(("F2", "gate_up", (m, 2 * inter, hidden), (hc, hcs, wc, wcs), (m, inter),
                   lambda t, o=(hc, hcs, wc, wcs): CODA.fp8_gemm_rmsnorm_swiglu(*o, r, True, t),
                   lambda outs, g: (outs[0], r[:, None] * g.float(), 1e-2)))
+    # F2 with z saved in FP8 (fp8_z): z's codes instead of the bf16 z, e4m3's error
+    cases.append(("F2z", "gate_up", (m, 2 * inter, hidden), (hc, hcs, wc, wcs), (m, inter),
+                  lambda t, o=(hc, hcs, wc, wcs): CODA.fp8_gemm_rmsnorm_swiglu_fp8_z(
+                      *o, r, True, t),
+                  lambda outs, g: (dequantize_rows(outs[0], outs[1], 2 * inter),
+                                   r[:, None] * g.float(), 0.1)))
     x, dres = rand_bf16(m, hidden, 13), rand_bf16(m, hidden, 14)
     zdz = torch.randn(m, device="cuda") * 0.1
     for proj, k in (("qkv_bwd", qkv), ("gate_up_bwd", 2 * inter)):  # B1: dz · W, W (K, H)
@@ -218,6 +227,14 @@ def fused_cases(model, m):
                       *o, z, True, t),
                   lambda outs, da: (dequantize_rows(outs[0], outs[1], 2 * inter),
                                     dswiglu(da.float(), z.float()), 0.1)))
+    # B2 reading z saved in FP8 (fp8_z): the codes as (g, u) pairs, decoded in the epilogue
+    zc, zs, _, _ = CODA.fp8_quantize_rows(z, True, False)
+    z_dec = dequantize_rows(zc, zs, 2 * inter)
+    cases.append(("B2z", "down_bwd", (m, inter, hidden), (dxc, dxs, wtc, wts), (m, 2 * inter),
+                  lambda t, o=(dxc, dxs, wtc, wts): CODA.fp8_gemm_swiglu_backward(
+                      *o, zc, True, t, zs),
+                  lambda outs, da: (dequantize_rows(outs[0], outs[1], 2 * inter),
+                                    dswiglu(da.float(), z_dec), 0.1)))
     return cases
 
 

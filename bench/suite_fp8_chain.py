@@ -11,6 +11,9 @@ Variants (each one a whole forward + backward):
                       128x128 blocks) made once, outside the timed region, as a training step
                       quantizes its weights once per optimizer step; wᵀ's codes transposed from
                       them in the backward (fp8_transpose_blocks), as the model does
+  coda_fp8_z          the same with the MLP's z saved in FP8 (fp8_mlp's fp8_z: F2 quantizes z
+                      in its epilogue, B2 decodes it; the gradients at the decoded z, checked
+                      against the same bound)
   coda_fp8_lt         the same with the weight gradients on our op's cuBLASLt backend
                       (coda::set_fp8_wgrad_backend "cublaslt"; absent where the build has none)
   coda_fp8_wcast      the same with the four weight casts (fp8_quantize_blocks) inside the timed
@@ -152,12 +155,12 @@ def fp8_weight_caches(t):
             for k, w in (("wo", t.wo), ("wgu", t.wgu_inter), ("wd", t.wd), ("wqkv", t.wqkv_f))}
 
 
-def fp8_chain_forward(t, leaves, q):
-    """Our FP8 chain: x2 and qkv (qkv in our column order)."""
+def fp8_chain_forward(t, leaves, q, fp8_z=False):
+    """Our FP8 chain: x2 and qkv (qkv in our column order); `fp8_z`: z saved in FP8."""
     y, x0, wo, g_ffn, wgu, wd, g_attn, wqkv = leaves
     x1, h1, h1s, r1, *_ = CODA.fp8_out_proj_residual_norm(y, wo, *q["wo"], x0, g_ffn, EPS)
     x2, h2, h2s, r2, *_ = CODA.fp8_mlp(x1, g_ffn, wgu, *q["wgu"], wd, *q["wd"], h1, h1s, r1,
-                                       g_attn, EPS)
+                                       g_attn, EPS, False, True, False, False, fp8_z)
     qkv = CODA.fp8_norm_qkv(x2, g_attn, wqkv, *q["wqkv"], h2, h2s, r2, t.pos, t.rope_table)
     return x2, qkv
 
@@ -438,6 +441,7 @@ def ratios(ms, model):
         "best_torchao": best,
         "speedup_vs_coda_bf16": div("coda_bf16", "coda_fp8"),
         "fp8_lt_over_floor": div("coda_fp8_lt", "fp8_floor"),
+        "fp8_z_over_floor": div("coda_fp8_z", "fp8_floor"),
         "bf16_over_floor": div("coda_bf16", "bf16_floor"),
         "fp8_floor_speedup_vs_bf16_floor": div("bf16_floor", "fp8_floor"),
         "targets": {
@@ -488,6 +492,17 @@ def run_shape(model, m, sec, progress, torchao=None, time_it=True, dev="cuda", d
             # the weights cast in the step, as every forward of torchao's chain casts them
             variants["coda_fp8_wcast"] = ours_step(
                 t, lambda lv: fp8_chain_forward(t, lv, fp8_weight_caches(t)), dx2_up, dqkv_f)[0]
+            # z saved in FP8 (checked as the chain is)
+            z_step, z_check = ours_step(t, lambda lv: fp8_chain_forward(t, lv, q, True),
+                                        dx2_up, dqkv_f)
+            try:
+                z_ok, row["rel_err"]["coda_fp8_z"] = fp8_check(z_check(), ref)
+                row["check"]["coda_fp8_z"] = "PASS" if z_ok else "FAIL"
+            except RuntimeError as ex:  # a build without the fp8_z programs
+                absent["coda_fp8_z"] = str(ex).splitlines()[0][:300]
+            else:
+                if z_ok:
+                    variants["coda_fp8_z"] = z_step
             # the weight gradients on our op's cuBLASLt backend (checked as the chain is)
             try:
                 lt_ok, row["rel_err"]["coda_fp8_lt"] = fp8_check(
