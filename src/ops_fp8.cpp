@@ -339,28 +339,47 @@ PartialLayout fp8_swiglu_backward_partials_layout(int64_t m, int64_t intermediat
                         Program::kSwigluBackwardFp8, Operands::kFp8XWt, {m, intermediate, hidden});
 }
 
+namespace {
+// B2 over FP8 operands, its checks and kernel choice: z bf16 pairs, or with z_scales (not null)
+// e4m3 code pairs with their 1x128 scales.
+struct B2Setup {
+  kernel::GemmProblem p;
+  RowOutputs out;
+  kernel::KernelChoice kc;
+};
+B2Setup b2_setup(Args& c, Program program, View dx_out, View dx_out_scales, View w_down_t,
+                 View w_down_t_scales, View z, const TensorView* z_scales, View dz, View dz_scales,
+                 View dz_t, View dz_t_scales, View zdz_partials) {
+  B2Setup s;
+  s.p = fp8_problem(c, {"dx_out", dx_out, "dx_out_scales", dx_out_scales},
+                    {"w_down_t", w_down_t, "w_down_t_scales", w_down_t_scales}, true);
+  const int64_t m = s.p.m, inter = s.p.n;
+  c.matrix("z", z, z_scales ? DType::kE4M3 : kBf, m, 2 * inter);
+  if (z_scales) c.scales("z_scales", *z_scales, blocks(2 * inter), m, true);
+  s.out = row_outputs(c, "dz", dz, "dz_scales", dz_scales, "dz_t", dz_t, "dz_t_scales", dz_t_scales,
+                      m, 2 * inter);
+  s.kc = choose_with_partials(c, program, Operands::kFp8XWt, {m, inter, s.p.k}, "zdz_partials",
+                              zdz_partials);
+  c.on_device();
+  return s;
+}
+}  // namespace
+
 void gemm_fp8_swiglu_backward(View dx_out, View dx_out_scales, View w_down_t, View w_down_t_scales,
                               View z, View dz, View dz_scales, View dz_t, View dz_t_scales,
                               View zdz_partials, cudaStream_t stream) {
   Args c("coda::ops::gemm_fp8_swiglu_backward");
-  kernel::GemmProblem p =
-      fp8_problem(c, {"dx_out", dx_out, "dx_out_scales", dx_out_scales},
-                  {"w_down_t", w_down_t, "w_down_t_scales", w_down_t_scales}, true);
-  const int64_t m = p.m, inter = p.n;
-  c.matrix("z", z, kBf, m, 2 * inter);
-  const RowOutputs out = row_outputs(c, "dz", dz, "dz_scales", dz_scales, "dz_t", dz_t,
-                                     "dz_t_scales", dz_t_scales, m, 2 * inter);
-  const auto kc = choose_with_partials(c, Program::kSwigluBackwardFp8, Operands::kFp8XWt,
-                                       {m, inter, p.k}, "zdz_partials", zdz_partials);
-  c.on_device();
+  const B2Setup s =
+      b2_setup(c, Program::kSwigluBackwardFp8, dx_out, dx_out_scales, w_down_t, w_down_t_scales, z,
+               nullptr, dz, dz_scales, dz_t, dz_t_scales, zdz_partials);
   // (g, u) bf16 pairs travel as one 32-bit element each: row strides in pairs.
   kernel::SwigluBackwardFp8Args args;
   args.z = z.as<const uint32_t>();
   args.ldz = z.ld / 2;
   args.zdz_partials = f32_out(zdz_partials);
-  args.dz = out.rows;
-  args.dz_t = out.cols;
-  launch<Program::kSwigluBackwardFp8>(c, Operands::kFp8XWt, kc, p, args, stream);
+  args.dz = s.out.rows;
+  args.dz_t = s.out.cols;
+  launch<Program::kSwigluBackwardFp8>(c, Operands::kFp8XWt, s.kc, s.p, args, stream);
 }
 
 PartialLayout fp8_swiglu_backward_fp8_z_partials_layout(int64_t m, int64_t intermediate,
@@ -374,17 +393,9 @@ void gemm_fp8_swiglu_backward_fp8_z(View dx_out, View dx_out_scales, View w_down
                                     View dz_scales, View dz_t, View dz_t_scales, View zdz_partials,
                                     cudaStream_t stream) {
   Args c("coda::ops::gemm_fp8_swiglu_backward_fp8_z");
-  kernel::GemmProblem p =
-      fp8_problem(c, {"dx_out", dx_out, "dx_out_scales", dx_out_scales},
-                  {"w_down_t", w_down_t, "w_down_t_scales", w_down_t_scales}, true);
-  const int64_t m = p.m, inter = p.n;
-  c.matrix("z", z, DType::kE4M3, m, 2 * inter);
-  c.scales("z_scales", z_scales, blocks(2 * inter), m, true);
-  const RowOutputs out = row_outputs(c, "dz", dz, "dz_scales", dz_scales, "dz_t", dz_t,
-                                     "dz_t_scales", dz_t_scales, m, 2 * inter);
-  const auto kc = choose_with_partials(c, Program::kSwigluBackwardFp8Z, Operands::kFp8XWt,
-                                       {m, inter, p.k}, "zdz_partials", zdz_partials);
-  c.on_device();
+  const B2Setup s =
+      b2_setup(c, Program::kSwigluBackwardFp8Z, dx_out, dx_out_scales, w_down_t, w_down_t_scales, z,
+               &z_scales, dz, dz_scales, dz_t, dz_t_scales, zdz_partials);
   // (g, u) code pairs travel as one 16-bit element each: row strides in pairs.
   kernel::SwigluBackwardFp8ZArgs args;
   args.z = z.as<const uint16_t>();
@@ -392,9 +403,9 @@ void gemm_fp8_swiglu_backward_fp8_z(View dx_out, View dx_out_scales, View w_down
   args.z_scales = f32(z_scales);
   args.ld_z_scales = z_scales.ld;
   args.zdz_partials = f32_out(zdz_partials);
-  args.dz = out.rows;
-  args.dz_t = out.cols;
-  launch<Program::kSwigluBackwardFp8Z>(c, Operands::kFp8XWt, kc, p, args, stream);
+  args.dz = s.out.rows;
+  args.dz_t = s.out.cols;
+  launch<Program::kSwigluBackwardFp8Z>(c, Operands::kFp8XWt, s.kc, s.p, args, stream);
 }
 
 void gemm_fp8_xyt(View x, View x_scales, View y, View y_scales, View d, bool accumulate,

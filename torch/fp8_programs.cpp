@@ -202,6 +202,16 @@ F2Sizes check_f2(const char* op, const Tensor& h, const Tensor& h_scales, const 
   TORCH_CHECK(rows || transposed, op, ": neither rows nor transposed is asked for");
   return {m, two_i, act};
 }
+// F2's oracle in fp64 (reference::fp8_rmsnorm_swiglu): a rounded to `act` and cast into a's
+// outputs; returns z.
+std::vector<double> f2_on_cpu(const Tensor& h, const Tensor& h_scales, const Tensor& w_gu,
+                              const Tensor& w_gu_scales, const Tensor& r, at::ScalarType act,
+                              RowCast& a) {
+  auto f = reference::fp8_rmsnorm_swiglu<double>(
+      read_operand(h, h_scales, false), read_operand(w_gu, w_gu_scales, true), to_doubles(r));
+  cast_on_cpu(f.a, h.size(0), w_gu.size(0) / 2, act, a);
+  return std::move(f.z);
+}
 Fp8F2 fp8_gemm_rmsnorm_swiglu(const Tensor& h, const Tensor& h_scales, const Tensor& w_gu,
                               const Tensor& w_gu_scales, const Tensor& r, bool rows,
                               bool transposed, std::optional<at::ScalarType> dtype) {
@@ -211,10 +221,8 @@ Fp8F2 fp8_gemm_rmsnorm_swiglu(const Tensor& h, const Tensor& h_scales, const Ten
   const int64_t inter = two_i / 2;
   RowCast a = row_cast_outputs(h, m, inter, rows, transposed);
   if (h.is_cpu()) {
-    const auto f = reference::fp8_rmsnorm_swiglu<double>(
-        read_operand(h, h_scales, false), read_operand(w_gu, w_gu_scales, true), to_doubles(r));
-    cast_on_cpu(f.a, m, inter, act, a);
-    return {from_doubles(f.z, m, two_i).to(act), a.codes, a.scales, a.codes_t, a.scales_t};
+    const std::vector<double> z = f2_on_cpu(h, h_scales, w_gu, w_gu_scales, r, act, a);
+    return {from_doubles(z, m, two_i).to(act), a.codes, a.scales, a.codes_t, a.scales_t};
   }
 #if CODA_TORCH_CUDA
   const c10::cuda::CUDAGuard guard(h.device());
@@ -245,10 +253,7 @@ Fp8F2Z fp8_gemm_rmsnorm_swiglu_fp8_z(const Tensor& h, const Tensor& h_scales, co
   RowCast a = row_cast_outputs(h, m, inter, rows, transposed);
   RowCast z = row_cast_outputs(h, m, two_i, true, false);
   if (h.is_cpu()) {
-    const auto f = reference::fp8_rmsnorm_swiglu<double>(
-        read_operand(h, h_scales, false), read_operand(w_gu, w_gu_scales, true), to_doubles(r));
-    cast_on_cpu(f.a, m, inter, act, a);
-    cast_on_cpu(f.z, m, two_i, act, z);
+    cast_on_cpu(f2_on_cpu(h, h_scales, w_gu, w_gu_scales, r, act, a), m, two_i, act, z);
     return {z.codes, z.scales, a.codes, a.scales, a.codes_t, a.scales_t};
   }
 #if CODA_TORCH_CUDA

@@ -57,7 +57,7 @@ def test_f2_z_codes_are_the_cast_of_f2s_z(m, two_i, k):
 def test_b2_from_fp8_z_is_b2_of_the_decoded_z(m, inter, hidden):
     gen = torch.Generator().manual_seed(m + 17 * inter)
     dx_out, w_t = wide_bf16(m, hidden, gen).cuda(), wide_bf16(inter, hidden, gen).cuda()
-    z = (torch.randn(m, 2 * inter, generator=gen) * 2).to(BF16).cuda()
+    z = wide_bf16(m, 2 * inter, gen).cuda()  # many binades: the blocks' scales differ
     dxc, dxs, _, _ = CODA.fp8_quantize_rows(dx_out)
     wtc, wts, _, _ = CODA.fp8_quantize_blocks(w_t)
     zc, zs, _, _ = CODA.fp8_quantize_rows(z, True, False)

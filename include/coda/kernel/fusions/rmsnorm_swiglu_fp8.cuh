@@ -40,8 +40,7 @@ struct FusionOf<Program::kRmsnormSwigluFp8Z> : FusionTypes<void, void, RmsnormSw
   template <class EpilogueDesc>
   struct Build {
     using Tile = typename EpilogueDesc::TileShape;
-    using Z =
-        cf::Sm90EVT<ComputeNode<epilogue::Multiplies>, cf::Sm90AccFetch, RowVector<Tile, float>>;
+    using Z = typename FusionOf<Program::kRmsnormSwigluFp8>::template Build<EpilogueDesc>::Z;
     using ZStore = cf::Sm90EVT<Fp8TileStore<Tile, fp8_staging::WholeTile>, Z>;
     using Callbacks = cf::Sm90EVT<Fp8TileStore<Tile, fp8_staging::SwigluOfPairedTiles>, ZStore>;
     static typename Callbacks::Arguments arguments(Args const& a) {

@@ -46,8 +46,9 @@ struct FusionOf<Program::kSwigluBackwardFp8> : FusionTypes<uint32_t, void, Swigl
 template <>
 struct FusionOf<Program::kSwigluBackwardFp8Z>
     : FusionTypes<uint16_t, void, SwigluBackwardFp8ZArgs> {
-  // 16-bit C subtiles (8 KB each): the builder reuses C's ring for the (absent) D's two stages,
-  // so C takes three.
+  // 16-bit C subtiles (8 KB each). The builder marks C's ring for reuse as D's (16-bit C, the
+  // store node's bf16 stand-in for D), which the collective drops for want of a D; gemm.cuh's
+  // check of that reuse asks C for more stages than D's two, so C takes three.
   static constexpr int kStagesC = 3;
   static KernelOperands operands(Args const& a, GemmProblem const&) {
     return {a.z, a.ldz, nullptr, 0};

@@ -26,8 +26,9 @@ template <class CtaTile>
 struct Fp8PairDecode : ConsumerOnlyNode<Fp8PairDecodeArguments> {
   using ConsumerOnlyNode<Fp8PairDecodeArguments>::ConsumerOnlyNode;
   template <class ProblemShape>
-  static bool can_implement(ProblemShape const&, Arguments const& a) {
-    return a.scales != nullptr && a.ld_scales > 0;
+  static bool can_implement(ProblemShape const& shape, Arguments const& a) {
+    auto [M, N, K, L] = cute::append<4>(shape, 1);
+    return a.scales != nullptr && a.ld_scales >= int64_t(M);
   }
 
   template <class CoordTensor, class Residue>
