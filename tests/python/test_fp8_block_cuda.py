@@ -430,9 +430,11 @@ def capture(step, fresh):
     return graph, static_loss
 
 
-def test_fp8_training_step_captures_in_a_cuda_graph_and_replays_identically():
+@pytest.mark.parametrize("fp8_z", [False, True], ids=["", "fp8_z"])
+def test_fp8_training_step_captures_in_a_cuda_graph_and_replays_identically(fp8_z):
     ids, labels = (t.cuda() for t in tiny_batch(2))
     m = model("fp8", tiny_state(1))
+    m.fp8_z = fp8_z
     step, fresh, params = step_of(m, ids, labels)
     expected = []
     for _ in range(2):
@@ -449,10 +451,13 @@ def test_fp8_training_step_captures_in_a_cuda_graph_and_replays_identically():
             assert torch.equal(a, b), f"graph replay differs from eager at output {i}"
 
 
-def test_fp8_training_step_makes_no_host_sync():
-    """Forward + backward, the weights' requantization after an in-place update included."""
+@pytest.mark.parametrize("fp8_z", [False, True], ids=["", "fp8_z"])
+def test_fp8_training_step_makes_no_host_sync(fp8_z):
+    """Forward + backward, the weights' requantization after an in-place update included (and
+    with z saved in FP8)."""
     ids, labels = (t.cuda() for t in tiny_batch(3))
     m = model("fp8", tiny_state(2))
+    m.fp8_z = fp8_z
     step, fresh, _ = step_of(m, ids, labels)
     step()
     fresh()
