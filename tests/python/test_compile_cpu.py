@@ -196,19 +196,22 @@ def test_fp8_model_compiled_trains_as_eager(whole):
     assert len(set(losses)) == 3, losses  # the steps moved the weights
 
 
-@pytest.mark.parametrize("backend,recompute_a", [("aot_eager", False), ("aot_eager", True),
-                                                 ("inductor", False)],
-                         ids=["kept-a", "recompute-a", "inductor"])
-def test_fp8_model_compiled_at_dynamic_shapes_trains_as_eager(backend, recompute_a):
+@pytest.mark.parametrize("backend,recompute_a,fp8_z", [("aot_eager", False, False),
+                                                       ("aot_eager", True, True),
+                                                       ("inductor", False, False)],
+                         ids=["kept-a", "recompute-a-fp8-z", "inductor"])
+def test_fp8_model_compiled_at_dynamic_shapes_trains_as_eager(backend, recompute_a, fp8_z):
     """The FP8 model compiled with dynamic=True runs sequence lengths 24 and 40 (its Meta
-    kernels take symbolic sizes, and the backward's branch on a's copy reads the op's flag, not
-    a size). aot_eager gives eager's loss and gradients exactly (fp32 on the CPU); without
+    kernels take symbolic sizes, and the backward's branches on a's copy and on z's dtype read
+    the op's flags, not a size; with fp8_z z travels as e4m3 codes with their scales). aot_eager
+    gives eager's loss and gradients exactly (fp32 on the CPU); without
     symbolic-size Meta kernels the trace fails on the first call. Inductor (torch.compile's
     default backend) keeps the coda ops as fallback kernels and fuses what lies between them:
     eager's to fp32 rounding."""
     tol = 0.0 if backend == "aot_eager" else 1e-5
     cfg, eager, compiled = fp8_twins()
     eager.fp8_recompute_a = compiled.fp8_recompute_a = recompute_a
+    eager.fp8_z = compiled.fp8_z = fp8_z
     run = torch.compile(compiled, dynamic=True, backend=backend)
     for seq in (24, 40):
         gen = torch.Generator().manual_seed(seq)
