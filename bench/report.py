@@ -37,9 +37,11 @@ def write_readme(lines, path="README.md"):
 
 
 def run_key(path):
-    """(date, run number): 'run16' sorts after 'run9', which a plain string sort gets wrong."""
-    m = re.match(r"(\d{4}-\d{2}-\d{2})-run(\d+)", os.path.basename(path))
-    return (m.group(1), int(m.group(2))) if m else (os.path.basename(path), -1)
+    """(date, run number, name): 'run16' sorts after 'run9', which a plain string sort gets wrong,
+    and a date's 'runN' files after its file without a number (run 0)."""
+    name = os.path.basename(path)
+    m = re.match(r"(\d{4}-\d{2}-\d{2})(?:-run(\d+))?", name)
+    return (m.group(1), int(m.group(2) or 0), name) if m else (name, -1, name)
 
 
 def latest(results, pattern):
