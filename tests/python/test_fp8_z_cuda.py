@@ -65,8 +65,9 @@ def test_b2_from_fp8_z_is_b2_of_the_decoded_z(m, inter, hidden):
     want = CODA.fp8_gemm_swiglu_backward(dxc, dxs, wtc, wts, decoded_bf16(zc, zs), True, True)
     same_all(got[:4], want[:4], "dz")
     assert torch.equal(got[4][:, :m], want[4][:, :m]), "ZdZ partials"
-    a_t = CODA.fp8_swiglu_quantize_t(zc, zs)
-    same_all(a_t, CODA.fp8_swiglu_quantize_t(decoded_bf16(zc, zs)), "aᵀ from z")
+    if inter % 16 == 0:  # the aᵀ cast takes I a multiple of 16 (B2 takes any I)
+        a_t = CODA.fp8_swiglu_quantize_t(zc, zs)
+        same_all(a_t, CODA.fp8_swiglu_quantize_t(decoded_bf16(zc, zs)), "aᵀ from z")
 
 
 @pytest.mark.parametrize("recompute_a", [False, True])
