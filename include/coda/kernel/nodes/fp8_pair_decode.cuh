@@ -16,6 +16,9 @@ namespace coda::kernel {
 // decoded values are exact in bf16 (4 significant bits, power-of-two scales; only values below
 // 2^-133, from blocks whose amax is under 2^-118, would round). Elements past M decode as 0
 // (TMA fills their codes with 0; no scale is read for them).
+// The scales are read by the consumer threads one subtile ahead (as LoadAhead reads its tensor):
+// a subtile's pair columns lie in one block, so each element's scale is its row's in the
+// subtile's block, and the reads of one row are one address (the compiler keeps one).
 // ---------------------------------------------------------------------------------------------
 struct Fp8PairDecodeArguments {
   const float* scales = nullptr;  // block b of row m at b · ld_scales + m
@@ -25,6 +28,9 @@ struct Fp8PairDecodeArguments {
 template <class CtaTile>
 struct Fp8PairDecode : ConsumerOnlyNode<Fp8PairDecodeArguments> {
   using ConsumerOnlyNode<Fp8PairDecodeArguments>::ConsumerOnlyNode;
+  static constexpr int kPairsPerBlock = 64;  // a 1x128 block of z holds 64 (g, u) pairs
+  static_assert(cute::size<1>(CtaTile{}) % kPairsPerBlock == 0,
+                "a CTA tile's pair columns are whole blocks of z");
   // Not ld_scales >= M: the launch checks the problem with its extents rounded up to 8
   // (kernel/gemm.cuh), so M here may exceed the real one; the op layer checks ld_scales against
   // the real M.
@@ -33,15 +39,46 @@ struct Fp8PairDecode : ConsumerOnlyNode<Fp8PairDecodeArguments> {
     return a.scales != nullptr && a.ld_scales > 0;
   }
 
-  template <class CoordTensor, class Residue>
+  template <class CoordTensor, class Residue, class ScaleRegs>
   struct ConsumerStoreCallbacks : cf::EmptyConsumerStoreCallbacks {
-    CUTLASS_DEVICE ConsumerStoreCallbacks(CoordTensor c, Residue r, int64_t row0, int64_t col0,
-                                          Params const& p)
-        : tCcD(c), residue(r), row0(row0), col0(col0), params(p) {}
+    CUTLASS_DEVICE ConsumerStoreCallbacks(CoordTensor c, Residue r, ScaleRegs s, int64_t row0,
+                                          int64_t col0, Params const& p)
+        : tCcD(c), residue(r), tC_s(s), row0(row0), col0(col0), params(p) {}
     CoordTensor tCcD;    // (CPY,CPY_M,CPY_N,EPI_M,EPI_N) CTA-relative (m, n) of each element
     Residue residue;     // the CTA-relative extent of the problem
+    ScaleRegs tC_s;      // (elements of a subtile, 2) two subtiles' scales in registers
     int64_t row0, col0;  // the CTA tile's first row and pair column
     Params const& params;
+
+    static constexpr int kEpiM = decltype(cute::size<3>(std::declval<CoordTensor>()))::value;
+    static constexpr int kEpiN = decltype(cute::size<4>(std::declval<CoordTensor>()))::value;
+    static_assert(kPairsPerBlock % (decltype(cute::size<1>(CtaTile{}))::value / kEpiN) == 0,
+                  "a subtile's pair columns lie in one block of z");
+
+    // Subtile s's scales into slot s % 2 (0 past M, and where the subtile's block starts past N:
+    // a CTA of a cluster wholly past N).
+    CUTLASS_DEVICE void load(int s) {
+      if (s >= kEpiM * kEpiN) return;
+      const int epi_m = s % kEpiM, epi_n = s / kEpiM;
+      auto c = tCcD(cute::_, cute::_, cute::_, epi_m, epi_n);
+      auto regs = tC_s(cute::_, s % 2);
+      const int64_t block = (col0 + int64_t(cute::get<1>(c(0)))) / kPairsPerBlock;
+      const bool block_in = block * kPairsPerBlock - col0 < int64_t(cute::get<1>(residue));
+      const float* col = params.scales + block * params.ld_scales + row0;
+      CUTLASS_PRAGMA_UNROLL
+      for (int e = 0; e < int(cute::size(regs)); ++e) {
+        const int m = int(cute::get<0>(c(e)));
+        regs(e) = block_in && m < int(cute::get<0>(residue)) ? __ldg(col + m) : 0.0f;
+      }
+    }
+
+    // Subtiles are visited epi_m fastest (the collective's loop order, fully unrolled): subtile
+    // s + 1's scales are read while subtile s is computed.
+    CUTLASS_DEVICE void begin_loop(int epi_m, int epi_n) {
+      const int s = epi_n * kEpiM + epi_m;
+      if (s == 0) load(0);
+      load(s + 1);
+    }
 
     template <class ElementAccumulator, class ElementInput, int F>
     CUTLASS_DEVICE cutlass::Array<uint32_t, F> visit(cutlass::Array<ElementAccumulator, F> const&,
@@ -49,16 +86,11 @@ struct Fp8PairDecode : ConsumerOnlyNode<Fp8PairDecodeArguments> {
                                                      cutlass::Array<ElementInput, F> const& codes) {
       // The raw 16-bit words of C: a converted copy would be the pair's value, not its codes.
       static_assert(std::is_same_v<ElementInput, uint16_t>, "z must arrive as raw e4m3 pairs");
-      auto coords = tCcD(cute::_, cute::_, cute::_, epi_m, epi_n);
+      auto regs = tC_s(cute::_, (epi_n * kEpiM + epi_m) % 2);
       cutlass::Array<uint32_t, F> out;
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < F; ++i) {
-        const auto c = coords(epi_v * F + i);
-        float s = 0.0f;
-        if (cute::elem_less(c, residue)) {
-          const int64_t block = (col0 + int64_t(cute::get<1>(c))) / 64;
-          s = __ldg(params.scales + block * params.ld_scales + row0 + int64_t(cute::get<0>(c)));
-        }
+        const float s = regs(epi_v * F + i);
         const float2 gu = fp8_tile::decode2(codes[i]);
         out[i] = pack_bf16_pair(gu.x * s, gu.y * s);
       }
@@ -68,11 +100,14 @@ struct Fp8PairDecode : ConsumerOnlyNode<Fp8PairDecodeArguments> {
 
   template <bool ReferenceSrc, class... Args>
   CUTLASS_DEVICE auto get_consumer_store_callbacks(cf::ConsumerStoreArgs<Args...> const& args) {
+    using namespace cute;
     auto [m, n, k, l] = args.tile_coord_mnkl;
     auto tCcCta = cta_coords<ReferenceSrc>(args);
-    return ConsumerStoreCallbacks<decltype(tCcCta), decltype(args.residue_cD)>(
-        tCcCta, args.residue_cD, int64_t(m) * cute::size<0>(CtaTile{}),
-        int64_t(n) * cute::size<1>(CtaTile{}), params);
+    constexpr int kPerSubtile = decltype(size(take<0, 3>(shape(tCcCta))))::value;
+    Tensor tC_s = make_tensor<float>(make_shape(Int<kPerSubtile>{}, _2{}));
+    return ConsumerStoreCallbacks<decltype(tCcCta), decltype(args.residue_cD), decltype(tC_s)>(
+        tCcCta, args.residue_cD, tC_s, int64_t(m) * size<0>(CtaTile{}),
+        int64_t(n) * size<1>(CtaTile{}), params);
   }
 };
 
