@@ -1,5 +1,6 @@
 #pragma once
 #include "coda/kernel/fusions/common.cuh"
+#include "coda/kernel/nodes/fp8_row_store.cuh"
 #include "coda/kernel/nodes/fp8_tile_store.cuh"
 #include "coda/kernel/paired_scheduler.cuh"
 
@@ -29,11 +30,12 @@ struct FusionOf<Program::kRmsnormSwigluFp8> : FusionTypes<void, bfloat16_t, Rmsn
 
 namespace coda::kernel {
 
-// F2 with a and z in FP8: as kRmsnormSwigluFp8, and z itself, rounded to bf16, staged whole
-// (one 128-column tile of z is one 1x128 block of each of its rows) and quantized in its rows
-// at the tile's end (Fp8TileStore, WholeTile, in front of a's store, which gets z's values
-// unchanged). No D: B2 and the recomputed aᵀ read z's codes. z's codes are those of the bf16 z
-// of kRmsnormSwigluFp8 through the cast kernel, bit for bit; a's are kRmsnormSwigluFp8's.
+// F2 with a and z in FP8: as kRmsnormSwigluFp8, and z itself, rounded to bf16, quantized in its
+// rows from the registers (Fp8RowStore: one 128-column tile of z is one 1x128 block of each of
+// its rows; no staged tile, so the mainloop keeps kRmsnormSwigluFp8's stages), in front of a's
+// store, which gets z's values unchanged. No D: B2 and the recomputed aᵀ read z's codes. z's
+// codes are those of the bf16 z of kRmsnormSwigluFp8 through the cast kernel, bit for bit; a's
+// are kRmsnormSwigluFp8's.
 template <>
 struct FusionOf<Program::kRmsnormSwigluFp8Z> : FusionTypes<void, void, RmsnormSwigluFp8ZArgs> {
   using Scheduler = PairedAlongN;
@@ -41,11 +43,11 @@ struct FusionOf<Program::kRmsnormSwigluFp8Z> : FusionTypes<void, void, RmsnormSw
   struct Build {
     using Tile = typename EpilogueDesc::TileShape;
     using Z = typename FusionOf<Program::kRmsnormSwigluFp8>::template Build<EpilogueDesc>::Z;
-    using ZStore = cf::Sm90EVT<Fp8TileStore<Tile, fp8_staging::WholeTile>, Z>;
+    using ZStore = cf::Sm90EVT<Fp8RowStore<Tile>, Z>;
     using Callbacks = cf::Sm90EVT<Fp8TileStore<Tile, fp8_staging::SwigluOfPairedTiles>, ZStore>;
     static typename Callbacks::Arguments arguments(Args const& a) {
       const RmsnormSwigluFp8Args& f2 = a.f2;
-      return {{{{}, {f2.r, 0.0f, {}}, {}}, {a.z, {}, nullptr, 0}},
+      return {{{{}, {f2.r, 0.0f, {}}, {}}, a.z},
               {f2.a, f2.a_t, f2.a_copy, f2.ld_a_copy}};
     }
   };
