@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "coda/kernel/nodes/fp8_pair_decode.cuh"
+#include "coda/kernel/nodes/fp8_row_store.cuh"
 
 namespace coda::kernel {
 namespace {
@@ -32,6 +33,27 @@ TEST(NodeChecks, Fp8PairDecodeRefusesMissingScales) {
   std::vector<float> scales(8);
   EXPECT_FALSE(PairDecode::can_implement(cute::make_shape(304, 1040, 2048, 1),
                                          Fp8PairDecodeArguments{scales.data(), 0}));
+}
+
+TEST(NodeChecks, Fp8RowStoreAcceptsARaggedMAtTheExtentsTheLaunchChecks) {
+  std::vector<uint8_t> codes(8);
+  std::vector<float> scales(8);
+  for (int m : {1, 130, 300, 4097}) {
+    const Fp8Output z{codes.data(), 2752, scales.data(), (m + 3) / 4 * 4};
+    EXPECT_TRUE(Fp8RowStore<Tile>::can_implement(cute::make_shape(up8(m), 2752, 1040, 1), z))
+        << "M = " << m << " checked as " << up8(m);
+  }
+}
+
+TEST(NodeChecks, Fp8RowStoreRefusesMissingOutputsAndOddRows) {
+  std::vector<uint8_t> codes(8);
+  std::vector<float> scales(8);
+  const auto shape = cute::make_shape(304, 2752, 1040, 1);
+  EXPECT_FALSE(Fp8RowStore<Tile>::can_implement(shape, Fp8Output{nullptr, 2752, scales.data(), 300}));
+  EXPECT_FALSE(Fp8RowStore<Tile>::can_implement(shape, Fp8Output{codes.data(), 2752, nullptr, 300}));
+  // Codes leave as 16-bit column pairs: an odd row stride would misalign them.
+  EXPECT_FALSE(Fp8RowStore<Tile>::can_implement(shape, Fp8Output{codes.data(), 2753, scales.data(), 300}));
+  EXPECT_TRUE(Fp8RowStore<Tile>::can_implement(shape, Fp8Output{codes.data(), 2752, scales.data(), 300}));
 }
 
 }  // namespace
