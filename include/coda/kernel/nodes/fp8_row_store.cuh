@@ -124,8 +124,9 @@ struct Fp8RowStore : ConsumerOnlyNode<Fp8Output> {
     }
   };
 
-  template <bool ReferenceSrc, class... Args>
-  CUTLASS_DEVICE auto get_consumer_store_callbacks(cf::ConsumerStoreArgs<Args...> const& args) {
+  // The callbacks writing `out` (Fp8TileStore<WholeTile> holds them for its rows).
+  template <bool ReferenceSrc, class StoreArgs>
+  CUTLASS_DEVICE static auto callbacks(StoreArgs const& args, Fp8Output const& out) {
     using namespace cute;
     static_assert(decltype(size(args.tiled_mma))::value == fp8_tile::kThreads,
                   "Fp8RowStore's row slots are the cooperative schedule's 64xN warpgroup MMAs");
@@ -136,7 +137,12 @@ struct Fp8RowStore : ConsumerOnlyNode<Fp8Output> {
     constexpr int kSubtiles = decltype(size<3>(tCcCta) * size<4>(tCcCta))::value;
     Tensor tC_v = make_tensor<uint32_t>(make_shape(Int<kPerSubtile / 2>{}, Int<kSubtiles>{}));
     return ConsumerStoreCallbacks<decltype(tCcCta), decltype(args.residue_cD), decltype(tC_v)>(
-        tCcCta, args.residue_cD, tC_v, int64_t(m), int64_t(n), int64_t(M), int64_t(N), params);
+        tCcCta, args.residue_cD, tC_v, int64_t(m), int64_t(n), int64_t(M), int64_t(N), out);
+  }
+
+  template <bool ReferenceSrc, class... Args>
+  CUTLASS_DEVICE auto get_consumer_store_callbacks(cf::ConsumerStoreArgs<Args...> const& args) {
+    return callbacks<ReferenceSrc>(args, params);
   }
 };
 

@@ -6,6 +6,7 @@
 #include "coda/epilogue/elementwise.hpp"
 #include "coda/kernel/fp8_tile.cuh"
 #include "coda/kernel/nodes/common.cuh"
+#include "coda/kernel/nodes/fp8_row_store.cuh"
 
 namespace coda::kernel {
 
@@ -17,7 +18,9 @@ namespace coda::kernel {
 // block), `cols` the transposed 128x1 copy (its rows are one block). Either output may be left
 // out (null codes); `copy`, when set, gets the staged bf16 values themselves (what a cast kernel
 // would read: the tests compare codes and scales with the cast of this copy). Elements past M or
-// the output's columns stage as 0.
+// the output's columns stage as 0. Under WholeTile the rows leave from the registers instead
+// (Fp8RowStore: the same codes and scales), and a tile is staged only for `cols` or `copy`: F1
+// with h's rows alone (the FP8 block's) neither stages nor waits at a barrier.
 //
 // Staging says how the CTA tile's elements land in staged tiles, which output tile each is and
 // when it is complete (below). The CTA tile is 128x128 and the schedule cooperative (two warp
@@ -109,7 +112,9 @@ struct Fp8TileStore : NoWorkspaceNoProducerLoads {
     return Staging::output_cols(int64_t(N)) % 16 == 0 &&
            (a.rows.codes == nullptr || a.rows.scales != nullptr) &&
            (a.cols.codes == nullptr || a.cols.scales != nullptr) &&
-           (a.copy == nullptr || a.ld_copy % 8 == 0);
+           (a.copy == nullptr || a.ld_copy % 8 == 0) &&
+           // kRowsInRegisters writes the rows' codes as 16-bit column pairs
+           (!kRowsInRegisters || a.rows.codes == nullptr || a.rows.ld % 2 == 0);
   }
   CUTLASS_HOST_DEVICE Fp8TileStore() {}
   CUTLASS_HOST_DEVICE Fp8TileStore(Params const& p, SharedStorage const& s)
@@ -117,11 +122,15 @@ struct Fp8TileStore : NoWorkspaceNoProducerLoads {
   Params params;
   unsigned char* smem = nullptr;
 
-  template <class CoordTensor, class Residue>
+  // WholeTile's rows from the registers (the row blocks are the CTA tile's rows).
+  static constexpr bool kRowsInRegisters = std::is_same_v<Staging, fp8_staging::WholeTile>;
+  struct NoRows {};
+
+  template <class CoordTensor, class Residue, class Rows>
   struct ConsumerStoreCallbacks : cf::EmptyConsumerStoreCallbacks {
     CUTLASS_DEVICE ConsumerStoreCallbacks(CoordTensor c, Residue r, fp8_tile::Staged s,
                                           int64_t tile_m, int64_t tile_n, int64_t rows,
-                                          int64_t cols, int thread, Params const& p)
+                                          int64_t cols, int thread, Params const& p, Rows rw)
         : tCcD(c),
           residue(r),
           staged(s),
@@ -130,7 +139,8 @@ struct Fp8TileStore : NoWorkspaceNoProducerLoads {
           rows(rows),
           cols(cols),
           thread(thread),
-          params(p) {}
+          params(p),
+          row_store(rw) {}
     CoordTensor tCcD;  // (CPY,CPY_M,CPY_N,EPI_M,EPI_N) CTA-relative (m, n) of each element
     Residue residue;   // the CTA-relative extent of the problem
     fp8_tile::Staged staged;
@@ -138,24 +148,35 @@ struct Fp8TileStore : NoWorkspaceNoProducerLoads {
     int64_t rows, cols;      // the output tensor's extent
     int thread;
     Params const& params;
+    Rows row_store;  // Fp8RowStore's callbacks under kRowsInRegisters
+
+    // Whether tiles are staged at all: the rows of kRowsInRegisters need no staged tile.
+    CUTLASS_DEVICE bool stages() const {
+      return !kRowsInRegisters || params.cols.codes != nullptr || params.copy != nullptr;
+    }
 
     static constexpr int kEpiM = decltype(cute::size<3>(std::declval<CoordTensor>()))::value;
     static constexpr int kEpiN = decltype(cute::size<4>(std::declval<CoordTensor>()))::value;
     static_assert(kEpiN % Staging::kParts == 0, "a staged tile is whole subtiles");
 
     template <class ElementAccumulator, class ElementInput, int F>
-    CUTLASS_DEVICE cutlass::Array<float, F> visit(cutlass::Array<ElementAccumulator, F> const&,
+    CUTLASS_DEVICE cutlass::Array<float, F> visit(cutlass::Array<ElementAccumulator, F> const& acc,
                                                   int epi_v, int epi_m, int epi_n,
                                                   cutlass::Array<ElementInput, F> const& x) {
       static_assert(F % 2 == 0, "the staging takes column pairs");
+      if constexpr (kRowsInRegisters) {
+        if (params.rows.codes) row_store.visit(acc, epi_v, epi_m, epi_n, x);
+      }
       auto coords = tCcD(cute::_, cute::_, cute::_, epi_m, epi_n);
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < F; i += 2) {
-        // Elements i and i + 1 are columns n and n + 1 of one row (the accumulator's pairs,
-        // tests/gpu/gemm_programs_test.cpp's PairLayoutProbe; N is even, so both are in or out).
-        const auto c = coords(epi_v * F + i);
-        Staging::stage(staged.tile, int(cute::get<0>(c)), int(cute::get<1>(c)), tile_n, x[i],
-                       x[i + 1], bool(cute::elem_less(c, residue)));
+      if (stages()) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < F; i += 2) {
+          // Elements i and i + 1 are columns n and n + 1 of one row (the accumulator's pairs,
+          // tests/gpu/gemm_programs_test.cpp's PairLayoutProbe; N is even, so both are in or out).
+          const auto c = coords(epi_v * F + i);
+          Staging::stage(staged.tile, int(cute::get<0>(c)), int(cute::get<1>(c)), tile_n, x[i],
+                         x[i + 1], bool(cute::elem_less(c, residue)));
+        }
       }
       // The collective's D takes float values (a packed input's D is void: nothing to return).
       cutlass::Array<float, F> out;
@@ -178,8 +199,11 @@ struct Fp8TileStore : NoWorkspaceNoProducerLoads {
     }
 
     CUTLASS_DEVICE void end() {
+      if constexpr (kRowsInRegisters) {
+        if (params.rows.codes) row_store.end();
+      }
       if constexpr (!Staging::kAtEndLoop) {
-        if (Staging::completes(tile_n)) flush(0);
+        if (stages() && Staging::completes(tile_n)) flush(0);
       }
     }
 
@@ -196,7 +220,7 @@ struct Fp8TileStore : NoWorkspaceNoProducerLoads {
       // A CTA wholly past N (clusters along N round the grid up) has nothing to write.
       if (t.cols_here > 0 && t.rows_here > 0) {
         if (params.copy) copy_out(t);
-        if (params.rows.codes)
+        if (!kRowsInRegisters && params.rows.codes)
           fp8_tile::quantize_rows<fp8_tile::Blocks::kRows>(staged, t, params.rows, thread);
         if (params.cols.codes)
           fp8_tile::quantize_columns<fp8_tile::Blocks::kRows>(staged, t, params.cols, thread);
@@ -223,9 +247,16 @@ struct Fp8TileStore : NoWorkspaceNoProducerLoads {
     auto [M, N, K, L] = args.problem_shape_mnkl;
     auto [m, n, k, l] = args.tile_coord_mnkl;
     auto tCcCta = cta_coords<ReferenceSrc>(args);
-    return ConsumerStoreCallbacks<decltype(tCcCta), decltype(args.residue_cD)>(
+    auto rows_cb = [&] {
+      if constexpr (kRowsInRegisters) {
+        return Fp8RowStore<CtaTile>::template callbacks<ReferenceSrc>(args, params.rows);
+      } else {
+        return NoRows{};
+      }
+    }();
+    return ConsumerStoreCallbacks<decltype(tCcCta), decltype(args.residue_cD), decltype(rows_cb)>(
         tCcCta, args.residue_cD, fp8_tile::staged(smem), int64_t(m), int64_t(n), int64_t(M),
-        Staging::output_cols(int64_t(N)), int(args.thread_idx), params);
+        Staging::output_cols(int64_t(N)), int(args.thread_idx), params, rows_cb);
   }
 };
 
