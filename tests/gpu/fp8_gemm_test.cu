@@ -410,7 +410,8 @@ TEST_F(GpuKernelTest, WeightGradientOnEachBackendMatchesTheRecipe) {
 
 // F1 over FP8 operands with h quantized in its epilogue (Program::kResidualRmsnormFp8) against
 // the same F1 with bf16 h on the same mainloop, whose h then goes through the cast kernel: x and
-// the Σx² partials byte for byte, h's codes and scales (both copies) byte for byte. The bf16-h
+// the Σx² partials byte for byte, h's codes and scales (both copies, and the rows alone, which
+// leave from the registers with no staged tile) byte for byte. The bf16-h
 // F1 itself against the recipe: x = the blockwise GEMM + residual, h = x ⊙ γ, S = Σ x² per tile.
 // Every output is exactly the size the kernels write, poisoned differently for the fused and the
 // cast outputs, so a byte written by only one of them differs.
@@ -486,6 +487,25 @@ TEST_F(GpuKernelTest, Fp8ResidualRmsnormQuantizesHAsTheCastKernelDoes) {
     expect_same_floats("h scales " + at, hs.download(), cast_s.download());
     expect_same_bytes("hᵀ codes " + at, h_t.download(), cast_t.download());
     expect_same_floats("hᵀ scales " + at, h_ts.download(), cast_ts.download());
+
+    // h's rows alone (the FP8 block's F1): no tile staged, the same codes and scales.
+    DeviceBuffer<bf16> x_rows(size_t(m * n));
+    DeviceBuffer<float> sums_rows(partials), hs_rows(size_t(nb * m4));
+    DeviceBuffer<uint8_t> h_rows(size_t(m * n));
+    x_rows.poison();
+    sums_rows.poison();
+    h_rows.poison();
+    hs_rows.poison();
+    p.d = x_rows.get();
+    run<Program::kResidualRmsnormFp8>(
+        c, p, {dgamma.get(), {h_rows.get(), n, hs_rows.get(), m4}, {}, sums_rows.get()},
+        Operands::kFp8XWt);
+    CODA_CUDA_CHECK(cudaDeviceSynchronize());
+    expect_same_bytes("x (h's rows alone) " + at, bytes(x_rows), bytes(x_ref));
+    expect_same_floats("Σx² partials (h's rows alone) " + at, sums_rows.download(),
+                       s_ref.download());
+    expect_same_bytes("h codes (rows alone) " + at, h_rows.download(), cast.download());
+    expect_same_floats("h scales (rows alone) " + at, hs_rows.download(), cast_s.download());
 
     // The bf16-h program against the recipe.
     std::vector<double> x_want = reference::gemm_fp8_blockwise<double>(qa, qw);
