@@ -17,7 +17,9 @@ namespace coda::kernel {
 // share those rows, take the max over the row's 128 columns, and every thread writes its codes.
 // The codes and scales are fp8_tile::quantize_rows's of the same bf16 values, bit for bit (the
 // amax as |bits|, E4m3::scale and inverse, encode2). It returns its child's values unchanged.
-// F2's z in FP8 (fusions/rmsnorm_swiglu_fp8.cuh, kRmsnormSwigluFp8Z).
+// F2's z in FP8 (fusions/rmsnorm_swiglu_fp8.cuh, kRmsnormSwigluFp8Z) and the rows of
+// Fp8TileStore<WholeTile> (F1's h). The row slots and the quad are the GMMA accumulator's
+// layout, which the GPU tests check bit for bit against the cast kernels.
 // ---------------------------------------------------------------------------------------------
 template <class CtaTile>
 struct Fp8RowStore : ConsumerOnlyNode<Fp8Output> {
