@@ -18,7 +18,8 @@ namespace coda::kernel {
 // (TMA fills their codes with 0; no scale is read for them).
 // The scales are read by the consumer threads one subtile ahead (as LoadAhead reads its tensor):
 // a subtile's pair columns lie in one block, so each element's scale is its row's in the
-// subtile's block, and the reads of one row are one address (the compiler keeps one).
+// subtile's block. The reads stay one per element (64 per thread and tile in the SASS: the
+// compiler does not merge a row's equal addresses), issued a subtile before their use.
 // ---------------------------------------------------------------------------------------------
 struct Fp8PairDecodeArguments {
   const float* scales = nullptr;  // block b of row m at b · ld_scales + m
