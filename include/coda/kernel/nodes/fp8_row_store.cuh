@@ -31,8 +31,8 @@ struct Fp8RowStore : ConsumerOnlyNode<Fp8Output> {
   template <class ProblemShape>
   static bool can_implement(ProblemShape const& shape, Arguments const& a) {
     auto [M, N, K, L] = cute::append<4>(shape, 1);
-    // Codes go out as 16-bit column pairs: N even, rows 2-byte aligned.
-    return a.codes != nullptr && a.scales != nullptr && N % 2 == 0 && a.ld % 2 == 0;
+    // Codes go out 16 columns at a time: N a multiple of 16, rows 16-byte aligned.
+    return a.codes != nullptr && a.scales != nullptr && N % 16 == 0 && a.ld % 16 == 0;
   }
 
   template <class CoordTensor, class Residue, class Values>
@@ -53,6 +53,8 @@ struct Fp8RowStore : ConsumerOnlyNode<Fp8Output> {
     static constexpr int kEpiM = decltype(cute::size<3>(std::declval<CoordTensor>()))::value;
     static constexpr int kEpiN = decltype(cute::size<4>(std::declval<CoordTensor>()))::value;
     static constexpr int kPairs = decltype(cute::size<0>(std::declval<Values>()))::value;
+    static_assert(kEpiM == 1 && kEpiN == 4 && kPairs == 8,
+                  "Fp8RowStore takes 128x32 subtiles: per thread 8 pairs, two rows by four groups");
 
     template <class ElementAccumulator, class ElementInput, int F>
     CUTLASS_DEVICE cutlass::Array<float, F> visit(cutlass::Array<ElementAccumulator, F> const&,
@@ -108,19 +110,56 @@ struct Fp8RowStore : ConsumerOnlyNode<Fp8Output> {
             params.scales[tile_n * params.ld_scales + row0 + r] = (r & 8) ? sc[1] : sc[0];
         }
       }
+      // The codes, 16 bits (a column pair) each: u[k][j] holds row slot k's columns 8j + 2q, + 1
+      // (q = the lane's place in its quad). Pair p of subtile s is row slot p % 2, column group
+      // 4s + p / 2 (the 64xN accumulator's order: (2 columns, 2 rows, N / 8 groups)).
+      uint32_t u[2][16];
       CUTLASS_PRAGMA_UNROLL
-      for (int s = 0; s < kEpiM * kEpiN; ++s) {
-        auto coords = tCcD(cute::_, cute::_, cute::_, s % kEpiM, s / kEpiM);
+      for (int s = 0; s < kEpiN; ++s)
         CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < kPairs; ++j) {
-          const auto c = coords(2 * j);
-          if (!cute::elem_less(c, residue)) continue;
-          const int r = int(cute::get<0>(c)), n = int(cute::get<1>(c));
-          const float k_inv = (r & 8) ? inv[1] : inv[0];
-          const uint32_t pair = tC_v(j, s);
-          const uint16_t codes = E4m3::encode2(fp8_tile::low_value(pair) * k_inv,
-                                               fp8_tile::high_value(pair) * k_inv);
-          *reinterpret_cast<uint16_t*>(params.codes + (row0 + r) * params.ld + col0 + n) = codes;
+        for (int p = 0; p < kPairs; ++p) {
+          const int k = p % 2;
+          const uint32_t pair = tC_v(p, s);
+          u[k][4 * s + p / 2] = E4m3::encode2(fp8_tile::low_value(pair) * inv[k],
+                                              fp8_tile::high_value(pair) * inv[k]);
+        }
+      // A quad exchanges them so that lane q holds column groups 8g + 2q and 8g + 2q + 1 of
+      // each row whole (16 contiguous bytes, g = 0, 1): three shuffles per row and g, then one
+      // 16-byte store, where each lane storing its own pairs took 16 two-byte stores.
+      auto first = tCcD(0, 0, 0, 0, 0);
+      const int q = (int(cute::get<1>(first)) % 8) / 2;
+      const int r0 = int(cute::get<0>(first)) & ~8;
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = 0; k < 2; ++k) {
+        const int r = r0 + 8 * k;
+        CUTLASS_PRAGMA_UNROLL
+        for (int g = 0; g < 2; ++g) {
+          // mine(t): this lane's units of lane t's two column groups, low half the first.
+          auto mine = [&](int t) {
+            uint32_t v = 0u;
+            CUTLASS_PRAGMA_UNROLL
+            for (int c = 0; c < 4; ++c) {
+              const int j = 8 * g + 2 * c;
+              v = t == c ? (u[k][j] | u[k][j + 1] << 16) : v;
+            }
+            return v;
+          };
+          // Lane q ^ d's units of this lane's groups, placed at that lane's 16 bits of each
+          // group's 8 bytes by a shift (a register array indexed by q would go to the stack).
+          uint64_t first_group = 0u, second_group = 0u;
+          CUTLASS_PRAGMA_UNROLL
+          for (int d = 0; d < 4; ++d) {
+            const uint32_t v = d == 0 ? mine(q) : __shfl_xor_sync(0xffffffffu, mine(q ^ d), d);
+            const int at = 16 * (q ^ d);
+            first_group |= uint64_t(v & 0xffffu) << at;
+            second_group |= uint64_t(v >> 16) << at;
+          }
+          const uint4 codes = make_uint4(uint32_t(first_group), uint32_t(first_group >> 32),
+                                         uint32_t(second_group), uint32_t(second_group >> 32));
+          const int n = 64 * g + 16 * q;  // the 16 columns' first, CTA-relative
+          // N is a multiple of 16: the 16 columns are wholly in or out.
+          if (r < int(cute::get<0>(residue)) && n < int(cute::get<1>(residue)))
+            *reinterpret_cast<uint4*>(params.codes + (row0 + r) * params.ld + col0 + n) = codes;
         }
       }
     }
