@@ -36,24 +36,29 @@ TEST(NodeChecks, Fp8PairDecodeRefusesMissingScales) {
 }
 
 TEST(NodeChecks, Fp8RowStoreAcceptsARaggedMAtTheExtentsTheLaunchChecks) {
-  std::vector<uint8_t> codes(8);
+  alignas(16) uint8_t codes[32] = {};
   std::vector<float> scales(8);
   for (int m : {1, 130, 300, 4097}) {
-    const Fp8Output z{codes.data(), 2752, scales.data(), (m + 3) / 4 * 4};
+    const Fp8Output z{codes, 2752, scales.data(), (m + 3) / 4 * 4};
     EXPECT_TRUE(Fp8RowStore<Tile>::can_implement(cute::make_shape(up8(m), 2752, 1040, 1), z))
         << "M = " << m << " checked as " << up8(m);
   }
 }
 
-TEST(NodeChecks, Fp8RowStoreRefusesMissingOutputsAndOddRows) {
-  std::vector<uint8_t> codes(8);
+TEST(NodeChecks, Fp8RowStoreRefusesMissingOutputsAndRowsNotIn16Bytes) {
+  alignas(16) uint8_t codes[32] = {};
   std::vector<float> scales(8);
   const auto shape = cute::make_shape(304, 2752, 1040, 1);
   EXPECT_FALSE(Fp8RowStore<Tile>::can_implement(shape, Fp8Output{nullptr, 2752, scales.data(), 300}));
-  EXPECT_FALSE(Fp8RowStore<Tile>::can_implement(shape, Fp8Output{codes.data(), 2752, nullptr, 300}));
-  // Codes leave as 16-bit column pairs: an odd row stride would misalign them.
-  EXPECT_FALSE(Fp8RowStore<Tile>::can_implement(shape, Fp8Output{codes.data(), 2753, scales.data(), 300}));
-  EXPECT_TRUE(Fp8RowStore<Tile>::can_implement(shape, Fp8Output{codes.data(), 2752, scales.data(), 300}));
+  EXPECT_FALSE(Fp8RowStore<Tile>::can_implement(shape, Fp8Output{codes, 2752, nullptr, 300}));
+  // Codes leave 16 columns (bytes) at a time: the row stride, N and the base must all allow it.
+  EXPECT_FALSE(Fp8RowStore<Tile>::can_implement(shape, Fp8Output{codes, 2753, scales.data(), 300}));
+  EXPECT_FALSE(Fp8RowStore<Tile>::can_implement(shape, Fp8Output{codes, 2760, scales.data(), 300}));
+  EXPECT_FALSE(Fp8RowStore<Tile>::can_implement(cute::make_shape(304, 2744, 1040, 1),
+                                                Fp8Output{codes, 2752, scales.data(), 300}));
+  EXPECT_FALSE(
+      Fp8RowStore<Tile>::can_implement(shape, Fp8Output{codes + 8, 2752, scales.data(), 300}));
+  EXPECT_TRUE(Fp8RowStore<Tile>::can_implement(shape, Fp8Output{codes, 2752, scales.data(), 300}));
 }
 
 }  // namespace

@@ -14,7 +14,8 @@ namespace coda::kernel {
 // shared memory, no barrier. Each thread keeps its bf16 pairs of the tile (two rows, 32 columns
 // each under the cooperative schedule's 64xN warpgroup MMAs: rows r and r + 8, r = the lane / 4
 // within its warp's 16) and their amax per row; at the tile's end the four lanes of a quad, which
-// share those rows, take the max over the row's 128 columns, and every thread writes its codes.
+// share those rows, take the max over the row's 128 columns, and exchange their codes by
+// shuffles so that each lane stores 16 contiguous columns of a row at once (16-byte stores).
 // The codes and scales are fp8_tile::quantize_rows's of the same bf16 values, bit for bit (the
 // amax as |bits|, E4m3::scale and inverse, encode2). It returns its child's values unchanged.
 // F2's z in FP8 (fusions/rmsnorm_swiglu_fp8.cuh, kRmsnormSwigluFp8Z) and the rows of
@@ -32,7 +33,8 @@ struct Fp8RowStore : ConsumerOnlyNode<Fp8Output> {
   static bool can_implement(ProblemShape const& shape, Arguments const& a) {
     auto [M, N, K, L] = cute::append<4>(shape, 1);
     // Codes go out 16 columns at a time: N a multiple of 16, rows 16-byte aligned.
-    return a.codes != nullptr && a.scales != nullptr && N % 16 == 0 && a.ld % 16 == 0;
+    return a.codes != nullptr && a.scales != nullptr && N % 16 == 0 && a.ld % 16 == 0 &&
+           reinterpret_cast<uintptr_t>(a.codes) % 16 == 0;
   }
 
   template <class CoordTensor, class Residue, class Values>
@@ -96,26 +98,25 @@ struct Fp8RowStore : ConsumerOnlyNode<Fp8Output> {
         sc[k] = E4m3::scale(fp8_tile::as_amax(m));
         inv[k] = E4m3::inverse(sc[k]);
       }
-      // The scales of rows past M up to a multiple of 4 too (amax 0: scale 1): the GEMM's TMA
-      // reads whole 16 bytes of them.
+      // Lane q of a quad holds columns 8j + 2q, + 1 of its two rows (see below): lane 0 holds
+      // column 0 and writes the rows' scales, and those of rows past M up to a multiple of 4 too
+      // (amax 0: scale 1), since the GEMM's TMA reads whole 16 bytes of them.
+      auto first = tCcD(0, 0, 0, 0, 0);
+      const int q = (int(cute::get<1>(first)) % 8) / 2;
+      const int r0 = int(cute::get<0>(first)) & ~8;
       const int64_t rows_scaled = ScaleLayout::row_scales_ld(rows);
-      CUTLASS_PRAGMA_UNROLL
-      for (int s = 0; s < kEpiM * kEpiN; ++s) {
-        auto coords = tCcD(cute::_, cute::_, cute::_, s % kEpiM, s / kEpiM);
+      if (q == 0) {
         CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < kPairs; ++j) {  // the one thread holding column 0 of a row writes
-          const auto c = coords(2 * j);
-          const int r = int(cute::get<0>(c));
-          if (int(cute::get<1>(c)) == 0 && row0 + r < rows_scaled)
-            params.scales[tile_n * params.ld_scales + row0 + r] = (r & 8) ? sc[1] : sc[0];
-        }
+        for (int k = 0; k < 2; ++k)
+          if (row0 + r0 + 8 * k < rows_scaled)
+            params.scales[tile_n * params.ld_scales + row0 + r0 + 8 * k] = sc[k];
       }
       // The codes, 16 bits (a column pair) each: u[k][j] holds row slot k's columns 8j + 2q, + 1
       // (q = the lane's place in its quad). Pair p of subtile s is row slot p % 2, column group
       // 4s + p / 2 (the 64xN accumulator's order: (2 columns, 2 rows, N / 8 groups)).
       uint32_t u[2][16];
       CUTLASS_PRAGMA_UNROLL
-      for (int s = 0; s < kEpiN; ++s)
+      for (int s = 0; s < kEpiN; ++s) {
         CUTLASS_PRAGMA_UNROLL
         for (int p = 0; p < kPairs; ++p) {
           const int k = p % 2;
@@ -123,12 +124,10 @@ struct Fp8RowStore : ConsumerOnlyNode<Fp8Output> {
           u[k][4 * s + p / 2] = E4m3::encode2(fp8_tile::low_value(pair) * inv[k],
                                               fp8_tile::high_value(pair) * inv[k]);
         }
+      }
       // A quad exchanges them so that lane q holds column groups 8g + 2q and 8g + 2q + 1 of
       // each row whole (16 contiguous bytes, g = 0, 1): three shuffles per row and g, then one
       // 16-byte store, where each lane storing its own pairs took 16 two-byte stores.
-      auto first = tCcD(0, 0, 0, 0, 0);
-      const int q = (int(cute::get<1>(first)) % 8) / 2;
-      const int r0 = int(cute::get<0>(first)) & ~8;
       CUTLASS_PRAGMA_UNROLL
       for (int k = 0; k < 2; ++k) {
         const int r = r0 + 8 * k;
