@@ -471,6 +471,8 @@ def main():
     ap.add_argument("--fp8-chain-profile", action="store_true",
                     help="fp8-chain: also our FP8 chain per stage (each op's forward, backward) "
                          "next to the floor GEMMs each stage holds")
+    ap.add_argument("--fp8-programs", default=None, metavar="F1,F2,...",
+                    help="fp8 / fp8-fused: only these fused programs (F1, F2, F2z, B1, B2, B2z)")
     ap.add_argument("--e2e-timeout", type=int, default=300,
                     help="e2e: seconds each system's process may take")
     a = ap.parse_args()
@@ -479,6 +481,10 @@ def main():
     unknown = [s for s in sections if s not in SECTIONS]
     if unknown:
         ap.error(f"unknown sections {unknown}; known: {', '.join(SECTIONS)}")
+    fused_programs = ("F1", "F2", "F2z", "B1", "B2", "B2z")
+    bad = [p for p in (a.fp8_programs or "").split(",") if p and p not in fused_programs]
+    if bad:
+        ap.error(f"--fp8-programs: unknown programs {bad}; known: {', '.join(fused_programs)}")
     models = (
         a.models.split(",") if a.models else list(MODELS) + ([] if a.quick else list(PAPER_MODELS))
     )
@@ -582,17 +588,20 @@ def main():
         "chain_profile",
         lambda model, m, sec: ctb.run_shape(model, m, sec, progress, profile=True),
     )
+    fp8_programs = a.fp8_programs.split(",") if a.fp8_programs else None
     if "fp8" in sections:
         import suite_fp8
 
-        per_shape("fp8", "fp8", lambda model, m, sec: suite_fp8.run_shape(model, m, sec, progress))
+        per_shape("fp8", "fp8", lambda model, m, sec: suite_fp8.run_shape(
+            model, m, sec, progress, programs=fp8_programs))
     if "fp8-fused" in sections:
         import suite_fp8
 
         per_shape(
             "fp8-fused",
             "fp8",
-            lambda model, m, sec: suite_fp8.run_shape(model, m, sec, progress, fused_only=True),
+            lambda model, m, sec: suite_fp8.run_shape(model, m, sec, progress, fused_only=True,
+                                                      programs=fp8_programs),
         )
     if "fp8-chain" in sections:
         import suite_fp8_chain

@@ -245,8 +245,10 @@ def dswiglu(da, z):
     return torch.stack([da * up * sig * (1 + gate * (1 - sig)), da * gate * sig], 2).flatten(1)
 
 
-def fused_rows(model, m, sec, progress):
+def fused_rows(model, m, sec, progress, programs=None):
     for program, proj, (gm, gn, gk), operands, out_shape, fused, check in fused_cases(model, m):
+        if programs is not None and program not in programs:
+            continue
         row = {"model": model, "M": m, "program": program, "proj": proj, "gemm": [gm, gn, gk]}
         # The spot check (the programs' values are tested against their oracles in tests/): every
         # output finite, and one output against the program's formula applied to the plain FP8
@@ -340,13 +342,13 @@ def cast_rows(model, m, sec, progress):
         )
 
 
-def run_shape(model, m, sec, progress, fused_only=False):
+def run_shape(model, m, sec, progress, fused_only=False, programs=None):
     if model not in MODELS:  # the paper's shapes have no FP8 rows
         return
     sec.setdefault("cast_rows", [])
     sec.setdefault("fused_rows", [])
     if not fused_only:
         gemm_rows(model, m, sec, progress)
-    fused_rows(model, m, sec, progress)
+    fused_rows(model, m, sec, progress, programs)
     if not fused_only:
         cast_rows(model, m, sec, progress)
