@@ -18,8 +18,8 @@ namespace coda::kernel {
 // (TMA fills their codes with 0; no scale is read for them).
 // The scales are read by the consumer threads one subtile ahead (as LoadAhead reads its tensor):
 // a subtile's pair columns lie in one block, so each element's scale is its row's in the
-// subtile's block. The reads stay one per element (64 per thread and tile in the SASS: the
-// compiler does not merge a row's equal addresses), issued a subtile before their use.
+// subtile's block, and a thread holds two rows (the GMMA accumulator's row slots): two reads
+// per thread and subtile, where one per element took 64 per thread and tile.
 // ---------------------------------------------------------------------------------------------
 struct Fp8PairDecodeArguments {
   const float* scales = nullptr;  // block b of row m at b · ld_scales + m
@@ -47,7 +47,7 @@ struct Fp8PairDecode : ConsumerOnlyNode<Fp8PairDecodeArguments> {
         : tCcD(c), residue(r), tC_s(s), row0(row0), col0(col0), params(p) {}
     CoordTensor tCcD;    // (CPY,CPY_M,CPY_N,EPI_M,EPI_N) CTA-relative (m, n) of each element
     Residue residue;     // the CTA-relative extent of the problem
-    ScaleRegs tC_s;      // (elements of a subtile, 2) two subtiles' scales in registers
+    ScaleRegs tC_s;      // (row slot, 2) two subtiles' scales of this thread's two rows
     int64_t row0, col0;  // the CTA tile's first row and pair column
     Params const& params;
 
@@ -56,20 +56,21 @@ struct Fp8PairDecode : ConsumerOnlyNode<Fp8PairDecodeArguments> {
     static_assert(kPairsPerBlock % (decltype(cute::size<1>(CtaTile{}))::value / kEpiN) == 0,
                   "a subtile's pair columns lie in one block of z");
 
-    // Subtile s's scales into slot s % 2 (0 past M, and where the subtile's block starts past N:
-    // a CTA of a cluster wholly past N).
+    // Subtile s's scales into buffer s % 2: this thread's two rows' (the GMMA accumulator's row
+    // slots r and r + 8, r % 16 < 8, as in Fp8RowStore) in the subtile's block; 0 past M, and
+    // where the block starts past N (a CTA of a cluster wholly past N).
     CUTLASS_DEVICE void load(int s) {
       if (s >= kEpiM * kEpiN) return;
       const int epi_m = s % kEpiM, epi_n = s / kEpiM;
       auto c = tCcD(cute::_, cute::_, cute::_, epi_m, epi_n);
-      auto regs = tC_s(cute::_, s % 2);
       const int64_t block = (col0 + int64_t(cute::get<1>(c(0)))) / kPairsPerBlock;
       const bool block_in = block * kPairsPerBlock - col0 < int64_t(cute::get<1>(residue));
       const float* col = params.scales + block * params.ld_scales + row0;
+      const int r0 = int(cute::get<0>(c(0))) & ~8;
       CUTLASS_PRAGMA_UNROLL
-      for (int e = 0; e < int(cute::size(regs)); ++e) {
-        const int m = int(cute::get<0>(c(e)));
-        regs(e) = block_in && m < int(cute::get<0>(residue)) ? __ldg(col + m) : 0.0f;
+      for (int k = 0; k < 2; ++k) {
+        const int m = r0 + 8 * k;
+        tC_s(k, s % 2) = block_in && m < int(cute::get<0>(residue)) ? __ldg(col + m) : 0.0f;
       }
     }
 
@@ -87,11 +88,13 @@ struct Fp8PairDecode : ConsumerOnlyNode<Fp8PairDecodeArguments> {
                                                      cutlass::Array<ElementInput, F> const& codes) {
       // The raw 16-bit words of C: a converted copy would be the pair's value, not its codes.
       static_assert(std::is_same_v<ElementInput, uint16_t>, "z must arrive as raw e4m3 pairs");
-      auto regs = tC_s(cute::_, (epi_n * kEpiM + epi_m) % 2);
+      auto coords = tCcD(cute::_, cute::_, cute::_, epi_m, epi_n);
+      const int buffer = (epi_n * kEpiM + epi_m) % 2;
       cutlass::Array<uint32_t, F> out;
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < F; ++i) {
-        const float s = regs(epi_v * F + i);
+        const bool upper = (int(cute::get<0>(coords(epi_v * F + i))) & 8) != 0;
+        const float s = upper ? tC_s(1, buffer) : tC_s(0, buffer);
         const float2 gu = fp8_tile::decode2(codes[i]);
         out[i] = pack_bf16_pair(gu.x * s, gu.y * s);
       }
@@ -103,9 +106,10 @@ struct Fp8PairDecode : ConsumerOnlyNode<Fp8PairDecodeArguments> {
   CUTLASS_DEVICE auto get_consumer_store_callbacks(cf::ConsumerStoreArgs<Args...> const& args) {
     using namespace cute;
     auto [m, n, k, l] = args.tile_coord_mnkl;
+    static_assert(decltype(size(args.tiled_mma))::value == fp8_tile::kThreads,
+                  "Fp8PairDecode's row slots are the cooperative schedule's 64xN warpgroup MMAs");
     auto tCcCta = cta_coords<ReferenceSrc>(args);
-    constexpr int kPerSubtile = decltype(size(take<0, 3>(shape(tCcCta))))::value;
-    Tensor tC_s = make_tensor<float>(make_shape(Int<kPerSubtile>{}, _2{}));
+    Tensor tC_s = make_tensor<float>(make_shape(_2{}, _2{}));
     return ConsumerStoreCallbacks<decltype(tCcCta), decltype(args.residue_cD), decltype(tC_s)>(
         tCcCta, args.residue_cD, tC_s, int64_t(m) * size<0>(CtaTile{}),
         int64_t(n) * size<1>(CtaTile{}), params);
