@@ -17,7 +17,7 @@ struct FusionOf<Program::kResidualRmsnormFp8>
   template <class EpilogueDesc>
   struct Build {
     using Tile = typename EpilogueDesc::TileShape;
-    using Tree = ResidualRmsnormTree<Tile, LoadAhead<Tile>, Fp8TileStore<Tile>>;
+    using Tree = ResidualRmsnormTree<Tile, LoadAhead<Tile, true>, Fp8TileStore<Tile>>;
     using Callbacks = typename Tree::Callbacks;
 
     static typename Callbacks::Arguments arguments(Args const& a, GemmProblem const& p) {

@@ -24,9 +24,9 @@ struct FusionOf<Program::kRmsnormBackwardFp8>
   struct Build {
     using Tile = typename EpilogueDesc::TileShape;
     using Node = RmsnormBackwardNode<Tile, Fp8TileStore<Tile>>;
-    using Callbacks =
-        cf::Sm90EVT<Node, OptionalSource, RowVector<Tile, float>,
-                    ColumnVector<Tile, bfloat16_t, float>, RowVector<Tile, float>, LoadAhead<Tile>>;
+    using Callbacks = cf::Sm90EVT<Node, OptionalSource, RowVector<Tile, float>,
+                                  ColumnVector<Tile, bfloat16_t, float>, RowVector<Tile, float>,
+                                  LoadAhead<Tile, true>>;
     static typename Callbacks::Arguments arguments(Args const& a) {
       const RmsnormBackwardArgs& b = a.b1;
       return {{b.dres},
