@@ -502,7 +502,7 @@ def main():
         "command": " ".join(sys.argv),
         "quick": a.quick,
         # the weight gradient's FP8 backend our ops ran on (include/coda/ops.hpp)
-        "fp8_wgrad": os.environ.get("CODA_FP8_WGRAD") or "cutlass",
+        "fp8_wgrad": os.environ.get("CODA_FP8_WGRAD") or "cublaslt",
         "started": datetime.datetime.now().isoformat(timespec="seconds"),
         "absent": {},
         "sections": {},

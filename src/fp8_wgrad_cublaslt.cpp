@@ -187,9 +187,9 @@ namespace {
 std::atomic<int> g_backend{-1};  // -1: not yet read from the environment
 Fp8WgradBackend from_environment() {
   const char* v = std::getenv("CODA_FP8_WGRAD");
-  if (v == nullptr || *v == '\0' || std::strcmp(v, "cutlass") == 0)
-    return Fp8WgradBackend::kCutlass;
-  if (std::strcmp(v, "cublaslt") == 0) return Fp8WgradBackend::kCublasLt;
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "cublaslt") == 0)
+    return Fp8WgradBackend::kCublasLt;
+  if (std::strcmp(v, "cutlass") == 0) return Fp8WgradBackend::kCutlass;
   CODA_CHECK(std::strcmp(v, "cublaslt-only") == 0,
              "CODA_FP8_WGRAD must be 'cutlass', 'cublaslt' or 'cublaslt-only', got '", v, "'");
   return Fp8WgradBackend::kCublasLtOnly;

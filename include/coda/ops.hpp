@@ -251,8 +251,8 @@ void gemm_fp8_xyt(View x, View x_scales, View y, View y_scales, View d, bool acc
 // blockwise-scaled GEMM where it takes the problem (scales whose row stride is exactly the
 // operand's rows, as the casts and epilogues write the transposed copies' scales; a D type this
 // cuBLASLt has a kernel for) and ours elsewhere (kCublasLt), or cuBLASLt or an error naming why
-// not (kCublasLtOnly). Starts from the environment variable CODA_FP8_WGRAD ("cutlass", the
-// default; "cublaslt"; "cublaslt-only"), read on first use.
+// not (kCublasLtOnly). Starts from the environment variable CODA_FP8_WGRAD ("cublaslt", the
+// default; "cutlass"; "cublaslt-only"), read on first use.
 enum class Fp8WgradBackend { kCutlass, kCublasLt, kCublasLtOnly };
 Fp8WgradBackend fp8_wgrad_backend();
 void set_fp8_wgrad_backend(Fp8WgradBackend backend);

@@ -343,8 +343,9 @@ TEST_F(GpuKernelTest, CastThenGemmThroughTheOps) {
 // tokens are whole 128-blocks; and the fp32 D += on cuBLASLt only, which either runs and matches
 // or is refused with the reason (no fp32-D kernel), reported either way.
 TEST_F(GpuKernelTest, WeightGradientOnEachBackendMatchesTheRecipe) {
-  struct Restore {  // the process-wide backend back to ours, whatever happens
-    ~Restore() { ops::set_fp8_wgrad_backend(ops::Fp8WgradBackend::kCutlass); }
+  struct Restore {  // the process-wide backend back to what it was, whatever happens
+    ops::Fp8WgradBackend before = ops::fp8_wgrad_backend();
+    ~Restore() { ops::set_fp8_wgrad_backend(before); }
   } restore;
   testing::Rng rng(16);
   struct Case {
