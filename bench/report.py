@@ -455,7 +455,8 @@ def e2e_fp8_table(path):
     commands = d.get("commands") or [d.get("command", "?")]
     out = ["## Whole-model training step in FP8 (e2e)\n",
            f"Source: `{os.path.relpath(path)}` — commit `{d.get('commit', '?')}`, "
-           f"{d.get('device', '?')}, torch {d.get('torch', '?')}; commands: "
+           f"{d.get('device', '?')}, torch {d.get('torch', '?')}, FP8 weight gradients on "
+           f"{d.get('fp8_wgrad', 'cutlass')}; commands: "
            + "; ".join(f"`{c}`" for c in commands) + ".\n",
            "Forward + backward + AdamW(fused) per step, median of the timed steps; peak: "
            "torch.cuda.max_memory_allocated over them. `vs bf16 peer`: tokens/s over the best "
