@@ -20,9 +20,10 @@ and peak memory, for the systems people train LLaMA with, from one initializatio
   coda_fp8_lean   coda_fp8_ra with fp8_z and fp8_weight_cache=False: no FP8 copy of a weight
                   kept, each forward casts w and each backward casts wᵀ (recast_w_t): the least
                   memory, for two weight casts a micro-batch instead of one an optimizer step
-  coda_fp8_lt     coda_fp8 with the weight gradients on the cuBLASLt backend of our op
-                  (coda::set_fp8_wgrad_backend "cublaslt": cuBLASLt where it has a kernel, ours
-                  elsewhere)
+  coda_fp8_cutlass
+                  coda_fp8 with the weight gradients on our CUTLASS kernel
+                  (coda::set_fp8_wgrad_backend "cutlass"; the others run them on the op's
+                  default backend, cuBLASLt where it has a kernel, ours elsewhere)
   coda_patched_fp8
                   the HF model patched in place with precision="fp8", eager
   torchao_fp8_tensorwise, torchao_fp8_rowwise
@@ -71,7 +72,7 @@ MODEL_SHAPES = {
 }
 SYSTEMS = ("hf_eager", "hf_compile", "liger", "coda", "coda_compile", "coda_patched")
 FP8_SYSTEMS = ("coda_fp8", "torchao_fp8_tensorwise", "torchao_fp8_rowwise", "coda_fp8_ra",
-               "coda_fp8_z", "coda_fp8_lean", "coda_fp8_lt", "coda_patched_fp8")
+               "coda_fp8_z", "coda_fp8_lean", "coda_fp8_cutlass", "coda_patched_fp8")
 # The FP8 comparison (suite.py --e2e-systems fp8): the FP8 systems beside our bf16 path and the
 # fastest bf16 peers of the default run, all in one run; coda's FP8 variants last, so a run cut
 # short by its time limit keeps the peers.
@@ -142,9 +143,9 @@ def build(system, cfg):
 
         precision = "fp8" if system == "coda_patched_fp8" else "bf16"
         return patch_hf(hf, precision), lambda m, ids: m(input_ids=ids, labels=ids).loss
-    fp8 = system in ("coda_fp8", "coda_fp8_ra", "coda_fp8_z", "coda_fp8_lean", "coda_fp8_lt")
-    if system == "coda_fp8_lt":  # process-wide; each system runs in a process of its own
-        torch.ops.coda.set_fp8_wgrad_backend("cublaslt")
+    fp8 = system in ("coda_fp8", "coda_fp8_ra", "coda_fp8_z", "coda_fp8_lean", "coda_fp8_cutlass")
+    if system == "coda_fp8_cutlass":  # process-wide; each system runs in a process of its own
+        torch.ops.coda.set_fp8_wgrad_backend("cutlass")
     model = coda.convert.from_hf(hf, precision="fp8" if fp8 else "bf16")
     model.fp8_recompute_a = system in ("coda_fp8_ra", "coda_fp8_lean")
     model.fp8_z = system in ("coda_fp8_z", "coda_fp8_lean")

@@ -7,7 +7,10 @@ GEMM rows, per projection (qkv, out, gate_up, down) and pass:
   wgrad  dw (N, K) = dyᵀ · x       both transposed copies, 1x128 along the tokens (K = M)
 Variants (each row checked before timing: ours against cuBLASLt on the same codes and scales):
   coda           our FP8 GEMM (CODA.fp8_gemm / fp8_gemm_xyt, bf16 out), the heuristic's kernel
-  coda_acc       wgrad only: ours accumulating into an fp32 dw (CODA.fp8_gemm_xyt_accumulate_)
+                 (wgrad: pinned to our CUTLASS kernel, coda::set_fp8_wgrad_backend "cutlass";
+                 the op's default backend is cuBLASLt's, timed as coda_cublaslt)
+  coda_acc       wgrad only: ours accumulating into an fp32 dw (CODA.fp8_gemm_xyt_accumulate_),
+                 on our kernel too
   coda_cublaslt  wgrad only: our op on its cuBLASLt backend (coda::set_fp8_wgrad_backend
                  "cublaslt-only"), checked against torch's cuBLASLt call first; absent (with the
                  reason) where the build or cuBLASLt cannot run it
@@ -86,6 +89,10 @@ def gemm_rows(model, m, sec, progress):
         wc, ws, wtc, wts = CODA.fp8_quantize_blocks(w, True, True)
         dyc, dys, dytc, dyts = CODA.fp8_quantize_rows(dy, True, True)
         dw32 = torch.zeros(n, k, device="cuda")
+
+        def wgrad_op():  # on the op's backend of the moment
+            return CODA.fp8_gemm_xyt(dytc, dyts, xtc, xts)
+
         passes = {
             # (M, N, K), ours, cuBLASLt's, our bf16 and cuBLAS bf16 of the same shape
             "fprop": (
@@ -104,7 +111,7 @@ def gemm_rows(model, m, sec, progress):
             ),
             "wgrad": (
                 (n, k, dytc.shape[1]),
-                lambda: CODA.fp8_gemm_xyt(dytc, dyts, xtc, xts),
+                on_wgrad_backend("cutlass", wgrad_op),
                 lambda: scaled_mm(dytc, dyts.t(), xtc, xts),
                 lambda: CODA.gemm_xty(dy, x),
                 lambda: torch.mm(dy.t(), x),
@@ -131,10 +138,9 @@ def gemm_rows(model, m, sec, progress):
             if have_lt:
                 variants["cublaslt"] = lt
             if name == "wgrad":
-                variants["coda_acc"] = lambda: CODA.fp8_gemm_xyt_accumulate_(
-                    dw32, dytc, dyts, xtc, xts
-                )
-                lt_backend = on_wgrad_backend("cublaslt-only", ours)
+                variants["coda_acc"] = on_wgrad_backend(
+                    "cutlass", lambda: CODA.fp8_gemm_xyt_accumulate_(dw32, dytc, dyts, xtc, xts))
+                lt_backend = on_wgrad_backend("cublaslt-only", wgrad_op)
                 try:  # our op on its cuBLASLt backend: checked against torch's cuBLASLt call
                     err = rel_err(lt_backend(), ref) if have_lt else 0.0
                 except RuntimeError as e:

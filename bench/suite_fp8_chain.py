@@ -14,8 +14,10 @@ Variants (each one a whole forward + backward):
   coda_fp8_z          the same with the MLP's z saved in FP8 (fp8_mlp's fp8_z: F2 quantizes z
                       in its epilogue, B2 decodes it; the gradients at the decoded z, checked
                       against the same bound)
-  coda_fp8_lt         the same with the weight gradients on our op's cuBLASLt backend
-                      (coda::set_fp8_wgrad_backend "cublaslt"; absent where the build has none)
+  coda_fp8_cutlass    the same with the weight gradients on our CUTLASS kernel
+                      (coda::set_fp8_wgrad_backend "cutlass"; coda_fp8 runs them on the op's
+                      default backend, cuBLASLt's blockwise GEMM, or on whatever CODA_FP8_WGRAD
+                      names)
   coda_fp8_wcast      the same with the four weight casts (fp8_quantize_blocks) inside the timed
                       step: a step of one micro-batch per optimizer step, as torchao's chain runs
                       (it casts its weights in every forward)
@@ -440,7 +442,7 @@ def ratios(ms, model):
                                      if best and "coda_fp8_wcast" in ms else NAN),
         "best_torchao": best,
         "speedup_vs_coda_bf16": div("coda_bf16", "coda_fp8"),
-        "fp8_lt_over_floor": div("coda_fp8_lt", "fp8_floor"),
+        "fp8_cutlass_over_floor": div("coda_fp8_cutlass", "fp8_floor"),
         "fp8_z_over_floor": div("coda_fp8_z", "fp8_floor"),
         "bf16_over_floor": div("coda_bf16", "bf16_floor"),
         "fp8_floor_speedup_vs_bf16_floor": div("bf16_floor", "fp8_floor"),
@@ -503,16 +505,16 @@ def run_shape(model, m, sec, progress, torchao=None, time_it=True, dev="cuda", d
             else:
                 if z_ok:
                     variants["coda_fp8_z"] = z_step
-            # the weight gradients on our op's cuBLASLt backend (checked as the chain is)
+            # the weight gradients on our CUTLASS kernel (checked as the chain is)
             try:
-                lt_ok, row["rel_err"]["coda_fp8_lt"] = fp8_check(
-                    on_wgrad_backend("cublaslt", check)(), ref)
-                row["check"]["coda_fp8_lt"] = "PASS" if lt_ok else "FAIL"
-            except RuntimeError as ex:  # a build without it (the CPU one) says so
-                absent["coda_fp8_lt"] = str(ex).splitlines()[0][:300]
+                ours_ok, row["rel_err"]["coda_fp8_cutlass"] = fp8_check(
+                    on_wgrad_backend("cutlass", check)(), ref)
+                row["check"]["coda_fp8_cutlass"] = "PASS" if ours_ok else "FAIL"
+            except RuntimeError as ex:
+                absent["coda_fp8_cutlass"] = str(ex).splitlines()[0][:300]
             else:
-                if lt_ok:
-                    variants["coda_fp8_lt"] = on_wgrad_backend("cublaslt", step)
+                if ours_ok:
+                    variants["coda_fp8_cutlass"] = on_wgrad_backend("cutlass", step)
         if ok and profile:
             stages, cut_grads = stage_calls(t, q, dx2_up, dqkv_f)
             whole = [g for g in ours_step(t, lambda lv: fp8_chain_forward(t, lv, q), dx2_up,

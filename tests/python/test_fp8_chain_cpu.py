@@ -37,4 +37,8 @@ def test_fp8_chain_variants_pass_the_sections_check_on_the_cpu():
     errs_z = row["rel_err"]["coda_fp8_z"]
     assert errs_z["x2"] == errs["x2"] and errs_z["qkv"] == errs["qkv"]
     assert errs_z["wgu"] != errs["wgu"] and max(errs_z.values()) <= fc.FP8_TOL
+    # The weight gradients pinned to our kernel pass the same check (on the CPU the op has no
+    # other backend, so its errors are the chain's own).
+    assert row["check"].get("coda_fp8_cutlass") == "PASS"
+    assert row["rel_err"]["coda_fp8_cutlass"] == errs
     assert sec["rows"] == [row]
