@@ -481,10 +481,12 @@ def main():
     unknown = [s for s in sections if s not in SECTIONS]
     if unknown:
         ap.error(f"unknown sections {unknown}; known: {', '.join(SECTIONS)}")
-    fused_programs = ("F1", "F2", "F2z", "B1", "B2", "B2z")
-    bad = [p for p in (a.fp8_programs or "").split(",") if p and p not in fused_programs]
-    if bad:
-        ap.error(f"--fp8-programs: unknown programs {bad}; known: {', '.join(fused_programs)}")
+    if a.fp8_programs:
+        from suite_fp8 import FUSED_PROGRAMS
+
+        bad = [p for p in a.fp8_programs.split(",") if p not in FUSED_PROGRAMS]
+        if bad:
+            ap.error(f"--fp8-programs: unknown programs {bad}; known: {', '.join(FUSED_PROGRAMS)}")
     models = (
         a.models.split(",") if a.models else list(MODELS) + ([] if a.quick else list(PAPER_MODELS))
     )

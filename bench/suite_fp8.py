@@ -52,6 +52,8 @@ import suite_chain as cb
 from suite_chain import MODELS
 
 CODA = torch.ops.coda
+# The fused programs fused_cases times (suite.py --fp8-programs names a subset).
+FUSED_PROGRAMS = ("F1", "F2", "F2z", "B1", "B2", "B2z")
 BF16 = torch.bfloat16
 
 
@@ -253,6 +255,7 @@ def dswiglu(da, z):
 
 def fused_rows(model, m, sec, progress, programs=None):
     for program, proj, (gm, gn, gk), operands, out_shape, fused, check in fused_cases(model, m):
+        assert program in FUSED_PROGRAMS, program
         if programs is not None and program not in programs:
             continue
         row = {"model": model, "M": m, "program": program, "proj": proj, "gemm": [gm, gn, gk]}
