@@ -39,10 +39,11 @@ int64_t scheduled_tiles(int m, int n, int tile_m, int tile_n, int cluster_m, int
 // and the plain GEMM ran 3-13% faster at swizzle 4 or 8 than at 1, except where swizzle 8 padded
 // the grid (1B QKV: 24 tile columns, 12 clusters, rounded up to 16: 38-47% slower). Token counts
 // that are not a multiple of 8 tiles pad along M as well (600 tokens: 5 tile rows, 8 at swizzle 4).
-SchedulerOptions ping_order(const GemmShape& s) {
+// `largest` caps the swizzle (the FP8 GEMMs at very long K, below).
+SchedulerOptions ping_order(const GemmShape& s, int largest = 8) {
   const int64_t unswizzled = scheduled_tiles(s.m, s.n, 128, 128, 1, 2, 1);
   for (int sw : {8, 4, 2})
-    if (scheduled_tiles(s.m, s.n, 128, 128, 1, 2, sw) * 50 <= unswizzled * 51)
+    if (sw <= largest && scheduled_tiles(s.m, s.n, 128, 128, 1, 2, sw) * 50 <= unswizzled * 51)
       return {sw, Raster::kAlongM};
   return {1, Raster::kAlongM};
 }
@@ -97,9 +98,15 @@ KernelChoice plain_xw(const GemmShape& s) {
 // the pingpong programs' tile order. At every LLaMA-3 projection
 // (bench/results/2026-12-01-fp8.json) it ran 0.97-1.03x cuBLASLt's time forward and for the data
 // gradient; pingpong 64x128 ran 0.50-0.76x and is not built; swizzle 8 on 1B's 24-column QKV grid
-// ran 0.74x (ping_order's 4: 0.99x).
+// ran 0.74x (ping_order's 4: 0.99x). At K >= 32768 (70B gate/up data gradient and its B1,
+// K = 57344) a tile's operand panels are 7 MB each, and swizzle 8 leaves the plain GEMM at the
+// mercy of how closely the CTAs sharing a panel keep pace: on an H100 it ran 6.6-8.7 ms at
+// M = 8192 and 13.8-19.3 ms at 16384 over seven measurements in two processes, against
+// cuBLASLt's 6.5-6.8 and 13.5-14.4; swizzle 2 (a wave's four B panels stay in L2) ran 6.5-7.3
+// and 14.2-14.7, and B1 level with swizzle 8 (bench/results/2026-12-06-run3-fp8-long-k-order.txt).
+// Swizzle 2 there, under the padding rule.
 KernelChoice fp8_config(const GemmShape& s) {
-  return {Config::kCoop128x128x128_1x2, ping_order(s)};
+  return {Config::kCoop128x128x128_1x2, ping_order(s, s.k >= 32768 ? 2 : 8)};
 }
 
 KernelChoice program_config(Program p, const GemmShape& s) {

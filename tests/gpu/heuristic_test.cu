@@ -78,6 +78,35 @@ TEST(Heuristic, PingpongSwizzlePadsTheTileGridByAtMostTwoPercent) {
       choose_config(Program::kRmsnormRope, Operands::kXWt, {8192, 3072, 2048}, kH200).scheduler.swizzle, 4);
 }
 
+// Blockwise FP8 (cooperative 128x128, cluster 1x2: the pingpong tile grid): the padding rule's
+// swizzle, capped at 2 from K = 32768 (src/heuristic.cpp: the 70B gate/up data gradient and its
+// B1, K = 57344, ran erratically at swizzle 8).
+TEST(Heuristic, Fp8GemmsCapTheSwizzleAt2FromK32768) {
+  for (Program p : {Program::kPlain, Program::kRmsnormBackwardFp8})
+    for (int m : {8192, 16384}) {
+      const KernelChoice long_k = choose_config(p, Operands::kFp8XWt, {m, 8192, 57344}, kH200);
+      EXPECT_EQ(long_k.config, Config::kCoop128x128x128_1x2) << program_name(p) << " M=" << m;
+      EXPECT_EQ(long_k.scheduler.swizzle, 2) << program_name(p) << " M=" << m;
+      EXPECT_EQ(long_k.scheduler.raster, Raster::kAlongM) << program_name(p) << " M=" << m;
+      // 8B gate/up (K = 28672) keeps the padding rule's 8.
+      EXPECT_EQ(choose_config(p, Operands::kFp8XWt, {m, 4096, 28672}, kH200).scheduler.swizzle, 8)
+          << program_name(p) << " M=" << m;
+    }
+  const int ms[] = {1, 19, 128, 600, 4097, 8192, 16384};
+  const int ns[] = {8, 200, 1032, 4096, 8200, 8192, 16384};
+  for (int m : ms)
+    for (int n : ns) {
+      const KernelChoice c =
+          choose_config(Program::kPlain, Operands::kFp8XWt, {m, n, 57344}, kH200);
+      const int s = c.scheduler.swizzle;
+      const uint64_t unswizzled = scheduled_tiles(m, n, 1);
+      const std::string at = "M=" + std::to_string(m) + " N=" + std::to_string(n);
+      ASSERT_TRUE(s == 1 || s == 2) << at << " swizzle " << s;
+      EXPECT_LE(scheduled_tiles(m, n, s) * 50, unswizzled * 51) << at << " swizzle " << s;
+      if (s == 1) EXPECT_GT(scheduled_tiles(m, n, 2) * 50, unswizzled * 51) << at;
+    }
+}
+
 // The weight-gradient GEMM's choice (D = Xᵀ·Y, the weight's M x N, K = tokens) against `want`.
 
 void expect_xty_choice(int m, int n, int k, Config config, int swizzle, Raster raster) {
@@ -138,7 +167,7 @@ TEST(Heuristic, EveryChoiceIsAKernelOfTheTable) {
   const int ms[] = {1, 19, 600, 4097, 8192, 16384};
   const int ns[] = {8, 1032, 2048, 3072, 4096, 6144, 8192, 10240, 14336, 16384, 28672, 57344,
                     128256};
-  const int ks[] = {8, 1024, 2048, 4096, 8192, 14336, 28672};
+  const int ks[] = {8, 1024, 2048, 4096, 8192, 14336, 28672, 57344};
   int checked = 0;
   for (int p = 0; p < int(Program::kCount); ++p)
     for (Operands o : kAllOperands) {
