@@ -140,9 +140,10 @@ def program_plot(d, path):
     return name
 
 
-def fp8_fused_table(d):
+def fp8_fused_table(d, files=None):
     """The fp8 section's fused rows: each program whose epilogue quantizes its output vs the plain
-    FP8 GEMM of its shape."""
+    FP8 GEMM of its shape. `files`: each row's file (id(row) -> name), where rows come from more
+    than one."""
     out = []
     fused = [r for r in d.get("fused_rows", []) if r.get("ok") and "ms" in r]
     if fused:
@@ -158,8 +159,9 @@ def fp8_fused_table(d):
                 "plain GEMM followed by the rows+t cast of a bf16 tensor of the output's shape, a "
                 "lower bound for the unfused path. Target: fused / plain <= 1.05.\n",
                 "| model | M | program | proj | M×N×K | fused ms | rows ms | plain ms | "
-                "GEMM then cast ms | cuBLASLt ms | fused / plain | rows / plain |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                "GEMM then cast ms | cuBLASLt ms | fused / plain | rows / plain |"
+                + (" file |" if files else ""),
+                "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if files else "")]
         for r in fused:
             ms = r["ms"]
             lt = f"{ms['cublaslt']:.3f}" if "cublaslt" in ms else "—"
@@ -169,7 +171,8 @@ def fp8_fused_table(d):
             out.append(f"| {r['model']} | {r['M']} | {r['program']} | {r['proj']} | "
                        f"{'×'.join(map(str, r['gemm']))} | {ms['fused']:.3f} | {rows} | "
                        f"{ms['coda']:.3f} | {ms['gemm_then_cast']:.3f} | "
-                       f"{lt} | {r['fused_over_plain']:.3f} | {rows_ratio} |")
+                       f"{lt} | {r['fused_over_plain']:.3f} | {rows_ratio} |"
+                       + (f" {files[id(r)]} |" if files else ""))
         out.append("")
         for program in sorted({r["program"] for r in fused}):
             for key, what in (("fused_over_plain", ""), ("fused_rows_over_plain", " rows")):
@@ -189,13 +192,58 @@ def fp8_fused_tables(path):
     return ["## Blockwise FP8 fused programs\n", header(path, d)] + fp8_fused_table(d) + [""]
 
 
-def fp8_tables(path):
+def fp8_files(results, pattern):
+    """The fp8 section's files, newest first, back to the newest one that measured all three
+    LLaMA-3 models: a later call may re-measure some shapes (e.g. after a heuristic change)."""
+    out = []
+    for f in sorted(glob.glob(os.path.join(results, pattern)), key=run_key, reverse=True):
+        out.append(f)
+        models = {r.get("model") for r in load(f, "fp8").get("rows", [])}
+        if {"llama3-1B", "llama3-8B", "llama3-70B"} <= models:
+            break
+    return out
+
+
+def merged(paths, section, field, key):
+    """`field`'s rows of `section` over `paths` (newest first), each key from the newest file that
+    has it, in the oldest full file's order (the later files' new keys after); with each row's
+    file name, and whether more than one file contributed."""
+    chosen = {}
+    for p in paths:
+        for r in load(p, section).get(field, []):
+            chosen.setdefault(key(r), (r, os.path.basename(p)))
+    order = []
+    for p in reversed(paths):
+        for r in load(p, section).get(field, []):
+            if key(r) not in order:
+                order.append(key(r))
+    rows = [chosen[k] for k in order]
+    return rows, len({f for _, f in rows}) > 1
+
+
+def fp8_tables(paths):
     """The suite's fp8 section (bench/suite_fp8.py): each FP8 GEMM against cuBLASLt's blockwise
-    GEMM and our bf16 GEMM, per pass; the cast passes against a copy."""
-    d = load(path, "fp8")
-    rows = [r for r in d["rows"] if r.get("ok") and "ms" in r]
+    GEMM and our bf16 GEMM, per pass; the cast passes against a copy. `paths`: fp8_files'."""
+    if isinstance(paths, str):
+        paths = [paths]
+    d = load(paths[-1], "fp8")
+    gemm_key = lambda r: (r["model"], r["M"], r["proj"], r["pass"])  # noqa: E731
+    tagged, several = merged(paths, "fp8", "rows", gemm_key)
+    rows = [r for r, _ in tagged if r.get("ok") and "ms" in r]
+    src = {id(r): f for r, f in tagged}
+    d = dict(d)
+    d["fused_rows"], fused_several = merged(
+        paths, "fp8", "fused_rows", lambda r: (r["model"], r["M"], r["program"], r["proj"]))
+    d["cast_rows"], _ = merged(paths, "fp8", "cast_rows", lambda r: (r["model"], r["M"], r["cast"]))
+    fused_src = {id(r): f for r, f in d["fused_rows"]}
+    d["fused_rows"] = [r for r, _ in d["fused_rows"]]
+    d["cast_rows"] = [r for r, _ in d["cast_rows"]]
+    used = [p for p in paths if os.path.basename(p) in set(src.values()) | set(fused_src.values())]
     out = ["## Blockwise FP8 GEMMs vs cuBLASLt's blockwise FP8 GEMM\n",
-           header(path, d),
+           *(header(p, load(p, "fp8")) for p in used),
+           *(["Rows from more than one call: the newest file that measured a row supplies it (the "
+              "`file` column; rows re-measured after a change, e.g. of the heuristic).\n"]
+             if len(used) > 1 else []),
            "fprop: y = x·wᵀ (x 1x128, w 128x128 blocks); dgrad: dx = dy·w (wᵀ's codes); wgrad: "
            "dw = dyᵀ·x over the tokens (both 1x128 along the tokens), bf16 out. cuBLASLt through "
            "`torch._scaled_mm` on the same codes and scales (its outputs and ours checked against "
@@ -206,8 +254,9 @@ def fp8_tables(path):
            "weight gradient accumulated into fp32; `on cuBLASLt`: our weight-gradient op on its "
            "cuBLASLt backend (`coda::set_fp8_wgrad_backend`).\n",
            "| model | M | proj | pass | M×N×K | ours ms | cuBLASLt ms | ours / cuBLASLt | "
-           "coop 128 | ping 64 | fp32 += | on cuBLASLt | our bf16 ms | FP8 / bf16 |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "coop 128 | ping 64 | fp32 += | on cuBLASLt | our bf16 ms | FP8 / bf16 |"
+           + (" file |" if several else ""),
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if several else "")]
     for r in rows:
         ms, tf = r["ms"], r["tflops"]
         lt = ms.get("cublaslt")
@@ -217,7 +266,8 @@ def fp8_tables(path):
             f"{'×'.join(map(str, r['gemm']))} | {ms['coda']:.3f} ({tf['coda']:.0f}) | "
             + (f"{lt:.3f} ({tf['cublaslt']:.0f}) | {lt / ms['coda']:.3f}" if lt else "— | —")
             + f" | {cell('coda_coop128')} | {cell('coda_ping64')} | {cell('coda_acc')} | "
-            f"{cell('coda_cublaslt')} | {ms['coda_bf16']:.3f} | {ms['coda_bf16'] / ms['coda']:.2f} |")
+            f"{cell('coda_cublaslt')} | {ms['coda_bf16']:.3f} | {ms['coda_bf16'] / ms['coda']:.2f} |"
+            + (f" {src[id(r)]} |" if several else ""))
     out.append("")
     for p in ("fprop", "dgrad", "wgrad"):
         r = [x["ms"]["cublaslt"] / x["ms"]["coda"] for x in rows if x["pass"] == p and "cublaslt" in x["ms"]]
@@ -234,7 +284,7 @@ def fp8_tables(path):
             g = math.exp(sum(map(math.log, lt)) / len(lt))
             out.append(f"- {p} on our op's cuBLASLt backend: / cuBLASLt geometric mean {g:.3f} "
                        f"over {len(lt)} shapes, worst {min(lt):.3f}.")
-    out += fp8_fused_table(d)
+    out += fp8_fused_table(d, fused_src if fused_several else None)
     casts = d.get("cast_rows", [])
     if casts:
         out += ["", "### Cast passes vs a device-to-device copy of the same input\n",
@@ -251,6 +301,7 @@ def fp8_tables(path):
 
 FP8_CHAIN_VARIANTS = (
     ("coda_fp8", "ours FP8"), ("coda_fp8_wcast", "ours FP8 + weight casts"),
+    ("coda_fp8_z", "ours FP8, z in FP8"),
     ("coda_fp8_lt", "ours FP8, wgrad on cuBLASLt"), ("coda_fp8_cutlass", "ours FP8, wgrad on ours"),
     ("fp8_floor", "FP8 floor cuBLASLt"), ("fp8_floor_coda", "FP8 floor ours"),
     ("coda_bf16", "ours bf16"), ("bf16_floor", "bf16 floor"),
@@ -258,12 +309,34 @@ FP8_CHAIN_VARIANTS = (
 )
 
 
-def fp8_chain_tables(path):
+def same_commit_files(results, pattern):
+    """The latest file matching `pattern` and the earlier ones of its commit, newest first: the
+    calls of one build that each measured some of a section's shapes (one device call's time
+    limit does not hold them all)."""
+    files = sorted(glob.glob(os.path.join(results, pattern)), key=run_key, reverse=True)
+    if not files:
+        return []
+    commit = json.load(open(files[0])).get("commit")
+    return [f for f in files if json.load(open(f)).get("commit") == commit]
+
+
+def fp8_chain_tables(paths):
     """The suite's fp8-chain section (bench/suite_fp8_chain.py): the layer chain forward + backward
     in blockwise FP8 against the FP8 GEMM-only floor, our bf16 chain and torchao float8 +
-    torch.compile, with the issue's targets beside each ratio."""
+    torch.compile, with the issue's targets beside each ratio. `paths`: files of one commit,
+    newest first; each (model, M) comes from the newest file that has it."""
+    path = paths[0]
     d = load(path, "fp8_chain")
-    rows = d.get("rows", [])
+    rows, source, seen = [], {}, set()
+    for p in paths:
+        for r in load(p, "fp8_chain").get("rows", []):
+            if (r["model"], r["m"]) not in seen:
+                seen.add((r["model"], r["m"]))
+                rows.append(r)
+                source[id(r)] = os.path.basename(p)
+    order = {m: i for i, m in enumerate(("llama3-1B", "llama3-8B", "llama3-70B"))}
+    rows.sort(key=lambda r: (order.get(r["model"], len(order)), r["model"], r["m"]))
+    several = len({source[id(r)] for r in rows}) > 1
     # The variants this file has: a weight-gradient variant on the backend that was not the
     # default when it ran (cuBLASLt before 7b0ade7, ours since).
     variants = [(k, label) for k, label in FP8_CHAIN_VARIANTS
@@ -279,7 +352,11 @@ def fp8_chain_tables(path):
         v = r.get(key)
         return format(v, fmt) if isinstance(v, (int, float)) and v == v else "—"
 
-    out = ["## Layer chain forward + backward in blockwise FP8\n", header(path, d),
+    used = [p for p in paths if os.path.basename(p) in source.values()]
+    out = ["## Layer chain forward + backward in blockwise FP8\n",
+           *(header(p, load(p, "fp8_chain")) for p in used),
+           *(["Rows from more than one call of this commit: the `file` column names each row's.\n"]
+             if several else []),
            "Out-proj + residual + RMSNorm → gate/up + SwiGLU → down + residual + RMSNorm → QKV + RoPE "
            "(attention excluded), forward then backward, ms, medians of interleaved rounds (L2 "
            "cleared before each run). `ours FP8`: the FP8 block ops through autograd, the weights' "
@@ -287,7 +364,8 @@ def fp8_chain_tables(path):
            "the timed step, as torchao's chain casts its weights every step; `vs torchao` in "
            "brackets after it; its weight gradients on the op's default backend, in this file "
            f"{d.get('fp8_wgrad', 'cutlass')} (cuBLASLt's since 7b0ade7, ours before), and in "
-           "`wgrad on cuBLASLt` / `wgrad on ours` on the other one); `FP8 floor`: the chain's "
+           "`wgrad on cuBLASLt` / `wgrad on ours` on the other one; `z in FP8`: the MLP's z "
+           "saved in FP8, F2 quantizing it and B2 decoding it); `FP8 floor`: the chain's "
            "12 GEMMs (4 "
            "forward, 4 data-gradient, 4 weight-gradient) in blockwise FP8 on operands quantized "
            "ahead, on cuBLASLt (`torch._scaled_mm`) and on ours; `ours bf16` / `bf16 floor`: the "
@@ -300,8 +378,9 @@ def fp8_chain_tables(path):
            "error of an fp32 evaluation (torchao tensorwise's e5m2 gradients 0.2), ours bf16 "
            "within 2 × eager bf16's max error; a variant that failed has no time.\n",
            "| model | M | " + " | ".join(label for _, label in variants)
-           + " | FP8 / floor cuBLASLt | FP8 / floor ours | vs torchao | vs bf16 | check |",
-           "|---|---|" + "---|" * (len(variants) + 5)]
+           + " | FP8 / floor cuBLASLt | FP8 / floor ours | vs torchao | vs bf16 | check |"
+           + (" file |" if several else ""),
+           "|---|---|" + "---|" * (len(variants) + 5 + several)]
 
     def target(key, model):
         v = targets.get(key, {})
@@ -326,7 +405,7 @@ def fp8_chain_tables(path):
             f"{vs_ao}"
             f"{target('speedup_vs_torchao_min', r['model'])} | "
             f"{cell(r, 'speedup_vs_coda_bf16', '.2f')}{target('speedup_vs_coda_bf16_min', r['model'])}"
-            f" | {check} |")
+            f" | {check} |" + (f" {source[id(r)]} |" if several else ""))
     out.append("")
     worst = {}
     for r in rows:
@@ -710,6 +789,11 @@ def main():
                         ("*-train-parity.json", train_parity_table),
                         ("*-fp8-e2e.json", e2e_fp8_table),
                         ("*-fsdp-fsdp.json", fsdp_table)):
+        if fn in (fp8_chain_tables, fp8_tables):
+            paths = (same_commit_files if fn is fp8_chain_tables else fp8_files)(a.results, pattern)
+            if paths:
+                lines += fn(paths)
+            continue
         path = latest(a.results, pattern)
         if path:
             lines += fn(path)

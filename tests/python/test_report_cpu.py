@@ -289,3 +289,69 @@ def test_e2e_rows_that_do_not_train_are_marked_and_ratios_use_the_bf16_peers(tmp
     # without a bf16 reference nothing is marked
     res = {"rows": [e2e_row("coda_fp8", 1, 1.0, 12.0, 11.9)]}
     assert sr.loss_check(res) == [] and "loss_drop_vs_ref" not in res["rows"][0]
+
+
+def fp8_chain_file(tmp_path, name, commit, rows):
+    d = {"commit": commit, "device": "test", "command": name,
+         "sections": {"fp8_chain": {"rows": rows, "targets": {"fp8_over_floor_max": 1.08}}}}
+    (tmp_path / name).write_text(json.dumps(d))
+    return str(tmp_path / name)
+
+
+def chain_row(model, m, ms):
+    return {"model": model, "m": m, "ms_coda_fp8": ms, "ms_fp8_floor": 1.0,
+            "fp8_over_floor": ms, "check": {"coda_fp8": "PASS"}}
+
+
+def test_fp8_chain_rows_come_from_the_newest_call_of_the_commit_that_has_them(tmp_path):
+    fp8_chain_file(tmp_path, "2026-01-01-run1-fp8-chain.json", "old",
+                   [chain_row("llama3-8B", 16384, 9.0)])  # another commit: never used
+    a = fp8_chain_file(tmp_path, "2026-01-01-run2-fp8-chain.json", "new",
+                       [chain_row("llama3-70B", 8192, 1.5), chain_row("llama3-1B", 8192, 1.4)])
+    b = fp8_chain_file(tmp_path, "2026-01-01-run3-fp8-chain.json", "new",
+                       [chain_row("llama3-1B", 8192, 1.3), chain_row("llama3-1B", 16384, 1.2)])
+    paths = report.same_commit_files(str(tmp_path), "*-fp8-chain.json")
+    assert paths == [b, a]
+    lines = report.fp8_chain_tables(paths)
+    rows = [line for line in lines if line.startswith("| llama3-")]
+    assert [r.split(" | ")[:3] for r in rows] == [
+        ["| llama3-1B", "8192", "1.300"], ["| llama3-1B", "16384", "1.200"],
+        ["| llama3-70B", "8192", "1.500"]]
+    assert rows[0].endswith("2026-01-01-run3-fp8-chain.json |")
+    assert rows[2].endswith("2026-01-01-run2-fp8-chain.json |")
+    assert "llama3-8B" not in "\n".join(lines)
+    # One file alone: no file column.
+    single = report.fp8_chain_tables([a])
+    assert not any("run2-fp8-chain.json |" in line for line in single)
+
+
+def fp8_gemm_row(model, m, p, ours, lt):
+    return {"model": model, "M": m, "proj": "gate_up", "pass": p, "gemm": [m, 8, 8], "ok": True,
+            "ms": {"coda": ours, "cublaslt": lt, "coda_bf16": 2 * ours},
+            "tflops": {"coda": 1.0, "cublaslt": 1.0, "coda_bf16": 0.5}}
+
+
+def test_fp8_gemm_rows_re_measured_later_replace_the_full_runs(tmp_path):
+    full_rows = [fp8_gemm_row(model, 8192, "dgrad", 1.0, 1.0)
+                 for model in ("llama3-1B", "llama3-8B", "llama3-70B")]
+    full_rows[2] = fp8_gemm_row("llama3-70B", 8192, "dgrad", 1.25, 1.0)  # 0.8x
+    older = {"commit": "o", "device": "test", "command": "o",
+             "sections": {"fp8": {"rows": [fp8_gemm_row("llama3-1B", 8192, "dgrad", 9.0, 1.0)]}}}
+    (tmp_path / "2025-12-31-fp8.json").write_text(json.dumps(older))  # before the full run
+    full = tmp_path / "2026-01-01-fp8.json"
+    full.write_text(json.dumps({"commit": "a", "device": "test", "command": "full",
+                                "sections": {"fp8": {"rows": full_rows}}}))
+    later = tmp_path / "2026-01-01-run3-fp8.json"
+    later.write_text(json.dumps({"commit": "b", "device": "test", "command": "70B",
+                                 "sections": {"fp8": {"rows": [
+                                     fp8_gemm_row("llama3-70B", 8192, "dgrad", 1.0, 0.95)]}}}))
+    paths = report.fp8_files(str(tmp_path), "*-fp8.json")
+    assert paths == [str(later), str(full)]  # stops at the newest run of all three models
+    text = "\n".join(report.fp8_tables(paths))
+    assert "commit `a`" in text and "commit `b`" in text
+    rows = [line for line in text.splitlines() if line.startswith("| llama3-")]
+    assert [r.split(" | ")[0] for r in rows] == ["| llama3-1B", "| llama3-8B", "| llama3-70B"]
+    assert rows[2].endswith("2026-01-01-run3-fp8.json |") and "| 0.950 |" in rows[2]
+    assert rows[0].endswith("2026-01-01-fp8.json |") and "9.000" not in text
+    # The geometric mean is over the merged rows: (1 · 1 · 0.95)^(1/3), worst 0.95, not 0.8.
+    assert "dgrad: ours / cuBLASLt geometric mean 0.983 over 3 shapes, worst 0.950" in text
