@@ -171,6 +171,8 @@ then trained from those same weights by every run, on the same batches in the sa
   coda_fp8     coda.convert.from_hf(hf, precision="fp8"): the blockwise FP8 block ops; absent, with
                the reason, while this checkout's coda has no precision= argument or its library no
                torch.ops.coda.fp8_mlp
+  coda_fp8_z   (optional) coda_fp8 with model.fp8_z = True: the MLP's pre-activation z saved for
+               the backward in FP8 (1x128 blocks), B2 differentiating SwiGLU at the decoded z
   torchao_fp8  the Hugging Face model with every decoder-layer nn.Linear turned into torchao's
                Float8Linear (convert_to_float8_training, Float8LinearConfig.from_recipe_name
                (torchao_recipe: rowwise by default; tensorwise is TorchTitan's default), LM head
@@ -218,7 +220,7 @@ PARITY_DEFAULTS = dict(
     tolerance=0.01, timing_skip=10, holdout_windows=64, seed=0, budget_s=0.0,
     corpus=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".corpus"),
 )
-PARITY_RUNS = ("coda_bf16", "coda_fp8", "torchao_fp8", "hf_bf16")
+PARITY_RUNS = ("coda_bf16", "coda_fp8", "coda_fp8_z", "torchao_fp8", "hf_bf16")
 
 
 class Absent(Exception):
@@ -355,11 +357,12 @@ def build_run(name, a, init, dev, absent):
         if name == "coda_bf16":
             model = coda.convert.from_hf(init)
             return model, lambda ids: model(ids, ids)
-        if name == "coda_fp8":
+        if name in ("coda_fp8", "coda_fp8_z"):
             why = coda_fp8_missing()
             if why:
                 raise Absent(why)
             model = coda.convert.from_hf(init, precision="fp8")
+            model.fp8_z = name == "coda_fp8_z"
             return model, lambda ids: model(ids, ids)
         if name == "hf_bf16":
             model = copy.deepcopy(init)
@@ -607,9 +610,11 @@ def plot_parity(a, sec, path):
 
     runs, ref = sec["runs"], sec["reference"]
     labels = {"coda_bf16": "coda bf16", "coda_fp8": "coda FP8 (blockwise)",
+              "coda_fp8_z": "coda FP8, z saved in FP8",
               "torchao_fp8": f"torchao float8 {a.torchao_recipe} + compile",
               "hf_bf16": "HF eager bf16"}
-    colors = {"coda_bf16": "C0", "coda_fp8": "C3", "torchao_fp8": "C2", "hf_bf16": "C7"}
+    colors = {"coda_bf16": "C0", "coda_fp8": "C3", "coda_fp8_z": "C1", "torchao_fp8": "C2",
+              "hf_bf16": "C7"}
     fig, ax = plt.subplots(2, 2, figsize=(13, 8.5))
     (a1, a2), (a3, a4) = ax
     for name, r in runs.items():

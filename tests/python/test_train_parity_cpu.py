@@ -28,7 +28,7 @@ import suite_train as st  # noqa: E402
 FETCH = os.path.join(ROOT, "scripts", "fetch-corpus")
 TINY = dict(layers=2, hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256, batch=2,
             seq=32, steps=3, warmup=1, lr=1e-3, timing_skip=0, last=2, spike_window=1,
-            holdout_windows=2, runs="coda_bf16,coda_fp8")
+            holdout_windows=2, runs="coda_bf16,coda_fp8,coda_fp8_z")
 
 WORDS = ("the kernel reads a block of tokens and writes its result back to memory while the next "
          "block is loaded; every program keeps its intermediate values on chip, so the residual "
@@ -193,6 +193,20 @@ def test_parity_fp8_against_bf16(parity):
         f"first-step gradient norm {r['grad_norm'][0]:.4f} vs bf16's {ref['grad_norm'][0]:.4f}")
     assert abs(r["rel_diff_last"]) < 0.02 and r["spikes_not_in_ref"] == []
     assert r["pass"] is sec["pass"]["coda_fp8"] is True
+
+
+def test_parity_fp8_z_has_coda_fp8s_forward(parity):
+    sec, _ = parity
+    if st.coda_fp8_missing():
+        pytest.skip("coda FP8 model not in this build")
+    r, fp8 = sec["runs"]["coda_fp8_z"], sec["runs"]["coda_fp8"]
+    assert len(r["loss"]) == 3 and r["finite"] and "error" not in r
+    # z saved in FP8 changes the backward only: the first step's loss is coda_fp8's bit for bit,
+    # its gradients within the decoded z's error (z within 2^-4 relative).
+    assert r["loss"][0] == fp8["loss"][0]
+    assert abs(r["grad_norm"][0] / fp8["grad_norm"][0] - 1) < 0.05
+    assert r["grad_norm"][0] != fp8["grad_norm"][0]
+    assert r["loss"][-1] < r["loss"][0]
 
 
 def test_report_table_of_the_section(parity):
