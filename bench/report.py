@@ -461,6 +461,19 @@ def train_compare_table(path):
     return out + [""]
 
 
+def train_parity_files(results):
+    """The newest train-parity file of each set of runs, newest first: a later call that trains
+    other runs (e.g. coda_fp8_z beside coda_fp8) does not hide an earlier one's (torchao's)."""
+    seen, out = set(), []
+    for f in sorted(glob.glob(os.path.join(results, "*-train-parity.json")), key=run_key,
+                    reverse=True):
+        runs = tuple(sorted(load(f, "train_parity").get("runs", {})))
+        if runs not in seen:
+            seen.add(runs)
+            out.append(f)
+    return out
+
+
 def train_parity_table(path):
     """The suite's train-parity section (bench/suite_train.py, issue "FP8 training parity"): each
     run's mean loss over the last steps against coda bf16's, its spikes, held-out loss, speed and
@@ -789,6 +802,10 @@ def main():
                         ("*-train-parity.json", train_parity_table),
                         ("*-fp8-e2e.json", e2e_fp8_table),
                         ("*-fsdp-fsdp.json", fsdp_table)):
+        if fn is train_parity_table:
+            for path in train_parity_files(a.results):
+                lines += fn(path)
+            continue
         if fn in (fp8_chain_tables, fp8_tables):
             paths = (same_commit_files if fn is fp8_chain_tables else fp8_files)(a.results, pattern)
             if paths:

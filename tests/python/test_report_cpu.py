@@ -355,3 +355,16 @@ def test_fp8_gemm_rows_re_measured_later_replace_the_full_runs(tmp_path):
     assert rows[0].endswith("2026-01-01-fp8.json |") and "9.000" not in text
     # The geometric mean is over the merged rows: (1 · 1 · 0.95)^(1/3), worst 0.95, not 0.8.
     assert "dgrad: ours / cuBLASLt geometric mean 0.983 over 3 shapes, worst 0.950" in text
+
+
+def test_train_parity_tables_keep_the_newest_run_of_each_run_set(tmp_path):
+    def parity(name, runs):
+        d = {"commit": name, "sections": {"train_parity": {"runs": {r: {} for r in runs}}}}
+        (tmp_path / name).write_text(json.dumps(d))
+        return str(tmp_path / name)
+
+    older_ao = parity("2026-01-01-train-parity.json", ["coda_bf16", "coda_fp8", "torchao_fp8"])
+    newer_ao = parity("2026-01-01-run2-train-parity.json", ["coda_bf16", "coda_fp8", "torchao_fp8"])
+    newest_z = parity("2026-01-02-train-parity.json", ["coda_bf16", "coda_fp8", "coda_fp8_z"])
+    assert older_ao not in report.train_parity_files(str(tmp_path))
+    assert report.train_parity_files(str(tmp_path)) == [newest_z, newer_ao]
