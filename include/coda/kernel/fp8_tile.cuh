@@ -53,6 +53,14 @@ __device__ __forceinline__ float2 decode2(uint16_t codes) {
   return __half22float2(__half2(h));
 }
 
+// The cooperative schedule's 64xN warpgroup MMA (GMMA) accumulator: each thread holds two rows of
+// every 16, r and r + 8 with r % 16 < 8 (its row slots 0 and 1), and column pairs 8j + 2q, + 1,
+// q its lane's place in a quad (the four lanes sharing those rows). The nodes that keep values
+// per row in registers (nodes/fp8_row_store.cuh, nodes/fp8_pair_decode.cuh) index them so.
+__device__ __forceinline__ int row_slot(int row) { return (row & 8) != 0 ? 1 : 0; }
+__device__ __forceinline__ int slot_row0(int row) { return row & ~8; }  // the slot-0 row
+__device__ __forceinline__ int quad_lane(int col) { return (col % 8) / 2; }
+
 // Where a tile sits in its (rows, cols) tensor, and how much of it is real.
 struct TilePlace {
   int64_t row0, col0;  // its first element

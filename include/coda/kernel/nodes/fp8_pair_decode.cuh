@@ -57,7 +57,7 @@ struct Fp8PairDecode : ConsumerOnlyNode<Fp8PairDecodeArguments> {
                   "a subtile's pair columns lie in one block of z");
 
     // Subtile s's scales into buffer s % 2: this thread's two rows' (the GMMA accumulator's row
-    // slots r and r + 8, r % 16 < 8, as in Fp8RowStore) in the subtile's block; 0 past M, and
+    // slots r and r + 8, r % 16 < 8: fp8_tile::row_slot) in the subtile's block; 0 past M, and
     // where the block starts past N (a CTA of a cluster wholly past N).
     CUTLASS_DEVICE void load(int s) {
       if (s >= kEpiM * kEpiN) return;
@@ -66,7 +66,7 @@ struct Fp8PairDecode : ConsumerOnlyNode<Fp8PairDecodeArguments> {
       const int64_t block = (col0 + int64_t(cute::get<1>(c(0)))) / kPairsPerBlock;
       const bool block_in = block * kPairsPerBlock - col0 < int64_t(cute::get<1>(residue));
       const float* col = params.scales + block * params.ld_scales + row0;
-      const int r0 = int(cute::get<0>(c(0))) & ~8;
+      const int r0 = fp8_tile::slot_row0(int(cute::get<0>(c(0))));
       CUTLASS_PRAGMA_UNROLL
       for (int k = 0; k < 2; ++k) {
         const int m = r0 + 8 * k;
@@ -93,7 +93,7 @@ struct Fp8PairDecode : ConsumerOnlyNode<Fp8PairDecodeArguments> {
       cutlass::Array<uint32_t, F> out;
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < F; ++i) {
-        const bool upper = (int(cute::get<0>(coords(epi_v * F + i))) & 8) != 0;
+        const bool upper = fp8_tile::row_slot(int(cute::get<0>(coords(epi_v * F + i)))) == 1;
         const float s = upper ? tC_s(1, buffer) : tC_s(0, buffer);
         const float2 gu = fp8_tile::decode2(codes[i]);
         out[i] = pack_bf16_pair(gu.x * s, gu.y * s);

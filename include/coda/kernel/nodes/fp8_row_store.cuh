@@ -19,8 +19,8 @@ namespace coda::kernel {
 // The codes and scales are fp8_tile::quantize_rows's of the same bf16 values, bit for bit (the
 // amax as |bits|, E4m3::scale and inverse, encode2). It returns its child's values unchanged.
 // F2's z in FP8 (fusions/rmsnorm_swiglu_fp8.cuh, kRmsnormSwigluFp8Z) and the rows of
-// Fp8TileStore<WholeTile> (F1's h). The row slots and the quad are the GMMA accumulator's
-// layout, which the GPU tests check bit for bit against the cast kernels.
+// Fp8TileStore<WholeTile> (F1's h). The row slots and the quad (fp8_tile::row_slot, quad_lane)
+// are the GMMA accumulator's layout, which the GPU tests check bit for bit against the casts.
 // ---------------------------------------------------------------------------------------------
 template <class CtaTile>
 struct Fp8RowStore : ConsumerOnlyNode<Fp8Output> {
@@ -76,7 +76,7 @@ struct Fp8RowStore : ConsumerOnlyNode<Fp8Output> {
         pairs((epi_v * F + i) / 2) = pair;
         const uint32_t mags = fp8_tile::pair_magnitudes(pair);
         const uint32_t m = max(fp8_tile::low_amax(mags), fp8_tile::high_amax(mags));
-        const bool upper = (int(cute::get<0>(c)) & 8) != 0;
+        const bool upper = fp8_tile::row_slot(int(cute::get<0>(c))) == 1;
         amax[0] = upper ? amax[0] : max(amax[0], m);
         amax[1] = upper ? max(amax[1], m) : amax[1];
         out[i] = float(x[i]);
@@ -102,8 +102,8 @@ struct Fp8RowStore : ConsumerOnlyNode<Fp8Output> {
       // column 0 and writes the rows' scales, and those of rows past M up to a multiple of 4 too
       // (amax 0: scale 1), since the GEMM's TMA reads whole 16 bytes of them.
       auto first = tCcD(0, 0, 0, 0, 0);
-      const int q = (int(cute::get<1>(first)) % 8) / 2;
-      const int r0 = int(cute::get<0>(first)) & ~8;
+      const int q = fp8_tile::quad_lane(int(cute::get<1>(first)));
+      const int r0 = fp8_tile::slot_row0(int(cute::get<0>(first)));
       const int64_t rows_scaled = ScaleLayout::row_scales_ld(rows);
       if (q == 0) {
         CUTLASS_PRAGMA_UNROLL
