@@ -102,9 +102,9 @@ KernelChoice plain_xw(const GemmShape& s) {
 // K = 57344) a tile's operand panels are 7 MB each, and swizzle 8 leaves the plain GEMM at the
 // mercy of how closely the CTAs sharing a panel keep pace: on an H100 it ran 6.6-8.7 ms at
 // M = 8192 and 13.8-19.3 ms at 16384 over seven measurements in two processes, against
-// cuBLASLt's 6.5-6.8 and 13.5-14.4; swizzle 2 (a wave's four B panels stay in L2) ran 6.5-7.3
-// and 14.2-14.7, and B1 level with swizzle 8 (bench/results/2026-12-06-run3-fp8-long-k-order.txt).
-// Swizzle 2 there, under the padding rule.
+// cuBLASLt's 6.5-6.8 and 13.5-14.4; swizzle 2 (a wave's four B panels, 29 MB, fit the 50 MB
+// L2) ran 6.5-7.3 and 14.2-14.7, and B1 level with swizzle 8
+// (bench/results/2026-12-06-run3-fp8-long-k-order.txt). Swizzle 2 there, under the padding rule.
 KernelChoice fp8_config(const GemmShape& s) {
   return {Config::kCoop128x128x128_1x2, ping_order(s, s.k >= 32768 ? 2 : 8)};
 }
