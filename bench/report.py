@@ -205,39 +205,29 @@ def fp8_files(results, pattern):
 
 
 def merged(paths, section, field, key):
-    """`field`'s rows of `section` over `paths` (newest first), each key from the newest file that
-    has it, in the oldest full file's order (the later files' new keys after); with each row's
-    file name, and whether more than one file contributed."""
-    chosen = {}
-    for p in paths:
-        for r in load(p, section).get(field, []):
-            chosen.setdefault(key(r), (r, os.path.basename(p)))
-    order = []
+    """`field`'s rows of `section` over `paths` (newest first) as (row, file name), each key from
+    the newest file that has it, in the oldest file's order (later files' new keys after), and
+    whether more than one file contributed."""
+    chosen = {}  # insertion order: a key's first (oldest) appearance; the value: its newest
     for p in reversed(paths):
         for r in load(p, section).get(field, []):
-            if key(r) not in order:
-                order.append(key(r))
-    rows = [chosen[k] for k in order]
+            chosen[key(r)] = (r, os.path.basename(p))
+    rows = list(chosen.values())
     return rows, len({f for _, f in rows}) > 1
 
 
 def fp8_tables(paths):
     """The suite's fp8 section (bench/suite_fp8.py): each FP8 GEMM against cuBLASLt's blockwise
     GEMM and our bf16 GEMM, per pass; the cast passes against a copy. `paths`: fp8_files'."""
-    if isinstance(paths, str):
-        paths = [paths]
-    d = load(paths[-1], "fp8")
-    gemm_key = lambda r: (r["model"], r["M"], r["proj"], r["pass"])  # noqa: E731
-    tagged, several = merged(paths, "fp8", "rows", gemm_key)
-    rows = [r for r, _ in tagged if r.get("ok") and "ms" in r]
-    src = {id(r): f for r, f in tagged}
-    d = dict(d)
-    d["fused_rows"], fused_several = merged(
+    gemm, several = merged(paths, "fp8", "rows",
+                           lambda r: (r["model"], r["M"], r["proj"], r["pass"]))
+    fused, fused_several = merged(
         paths, "fp8", "fused_rows", lambda r: (r["model"], r["M"], r["program"], r["proj"]))
-    d["cast_rows"], _ = merged(paths, "fp8", "cast_rows", lambda r: (r["model"], r["M"], r["cast"]))
-    fused_src = {id(r): f for r, f in d["fused_rows"]}
-    d["fused_rows"] = [r for r, _ in d["fused_rows"]]
-    d["cast_rows"] = [r for r, _ in d["cast_rows"]]
+    casts, _ = merged(paths, "fp8", "cast_rows", lambda r: (r["model"], r["M"], r["cast"]))
+    rows = [r for r, _ in gemm if r.get("ok") and "ms" in r]
+    src = {id(r): f for r, f in gemm}
+    fused_src = {id(r): f for r, f in fused}
+    d = {"fused_rows": [r for r, _ in fused], "cast_rows": [r for r, _ in casts]}
     used = [p for p in paths if os.path.basename(p) in set(src.values()) | set(fused_src.values())]
     out = ["## Blockwise FP8 GEMMs vs cuBLASLt's blockwise FP8 GEMM\n",
            *(header(p, load(p, "fp8")) for p in used),
@@ -325,20 +315,12 @@ def fp8_chain_tables(paths):
     in blockwise FP8 against the FP8 GEMM-only floor, our bf16 chain and torchao float8 +
     torch.compile, with the issue's targets beside each ratio. `paths`: files of one commit,
     newest first; each (model, M) comes from the newest file that has it."""
-    path = paths[0]
-    d = load(path, "fp8_chain")
-    rows, source, seen = [], {}, set()
-    for p in paths:
-        for r in load(p, "fp8_chain").get("rows", []):
-            if (r["model"], r["m"]) not in seen:
-                seen.add((r["model"], r["m"]))
-                rows.append(r)
-                source[id(r)] = os.path.basename(p)
+    d = load(paths[0], "fp8_chain")
+    tagged, several = merged(paths, "fp8_chain", "rows", lambda r: (r["model"], r["m"]))
+    source = {id(r): f for r, f in tagged}
     order = {m: i for i, m in enumerate(("llama3-1B", "llama3-8B", "llama3-70B"))}
-    rows.sort(key=lambda r: (order.get(r["model"], len(order)), r["model"], r["m"]))
-    several = len({source[id(r)] for r in rows}) > 1
-    # The variants this file has: a weight-gradient variant on the backend that was not the
-    # default when it ran (cuBLASLt before 7b0ade7, ours since).
+    rows = sorted((r for r, _ in tagged),
+                  key=lambda r: (order.get(r["model"], len(order)), r["model"], r["m"]))
     variants = [(k, label) for k, label in FP8_CHAIN_VARIANTS
                 if any(f"ms_{k}" in r for r in rows)]
     targets = d.get("targets", {})
@@ -438,7 +420,7 @@ def fp8_chain_tables(paths):
             out.append(f"| {r['model']} | {r['m']} | " + " | ".join(cells) + " |")
         out.append("")
     # the run's own reasons (torchao, Liger, ...) and the section's (coda_fp8, cuBLASLt)
-    absent = {**json.load(open(path)).get("absent", {}), **d.get("absent", {})}
+    absent = {**json.load(open(paths[0])).get("absent", {}), **d.get("absent", {})}
     out += [f"- {k} absent: {v}" for k, v in absent.items() if k not in ("liger", "flashinfer")]
     return out + [""]
 
