@@ -18,6 +18,7 @@
 
 #include "coda/kernel/args.hpp"
 #include "coda/kernel/fusions/common.cuh"
+#include "coda/kernel/overlapped_promotion.cuh"
 #include "coda/kernel/runtime.hpp"
 
 namespace coda::kernel {
@@ -80,6 +81,16 @@ struct WithStagesC<
       cutlass::epilogue::Sm90TmaWarpSpecialized<StagesC == 0 ? SC : StagesC, SD, FS, Reuse, Delay>,
       Rest...>;
 };
+
+// Blockwise FP8 kernels promote each k-tile under the next one's MMAs (OverlappedPromotion) unless
+// the fusion sets kPromotionUnderMma = false: CUTLASS's mainloop, which waits for each k-tile's
+// MMAs before promoting it. The choice is per program, by A/B timings of both in one process
+// (docs/experiments.md).
+template <class F, class = void>
+struct FusionPromotesUnderMma : std::true_type {};
+template <class F>
+struct FusionPromotesUnderMma<F, std::void_t<decltype(F::kPromotionUnderMma)>>
+    : std::bool_constant<F::kPromotionUnderMma> {};
 
 // A fusion may name its tile scheduler tag (Scheduler); the stock persistent scheduler otherwise.
 // F2 with FP8 a runs each CTA's tiles in pairs along N (paired_scheduler.cuh).
@@ -216,12 +227,15 @@ struct GemmLauncher {
           typename Cfg::EpilogueSchedule, Callbacks>::CollectiveOp,
       FusionStagesC<Fusion>::value>::type;
 
-  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, typename Operand::A, kAlignAB,
       ElementAB, typename Operand::B, kAlignAB, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       MainloopScheduleOf<Cfg, Operand::kBlockwise>>::CollectiveOp;
+  using CollectiveMainloop =
+      std::conditional_t<Operand::kBlockwise && FusionPromotesUnderMma<Fusion>::value,
+                         OverlappedPromotion<BuiltMainloop>, BuiltMainloop>;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>,
                                                       CollectiveMainloop, CollectiveEpilogue,
