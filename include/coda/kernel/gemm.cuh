@@ -82,15 +82,21 @@ struct WithStagesC<
       Rest...>;
 };
 
-// Blockwise FP8 kernels promote each k-tile under the next one's MMAs (OverlappedPromotion) unless
-// the fusion sets kPromotionUnderMma = false: CUTLASS's mainloop, which waits for each k-tile's
-// MMAs before promoting it. The choice is per program, by A/B timings of both in one process
-// (docs/experiments.md).
+// Blockwise FP8 kernels with B in 128x128 blocks (Fp8XWt) promote each k-tile under the next one's
+// MMAs (OverlappedPromotion) unless the fusion sets kPromotionUnderMma = false: CUTLASS's
+// mainloop, which waits for each k-tile's MMAs before promoting it. The choice is per program, by
+// A/B timings of both in one process (docs/experiments.md). The weight gradient's per-column B
+// scales keep CUTLASS's loop (overlapped_promotion.cuh says why).
 template <class F, class = void>
 struct FusionPromotesUnderMma : std::true_type {};
 template <class F>
 struct FusionPromotesUnderMma<F, std::void_t<decltype(F::kPromotionUnderMma)>>
     : std::bool_constant<F::kPromotionUnderMma> {};
+template <class Mainloop, class = void>
+struct OneScaleOfBPerTile : std::false_type {};
+template <class Mainloop>
+struct OneScaleOfBPerTile<Mainloop, std::enable_if_t<Mainloop::ScaleNsPerTile == 1>>
+    : std::true_type {};
 
 // A fusion may name its tile scheduler tag (Scheduler); the stock persistent scheduler otherwise.
 // F2 with FP8 a runs each CTA's tiles in pairs along N (paired_scheduler.cuh).
@@ -234,7 +240,8 @@ struct GemmLauncher {
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       MainloopScheduleOf<Cfg, Operand::kBlockwise>>::CollectiveOp;
   using CollectiveMainloop =
-      std::conditional_t<Operand::kBlockwise && FusionPromotesUnderMma<Fusion>::value,
+      std::conditional_t<Operand::kBlockwise && FusionPromotesUnderMma<Fusion>::value &&
+                             OneScaleOfBPerTile<BuiltMainloop>::value,
                          OverlappedPromotion<BuiltMainloop>, BuiltMainloop>;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>,

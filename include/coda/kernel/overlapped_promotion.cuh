@@ -14,7 +14,7 @@
 //
 // Cost: 64 more accumulator registers a thread (three 64x128 fragments: 192 of the 232 the
 // cooperative kernel gives its MMA warpgroups). A stage is held as in Base, until the k-tile
-// after it has been issued and its own MMAs are done (here: and promoted, its scales read then).
+// after it has been issued and its own MMAs are done and promoted.
 
 #include <cute/tensor.hpp>
 #include <cutlass/gemm/collective/collective_builder.hpp>
@@ -35,6 +35,10 @@ struct OverlappedPromotion : Base {
   static_assert(cute::size<2>(TileShape{}) == Base::ScaleGranularityK,
                 "OverlappedPromotion promotes once per k-tile: the tile's K must be the scales' K");
   static_assert(Base::ScaleMsPerTile > 1, "A's scales are per row (1x128 blocks)");
+  // B's scale is one per tile (128x128 blocks: forward and data gradient). Under per-column
+  // scales (the weight gradient's 1x128 · 1x128) a k-tile's scales are 34 registers a thread,
+  // and holding them a step ahead, next to the three accumulators, spills.
+  static_assert(Base::ScaleNsPerTile == 1, "B's scales are per 128x128 block");
 
   template <class FrgTensorC>
   CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read,
@@ -89,29 +93,29 @@ struct OverlappedPromotion : Base {
       cute::warpgroup_fence_operand(acc);
     };
 
-    // accum += acc · (A's row scale · B's scale), the scales read from the k-tile's stage (still
-    // held): one scale set live at a time.
-    auto promote = [&](auto& acc, int stage) {
-      Tensor sa = make_tensor_like<ElementBlockScale>(tCsSFA(_, _, _, _0{}));
-      Tensor sb = make_tensor_like<ElementBlockScale>(tCsSFB(_, _, _, _0{}));
+    // A k-tile's scales, read from its stage once its wgmmas are out: each accumulator element's
+    // A-row scale times B's.
+    using ScalesA = decltype(make_tensor_like<ElementBlockScale>(tCsSFA(_, _, _, _0{})));
+    using ScalesB = decltype(make_tensor_like<ElementBlockScale>(tCsSFB(_, _, _, _0{})));
+    auto load_scales = [&](int stage, ScalesA& sa, ScalesB& sb) {
       copy(tCsSFA(_, _, _, make_coord(_0{}, stage)), sa);
       copy(tCsSFB(_, _, _, make_coord(_0{}, stage)), sb);
+      const ElementBlockScale b = sb(_0{});
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(filter_zeros(sa)); ++i) filter_zeros(sa)(i) *= b;
+    };
+    // accum += acc · scales.
+    auto promote = [&](auto& acc, ScalesA const& sa, ScalesB const&) {
       cute::warpgroup_fence_operand(acc);
-      if constexpr (Base::ScaleNsPerTile == 1) {
-        const ElementBlockScale b = sb(_0{});
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(filter_zeros(sa)); ++i) filter_zeros(sa)(i) *= b;
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(accum); ++i) accum(i) += acc(i) * sa(i);
-      } else {
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(accum); ++i) accum(i) += acc(i) * sa(i) * sb(i);
-      }
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(accum); ++i) accum(i) += acc(i) * sa(i);
       cute::warpgroup_fence_operand(acc);
     };
 
     Tensor acc0 = make_fragment_like(accum);
     Tensor acc1 = make_fragment_like(accum);
+    ScalesA sa0, sa1;
+    ScalesB sb0, sb1;
     clear(accum);
     cute::warpgroup_fence_operand(accum);
 
@@ -119,33 +123,38 @@ struct OverlappedPromotion : Base {
     // k-tile 0 into acc0.
     pipeline.consumer_wait(smem_pipe_read);
     issue(acc0, smem_pipe_read.index());
+    load_scales(smem_pipe_read.index(), sa0, sb0);
     ++smem_pipe_read;
 
-    // Issue k-tile k into one temporary, then wait for k - 1's (the other), promote it and
-    // release its stage.
-    auto step = [&](auto& acc_next, auto& acc_prev) {
+    // Issue k-tile k into one temporary, wait for k - 1's (the other) and promote it, read k's
+    // scales, release k - 1's stage. A stage's scales are read a whole step before its release
+    // (reading them at the promotion, just before the release, let the producer's refill of the
+    // stage overtake the read under racecheck: F2's codes wrong). One scale set is live at a time.
+    auto step = [&](auto& acc_next, ScalesA& sa_next, ScalesB& sb_next, auto& acc_prev,
+                    ScalesA const& sa_prev, ScalesB const& sb_prev) {
       pipeline.consumer_wait(smem_pipe_read);
       issue(acc_next, smem_pipe_read.index());
-      ++smem_pipe_read;
       cute::warpgroup_wait<1>();
-      promote(acc_prev, smem_pipe_release.index());
+      promote(acc_prev, sa_prev, sb_prev);
+      load_scales(smem_pipe_read.index(), sa_next, sb_next);
+      ++smem_pipe_read;
       pipeline.consumer_release(smem_pipe_release);
       ++smem_pipe_release;
     };
     int k = 1;
     CUTLASS_PRAGMA_NO_UNROLL
     for (; k + 1 < k_tile_count; k += 2) {
-      step(acc1, acc0);
-      step(acc0, acc1);
+      step(acc1, sa1, sb1, acc0, sa0, sb0);
+      step(acc0, sa0, sb0, acc1, sa1, sb1);
     }
     // k - 1, the last k-tile issued, is in acc0.
     if (k < k_tile_count) {
-      step(acc1, acc0);
+      step(acc1, sa1, sb1, acc0, sa0, sb0);
       cute::warpgroup_wait<0>();
-      promote(acc1, smem_pipe_release.index());
+      promote(acc1, sa1, sb1);
     } else {
       cute::warpgroup_wait<0>();
-      promote(acc0, smem_pipe_release.index());
+      promote(acc0, sa0, sb0);
     }
     // The last k-tile's stage is released by mma_tail (Base's), as Base's mma leaves it.
     cute::warpgroup_fence_operand(accum);
