@@ -82,13 +82,16 @@ struct WithStagesC<
       Rest...>;
 };
 
-// Blockwise FP8 kernels with B in 128x128 blocks (Fp8XWt) promote each k-tile under the next one's
-// MMAs (OverlappedPromotion) unless the fusion sets kPromotionUnderMma = false: CUTLASS's
-// mainloop, which waits for each k-tile's MMAs before promoting it. The choice is per program, by
-// A/B timings of both in one process (docs/experiments.md). The weight gradient's per-column B
-// scales keep CUTLASS's loop (overlapped_promotion.cuh says why).
+// A blockwise FP8 kernel with B in 128x128 blocks (Fp8XWt) promotes each k-tile under the next
+// one's MMAs (OverlappedPromotion) where its fusion sets kPromotionUnderMma: the programs whose K
+// is the hidden size (F2, F2z, B2, B2z), faster on it in A/B timings of both loops in one call.
+// The others keep CUTLASS's loop, which waits for each k-tile's MMAs before promoting it: on the
+// overlapped loop the plain GEMM ran 0.74-0.99x cuBLASLt at K >= 28672 (1.03-1.09x below at 1B /
+// 8B) and F1 and B1 up to 4% slower at K >= 14336, and one kernel serves every K
+// (docs/experiments.md). The weight gradient's per-column B scales keep CUTLASS's loop
+// (overlapped_promotion.cuh says why).
 template <class F, class = void>
-struct FusionPromotesUnderMma : std::true_type {};
+struct FusionPromotesUnderMma : std::false_type {};
 template <class F>
 struct FusionPromotesUnderMma<F, std::void_t<decltype(F::kPromotionUnderMma)>>
     : std::bool_constant<F::kPromotionUnderMma> {};

@@ -95,9 +95,9 @@ struct OverlappedPromotion : Base {
 
     // A k-tile's scales, read from its stage once its wgmmas are out: each accumulator element's
     // A-row scale times B's.
-    using ScalesA = decltype(make_tensor_like<ElementBlockScale>(tCsSFA(_, _, _, _0{})));
-    using ScalesB = decltype(make_tensor_like<ElementBlockScale>(tCsSFB(_, _, _, _0{})));
-    auto load_scales = [&](int stage, ScalesA& sa, ScalesB& sb) {
+    using Scales = decltype(make_tensor_like<ElementBlockScale>(tCsSFA(_, _, _, _0{})));
+    auto load_scales = [&](int stage, Scales& sa) {
+      Tensor sb = make_tensor_like<ElementBlockScale>(tCsSFB(_, _, _, _0{}));
       copy(tCsSFA(_, _, _, make_coord(_0{}, stage)), sa);
       copy(tCsSFB(_, _, _, make_coord(_0{}, stage)), sb);
       const ElementBlockScale b = sb(_0{});
@@ -105,7 +105,7 @@ struct OverlappedPromotion : Base {
       for (int i = 0; i < size(filter_zeros(sa)); ++i) filter_zeros(sa)(i) *= b;
     };
     // accum += acc · scales.
-    auto promote = [&](auto& acc, ScalesA const& sa, ScalesB const&) {
+    auto promote = [&](auto& acc, Scales const& sa) {
       cute::warpgroup_fence_operand(acc);
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(accum); ++i) accum(i) += acc(i) * sa(i);
@@ -114,8 +114,7 @@ struct OverlappedPromotion : Base {
 
     Tensor acc0 = make_fragment_like(accum);
     Tensor acc1 = make_fragment_like(accum);
-    ScalesA sa0, sa1;
-    ScalesB sb0, sb1;
+    Scales sa0, sa1;
     clear(accum);
     cute::warpgroup_fence_operand(accum);
 
@@ -123,20 +122,19 @@ struct OverlappedPromotion : Base {
     // k-tile 0 into acc0.
     pipeline.consumer_wait(smem_pipe_read);
     issue(acc0, smem_pipe_read.index());
-    load_scales(smem_pipe_read.index(), sa0, sb0);
+    load_scales(smem_pipe_read.index(), sa0);
     ++smem_pipe_read;
 
     // Issue k-tile k into one temporary, wait for k - 1's (the other) and promote it, read k's
     // scales, release k - 1's stage. A stage's scales are read a whole step before its release
     // (reading them at the promotion, just before the release, let the producer's refill of the
     // stage overtake the read under racecheck: F2's codes wrong). One scale set is live at a time.
-    auto step = [&](auto& acc_next, ScalesA& sa_next, ScalesB& sb_next, auto& acc_prev,
-                    ScalesA const& sa_prev, ScalesB const& sb_prev) {
+    auto step = [&](auto& acc_next, Scales& sa_next, auto& acc_prev, Scales const& sa_prev) {
       pipeline.consumer_wait(smem_pipe_read);
       issue(acc_next, smem_pipe_read.index());
       cute::warpgroup_wait<1>();
-      promote(acc_prev, sa_prev, sb_prev);
-      load_scales(smem_pipe_read.index(), sa_next, sb_next);
+      promote(acc_prev, sa_prev);
+      load_scales(smem_pipe_read.index(), sa_next);
       ++smem_pipe_read;
       pipeline.consumer_release(smem_pipe_release);
       ++smem_pipe_release;
@@ -144,17 +142,17 @@ struct OverlappedPromotion : Base {
     int k = 1;
     CUTLASS_PRAGMA_NO_UNROLL
     for (; k + 1 < k_tile_count; k += 2) {
-      step(acc1, sa1, sb1, acc0, sa0, sb0);
-      step(acc0, sa0, sb0, acc1, sa1, sb1);
+      step(acc1, sa1, acc0, sa0);
+      step(acc0, sa0, acc1, sa1);
     }
     // k - 1, the last k-tile issued, is in acc0.
     if (k < k_tile_count) {
-      step(acc1, sa1, sb1, acc0, sa0, sb0);
+      step(acc1, sa1, acc0, sa0);
       cute::warpgroup_wait<0>();
-      promote(acc1, sa1, sb1);
+      promote(acc1, sa1);
     } else {
       cute::warpgroup_wait<0>();
-      promote(acc0, sa0, sb0);
+      promote(acc0, sa0);
     }
     // The last k-tile's stage is released by mma_tail (Base's), as Base's mma leaves it.
     cute::warpgroup_fence_operand(accum);

@@ -11,7 +11,6 @@ namespace coda::kernel {
 template <>
 struct FusionOf<Program::kResidualRmsnormPartial>
     : FusionTypes<void, bfloat16_t, ResidualRmsnormPartialArgs> {
-  static constexpr bool kPromotionUnderMma = false;  // as F1 with FP8 h (residual_rmsnorm_fp8.cuh)
   template <class EpilogueDesc>
   struct Build {
     using Residual = AuxLoadNode<EpilogueDesc, bfloat16_t>;

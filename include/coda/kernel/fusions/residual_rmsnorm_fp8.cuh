@@ -14,8 +14,6 @@ namespace coda::kernel {
 template <>
 struct FusionOf<Program::kResidualRmsnormFp8>
     : FusionTypes<void, bfloat16_t, ResidualRmsnormFp8Args> {
-  // CUTLASS's promotion: under OverlappedPromotion F1 ran 1.5-4% slower at K >= 14336 (gemm.cuh).
-  static constexpr bool kPromotionUnderMma = false;
   template <class EpilogueDesc>
   struct Build {
     using Tile = typename EpilogueDesc::TileShape;

@@ -20,8 +20,6 @@ template <>
 struct FusionOf<Program::kRmsnormBackwardFp8>
     : FusionTypes<bfloat16_t, bfloat16_t, RmsnormBackwardFp8Args> {
   static constexpr int kStagesC = 3;
-  // CUTLASS's promotion: under OverlappedPromotion B1 ran level to 4% slower (gemm.cuh).
-  static constexpr bool kPromotionUnderMma = false;
   template <class EpilogueDesc>
   struct Build {
     using Tile = typename EpilogueDesc::TileShape;

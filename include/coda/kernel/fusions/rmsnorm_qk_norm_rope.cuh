@@ -8,8 +8,6 @@ namespace coda::kernel {
 // v = u; qk_pre = u on the Q and K columns (QkNormRopeStore). No D: the node stores both outputs.
 template <>
 struct FusionOf<Program::kRmsnormQkNormRope> : FusionTypes<void, void, RmsnormQkNormRopeArgs> {
-  // On FP8 operands, CUTLASS's promotion: OverlappedPromotion was not timed faster here (gemm.cuh).
-  static constexpr bool kPromotionUnderMma = false;
   template <class EpilogueDesc>
   struct Build {
     using Tile = typename EpilogueDesc::TileShape;

@@ -30,8 +30,6 @@ struct RopeFragment {
 
 template <>
 struct FusionOf<Program::kRmsnormRope> : FusionTypes<void, bfloat16_t, RmsnormRopeArgs> {
-  // On FP8 operands, CUTLASS's promotion: OverlappedPromotion was not timed faster here (gemm.cuh).
-  static constexpr bool kPromotionUnderMma = false;
   template <class EpilogueDesc>
   struct Build {
     using Tile = typename EpilogueDesc::TileShape;
