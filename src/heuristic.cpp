@@ -105,8 +105,21 @@ KernelChoice plain_xw(const GemmShape& s) {
 // cuBLASLt's 6.5-6.8 and 13.5-14.4; swizzle 2 (a wave's four B panels, 29 MB, fit the 50 MB
 // L2) ran 6.5-7.3 and 14.2-14.7, and B1 level with swizzle 8
 // (bench/results/2026-12-06-run3-fp8-long-k-order.txt). Swizzle 2 there, under the padding rule.
-KernelChoice fp8_config(const GemmShape& s) {
-  return {Config::kCoop128x128x128_1x2, ping_order(s, s.k >= 32768 ? 2 : 8)};
+//
+// The mainloop (table.def): with each k-tile's promotion under the next one's MMAs
+// (kCoop128x128x128_1x2_Overlap) the plain forward / data-gradient GEMM ran 1.03-1.09x cuBLASLt
+// at the 1B and 8B shapes with K <= 16384 and 0.94-1.09x at 70B with K <= 10240, against
+// 0.99-1.02x on CUTLASS's loop, but 0.91-0.99x at K = 28672 and 0.74-0.82x at K = 57344
+// (bench/results/2026-12-06-run7-promotion-ab.txt, call 3; one H100): the overlapped loop to
+// K = 16384, CUTLASS's above. F2, F2z, B2 and B2z (K = the hidden size) are compiled on the
+// overlapped loop only, the other programs and the weight gradient on CUTLASS's.
+constexpr int kOverlapMaxK = 16384;
+KernelChoice fp8_config(Program p, Operands o, const GemmShape& s) {
+  const SchedulerOptions order = ping_order(s, s.k >= 32768 ? 2 : 8);
+  const bool overlap = p == Program::kRmsnormSwigluFp8 || p == Program::kRmsnormSwigluFp8Z ||
+                       p == Program::kSwigluBackwardFp8 || p == Program::kSwigluBackwardFp8Z ||
+                       (p == Program::kPlain && o == Operands::kFp8XWt && s.k <= kOverlapMaxK);
+  return {overlap ? Config::kCoop128x128x128_1x2_Overlap : Config::kCoop128x128x128_1x2, order};
 }
 
 KernelChoice program_config(Program p, const GemmShape& s) {
@@ -180,7 +193,7 @@ KernelChoice choose_config(Program p, Operands o, const GemmShape& s, const Devi
   CODA_CHECK(props.multiprocessors > 0,
              "choose_config: the device's multiprocessor count must be positive, got ",
              props.multiprocessors);
-  if (is_fp8(o)) return fp8_config(s);
+  if (is_fp8(o)) return fp8_config(p, o, s);
   if (p != Program::kPlain) return program_config(p, s);
   switch (o) {
     case Operands::kXWt:

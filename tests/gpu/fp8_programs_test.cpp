@@ -14,6 +14,7 @@
 
 #include <gtest/gtest.h>
 
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -27,7 +28,15 @@
 namespace coda::kernel {
 namespace {
 
-constexpr Config kConfig = Config::kCoop128x128x128_1x2;
+// The one configuration table.def compiles each FP8 program for (F2, F2z, B2 and B2z on the
+// overlapped promotion, the others on CUTLASS's loop; the tiles are all 128x128).
+Config config_of(Program p) {
+  const std::vector<Config> configs = compiled_configs(p, Operands::kFp8XWt);
+  if (configs.size() != 1)
+    throw std::logic_error(std::string("expected one compiled configuration of ") +
+                           program_name(p) + ", found " + std::to_string(configs.size()));
+  return configs.front();
+}
 
 // A quantized output on the device: codes (rows, cols) with 1x128 scales and the transposed copy
 // (cols, rows padded to 16) with its scales, all poisoned.
@@ -94,7 +103,9 @@ std::vector<double> defined_partials(const std::vector<float>& got, std::vector<
   return out;
 }
 
-std::string at(const Shape& s) { return label(kConfig, s); }
+std::string at(const Shape& s) {
+  return "M=" + std::to_string(s.m) + " N=" + std::to_string(s.n) + " K=" + std::to_string(s.k);
+}
 
 // F2 with FP8 a: {M, 2I, K}. 2I = 384 leaves the second tile of a unit past N; 2752 ends in a
 // partial tile (a's last block 96 columns wide).
@@ -118,7 +129,7 @@ TEST_F(GpuKernelTest, Fp8RmsnormSwigluQuantizesAAsTheRecipe) {
     p.d = z.get();
     p.ldd = two_i;
     run<Program::kRmsnormSwigluFp8>(
-        kConfig, p, {dr.get(), a.rows_out(), a.cols_out(), a_copy.get(), inter}, Operands::kFp8XWt);
+        config_of(Program::kRmsnormSwigluFp8), p, {dr.get(), a.rows_out(), a.cols_out(), a_copy.get(), inter}, Operands::kFp8XWt);
 
     const auto ref = reference::fp8_rmsnorm_swiglu<double>(qh, qw, r);
     const std::vector<double> a_got = download_bf16(a_copy);
@@ -160,7 +171,7 @@ TEST_F(GpuKernelTest, Fp8RmsnormRopeMatchesTheRecipe) {
         p.d = qkv.get();
         p.ldd = s.n;
         run<Program::kRmsnormRope>(
-            kConfig, p,
+            config_of(Program::kRmsnormRope), p,
             {dr.get(), with_bias ? db.get() : nullptr, dpos.get(), dhi.get(), dlo.get()},
             Operands::kFp8XWt);
         expect_close("qkv " + at(s) + (with_bias ? " bias" : ""), download_bf16(qkv),
@@ -202,7 +213,7 @@ TEST_F(GpuKernelTest, Fp8RmsnormQkNormRopeMatchesTheRecipe) {
                             qkv.get(), pre.get());
       GemmProblem p = fp8_problem(s, dh, dw);  // no D: the node stores qkv and qk_pre
       p.ldd = s.n;
-      run<Program::kRmsnormQkNormRope>(kConfig, p, args, Operands::kFp8XWt);
+      run<Program::kRmsnormQkNormRope>(config_of(Program::kRmsnormQkNormRope), p, args, Operands::kFp8XWt);
       const auto want =
           reference::fp8_rmsnorm_qk_norm_rope<double>(qh, qw, r, qg, kg, qk, pos, table);
       expect_close("qkv " + at(s) + " d=" + std::to_string(d), download_bf16(qkv), want.qkv);
@@ -246,7 +257,7 @@ TEST_F(GpuKernelTest, Fp8RmsnormBackwardQuantizesHOutAsTheRecipe) {
     p.ldd = hid;
     const RmsnormBackwardArgs b1{dx_in.get(), hid, dr.get(),     dgam.get(), dzdz.get(),
                                  nullptr,     0,   dgamma.get(), !absent};
-    run<Program::kRmsnormBackwardFp8>(kConfig, p, {b1, q.cols_out(), h_copy.get(), hid},
+    run<Program::kRmsnormBackwardFp8>(config_of(Program::kRmsnormBackwardFp8), p, {b1, q.cols_out(), h_copy.get(), hid},
                                       Operands::kFp8XWt);
 
     auto ref = reference::fp8_rmsnorm_backward<double>(qdz, qwt, x, r, gam, zdz,
@@ -282,12 +293,12 @@ TEST_F(GpuKernelTest, Fp8RmsnormSwigluWithFp8ZQuantizesZAsTheRecipe) {
     GemmProblem p = fp8_problem(s, dh, dw);
     p.d = z.get();
     p.ldd = two_i;
-    run<Program::kRmsnormSwigluFp8>(kConfig, p, {dr.get(), a.rows_out(), a.cols_out()},
+    run<Program::kRmsnormSwigluFp8>(config_of(Program::kRmsnormSwigluFp8), p, {dr.get(), a.rows_out(), a.cols_out()},
                                     Operands::kFp8XWt);
     RmsnormSwigluFp8ZArgs args;
     args.f2 = {dr.get(), a_z.rows_out(), a_z.cols_out()};
     args.z = zq.rows_out();
-    run<Program::kRmsnormSwigluFp8Z>(kConfig, fp8_problem(s, dh, dw), args, Operands::kFp8XWt);
+    run<Program::kRmsnormSwigluFp8Z>(config_of(Program::kRmsnormSwigluFp8Z), fp8_problem(s, dh, dw), args, Operands::kFp8XWt);
     zq.expect_quantizes_rows("z " + at(s), download_bf16(z));
     a_z.expect_same_as("a " + at(s), a);
   }
@@ -319,7 +330,7 @@ TEST_F(GpuKernelTest, Fp8SwigluBackwardWithFp8ZIsB2OfTheDecodedZ) {
     args.zdz_partials = zdz.get();
     args.dz = q.rows_out();
     args.dz_t = q.cols_out();
-    run<Program::kSwigluBackwardFp8>(kConfig, fp8_problem(s, ddx, dwdt), args, Operands::kFp8XWt);
+    run<Program::kSwigluBackwardFp8>(config_of(Program::kSwigluBackwardFp8), fp8_problem(s, ddx, dwdt), args, Operands::kFp8XWt);
     SwigluBackwardFp8ZArgs zargs;
     zargs.z = reinterpret_cast<const uint16_t*>(dzq.codes.get());
     zargs.ldz = inter;
@@ -328,7 +339,7 @@ TEST_F(GpuKernelTest, Fp8SwigluBackwardWithFp8ZIsB2OfTheDecodedZ) {
     zargs.zdz_partials = zdz_z.get();
     zargs.dz = q_z.rows_out();
     zargs.dz_t = q_z.cols_out();
-    run<Program::kSwigluBackwardFp8Z>(kConfig, fp8_problem(s, ddx, dwdt), zargs, Operands::kFp8XWt);
+    run<Program::kSwigluBackwardFp8Z>(config_of(Program::kSwigluBackwardFp8Z), fp8_problem(s, ddx, dwdt), zargs, Operands::kFp8XWt);
     q_z.expect_same_as("dz " + at(s), q);
     const std::vector<float> plain = zdz.download();
     std::vector<double> want(plain.begin(), plain.end());  // kSwigluBackwardFp8's
@@ -387,7 +398,7 @@ TEST_F(GpuKernelTest, Fp8SwigluBackwardQuantizesDzAsTheRecipe) {
     args.dz_t = q.cols_out();
     args.dz_copy = dz_copy.get();
     args.ld_dz_copy = 2 * inter;
-    run<Program::kSwigluBackwardFp8>(kConfig, p, args, Operands::kFp8XWt);
+    run<Program::kSwigluBackwardFp8>(config_of(Program::kSwigluBackwardFp8), p, args, Operands::kFp8XWt);
 
     auto ref = reference::fp8_swiglu_backward<double>(qdx, qwdt, z);
     const std::vector<double> dz_got = download_bf16(dz_copy);

@@ -256,7 +256,7 @@ enum class Program : int {
 };
 
 enum class Config : int {
-#define CODA_CONFIG(name, str, tile_m, tile_n, tile_k, cluster_m, cluster_n, cooperative) k##name,
+#define CODA_CONFIG(name, str, ...) k##name,
 #include "coda/kernel/table.def"
   kCount
 };
@@ -279,8 +279,8 @@ struct TileShapeMN {
 // Tile shape of a configuration (partial buffers depend on it).
 constexpr TileShapeMN tile_shape(Config c) {
   switch (c) {
-#define CODA_CONFIG(name, str, tile_m, tile_n, tile_k, cluster_m, cluster_n, cooperative) \
-  case Config::k##name:                                                                   \
+#define CODA_CONFIG(name, str, tile_m, tile_n, ...) \
+  case Config::k##name:                              \
     return {tile_m, tile_n};
 #include "coda/kernel/table.def"
     case Config::kCount:

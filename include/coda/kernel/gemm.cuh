@@ -24,8 +24,11 @@
 namespace coda::kernel {
 
 // ---- configurations -------------------------------------------------------------------------
-template <int TileM, int TileN, int TileK, int ClusterM, int ClusterN, bool Cooperative>
+template <int TileM, int TileN, int TileK, int ClusterM, int ClusterN, bool Cooperative,
+          bool PromotionUnderMma>
 struct KernelConfig {
+  // The blockwise FP8 mainloop's order (table.def; the bf16 mainloop has no promotion).
+  static constexpr bool kPromotionUnderMma = PromotionUnderMma;
   using TileShape = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::Int<TileK>>;
   using ClusterShape = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
   using MainloopSchedule =
@@ -42,10 +45,12 @@ struct KernelConfig {
 
 template <Config C>
 struct ConfigOf;
-#define CODA_CONFIG(name, str, tile_m, tile_n, tile_k, cluster_m, cluster_n, cooperative) \
+#define CODA_CONFIG(name, str, tile_m, tile_n, tile_k, cluster_m, cluster_n, cooperative, \
+                    promotion_under_mma)                                                 \
   template <>                                                                             \
   struct ConfigOf<Config::k##name> {                                                      \
-    using type = KernelConfig<tile_m, tile_n, tile_k, cluster_m, cluster_n, cooperative>; \
+    using type = KernelConfig<tile_m, tile_n, tile_k, cluster_m, cluster_n, cooperative,  \
+                              promotion_under_mma>;                                       \
   };
 #include "coda/kernel/table.def"
 
@@ -82,19 +87,12 @@ struct WithStagesC<
       Rest...>;
 };
 
-// A blockwise FP8 kernel with B in 128x128 blocks (Fp8XWt) promotes each k-tile under the next
-// one's MMAs (OverlappedPromotion) where its fusion sets kPromotionUnderMma: the programs whose K
-// is the hidden size (F2, F2z, B2, B2z), faster on it in A/B timings of both loops in one call.
-// The others keep CUTLASS's loop, which waits for each k-tile's MMAs before promoting it: on the
-// overlapped loop the plain GEMM ran 0.74-0.99x cuBLASLt at K >= 28672 (1.03-1.09x below at 1B /
-// 8B) and F1 and B1 up to 4% slower at K >= 14336, and one kernel serves every K
-// (docs/experiments.md). The weight gradient's per-column B scales keep CUTLASS's loop
-// (overlapped_promotion.cuh says why).
-template <class F, class = void>
-struct FusionPromotesUnderMma : std::false_type {};
-template <class F>
-struct FusionPromotesUnderMma<F, std::void_t<decltype(F::kPromotionUnderMma)>>
-    : std::bool_constant<F::kPromotionUnderMma> {};
+// A configuration with PromotionUnderMma runs the blockwise FP8 mainloop with each k-tile's
+// promotion under the next one's MMAs (OverlappedPromotion); the others CUTLASS's loop, which
+// waits for a k-tile's MMAs before promoting it. Which program runs on which is table.def's, and
+// which K the plain GEMM takes it to is the heuristic's (src/heuristic.cpp fp8_config).
+// OverlappedPromotion needs one B scale per tile: the weight gradient's per-column scales keep
+// CUTLASS's loop (overlapped_promotion.cuh says why).
 template <class Mainloop, class = void>
 struct OneScaleOfBPerTile : std::false_type {};
 template <class Mainloop>
@@ -242,10 +240,12 @@ struct GemmLauncher {
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       MainloopScheduleOf<Cfg, Operand::kBlockwise>>::CollectiveOp;
-  using CollectiveMainloop =
-      std::conditional_t<Operand::kBlockwise && FusionPromotesUnderMma<Fusion>::value &&
-                             OneScaleOfBPerTile<BuiltMainloop>::value,
-                         OverlappedPromotion<BuiltMainloop>, BuiltMainloop>;
+  static_assert(!Cfg::kPromotionUnderMma ||
+                    (Operand::kBlockwise && OneScaleOfBPerTile<BuiltMainloop>::value),
+                "a PromotionUnderMma configuration takes blockwise FP8 operands with B in "
+                "128x128 blocks (Fp8XWt)");
+  using CollectiveMainloop = std::conditional_t<Cfg::kPromotionUnderMma,
+                                                OverlappedPromotion<BuiltMainloop>, BuiltMainloop>;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>,
                                                       CollectiveMainloop, CollectiveEpilogue,

@@ -14,7 +14,6 @@ namespace coda::kernel {
 template <>
 struct FusionOf<Program::kRmsnormSwigluFp8> : FusionTypes<void, bfloat16_t, RmsnormSwigluFp8Args> {
   using Scheduler = PairedAlongN;
-  static constexpr bool kPromotionUnderMma = true;  // K is the hidden size (gemm.cuh)
   template <class EpilogueDesc>
   struct Build {
     using Tile = typename EpilogueDesc::TileShape;
@@ -40,7 +39,6 @@ namespace coda::kernel {
 template <>
 struct FusionOf<Program::kRmsnormSwigluFp8Z> : FusionTypes<void, void, RmsnormSwigluFp8ZArgs> {
   using Scheduler = PairedAlongN;
-  static constexpr bool kPromotionUnderMma = true;  // K is the hidden size (gemm.cuh)
   template <class EpilogueDesc>
   struct Build {
     using Tile = typename EpilogueDesc::TileShape;

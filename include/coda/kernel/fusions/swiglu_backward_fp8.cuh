@@ -17,7 +17,6 @@ namespace coda::kernel {
 // of bf16 B2's dz through the cast kernel.
 template <>
 struct FusionOf<Program::kSwigluBackwardFp8> : FusionTypes<uint32_t, void, SwigluBackwardFp8Args> {
-  static constexpr bool kPromotionUnderMma = true;  // K is the hidden size (gemm.cuh)
   // Two C stages (z's subtiles, 16 KB each) leave the mainloop four stages beside the staged
   // tile; three left it three.
   static constexpr int kStagesC = 2;
@@ -47,7 +46,6 @@ struct FusionOf<Program::kSwigluBackwardFp8> : FusionTypes<uint32_t, void, Swigl
 template <>
 struct FusionOf<Program::kSwigluBackwardFp8Z>
     : FusionTypes<uint16_t, void, SwigluBackwardFp8ZArgs> {
-  static constexpr bool kPromotionUnderMma = true;  // K is the hidden size (gemm.cuh)
   // 16-bit C subtiles (8 KB each). The builder marks C's ring for reuse as D's (16-bit C, the
   // store node's bf16 stand-in for D), which the collective drops for want of a D; gemm.cuh's
   // check of that reuse asks C for more stages than D's two, so C takes three.
