@@ -128,8 +128,9 @@ TEST_F(GpuKernelTest, Fp8RmsnormSwigluQuantizesAAsTheRecipe) {
     GemmProblem p = fp8_problem(s, dh, dw);
     p.d = z.get();
     p.ldd = two_i;
-    run<Program::kRmsnormSwigluFp8>(
-        config_of(Program::kRmsnormSwigluFp8), p, {dr.get(), a.rows_out(), a.cols_out(), a_copy.get(), inter}, Operands::kFp8XWt);
+    run<Program::kRmsnormSwigluFp8>(config_of(Program::kRmsnormSwigluFp8), p,
+                                    {dr.get(), a.rows_out(), a.cols_out(), a_copy.get(), inter},
+                                    Operands::kFp8XWt);
 
     const auto ref = reference::fp8_rmsnorm_swiglu<double>(qh, qw, r);
     const std::vector<double> a_got = download_bf16(a_copy);
@@ -213,7 +214,8 @@ TEST_F(GpuKernelTest, Fp8RmsnormQkNormRopeMatchesTheRecipe) {
                             qkv.get(), pre.get());
       GemmProblem p = fp8_problem(s, dh, dw);  // no D: the node stores qkv and qk_pre
       p.ldd = s.n;
-      run<Program::kRmsnormQkNormRope>(config_of(Program::kRmsnormQkNormRope), p, args, Operands::kFp8XWt);
+      run<Program::kRmsnormQkNormRope>(config_of(Program::kRmsnormQkNormRope), p, args,
+                                       Operands::kFp8XWt);
       const auto want =
           reference::fp8_rmsnorm_qk_norm_rope<double>(qh, qw, r, qg, kg, qk, pos, table);
       expect_close("qkv " + at(s) + " d=" + std::to_string(d), download_bf16(qkv), want.qkv);
@@ -257,8 +259,8 @@ TEST_F(GpuKernelTest, Fp8RmsnormBackwardQuantizesHOutAsTheRecipe) {
     p.ldd = hid;
     const RmsnormBackwardArgs b1{dx_in.get(), hid, dr.get(),     dgam.get(), dzdz.get(),
                                  nullptr,     0,   dgamma.get(), !absent};
-    run<Program::kRmsnormBackwardFp8>(config_of(Program::kRmsnormBackwardFp8), p, {b1, q.cols_out(), h_copy.get(), hid},
-                                      Operands::kFp8XWt);
+    run<Program::kRmsnormBackwardFp8>(config_of(Program::kRmsnormBackwardFp8), p,
+                                      {b1, q.cols_out(), h_copy.get(), hid}, Operands::kFp8XWt);
 
     auto ref = reference::fp8_rmsnorm_backward<double>(qdz, qwt, x, r, gam, zdz,
                                                        absent ? std::vector<double>{} : dres);
@@ -293,12 +295,13 @@ TEST_F(GpuKernelTest, Fp8RmsnormSwigluWithFp8ZQuantizesZAsTheRecipe) {
     GemmProblem p = fp8_problem(s, dh, dw);
     p.d = z.get();
     p.ldd = two_i;
-    run<Program::kRmsnormSwigluFp8>(config_of(Program::kRmsnormSwigluFp8), p, {dr.get(), a.rows_out(), a.cols_out()},
-                                    Operands::kFp8XWt);
+    run<Program::kRmsnormSwigluFp8>(config_of(Program::kRmsnormSwigluFp8), p,
+                                    {dr.get(), a.rows_out(), a.cols_out()}, Operands::kFp8XWt);
     RmsnormSwigluFp8ZArgs args;
     args.f2 = {dr.get(), a_z.rows_out(), a_z.cols_out()};
     args.z = zq.rows_out();
-    run<Program::kRmsnormSwigluFp8Z>(config_of(Program::kRmsnormSwigluFp8Z), fp8_problem(s, dh, dw), args, Operands::kFp8XWt);
+    run<Program::kRmsnormSwigluFp8Z>(config_of(Program::kRmsnormSwigluFp8Z), fp8_problem(s, dh, dw),
+                                     args, Operands::kFp8XWt);
     zq.expect_quantizes_rows("z " + at(s), download_bf16(z));
     a_z.expect_same_as("a " + at(s), a);
   }
@@ -330,7 +333,8 @@ TEST_F(GpuKernelTest, Fp8SwigluBackwardWithFp8ZIsB2OfTheDecodedZ) {
     args.zdz_partials = zdz.get();
     args.dz = q.rows_out();
     args.dz_t = q.cols_out();
-    run<Program::kSwigluBackwardFp8>(config_of(Program::kSwigluBackwardFp8), fp8_problem(s, ddx, dwdt), args, Operands::kFp8XWt);
+    run<Program::kSwigluBackwardFp8>(config_of(Program::kSwigluBackwardFp8),
+                                     fp8_problem(s, ddx, dwdt), args, Operands::kFp8XWt);
     SwigluBackwardFp8ZArgs zargs;
     zargs.z = reinterpret_cast<const uint16_t*>(dzq.codes.get());
     zargs.ldz = inter;
@@ -339,7 +343,8 @@ TEST_F(GpuKernelTest, Fp8SwigluBackwardWithFp8ZIsB2OfTheDecodedZ) {
     zargs.zdz_partials = zdz_z.get();
     zargs.dz = q_z.rows_out();
     zargs.dz_t = q_z.cols_out();
-    run<Program::kSwigluBackwardFp8Z>(config_of(Program::kSwigluBackwardFp8Z), fp8_problem(s, ddx, dwdt), zargs, Operands::kFp8XWt);
+    run<Program::kSwigluBackwardFp8Z>(config_of(Program::kSwigluBackwardFp8Z),
+                                      fp8_problem(s, ddx, dwdt), zargs, Operands::kFp8XWt);
     q_z.expect_same_as("dz " + at(s), q);
     const std::vector<float> plain = zdz.download();
     std::vector<double> want(plain.begin(), plain.end());  // kSwigluBackwardFp8's
@@ -398,7 +403,8 @@ TEST_F(GpuKernelTest, Fp8SwigluBackwardQuantizesDzAsTheRecipe) {
     args.dz_t = q.cols_out();
     args.dz_copy = dz_copy.get();
     args.ld_dz_copy = 2 * inter;
-    run<Program::kSwigluBackwardFp8>(config_of(Program::kSwigluBackwardFp8), p, args, Operands::kFp8XWt);
+    run<Program::kSwigluBackwardFp8>(config_of(Program::kSwigluBackwardFp8), p, args,
+                                     Operands::kFp8XWt);
 
     auto ref = reference::fp8_swiglu_backward<double>(qdx, qwdt, z);
     const std::vector<double> dz_got = download_bf16(dz_copy);

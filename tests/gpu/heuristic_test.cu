@@ -112,8 +112,7 @@ TEST(Heuristic, Fp8GemmsCapTheSwizzleAt2FromK32768) {
 // cuBLASLt from K = 28672); F2, F2z, B2 and B2z always overlap, F1, B1, F3, F3q and the weight
 // gradient never (src/heuristic.cpp).
 TEST(Heuristic, Fp8PromotionUnderTheMmasUpToK16384) {
-  const Config overlap = Config::kCoop128x128x128_1x2_Overlap,
-               stock = Config::kCoop128x128x128_1x2;
+  const Config overlap = Config::kCoop128x128x128_1x2_Overlap, stock = Config::kCoop128x128x128_1x2;
   for (int m : {1, 300, 8192, 16384})
     for (int n : {8, 2048, 8192, 28672}) {
       const std::string at = "M=" + std::to_string(m) + " N=" + std::to_string(n);
@@ -122,23 +121,22 @@ TEST(Heuristic, Fp8PromotionUnderTheMmasUpToK16384) {
                   overlap)
             << at << " K=" << k;
       for (int k : {16400, 28672, 57344})
-        EXPECT_EQ(choose_config(Program::kPlain, Operands::kFp8XWt, {m, n, k}, kH200).config,
-                  stock)
+        EXPECT_EQ(choose_config(Program::kPlain, Operands::kFp8XWt, {m, n, k}, kH200).config, stock)
             << at << " K=" << k;
       for (int k : {2048, 57344}) {
-        EXPECT_EQ(choose_config(Program::kPlain, Operands::kFp8XYt, {m, n, k}, kH200).config,
-                  stock)
+        EXPECT_EQ(choose_config(Program::kPlain, Operands::kFp8XYt, {m, n, k}, kH200).config, stock)
             << at << " K=" << k;
-        EXPECT_EQ(choose_config(Program::kAccumulateF32, Operands::kFp8XYt, {m, n, k}, kH200).config,
-                  stock)
+        EXPECT_EQ(
+            choose_config(Program::kAccumulateF32, Operands::kFp8XYt, {m, n, k}, kH200).config,
+            stock)
             << at << " K=" << k;
         for (Program p : {Program::kRmsnormSwigluFp8, Program::kRmsnormSwigluFp8Z,
                           Program::kSwigluBackwardFp8, Program::kSwigluBackwardFp8Z})
           EXPECT_EQ(choose_config(p, Operands::kFp8XWt, {m, n, k}, kH200).config, overlap)
               << program_name(p) << " " << at << " K=" << k;
-        for (Program p : {Program::kResidualRmsnormFp8, Program::kResidualRmsnormPartial,
-                          Program::kRmsnormBackwardFp8, Program::kRmsnormRope,
-                          Program::kRmsnormQkNormRope})
+        for (Program p :
+             {Program::kResidualRmsnormFp8, Program::kResidualRmsnormPartial,
+              Program::kRmsnormBackwardFp8, Program::kRmsnormRope, Program::kRmsnormQkNormRope})
           EXPECT_EQ(choose_config(p, Operands::kFp8XWt, {m, n, k}, kH200).config, stock)
               << program_name(p) << " " << at << " K=" << k;
       }

@@ -280,7 +280,7 @@ struct TileShapeMN {
 constexpr TileShapeMN tile_shape(Config c) {
   switch (c) {
 #define CODA_CONFIG(name, str, tile_m, tile_n, ...) \
-  case Config::k##name:                              \
+  case Config::k##name:                             \
     return {tile_m, tile_n};
 #include "coda/kernel/table.def"
     case Config::kCount:

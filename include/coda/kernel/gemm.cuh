@@ -46,7 +46,7 @@ struct KernelConfig {
 template <Config C>
 struct ConfigOf;
 #define CODA_CONFIG(name, str, tile_m, tile_n, tile_k, cluster_m, cluster_n, cooperative, \
-                    promotion_under_mma)                                                 \
+                    promotion_under_mma)                                                  \
   template <>                                                                             \
   struct ConfigOf<Config::k##name> {                                                      \
     using type = KernelConfig<tile_m, tile_n, tile_k, cluster_m, cluster_n, cooperative,  \
