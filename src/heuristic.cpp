@@ -111,15 +111,15 @@ KernelChoice plain_xw(const GemmShape& s) {
 // at the 1B and 8B shapes with K <= 16384 and 0.94-1.09x at 70B with K <= 10240, against
 // 0.99-1.02x on CUTLASS's loop, but 0.91-0.99x at K = 28672 and 0.74-0.82x at K = 57344
 // (bench/results/2026-12-06-run7-promotion-ab.txt, call 3; one H100): the overlapped loop to
-// K = 16384, CUTLASS's above. F2, F2z, B2 and B2z (K = the hidden size) are compiled on the
-// overlapped loop only, the other programs and the weight gradient on CUTLASS's.
+// K = 16384, CUTLASS's above. Every other program is compiled on one of the two (F2, F2z, B2 and
+// B2z, whose K is the hidden size, on the overlapped loop), and that one is its choice.
 constexpr int kOverlapMaxK = 16384;
 KernelChoice fp8_config(Program p, Operands o, const GemmShape& s) {
   const SchedulerOptions order = ping_order(s, s.k >= 32768 ? 2 : 8);
-  const bool overlap = p == Program::kRmsnormSwigluFp8 || p == Program::kRmsnormSwigluFp8Z ||
-                       p == Program::kSwigluBackwardFp8 || p == Program::kSwigluBackwardFp8Z ||
-                       (p == Program::kPlain && o == Operands::kFp8XWt && s.k <= kOverlapMaxK);
-  return {overlap ? Config::kCoop128x128x128_1x2_Overlap : Config::kCoop128x128x128_1x2, order};
+  const Config overlap = Config::kCoop128x128x128_1x2_Overlap, stock = Config::kCoop128x128x128_1x2;
+  if (!in_table(p, overlap, o)) return {stock, order};
+  if (!in_table(p, stock, o)) return {overlap, order};
+  return {s.k <= kOverlapMaxK ? overlap : stock, order};
 }
 
 KernelChoice program_config(Program p, const GemmShape& s) {

@@ -91,13 +91,8 @@ struct WithStagesC<
 // promotion under the next one's MMAs (OverlappedPromotion); the others CUTLASS's loop, which
 // waits for a k-tile's MMAs before promoting it. Which program runs on which is table.def's, and
 // which K the plain GEMM takes it to is the heuristic's (src/heuristic.cpp fp8_config).
-// OverlappedPromotion needs one B scale per tile: the weight gradient's per-column scales keep
-// CUTLASS's loop (overlapped_promotion.cuh says why).
-template <class Mainloop, class = void>
-struct OneScaleOfBPerTile : std::false_type {};
-template <class Mainloop>
-struct OneScaleOfBPerTile<Mainloop, std::enable_if_t<Mainloop::ScaleNsPerTile == 1>>
-    : std::true_type {};
+// OverlappedPromotion needs one B scale per tile (it checks): the weight gradient's per-column
+// scales keep CUTLASS's loop (overlapped_promotion.cuh says why).
 
 // A fusion may name its tile scheduler tag (Scheduler); the stock persistent scheduler otherwise.
 // F2 with FP8 a runs each CTA's tiles in pairs along N (paired_scheduler.cuh).
@@ -240,10 +235,8 @@ struct GemmLauncher {
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       MainloopScheduleOf<Cfg, Operand::kBlockwise>>::CollectiveOp;
-  static_assert(!Cfg::kPromotionUnderMma ||
-                    (Operand::kBlockwise && OneScaleOfBPerTile<BuiltMainloop>::value),
-                "a PromotionUnderMma configuration takes blockwise FP8 operands with B in "
-                "128x128 blocks (Fp8XWt)");
+  static_assert(!Cfg::kPromotionUnderMma || Operand::kBlockwise,
+                "a PromotionUnderMma configuration takes blockwise FP8 operands");
   using CollectiveMainloop = std::conditional_t<Cfg::kPromotionUnderMma,
                                                 OverlappedPromotion<BuiltMainloop>, BuiltMainloop>;
 

@@ -128,7 +128,7 @@ struct OverlappedPromotion : Base {
     // Issue k-tile k into one temporary, wait for k - 1's (the other) and promote it, read k's
     // scales, release k - 1's stage. A stage's scales are read a whole step before its release
     // (reading them at the promotion, just before the release, let the producer's refill of the
-    // stage overtake the read under racecheck: F2's codes wrong). One scale set is live at a time.
+    // stage overtake the read under racecheck: F2z's codes wrong). One scale set is live at a time.
     auto step = [&](auto& acc_next, Scales& sa_next, auto& acc_prev, Scales const& sa_prev) {
       pipeline.consumer_wait(smem_pipe_read);
       issue(acc_next, smem_pipe_read.index());
