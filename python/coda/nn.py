@@ -123,11 +123,13 @@ def _attention(c: LlamaConfig, qkv: Tensor, batch: int, attention: Attention) ->
     """The attention of packed ``qkv (M, W)``: ``(M, Hq * d)``, contiguous."""
     M = qkv.shape[0]
     seq = M // batch
-    # (M, W) -> (B, S, heads, d) -> per-part (B, heads, S, d) views; no copy needed.
+    # (M, W) -> (B, S, heads, d) -> per-part (B, heads, S, d) views; no copy needed. Split, not
+    # sliced: split's backward concatenates the three gradients in one pass, where each slice's
+    # would be a zero-filled tensor of qkv's size with its part copied in, the three then summed
+    # (three fills, three copies and two additions over qkv's bytes in every layer's backward).
     qkv = qkv.view(batch, seq, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
-    q = qkv[:, :, : c.num_heads].transpose(1, 2)
-    k = qkv[:, :, c.num_heads : c.num_heads + c.num_kv_heads].transpose(1, 2)
-    v = qkv[:, :, c.num_heads + c.num_kv_heads :].transpose(1, 2)
+    q, k, v = (t.transpose(1, 2) for t in qkv.split([c.num_heads, c.num_kv_heads,
+                                                        c.num_kv_heads], dim=2))
     y = attention(q, k, v)
     if y.shape != q.shape:
         raise ValueError(f"attention must return {tuple(q.shape)} (B, Hq, S, d), "

@@ -281,9 +281,9 @@ class TensorParallelLlama(nn.Module):
             # attention: gathered rows, this rank's heads; out-proj partial -> reduce-scatter
             qkv = self._qkv(_GatherRows.apply(x, g), self.gamma_attn[n], layer.w_qkv, pos, rope)
             qkv = qkv.view(batch, seq, self.heads + 2 * self.kv_heads, d)
-            q = qkv[:, :, : self.heads].transpose(1, 2)
-            k = qkv[:, :, self.heads : self.heads + self.kv_heads].transpose(1, 2)
-            v = qkv[:, :, self.heads + self.kv_heads :].transpose(1, 2)
+            # split, not sliced: one concatenation of the gradients (nn._attention)
+            q, k, v = (t.transpose(1, 2) for t in qkv.split(
+                [self.heads, self.kv_heads, self.kv_heads], dim=2))
             y = sdpa_causal(q, k, v).transpose(1, 2).reshape(M, self.heads * d)
             x = x + _ReduceScatterRows.apply(F.linear(y, layer.w_o), g)
             # MLP: gathered rows, this rank's intermediate slice; partial -> reduce-scatter
