@@ -10,6 +10,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import coda
 from coda import convert
@@ -236,7 +237,7 @@ def test_custom_attention_callable():
     assert_rel(got, want, 1e-12, "loss with a user attention")
 
 
-class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+class _CountOps(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.calls = {}
