@@ -251,8 +251,8 @@ class _CountOps(TorchDispatchMode):
 def test_attention_gradients_return_to_qkv_in_one_concatenation():
     """Each layer's q, k, v gradients reach the packed qkv as one aten.cat (split's backward),
     not as three zero-filled qkv-sized tensors, each with its part copied in, summed
-    (slice_backward and two additions): one pass over qkv's bytes instead of eight. The one
-    addition left per layer is the residual stream's gradient sum."""
+    (slice_backward and two additions): qkv's bytes read and written once instead of eleven
+    times. The one addition left per layer is the residual stream's gradient sum."""
     model = convert.from_hf(make_hf("untied"))
     ids, labels = batch(seed=6)
     loss = model(ids, labels=labels)
