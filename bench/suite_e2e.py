@@ -20,6 +20,8 @@ and peak memory, for the systems people train LLaMA with, from one initializatio
   coda_fp8_z_recast
                   coda_fp8_z with fp8_weight_cache=False: no FP8 copy of a weight kept (each
                   forward casts w, each backward casts wᵀ), a's copy kept
+  coda_fp8_ra_recast
+                  coda_fp8_ra with fp8_weight_cache=False (z in bf16)
   coda_fp8_lean   coda_fp8_ra with fp8_z and fp8_weight_cache=False: no FP8 copy of a weight
                   kept, each forward casts w and each backward casts wᵀ (recast_w_t): the least
                   memory, for two weight casts a micro-batch instead of one an optimizer step
@@ -75,8 +77,8 @@ MODEL_SHAPES = {
 }
 SYSTEMS = ("hf_eager", "hf_compile", "liger", "coda", "coda_compile", "coda_patched")
 FP8_SYSTEMS = ("coda_fp8", "torchao_fp8_tensorwise", "torchao_fp8_rowwise", "coda_fp8_ra",
-               "coda_fp8_z", "coda_fp8_z_recast", "coda_fp8_lean", "coda_fp8_cutlass",
-               "coda_patched_fp8")
+               "coda_fp8_z", "coda_fp8_z_recast", "coda_fp8_ra_recast", "coda_fp8_lean",
+               "coda_fp8_cutlass", "coda_patched_fp8")
 # The FP8 comparison (suite.py --e2e-systems fp8): the FP8 systems beside our bf16 path and the
 # fastest bf16 peers of the default run, all in one run; coda's FP8 variants last, so a run cut
 # short by its time limit keeps the peers.
@@ -147,14 +149,14 @@ def build(system, cfg):
 
         precision = "fp8" if system == "coda_patched_fp8" else "bf16"
         return patch_hf(hf, precision), lambda m, ids: m(input_ids=ids, labels=ids).loss
-    fp8 = system in ("coda_fp8", "coda_fp8_ra", "coda_fp8_z", "coda_fp8_z_recast", "coda_fp8_lean",
-                     "coda_fp8_cutlass")
+    fp8 = system in ("coda_fp8", "coda_fp8_ra", "coda_fp8_z", "coda_fp8_z_recast",
+                     "coda_fp8_ra_recast", "coda_fp8_lean", "coda_fp8_cutlass")
     if system == "coda_fp8_cutlass":  # process-wide; each system runs in a process of its own
         torch.ops.coda.set_fp8_wgrad_backend("cutlass")
     model = coda.convert.from_hf(hf, precision="fp8" if fp8 else "bf16")
-    model.fp8_recompute_a = system in ("coda_fp8_ra", "coda_fp8_lean")
+    model.fp8_recompute_a = system in ("coda_fp8_ra", "coda_fp8_ra_recast", "coda_fp8_lean")
     model.fp8_z = system in ("coda_fp8_z", "coda_fp8_z_recast", "coda_fp8_lean")
-    if system in ("coda_fp8_z_recast", "coda_fp8_lean"):
+    if system in ("coda_fp8_z_recast", "coda_fp8_ra_recast", "coda_fp8_lean"):
         model.fp8_weight_cache = False
     del hf
     if system == "coda_compile":
