@@ -9,6 +9,7 @@ import sys
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def max_abs(t: Tensor) -> float:
@@ -67,3 +68,20 @@ def run_gloo(fn, world: int, *args) -> dict:
             start_method="spawn",
         )
         return dict(out)
+
+
+class CountOps(TorchDispatchMode):
+    """Counts the ops dispatched while active, by schema name: ``calls["aten::cat"]`` (0 for
+    an op that did not run)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: dict[str, int] = {}
+
+    def __getitem__(self, name: str) -> int:
+        return self.calls.get(name, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        self.calls[name] = self.calls.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))

@@ -8,25 +8,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import coda  # noqa: F401  (loads the extension: torch.ops.coda)
 import coda.nn
+from helpers import CountOps
 from test_fp8_block_cpu import (e4m3_as_bytes, mlp_args, out_proj_args, small_case, tiny_batch,
                                 tiny_models, weight_cache)
 from test_fp8_cpu import E4M3, same_codes
 
 CODA = torch.ops.coda
-
-
-class CountOps(TorchDispatchMode):
-    def __init__(self, name):
-        super().__init__()
-        self.name, self.calls = name, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls += func._schema.name == self.name
-        return func(*args, **(kwargs or {}))
 
 
 # The optimizers a step must be seen from: a per-parameter loop (moves the version counters) and
@@ -52,12 +42,11 @@ def test_fp8_weight_cache_quantizes_once_per_step(optimizer):
     n_weights = 4 * len(model.layers)
 
     def step_calls():
-        count = CountOps("coda::fp8_quantize_blocks")
-        transposes = CountOps("coda::fp8_transpose_blocks")
-        with count, transposes:
+        count = CountOps()
+        with count:
             model(ids, labels).backward()
-        assert transposes.calls == n_weights
-        return count.calls
+        assert count["coda::fp8_transpose_blocks"] == n_weights
+        return count["coda::fp8_quantize_blocks"]
 
     assert step_calls() == n_weights
     first = layer.fp8_weights()
@@ -110,10 +99,10 @@ def test_refresh_fp8_weights_is_a_no_op_in_bf16_and_fills_an_empty_cache():
     model.refresh_fp8_weights()
     made = [layer.fp8_weights() for layer in model.layers]
     ids, labels = tiny_batch()
-    count = CountOps("coda::fp8_quantize_blocks")
+    count = CountOps()
     with count:
         model(ids, labels).backward()
-    assert count.calls == 0
+    assert count["coda::fp8_quantize_blocks"] == 0
     for layer, entries in zip(model.layers, made):
         assert all(entries[n] is layer.fp8_weights()[n] for n in entries)
 
@@ -127,10 +116,10 @@ def test_fp8_weight_cache_off_keeps_nothing_and_requantizes_every_forward():
     model.fp8_weight_cache = False
     ids, labels = tiny_batch()
     for _ in range(2):
-        count = CountOps("coda::fp8_quantize_blocks")
+        count = CountOps()
         with count:
             model(ids, labels).backward()
-        assert count.calls == 2 * 4 * len(model.layers)
+        assert count["coda::fp8_quantize_blocks"] == 2 * 4 * len(model.layers)
         assert all(not layer._fp8_cache._entries for layer in model.layers)
 
 
@@ -273,12 +262,12 @@ def test_uncached_weights_keep_nothing_fp8_of_a_weight_for_the_backward():
     ids, labels = tiny_batch()
     cached = train_step(fp8, ids, labels)
     fp8.fp8_weight_cache = False
-    casts = CountOps("coda::fp8_quantize_blocks")
+    casts = CountOps()
     with casts:
         recast = train_step(fp8, ids, labels)
     assert all(not layer._fp8_cache._entries for layer in fp8.layers)
     weights = projection_weights(fp8)
-    assert casts.calls == 2 * len(weights)
+    assert casts["coda::fp8_quantize_blocks"] == 2 * len(weights)
     same_step(recast, cached)
     assert cached[2] - recast[2] == block_bytes(weights), (cached[2], recast[2])
 

@@ -10,11 +10,10 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import coda
 from coda import convert
-from helpers import assert_rel
+from helpers import CountOps, assert_rel
 
 transformers = pytest.importorskip("transformers")
 
@@ -237,17 +236,6 @@ def test_custom_attention_callable():
     assert_rel(got, want, 1e-12, "loss with a user attention")
 
 
-class _CountOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.calls = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func._schema.name
-        self.calls[name] = self.calls.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
-
-
 def test_attention_gradients_return_to_qkv_in_one_concatenation():
     """Each layer's q, k, v gradients reach the packed qkv as one aten.cat (split's backward),
     not as three zero-filled qkv-sized tensors, each with its part copied in, summed
@@ -256,13 +244,13 @@ def test_attention_gradients_return_to_qkv_in_one_concatenation():
     model = convert.from_hf(make_hf("untied"))
     ids, labels = batch(seed=6)
     loss = model(ids, labels=labels)
-    count = _CountOps()
+    count = CountOps()
     with count:
         loss.backward()
     layers = model.config.num_layers
-    assert count.calls.get("aten::slice_backward", 0) == 0, count.calls
-    assert count.calls.get("aten::cat", 0) == layers, count.calls
-    assert count.calls.get("aten::add", 0) == layers, count.calls
+    assert count["aten::slice_backward"] == 0, count.calls
+    assert count["aten::cat"] == layers, count.calls
+    assert count["aten::add"] == layers, count.calls
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
