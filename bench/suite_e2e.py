@@ -75,6 +75,13 @@ MODEL_SHAPES = {
     "qwen3-1.7B": dict(family="qwen3", layers=8, hidden=2048, heads=16, kv_heads=8, head_dim=128,
                        intermediate=6144, vocab=151936, tie=True, batch=4, seq=4096),
 }
+# coda.nn's FP8 systems: (fp8_recompute_a, fp8_z, weight cache kept) of each (docstring above).
+FP8_VARIANTS = {
+    "coda_fp8": (False, False, True), "coda_fp8_cutlass": (False, False, True),
+    "coda_fp8_ra": (True, False, True), "coda_fp8_z": (False, True, True),
+    "coda_fp8_z_recast": (False, True, False), "coda_fp8_ra_recast": (True, False, False),
+    "coda_fp8_lean": (True, True, False),
+}
 SYSTEMS = ("hf_eager", "hf_compile", "liger", "coda", "coda_compile", "coda_patched")
 FP8_SYSTEMS = ("coda_fp8", "torchao_fp8_tensorwise", "torchao_fp8_rowwise", "coda_fp8_ra",
                "coda_fp8_z", "coda_fp8_z_recast", "coda_fp8_ra_recast", "coda_fp8_lean",
@@ -149,15 +156,14 @@ def build(system, cfg):
 
         precision = "fp8" if system == "coda_patched_fp8" else "bf16"
         return patch_hf(hf, precision), lambda m, ids: m(input_ids=ids, labels=ids).loss
-    fp8 = system in ("coda_fp8", "coda_fp8_ra", "coda_fp8_z", "coda_fp8_z_recast",
-                     "coda_fp8_ra_recast", "coda_fp8_lean", "coda_fp8_cutlass")
+    fp8 = FP8_VARIANTS.get(system)
     if system == "coda_fp8_cutlass":  # process-wide; each system runs in a process of its own
         torch.ops.coda.set_fp8_wgrad_backend("cutlass")
     model = coda.convert.from_hf(hf, precision="fp8" if fp8 else "bf16")
-    model.fp8_recompute_a = system in ("coda_fp8_ra", "coda_fp8_ra_recast", "coda_fp8_lean")
-    model.fp8_z = system in ("coda_fp8_z", "coda_fp8_z_recast", "coda_fp8_lean")
-    if system in ("coda_fp8_z_recast", "coda_fp8_ra_recast", "coda_fp8_lean"):
-        model.fp8_weight_cache = False
+    if fp8:
+        model.fp8_recompute_a, model.fp8_z, cache = fp8
+        if not cache:
+            model.fp8_weight_cache = False
     del hf
     if system == "coda_compile":
         for layer in model.layers:
