@@ -157,25 +157,31 @@ def fp8_fused_table(d, files=None):
                 "`fused`: the output in 1x128 blocks and its transposed 128x1 copy; `rows`: "
                 "without the copy; `plain`: our FP8 GEMM of the same shape; `GEMM then cast`: the "
                 "plain GEMM followed by the rows+t cast of a bf16 tensor of the output's shape, a "
-                "lower bound for the unfused path. Target: fused / plain <= 1.05.\n",
+                "lower bound for the unfused path; `split`: the op as the models run it by "
+                "default where it splits (B2: the plain GEMM's bf16 da, then one pass for dSwiGLU "
+                "and both casts; `coda.set_fp8_epilogue`). Target: fused / plain <= 1.05.\n",
                 "| model | M | program | proj | M×N×K | fused ms | rows ms | plain ms | "
-                "GEMM then cast ms | cuBLASLt ms | fused / plain | rows / plain |"
-                + (" file |" if files else ""),
-                "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if files else "")]
+                "GEMM then cast ms | split ms | cuBLASLt ms | fused / plain | rows / plain | "
+                "split / plain |" + (" file |" if files else ""),
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+                + ("---|" if files else "")]
         for r in fused:
             ms = r["ms"]
             lt = f"{ms['cublaslt']:.3f}" if "cublaslt" in ms else "—"
             rows = f"{ms['fused_rows']:.3f}" if "fused_rows" in ms else "—"
             rows_ratio = (f"{r['fused_rows_over_plain']:.3f}" if "fused_rows_over_plain" in r
                           else "—")
+            split = f"{ms['split']:.3f}" if "split" in ms else "—"
+            split_ratio = f"{r['split_over_plain']:.3f}" if "split_over_plain" in r else "—"
             out.append(f"| {r['model']} | {r['M']} | {r['program']} | {r['proj']} | "
                        f"{'×'.join(map(str, r['gemm']))} | {ms['fused']:.3f} | {rows} | "
-                       f"{ms['coda']:.3f} | {ms['gemm_then_cast']:.3f} | "
-                       f"{lt} | {r['fused_over_plain']:.3f} | {rows_ratio} |"
+                       f"{ms['coda']:.3f} | {ms['gemm_then_cast']:.3f} | {split} | "
+                       f"{lt} | {r['fused_over_plain']:.3f} | {rows_ratio} | {split_ratio} |"
                        + (f" {files[id(r)]} |" if files else ""))
         out.append("")
         for program in sorted({r["program"] for r in fused}):
-            for key, what in (("fused_over_plain", ""), ("fused_rows_over_plain", " rows")):
+            for key, what in (("fused_over_plain", ""), ("fused_rows_over_plain", " rows"),
+                              ("split_over_plain", " split")):
                 ratios = [r[key] for r in fused if r["program"] == program and key in r]
                 if not ratios:
                     continue

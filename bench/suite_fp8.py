@@ -36,6 +36,8 @@ Variants:
   coda           our plain FP8 GEMM (bf16 out)
   gemm_then_cast the plain GEMM, then the rows+t cast of a bf16 tensor of the quantized output's
                  shape: a lower bound for the unfused path (its elementwise pass left out)
+  split          B2, B2z: the op split, as the models run it by default (the plain GEMM's bf16
+                 output, then the elementwise half and both casts in one pass)
   cublaslt       cuBLASLt's blockwise GEMM
 Cast rows: the standalone casts at this shape, against a device-to-device copy of the
 same input (bytes read + written), interleaved:
@@ -54,6 +56,9 @@ from suite_chain import MODELS
 CODA = torch.ops.coda
 # The fused programs fused_cases times (suite.py --fp8-programs names a subset).
 FUSED_PROGRAMS = ("F1", "F2", "F2z", "B1", "B2", "B2z")
+# The programs that also run split (the plain GEMM, then their elementwise half as a pass of its
+# own: coda.set_fp8_epilogue("split")), timed as the `split` variant.
+SPLIT_PROGRAMS = ("B2", "B2z")
 BF16 = torch.bfloat16
 
 
@@ -253,7 +258,24 @@ def dswiglu(da, z):
     return torch.stack([da * up * sig * (1 + gate * (1 - sig)), da * gate * sig], 2).flatten(1)
 
 
+def split(run):
+    """run() with the programs' elementwise half as a pass of its own (coda.set_fp8_epilogue)."""
+    old = CODA.set_fp8_epilogue("split")
+    try:
+        return run()
+    finally:
+        CODA.set_fp8_epilogue(old)
+
+
 def fused_rows(model, m, sec, progress, programs=None):
+    old = CODA.set_fp8_epilogue("fused")  # `fused` is the epilogue; `split` is timed beside it
+    try:
+        fused_rows_placed(model, m, sec, progress, programs)
+    finally:
+        CODA.set_fp8_epilogue(old)
+
+
+def fused_rows_placed(model, m, sec, progress, programs):
     for program, proj, (gm, gn, gk), operands, out_shape, fused, check in fused_cases(model, m):
         assert program in FUSED_PROGRAMS, program
         if programs is not None and program not in programs:
@@ -281,6 +303,14 @@ def fused_rows(model, m, sec, progress, programs=None):
         variants = {"fused": lambda: fused(True)}
         if program != "B1":  # B1 writes only the transposed copy: no rows-only variant
             variants["fused_rows"] = lambda: fused(False)
+        if program in SPLIT_PROGRAMS:
+            got_s, want_s, tol_s = check(split(lambda: fused(True)), CODA.fp8_gemm(*operands))
+            row["split_rel_err"] = rel_err(got_s, want_s)
+            if row["split_rel_err"] <= tol_s:
+                variants["split"] = lambda: split(lambda: fused(True))
+            else:
+                print(f"FAIL fp8 split {model} M={m} {program} {proj}: relative error "
+                      f"{row['split_rel_err']:.3g} (bound {tol_s})", flush=True)
         variants.update({"coda": lambda o=operands: CODA.fp8_gemm(*o),
                          "gemm_then_cast": gemm_then_cast})
         ac, acs, wc, wcs = operands
@@ -297,6 +327,8 @@ def fused_rows(model, m, sec, progress, programs=None):
         if "fused_rows" in ms:
             row["fused_rows_over_plain"] = ms["fused_rows"] / ms["coda"]
         row["gemm_then_cast_over_fused"] = ms["gemm_then_cast"] / ms["fused"]
+        if "split" in ms:
+            row["split_over_plain"] = ms["split"] / ms["coda"]
         sec["fused_rows"].append(row)
         print(
             f"fp8 fused {model:10s} M={m:5d} {program} {proj:11s} "

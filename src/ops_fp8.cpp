@@ -2,6 +2,10 @@
 // FP8 operands, each with its argument checks, kernel choice and launch (src/ops_internal.hpp).
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+
 #include "coda/common/check.hpp"
 #include "coda/kernel/args.hpp"
 #include "coda/kernel/quantize.hpp"
@@ -406,6 +410,67 @@ void gemm_fp8_swiglu_backward_fp8_z(View dx_out, View dx_out_scales, View w_down
   args.dz = s.out.rows;
   args.dz_t = s.out.cols;
   launch<Program::kSwigluBackwardFp8Z>(c, Operands::kFp8XWt, s.kc, s.p, args, stream);
+}
+
+PartialLayout fp8_swiglu_backward_split_partials_layout(int64_t m, int64_t intermediate) {
+  CODA_CHECK(m > 0 && intermediate > 0, "coda::ops::fp8_swiglu_backward_split_partials_layout: M ",
+             "and I must be positive, got ", m, " and ", intermediate);
+  constexpr int64_t kTile = kernel::ScaleLayout::kBlock;
+  return PartialLayout::per_row(m, intermediate, kTile, kTile);
+}
+
+void fp8_swiglu_backward_quantize(View da, View z, View z_scales, View dz, View dz_scales,
+                                  View dz_t, View dz_t_scales, View zdz_partials,
+                                  cudaStream_t stream) {
+  Args c("coda::ops::fp8_swiglu_backward_quantize");
+  CODA_CHECK(da.dims == 2, c.op(), ": da must be a matrix");
+  const int64_t m = da.rows, inter = da.cols;
+  CODA_CHECK(m > 0 && inter > 0 && inter % 8 == 0 && m < (int64_t(1) << 31) &&
+                 inter < (int64_t(1) << 30),
+             c.op(), ": da must be (M, I) with I a multiple of 8, both positive and below 2^30, ",
+             "got (", m, ", ", inter, ")");
+  c.matrix("da", da, kBf, m, inter);
+  const bool fp8_z = z_scales.data != nullptr;
+  c.matrix("z", z, fp8_z ? DType::kE4M3 : kBf, m, 2 * inter);
+  if (fp8_z) c.scales("z_scales", z_scales, blocks(2 * inter), m, true);
+  const RowOutputs out = row_outputs(c, "dz", dz, "dz_scales", dz_scales, "dz_t", dz_t,
+                                     "dz_t_scales", dz_t_scales, m, 2 * inter);
+  c.partials("zdz_partials", zdz_partials, fp8_swiglu_backward_split_partials_layout(m, inter));
+  c.on_device();
+  kernel::swiglu_backward_quantize_fp8(bf(da), da.ld, z.data, z.ld,
+                                       fp8_z ? f32(z_scales) : nullptr, z_scales.ld, m, inter,
+                                       out.rows, out.cols, f32_out(zdz_partials), zdz_partials.ld,
+                                       stream);
+}
+
+namespace {
+std::atomic<int> g_placement{-1};  // -1: not yet read from the environment
+Fp8EpiloguePlacement placement_from_environment() {
+  const char* v = std::getenv("CODA_FP8_EPILOGUE");
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "auto") == 0) return Fp8EpiloguePlacement::kAuto;
+  if (std::strcmp(v, "fused") == 0) return Fp8EpiloguePlacement::kFused;
+  CODA_CHECK(std::strcmp(v, "split") == 0,
+             "CODA_FP8_EPILOGUE must be 'auto', 'fused' or 'split', got '", v, "'");
+  return Fp8EpiloguePlacement::kSplit;
+}
+}  // namespace
+
+Fp8EpiloguePlacement fp8_epilogue_placement() {
+  int p = g_placement.load(std::memory_order_relaxed);
+  if (p < 0) {
+    int expected = -1;
+    g_placement.compare_exchange_strong(expected, int(placement_from_environment()));
+    p = g_placement.load(std::memory_order_relaxed);
+  }
+  return Fp8EpiloguePlacement(p);
+}
+void set_fp8_epilogue_placement(Fp8EpiloguePlacement placement) {
+  g_placement.store(int(placement), std::memory_order_relaxed);
+}
+
+bool fp8_swiglu_backward_split(int64_t m, int64_t intermediate, int64_t hidden) {
+  (void)m, (void)intermediate, (void)hidden;  // auto: split at every measured shape (ops.hpp)
+  return fp8_epilogue_placement() != Fp8EpiloguePlacement::kFused;
 }
 
 void gemm_fp8_xyt(View x, View x_scales, View y, View y_scales, View d, bool accumulate,

@@ -13,6 +13,7 @@
 #include "coda/kernel/cuda_check.hpp"
 #include "coda/kernel/fp8_tile.cuh"
 #include "coda/kernel/quantize.hpp"
+#include "coda/programs/formulas.hpp"
 
 namespace coda::kernel {
 namespace {
@@ -206,6 +207,97 @@ __global__ void __launch_bounds__(kThreads)
   if (out_t.codes) fp8_tile::quantize_columns<kBlocks>(staged, t, out_t, threadIdx.x, tile_inv);
 }
 
+// B2's epilogue as a pass of its own (kernel/quantize.hpp swiglu_backward_quantize_fp8): one CTA
+// per 128 rows of one 128-column tile of da, i.e. two 128x128 tiles of dz (the (dg, du) pairs of
+// 64 columns of da each), one after the other through the same staging. A chunk is 8 columns of
+// dz: 4 of da (8 bytes), 8 of z (16 bytes in bf16, 8 in FP8); 16 lanes (a half-warp) cover a
+// row. dz is rounded to bf16 in the staging and quantized from there by the cast's passes, so
+// its codes are the cast kernel's of those bf16 values; ZdZ sums g·dg + u·du over the CTA's 256
+// columns of dz in fp32 from the unrounded dg, du, as the fused epilogue does.
+template <bool kFp8Z>
+__global__ void __launch_bounds__(kThreads)
+    swiglu_backward_tile_kernel(const bf16* __restrict__ da, int64_t ldda,
+                                const void* __restrict__ z, int64_t ldz, InputScales zs,
+                                int64_t rows, int64_t cols, Fp8Output out, Fp8Output out_t,
+                                float* __restrict__ partials, int64_t ld_partials, bf16* copy,
+                                int64_t ld_copy) {
+  using fp8_tile::kPitch;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const fp8_tile::Staged staged = fp8_tile::staged(smem);
+  constexpr int kChunks = kTile * kTile / 8 / kThreads;  // 8: rows threadIdx.x / 16 + 16 j
+  float part[kChunks];
+#pragma unroll
+  for (int j = 0; j < kChunks; ++j) part[j] = 0.0f;
+  for (int sub = 0; sub < 2; ++sub) {
+    const int64_t tile_col = 2 * int64_t(blockIdx.x) + sub;
+    if (tile_col * kTile >= cols) break;  // the same for the whole CTA
+    const fp8_tile::TilePlace t = fp8_tile::place(blockIdx.y, tile_col, rows, cols);
+    uint2 dv[kChunks];
+    uint4 zv[kChunks];  // FP8: .x, .y hold the 8 codes
+    float scale[kChunks];
+#pragma unroll
+    for (int j = 0; j < kChunks; ++j) {
+      const int i = threadIdx.x + j * kThreads, r = i / (kTile / 8), c = i % (kTile / 8) * 8;
+      dv[j] = make_uint2(0, 0);
+      zv[j] = make_uint4(0, 0, 0, 0);
+      scale[j] = 0.0f;
+      if (r < t.rows_here && c < t.cols_here) {
+        const int64_t row = t.row0 + r, col = t.col0 + c;
+        dv[j] = *reinterpret_cast<const uint2*>(da + row * ldda + col / 2);
+        if constexpr (kFp8Z) {
+          const uint2 codes =
+              *reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(z) + row * ldz + col);
+          zv[j] = make_uint4(codes.x, codes.y, 0, 0);
+          scale[j] = zs.scales[col / kTile * zs.ld + row];
+        } else {
+          zv[j] = *reinterpret_cast<const uint4*>(static_cast<const bf16*>(z) + row * ldz + col);
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kChunks; ++j) {
+      const int i = threadIdx.x + j * kThreads, r = i / (kTile / 8), c = i % (kTile / 8) * 8;
+      const uint32_t dwords[2] = {dv[j].x, dv[j].y};
+      const uint32_t zwords[4] = {zv[j].x, zv[j].y, zv[j].z, zv[j].w};
+      uint4 d;
+      uint32_t* dz = reinterpret_cast<uint32_t*>(&d);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {  // pair q: da value q, z's (g, u) pair q
+        float2 gu;
+        if constexpr (kFp8Z) {
+          // Decoded, then rounded to bf16 (exact but below 2^-133), as fp8_pair_decode does.
+          const float2 p = fp8_tile::decode2(uint16_t(zwords[q / 2] >> (16 * (q % 2))));
+          gu = __bfloat1622float2(__floats2bfloat162_rn(p.x * scale[j], p.y * scale[j]));
+        } else {
+          gu = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&zwords[q]));
+        }
+        const float dav = q % 2 ? fp8_tile::high_value(dwords[q / 2])
+                                : fp8_tile::low_value(dwords[q / 2]);
+        float dg, du, a;
+        epilogue::SwiGluBackward{}(gu.x, gu.y, dav, dg, du, a);
+        part[j] += programs::PairDot{}(gu.x, gu.y, dg, du);
+        const __nv_bfloat162 pair = __floats2bfloat162_rn(dg, du);
+        dz[q] = *reinterpret_cast<const uint32_t*>(&pair);
+      }
+      *reinterpret_cast<uint4*>(staged.tile + r * kPitch + c) = d;
+      if (copy != nullptr && r < t.rows_here && c < t.cols_here)
+        *reinterpret_cast<uint4*>(copy + (t.row0 + r) * ld_copy + t.col0 + c) = d;
+    }
+    __syncthreads();
+    if (out.codes) fp8_tile::quantize_rows<Blocks::kRows>(staged, t, out, threadIdx.x);
+    if (out_t.codes) fp8_tile::quantize_columns<Blocks::kRows>(staged, t, out_t, threadIdx.x);
+    __syncthreads();  // the staging is read before the next tile overwrites it
+  }
+#pragma unroll
+  for (int j = 0; j < kChunks; ++j) {
+    float v = part[j];
+#pragma unroll
+    for (int o = 8; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+    const int64_t row = int64_t(blockIdx.y) * kTile + (threadIdx.x + j * kThreads) / (kTile / 8);
+    if (threadIdx.x % 16 == 0 && row < rows) partials[blockIdx.x * ld_partials + row] = v;
+  }
+}
+
 // One 64x64 tile of codes per CTA: each thread loads 16 bytes of a row into shared memory (row
 // pitch 68 bytes, 4-byte stores: a warp's byte reads down the columns hit each bank at most
 // twice) and stores 16 bytes of a column, i.e. of out_t's row. rows and cols are multiples of 16,
@@ -340,6 +432,54 @@ void quantize_fp8_swiglu_t_fp8_z(const uint8_t* z, int64_t rows, int64_t cols, i
   check_output(op, "out_t", out_t, ScaleLayout::padded_tokens(rows), cols);
   launch_tiles<Blocks::kRows, TileInput::kSwiGluFp8>(op, z, rows, cols, ldz, Fp8Output{}, out_t,
                                                      stream, {z_scales, ld_z_scales});
+}
+
+void swiglu_backward_quantize_fp8(const bf16* da, int64_t ldda, const void* z, int64_t ldz,
+                                  const float* z_scales, int64_t ld_z_scales, int64_t rows,
+                                  int64_t inter, Fp8Output out, Fp8Output out_t, float* partials,
+                                  int64_t ld_partials, cudaStream_t stream, bf16* copy,
+                                  int64_t ld_copy) {
+  const char* op = "coda::kernel::swiglu_backward_quantize_fp8";
+  const bool fp8_z = z_scales != nullptr;
+  CODA_CHECK(rows > 0 && inter > 0 && inter % 8 == 0, op,
+             ": da must be (rows, I) with I a multiple of 8, got (", rows, ", ", inter, ")");
+  CODA_CHECK(da != nullptr && ldda >= inter && ldda % 4 == 0 &&
+                 reinterpret_cast<uintptr_t>(da) % 8 == 0,
+             op, ": da's start and row stride must be 8-byte aligned with the stride >= ", inter,
+             ", got row stride ", ldda, " at address ", static_cast<const void*>(da));
+  // z's row stride in elements (bf16) or bytes (codes); a chunk's load is 16 (bf16) or 8 bytes.
+  const int64_t align = fp8_z ? 8 : 16;
+  CODA_CHECK(z != nullptr && ldz >= 2 * inter && (ldz * (fp8_z ? 1 : 2)) % align == 0 &&
+                 reinterpret_cast<uintptr_t>(z) % align == 0,
+             op, ": z must be (rows, 2·I) with its start and row stride ", align,
+             "-byte aligned, got row stride ", ldz, " at address ", z);
+  CODA_CHECK(!fp8_z || ld_z_scales >= rows, op, ": z's scale row stride must be >= ", rows,
+             ", got ", ld_z_scales);
+  CODA_CHECK(partials != nullptr && ld_partials >= rows, op,
+             ": the ZdZ partials need a row stride >= ", rows, ", got ", ld_partials);
+  CODA_CHECK(copy == nullptr || (ld_copy >= 2 * inter && ld_copy % 8 == 0 &&
+                                 reinterpret_cast<uintptr_t>(copy) % 16 == 0),
+             op, ": the bf16 copy of dz needs a 16-byte aligned start and row stride >= ",
+             2 * inter, ", got ", ld_copy);
+  CODA_CHECK(out.codes || out_t.codes, op, ": no output");
+  check_output(op, "out", out, 2 * inter, ScaleLayout::row_scales_ld(rows));
+  check_output(op, "out_t", out_t, ScaleLayout::padded_tokens(rows), 2 * inter);
+  const int64_t row_blocks = ScaleLayout::blocks(rows), col_units = ScaleLayout::blocks(inter);
+  CODA_CHECK(row_blocks < 65536, op, ": ", rows, " rows is too many (at most 65535 tiles)");
+  const dim3 grid{unsigned(col_units), unsigned(row_blocks)};
+  const InputScales zs{z_scales, ld_z_scales};
+  auto launch = [&](auto kernel) {
+    CODA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         fp8_tile::kSmemBytes));
+    kernel<<<grid, kThreads, fp8_tile::kSmemBytes, stream>>>(da, ldda, z, ldz, zs, rows,
+                                                             2 * inter, out, out_t, partials,
+                                                             ld_partials, copy, ld_copy);
+  };
+  if (fp8_z)
+    launch(swiglu_backward_tile_kernel<true>);
+  else
+    launch(swiglu_backward_tile_kernel<false>);
+  CODA_CUDA_CHECK(cudaGetLastError());
 }
 
 void quantize_fp8_blocks(const bf16* x, int64_t rows, int64_t cols, int64_t ldx, Fp8Output out,

@@ -221,8 +221,31 @@ std::string set_fp8_wgrad_backend(c10::string_view backend) {
 #endif
 }
 
+// Where the FP8 programs' elementwise work runs (ops::set_fp8_epilogue_placement), process-wide:
+// "auto", "fused" (in the GEMM's epilogue) or "split" (a pass of its own after the plain FP8
+// GEMM); returns the one it replaced. The CPU runs each program's oracle either way: the CPU
+// build accepts the names and returns "auto".
+std::string set_fp8_epilogue(c10::string_view placement) {
+  const std::string p(placement);
+  TORCH_CHECK(p == "auto" || p == "fused" || p == "split",
+              "coda::set_fp8_epilogue: placement must be 'auto', 'fused' or 'split', got '", p, "'");
+#if CODA_TORCH_CUDA
+  using ops::Fp8EpiloguePlacement;
+  const Fp8EpiloguePlacement old = ops::fp8_epilogue_placement();
+  ops::set_fp8_epilogue_placement(p == "auto"    ? Fp8EpiloguePlacement::kAuto
+                                  : p == "fused" ? Fp8EpiloguePlacement::kFused
+                                                 : Fp8EpiloguePlacement::kSplit);
+  return old == Fp8EpiloguePlacement::kAuto    ? "auto"
+         : old == Fp8EpiloguePlacement::kFused ? "fused"
+                                               : "split";
+#else
+  return "auto";
+#endif
+}
+
 namespace names {
 inline constexpr char overrides[] = "coda::set_kernel_overrides";
+inline constexpr char epilogue_placement[] = "coda::set_fp8_epilogue";
 inline constexpr char wgrad_backend[] = "coda::set_fp8_wgrad_backend";
 inline constexpr char quantize_rows[] = "coda::fp8_quantize_rows";
 inline constexpr char quantize_blocks[] = "coda::fp8_quantize_blocks";
@@ -314,6 +337,8 @@ TORCH_LIBRARY_FRAGMENT(coda, m) {
         CODA_GUARDED(names::overrides, set_kernel_overrides));
   m.def("set_fp8_wgrad_backend(str backend) -> str",
         CODA_GUARDED(names::wgrad_backend, set_fp8_wgrad_backend));
+  m.def("set_fp8_epilogue(str placement) -> str",
+        CODA_GUARDED(names::epilogue_placement, set_fp8_epilogue));
 }
 
 TORCH_LIBRARY_IMPL(coda, CPU, m) { register_fp8(m); }

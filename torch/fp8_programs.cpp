@@ -364,6 +364,8 @@ Fp8B1 fp8_gemm_rmsnorm_backward(const Tensor& dz, const Tensor& dz_scales, const
 // saved interleaved pre-activation, dz (M, 2I) = dSwiGLU (docs/math.md B2) rounded to z's dtype
 // and quantized (`rows`, `transposed`), and the ZdZ partials Σ g·dg + u·du (not yet / H),
 // PartialLayout::per_row(M, I, 128, 128), for zdz_fold. On the CPU z may be float32 or float64.
+// On CUDA the fused kernel, or split (ops::fp8_swiglu_backward_split): the plain GEMM's da in
+// bf16 (M x I bytes x 2, freed on return) and ops::fp8_swiglu_backward_quantize.
 using Fp8B2 = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
 Fp8B2 fp8_gemm_swiglu_backward(const Tensor& dx_out, const Tensor& dx_out_scales,
                                const Tensor& w_down_t, const Tensor& w_down_t_scales,
@@ -390,6 +392,19 @@ Fp8B2 fp8_gemm_swiglu_backward(const Tensor& dx_out, const Tensor& dx_out_scales
 #if CODA_TORCH_CUDA
   const c10::cuda::CUDAGuard guard(dx_out.device());
   const RowCastViews v = views_of(q);
+  if (ops::fp8_swiglu_backward_split(m, inter, k)) {
+    // Split (ops::fp8_epilogue_placement): the plain GEMM's da in bf16, then B2's pass over it.
+    const Tensor da = at::empty({m, inter}, dx_out.options().dtype(at::kBFloat16));
+    ops::gemm_fp8(codes_view(dx_out), scales_view(dx_out_scales), codes_view(w_down_t),
+                  scales_view(w_down_t_scales), view(da, DType::kBF16), stream_of(dx_out));
+    const auto l = ops::fp8_swiglu_backward_split_partials_layout(m, inter);
+    const Tensor s = at::empty({l.tiles, l.extent}, scale_options(dx_out));
+    ops::fp8_swiglu_backward_quantize(
+        view(da, DType::kBF16), z_scales ? codes_view(z) : view(z, DType::kBF16),
+        z_scales ? scales_view(*z_scales) : TensorView{}, v.codes, v.scales, v.codes_t,
+        v.scales_t, view(s, DType::kF32), stream_of(dx_out));
+    return {q.codes, q.scales, q.codes_t, q.scales_t, s};
+  }
   if (z_scales) {
     const auto l = ops::fp8_swiglu_backward_fp8_z_partials_layout(m, inter, k);
     const Tensor s = at::empty({l.tiles, l.extent}, scale_options(dx_out));

@@ -242,6 +242,28 @@ void gemm_fp8_swiglu_backward_fp8_z(View dx_out, View dx_out_scales, View w_down
                                     View w_down_t_scales, View z, View z_scales, View dz,
                                     View dz_scales, View dz_t, View dz_t_scales, View zdz_partials,
                                     cudaStream_t stream);
+// B2 split (the placement below): gemm_fp8 writes da = dx_out · W_down (M, I) in bf16, then
+// this pass makes what B2's epilogue makes from it: dz = dSwiGLU(z, da) rounded to bf16 and
+// quantized as quantize_fp8_rows would quantize it (dz, dz_t as gemm_fp8_swiglu_backward's, either
+// may be left out) and the ZdZ partials in fp8_swiglu_backward_split_partials_layout (per row and
+// 128-column tile of da, as the fused kernel's). z (M, 2I) bf16, or e4m3 codes with z_scales
+// (z_scales' data null: bf16), as gemm_fp8_swiglu_backward[_fp8_z] take it. I a multiple of 8.
+// The outputs differ from the fused B2's by da's rounding to bf16 before the pass.
+PartialLayout fp8_swiglu_backward_split_partials_layout(int64_t m, int64_t intermediate);
+void fp8_swiglu_backward_quantize(View da, View z, View z_scales, View dz, View dz_scales,
+                                  View dz_t, View dz_t_scales, View zdz_partials,
+                                  cudaStream_t stream);
+// Where an FP8 program's elementwise work runs: in the GEMM's epilogue (kFused) or in a pass of
+// its own after a plain FP8 GEMM (kSplit), process-wide. The blockwise FP8 kernels' epilogue does
+// not overlap the tensor cores (docs/design.md), and a pass at HBM bandwidth can cost less than
+// the exposed epilogue. kAuto, the default, splits B2 (measured faster at every LLaMA-3 shape,
+// docs/experiments.md). Starts from the environment variable CODA_FP8_EPILOGUE ("auto",
+// "fused", "split"), read on first use. Callers that own an allocator (the torch ops) apply it:
+// fp8_swiglu_backward_split says whether B2 (M, I, H) splits.
+enum class Fp8EpiloguePlacement { kAuto, kFused, kSplit };
+Fp8EpiloguePlacement fp8_epilogue_placement();
+void set_fp8_epilogue_placement(Fp8EpiloguePlacement placement);
+bool fp8_swiglu_backward_split(int64_t m, int64_t intermediate, int64_t hidden);
 // d (M, N) = x · yᵀ with x (M, K) and y (N, K) both in 1x128 blocks (the weight gradient from
 // the transposed copies, K = tokens): d bf16, or with `accumulate` fp32 d += x · yᵀ. Runs on
 // the backend fp8_wgrad_backend() names.

@@ -21,6 +21,7 @@
 #include "coda/kernel/cuda_check.hpp"
 #include "coda/kernel/quantize.hpp"
 #include "coda/ops.hpp"
+#include "coda/programs/formulas.hpp"
 #include "coda/programs/rope.hpp"
 #include "support/fp8_check.hpp"
 #include "support/gpu_check.hpp"
@@ -412,6 +413,73 @@ TEST_F(GpuKernelTest, Fp8SwigluBackwardQuantizesDzAsTheRecipe) {
     expect_close("ZdZ partials " + at(s),
                  defined_partials(zdz.download(), ref.zdz_partials, layout, m), ref.zdz_partials);
     q.expect_quantizes("dz " + at(s), dz_got);
+  }
+}
+
+// B2 split: the pass over a plain GEMM's bf16 da (swiglu_backward_quantize_fp8), from fresh
+// random da and z: the staged bf16 dz and the ZdZ partials against the program's functors in fp64
+// (programs::SwigluBackward's math on the same da), the codes and scales of both copies byte for
+// byte the recipe's quantization of the staged values, and from an FP8 z every output byte for
+// byte the pass's on the decoded z in bf16. {M, I}: I = 200 ends in a tile whose second half is
+// 16 columns of dz wide; I = 64 has no second half at all.
+TEST_F(GpuKernelTest, Fp8SwigluBackwardSplitPassMatchesTheRecipe) {
+  testing::Rng rng(31);
+  const int64_t sizes[][2] = {{1, 128}, {130, 200}, {300, 456}, {4097, 128}, {256, 64}};
+  for (const auto& mi : sizes) {
+    const int64_t m = mi[0], inter = mi[1];
+    const std::string what =
+        "split B2 (" + std::to_string(m) + ", " + std::to_string(inter) + ")";
+    const std::vector<double> da = testing::bf16_uniform(size_t(m * inter), -2, 2, rng);
+    const std::vector<double> z = testing::bf16_uniform(size_t(m * 2 * inter), -3, 3, rng);
+    auto d_da = upload_bf16(da), d_z = upload_bf16(z);
+    const auto layout = epilogue::PartialLayout::per_row(m, inter, 128, 128);
+    DeviceBuffer<float> zdz(size_t(layout.elements()));
+    zdz.poison();
+    DeviceBuffer<bf16> copy(size_t(m * 2 * inter));
+    copy.poison();
+    QuantizedOut q(m, 2 * inter);
+    swiglu_backward_quantize_fp8(d_da.get(), inter, d_z.get(), 2 * inter, nullptr, 0, m, inter,
+                                 q.rows_out(), q.cols_out(), zdz.get(), layout.extent, nullptr,
+                                 copy.get(), 2 * inter);
+    CODA_CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<double> dz_ref(size_t(m * 2 * inter)), zdz_ref(size_t(layout.elements()), 0.0);
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t n = 0; n < inter; ++n) {
+        const double g = z[size_t(r * 2 * inter + 2 * n)], u = z[size_t(r * 2 * inter + 2 * n + 1)];
+        double dg, du, a;
+        epilogue::SwiGluBackward{}(g, u, da[size_t(r * inter + n)], dg, du, a);
+        dz_ref[size_t(r * 2 * inter + 2 * n)] = dg;
+        dz_ref[size_t(r * 2 * inter + 2 * n + 1)] = du;
+        zdz_ref[size_t(layout.index(r, n / 128))] += programs::PairDot{}(g, u, dg, du);
+      }
+    const std::vector<double> dz_got = download_bf16(copy);
+    expect_close(what + " dz", dz_got, dz_ref);
+    expect_close(what + " ZdZ partials", defined_partials(zdz.download(), zdz_ref, layout, m),
+                 zdz_ref);
+    q.expect_quantizes(what + " dz", dz_got);
+
+    // From z in FP8: the pass on the decoded z, byte for byte.
+    const auto qz = quantized(wide_values(m, 2 * inter, rng), m, 2 * inter, 1);
+    const Fp8Operand dzq = upload_rows(qz);
+    auto z_dec = upload_bf16(qz.dequantized());
+    QuantizedOut q_dec(m, 2 * inter), q_fp8(m, 2 * inter);
+    DeviceBuffer<float> zdz_dec(size_t(layout.elements())), zdz_fp8(size_t(layout.elements()));
+    zdz_dec.poison();
+    zdz_fp8.poison();
+    swiglu_backward_quantize_fp8(d_da.get(), inter, z_dec.get(), 2 * inter, nullptr, 0, m, inter,
+                                 q_dec.rows_out(), q_dec.cols_out(), zdz_dec.get(), layout.extent,
+                                 nullptr);
+    swiglu_backward_quantize_fp8(d_da.get(), inter, dzq.codes.get(), 2 * inter, dzq.scales.get(),
+                                 dzq.ld_scales, m, inter, q_fp8.rows_out(), q_fp8.cols_out(),
+                                 zdz_fp8.get(), layout.extent, nullptr);
+    CODA_CUDA_CHECK(cudaDeviceSynchronize());
+    q_fp8.expect_same_as(what + " dz from an FP8 z", q_dec);
+    const std::vector<float> plain = zdz_dec.download();
+    std::vector<double> want(plain.begin(), plain.end());
+    const std::vector<double> got = defined_partials(zdz_fp8.download(), want, layout, m);
+    expect_same_floats(what + " ZdZ partials from an FP8 z",
+                       std::vector<float>(got.begin(), got.end()),
+                       std::vector<float>(want.begin(), want.end()));
   }
 }
 

@@ -265,12 +265,22 @@ def test_fp8_rmsnorm_backward_matches_the_cpu_recipe(m, hidden, k):
 B2_FP8_SHAPES = [(77, 272, 400), (300, 1040, 2048), (4097, 200, 144)]  # (M, I, H)
 
 
+@pytest.fixture(params=["fused", "split"])
+def placement(request):
+    """Each FP8 program with an elementwise half run both ways: in the GEMM's epilogue and as a
+    pass of its own after the plain GEMM (coda.set_fp8_epilogue)."""
+    old = CODA.set_fp8_epilogue(request.param)
+    yield request.param
+    CODA.set_fp8_epilogue(old)
+
+
 @pytest.mark.parametrize("m,inter,hidden", B2_FP8_SHAPES)
-def test_fp8_swiglu_backward_matches_the_cpu_recipe(m, inter, hidden):
-    """B2 over FP8 operands with dz quantized in the epilogue, against the CPU recipe on the same
+def test_fp8_swiglu_backward_matches_the_cpu_recipe(m, inter, hidden, placement):
+    """B2 over FP8 operands with dz quantized, fused or split, against the CPU recipe on the same
     codes: dz's codes (both copies) dequantized against dSwiGLU of the CPU's fp64 da = dx_out ·
-    W_down (fp8_gemm), the ZdZ partials (the rows < M the kernel defines) against the CPU op's by
-    the FP8 GEMM tolerance."""
+    W_down (fp8_gemm), and the ZdZ partials (the rows < M the kernel defines) against Σ g·dg +
+    u·du per 128-column tile of da in fp64 by the FP8 GEMM tolerance, from that da, or split from
+    da rounded to bf16 as the plain GEMM writes it."""
     gen = torch.Generator().manual_seed(m + 13 * inter)
     dx_out, w_t = wide_bf16(m, hidden, gen).cuda(), wide_bf16(inter, hidden, gen).cuda()
     z = (torch.randn(m, 2 * inter, generator=gen) * 2).to(BF16).cuda()
@@ -279,14 +289,19 @@ def test_fp8_swiglu_backward_matches_the_cpu_recipe(m, inter, hidden):
     *q, s = CODA.fp8_gemm_swiglu_backward(dxc, dxs, wtc, wts, z, True, True)
     assert s.dtype == torch.float32
     ops_cpu = [t.cpu() for t in (dxc, dxs, wtc, wts)]
-    s_ref = CODA.fp8_gemm_swiglu_backward(*ops_cpu, z.cpu().double())[-1]
+    s_cpu = CODA.fp8_gemm_swiglu_backward(*ops_cpu, z.cpu().double())[-1]
+    assert s.shape == s_cpu.shape
     da = CODA.fp8_gemm(*ops_cpu)  # fp64 on the CPU
     gate, up = z.cpu().double()[:, 0::2], z.cpu().double()[:, 1::2]
     sig = torch.sigmoid(gate)
     dz_ref = torch.stack([da * up * sig * (1 + gate * (1 - sig)), da * gate * sig], 2).flatten(1)
     fp8_row_cast_near(q, dz_ref, "dz")
-    assert s.shape == s_ref.shape
-    fp8_gemm_close(s[:, :m], s_ref[:, :m], "ZdZ partials")
+    da_used = da if placement == "fused" else da.to(BF16).double()
+    dg, du = da_used * up * sig * (1 + gate * (1 - sig)), da_used * gate * sig
+    tiles = s.shape[0]
+    pair_dot = torch.nn.functional.pad(gate * dg + up * du, (0, tiles * 128 - inter))
+    s_ref = pair_dot.view(m, tiles, 128).sum(2).t()
+    fp8_gemm_close(s[:, :m], s_ref, "ZdZ partials")
 
 
 def test_fp8_bad_arguments_on_cuda():

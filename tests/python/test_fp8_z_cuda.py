@@ -53,16 +53,22 @@ def test_f2_z_codes_are_the_cast_of_f2s_z(m, two_i, k):
     same_all(a_z, a, "a")
 
 
+@pytest.mark.parametrize("placement", ["fused", "split"])
 @pytest.mark.parametrize("m,inter,hidden", B2_FP8_SHAPES)
-def test_b2_from_fp8_z_is_b2_of_the_decoded_z(m, inter, hidden):
+def test_b2_from_fp8_z_is_b2_of_the_decoded_z(m, inter, hidden, placement):
     gen = torch.Generator().manual_seed(m + 17 * inter)
     dx_out, w_t = wide_bf16(m, hidden, gen).cuda(), wide_bf16(inter, hidden, gen).cuda()
     z = wide_bf16(m, 2 * inter, gen).cuda()  # many binades: the blocks' scales differ
     dxc, dxs, _, _ = CODA.fp8_quantize_rows(dx_out)
     wtc, wts, _, _ = CODA.fp8_quantize_blocks(w_t)
     zc, zs, _, _ = CODA.fp8_quantize_rows(z, True, False)
-    got = CODA.fp8_gemm_swiglu_backward(dxc, dxs, wtc, wts, zc, True, True, zs)
-    want = CODA.fp8_gemm_swiglu_backward(dxc, dxs, wtc, wts, decoded_bf16(zc, zs), True, True)
+    old = CODA.set_fp8_epilogue(placement)  # B2 fused, or split after the plain GEMM
+    try:
+        got = CODA.fp8_gemm_swiglu_backward(dxc, dxs, wtc, wts, zc, True, True, zs)
+        want = CODA.fp8_gemm_swiglu_backward(dxc, dxs, wtc, wts, decoded_bf16(zc, zs), True,
+                                             True)
+    finally:
+        CODA.set_fp8_epilogue(old)
     same_all(got[:4], want[:4], "dz")
     assert torch.equal(got[4][:, :m], want[4][:, :m]), "ZdZ partials"
     if inter % 16 == 0:  # the aᵀ cast takes I a multiple of 16 (B2 takes any I)

@@ -37,6 +37,22 @@ void quantize_fp8_swiglu_t_fp8_z(const uint8_t* z, int64_t rows, int64_t cols, i
                                  const float* z_scales, int64_t ld_z_scales, Fp8Output out_t,
                                  cudaStream_t stream);
 
+// B2's elementwise half, for a B2 split into a plain FP8 GEMM (da = dx_out · W_down in bf16) and
+// this pass: dz = dSwiGLU(z, da) (rows, 2·inter) from da (rows, inter) bf16 (row stride ldda,
+// 8-byte aligned) and z's interleaved (g, u) pairs, bf16 (z_scales null; row stride ldz
+// elements) or e4m3 codes (row stride ldz bytes) with their 1x128 scales (block b of row r at
+// b · ld_z_scales + r; each value decoded and rounded to bf16 first), inter a multiple of 8:
+// dz rounded to bf16 and quantized as quantize_fp8_rows would quantize it (out: 1x128 blocks,
+// out_t: the transposed copy; either may be left out), and the ZdZ partials Σ g·dg + u·du per
+// row and 128-column tile of da (PartialLayout::per_row(rows, inter, 128, 128): tile t of row r
+// at t · ld_partials + r; rows past `rows` not written). copy (optional, tests): dz's bf16
+// values as staged, row stride ld_copy.
+void swiglu_backward_quantize_fp8(const bf16* da, int64_t ldda, const void* z, int64_t ldz,
+                                  const float* z_scales, int64_t ld_z_scales, int64_t rows,
+                                  int64_t inter, Fp8Output out, Fp8Output out_t, float* partials,
+                                  int64_t ld_partials, cudaStream_t stream, bf16* copy = nullptr,
+                                  int64_t ld_copy = 0);
+
 // x (rows, cols) bf16 in 128x128 blocks (weights), cols a multiple of 16; one scale per block.
 //   out (if codes is set): codes (rows, cols); the scale of block (rb, cb) at rb · ld_scales + cb.
 //   out_t (if codes is set): codes (cols, rows) = xᵀ with the same blocks transposed; block
