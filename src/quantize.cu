@@ -6,6 +6,7 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <cstdlib>
 
 #include "coda/common/check.hpp"
 #include "coda/epilogue/elementwise.hpp"
@@ -214,8 +215,8 @@ __global__ void __launch_bounds__(kThreads)
 // row. dz is rounded to bf16 in the staging and quantized from there by the cast's passes, so
 // its codes are the cast kernel's of those bf16 values; ZdZ sums g·dg + u·du over the CTA's 256
 // columns of dz in fp32 from the unrounded dg, du, as the fused epilogue does.
-template <bool kFp8Z>
-__global__ void __launch_bounds__(kThreads)
+template <bool kFp8Z, int kMinBlocks>
+__global__ void __launch_bounds__(kThreads, kMinBlocks)
     swiglu_backward_tile_kernel(const bf16* __restrict__ da, int64_t ldda,
                                 const void* __restrict__ z, int64_t ldz, InputScales zs,
                                 int64_t rows, int64_t cols, Fp8Output out, Fp8Output out_t,
@@ -225,78 +226,89 @@ __global__ void __launch_bounds__(kThreads)
   extern __shared__ __align__(16) unsigned char smem[];
   const fp8_tile::Staged staged = fp8_tile::staged(smem);
   constexpr int kChunks = kTile * kTile / 8 / kThreads;  // 8: rows threadIdx.x / 16 + 16 j
-  float part[kChunks];
-#pragma unroll
-  for (int j = 0; j < kChunks; ++j) part[j] = 0.0f;
+  // Loaded and staged in groups of 4 chunks: all 8 in flight at once would take ~60 more
+  // registers, and three CTAs an SM (85 registers) keep more bytes in flight than one.
+  constexpr int kGroup = 2;
+  // ZdZ per row of the CTA, summed over its 256 columns of dz: each chunk's 8 columns reduced over
+  // the half-warp that holds the row, added by the half-warp's first lane (one writer a row).
+  __shared__ float row_part[kTile];
+  if (threadIdx.x < kTile) row_part[threadIdx.x] = 0.0f;
+  __syncthreads();
   for (int sub = 0; sub < 2; ++sub) {
     const int64_t tile_col = 2 * int64_t(blockIdx.x) + sub;
     if (tile_col * kTile >= cols) break;  // the same for the whole CTA
     const fp8_tile::TilePlace t = fp8_tile::place(blockIdx.y, tile_col, rows, cols);
-    uint2 dv[kChunks];
-    uint4 zv[kChunks];  // FP8: .x, .y hold the 8 codes
-    float scale[kChunks];
 #pragma unroll
-    for (int j = 0; j < kChunks; ++j) {
-      const int i = threadIdx.x + j * kThreads, r = i / (kTile / 8), c = i % (kTile / 8) * 8;
-      dv[j] = make_uint2(0, 0);
-      zv[j] = make_uint4(0, 0, 0, 0);
-      scale[j] = 0.0f;
-      if (r < t.rows_here && c < t.cols_here) {
-        const int64_t row = t.row0 + r, col = t.col0 + c;
-        dv[j] = *reinterpret_cast<const uint2*>(da + row * ldda + col / 2);
-        if constexpr (kFp8Z) {
-          const uint2 codes =
-              *reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(z) + row * ldz + col);
-          zv[j] = make_uint4(codes.x, codes.y, 0, 0);
-          scale[j] = zs.scales[col / kTile * zs.ld + row];
-        } else {
-          zv[j] = *reinterpret_cast<const uint4*>(static_cast<const bf16*>(z) + row * ldz + col);
+    for (int j0 = 0; j0 < kChunks; j0 += kGroup) {
+      uint2 dv[kGroup];
+      uint4 zv[kGroup];  // FP8: .x, .y hold the 8 codes
+      float scale[kGroup];
+#pragma unroll
+      for (int g = 0; g < kGroup; ++g) {
+        const int i = threadIdx.x + (j0 + g) * kThreads, r = i / (kTile / 8),
+                  c = i % (kTile / 8) * 8;
+        dv[g] = make_uint2(0, 0);
+        zv[g] = make_uint4(0, 0, 0, 0);
+        scale[g] = 0.0f;
+        if (r < t.rows_here && c < t.cols_here) {
+          const int64_t row = t.row0 + r, col = t.col0 + c;
+          dv[g] = *reinterpret_cast<const uint2*>(da + row * ldda + col / 2);
+          if constexpr (kFp8Z) {
+            const uint2 codes =
+                *reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(z) + row * ldz + col);
+            zv[g] = make_uint4(codes.x, codes.y, 0, 0);
+            scale[g] = zs.scales[col / kTile * zs.ld + row];
+          } else {
+            zv[g] = *reinterpret_cast<const uint4*>(static_cast<const bf16*>(z) + row * ldz + col);
+          }
         }
       }
-    }
 #pragma unroll
-    for (int j = 0; j < kChunks; ++j) {
-      const int i = threadIdx.x + j * kThreads, r = i / (kTile / 8), c = i % (kTile / 8) * 8;
-      const uint32_t dwords[2] = {dv[j].x, dv[j].y};
-      const uint32_t zwords[4] = {zv[j].x, zv[j].y, zv[j].z, zv[j].w};
-      uint4 d;
-      uint32_t* dz = reinterpret_cast<uint32_t*>(&d);
+      for (int g = 0; g < kGroup; ++g) {
+        const int i = threadIdx.x + (j0 + g) * kThreads, r = i / (kTile / 8),
+                  c = i % (kTile / 8) * 8;
+        const uint32_t dwords[2] = {dv[g].x, dv[g].y};
+        const uint32_t zwords[4] = {zv[g].x, zv[g].y, zv[g].z, zv[g].w};
+        uint4 d;
+        uint32_t* dz = reinterpret_cast<uint32_t*>(&d);
+        float part = 0.0f;
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {  // pair q: da value q, z's (g, u) pair q
-        float2 gu;
-        if constexpr (kFp8Z) {
-          // Decoded, then rounded to bf16 (exact but below 2^-133), as fp8_pair_decode does.
-          const float2 p = fp8_tile::decode2(uint16_t(zwords[q / 2] >> (16 * (q % 2))));
-          gu = __bfloat1622float2(__floats2bfloat162_rn(p.x * scale[j], p.y * scale[j]));
-        } else {
-          gu = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&zwords[q]));
+        for (int q = 0; q < 4; ++q) {  // pair q: da value q, z's (g, u) pair q
+          float2 gu;
+          if constexpr (kFp8Z) {
+            // Decoded, then rounded to bf16 (exact but below 2^-133), as fp8_pair_decode does.
+            const float2 p = fp8_tile::decode2(uint16_t(zwords[q / 2] >> (16 * (q % 2))));
+            gu = __bfloat1622float2(__floats2bfloat162_rn(p.x * scale[g], p.y * scale[g]));
+          } else {
+            gu = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&zwords[q]));
+          }
+          const float dav = q % 2 ? fp8_tile::high_value(dwords[q / 2])
+                                  : fp8_tile::low_value(dwords[q / 2]);
+          float dg, du, a;
+          epilogue::SwiGluBackward{}(gu.x, gu.y, dav, dg, du, a);
+          part += programs::PairDot{}(gu.x, gu.y, dg, du);
+          const __nv_bfloat162 pair = __floats2bfloat162_rn(dg, du);
+          dz[q] = *reinterpret_cast<const uint32_t*>(&pair);
         }
-        const float dav = q % 2 ? fp8_tile::high_value(dwords[q / 2])
-                                : fp8_tile::low_value(dwords[q / 2]);
-        float dg, du, a;
-        epilogue::SwiGluBackward{}(gu.x, gu.y, dav, dg, du, a);
-        part[j] += programs::PairDot{}(gu.x, gu.y, dg, du);
-        const __nv_bfloat162 pair = __floats2bfloat162_rn(dg, du);
-        dz[q] = *reinterpret_cast<const uint32_t*>(&pair);
+#pragma unroll
+        for (int o = 8; o > 0; o /= 2) part += __shfl_xor_sync(0xffffffffu, part, o);
+        if (threadIdx.x % 16 == 0) row_part[r] += part;  // r: this half-warp's row
+        *reinterpret_cast<uint4*>(staged.tile + r * kPitch + c) = d;
+        if (copy != nullptr && r < t.rows_here && c < t.cols_here)
+          *reinterpret_cast<uint4*>(copy + (t.row0 + r) * ld_copy + t.col0 + c) = d;
       }
-      *reinterpret_cast<uint4*>(staged.tile + r * kPitch + c) = d;
-      if (copy != nullptr && r < t.rows_here && c < t.cols_here)
-        *reinterpret_cast<uint4*>(copy + (t.row0 + r) * ld_copy + t.col0 + c) = d;
     }
     __syncthreads();
     if (out.codes) fp8_tile::quantize_rows<Blocks::kRows>(staged, t, out, threadIdx.x);
     if (out_t.codes) fp8_tile::quantize_columns<Blocks::kRows>(staged, t, out_t, threadIdx.x);
     __syncthreads();  // the staging is read before the next tile overwrites it
   }
-#pragma unroll
-  for (int j = 0; j < kChunks; ++j) {
-    float v = part[j];
-#pragma unroll
-    for (int o = 8; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
-    const int64_t row = int64_t(blockIdx.y) * kTile + (threadIdx.x + j * kThreads) / (kTile / 8);
-    if (threadIdx.x % 16 == 0 && row < rows) partials[blockIdx.x * ld_partials + row] = v;
-  }
+  // The last __syncthreads above orders every row's additions before these reads.
+  const int64_t row = int64_t(blockIdx.y) * kTile + threadIdx.x;
+  if (threadIdx.x < kTile && row < rows)
+    partials[blockIdx.x * ld_partials + row] = row_part[threadIdx.x];
 }
+
 
 // One 64x64 tile of codes per CTA: each thread loads 16 bytes of a row into shared memory (row
 // pitch 68 bytes, 4-byte stores: a warp's byte reads down the columns hit each bank at most
@@ -475,10 +487,18 @@ void swiglu_backward_quantize_fp8(const bf16* da, int64_t ldda, const void* z, i
                                                              2 * inter, out, out_t, partials,
                                                              ld_partials, copy, ld_copy);
   };
-  if (fp8_z)
-    launch(swiglu_backward_tile_kernel<true>);
-  else
-    launch(swiglu_backward_tile_kernel<false>);
+  static const bool three = std::getenv("CODA_AB_SPLIT3") != nullptr;  // TEMP A/B
+  if (three) {
+    if (fp8_z)
+      launch(swiglu_backward_tile_kernel<true, 3>);
+    else
+      launch(swiglu_backward_tile_kernel<false, 3>);
+  } else {
+    if (fp8_z)
+      launch(swiglu_backward_tile_kernel<true, 2>);
+    else
+      launch(swiglu_backward_tile_kernel<false, 2>);
+  }
   CODA_CUDA_CHECK(cudaGetLastError());
 }
 
