@@ -443,6 +443,37 @@ void fp8_swiglu_backward_quantize(View da, View z, View z_scales, View dz, View 
                                        stream);
 }
 
+PartialLayout fp8_rmsnorm_backward_split_partials_layout(int64_t m, int64_t hidden) {
+  CODA_CHECK(m > 0 && hidden > 0, "coda::ops::fp8_rmsnorm_backward_split_partials_layout: M and ",
+             "H must be positive, got ", m, " and ", hidden);
+  constexpr int64_t kTile = kernel::ScaleLayout::kBlock;
+  return PartialLayout::per_column(m, hidden, kTile, kTile);
+}
+
+void fp8_rmsnorm_backward_quantize(View g, View x, View r, View gamma, View zdz, View dres,
+                                   View dx, View h_t, View h_t_scales, View dgamma_partials,
+                                   cudaStream_t stream) {
+  Args c("coda::ops::fp8_rmsnorm_backward_quantize");
+  CODA_CHECK(g.dims == 2, c.op(), ": g must be a matrix");
+  const int64_t m = g.rows, hidden = g.cols;
+  CODA_CHECK(m > 0 && hidden > 0 && hidden % 16 == 0 && m < (int64_t(1) << 31) &&
+                 hidden < (int64_t(1) << 31),
+             c.op(), ": g must be (M, H) with H a multiple of 16, both positive and below 2^31, ",
+             "got (", m, ", ", hidden, ")");
+  c.matrix("g", g, kBf, m, hidden);
+  rmsnorm_backward_inputs(c, x, r, gamma, zdz, dres, dx, m, hidden);
+  CODA_CHECK(h_t.data, c.op(), ": h_t is null (the weight gradient's operand is the point)");
+  const kernel::Fp8Output h_out = copy_output(c, "h_t", h_t, "h_t_scales", h_t_scales, m, hidden);
+  c.partials("dgamma_partials", dgamma_partials,
+             fp8_rmsnorm_backward_split_partials_layout(m, hidden));
+  c.on_device();
+  const bool with_dres = dres.data != nullptr;
+  kernel::rmsnorm_backward_quantize_fp8(bf(g), g.ld, bf(x), x.ld, with_dres ? bf(dres) : nullptr,
+                                        dres.ld, f32(r), bf(gamma), f32(zdz), m, hidden,
+                                        bf_out(dx), dx.ld, h_out, f32_out(dgamma_partials),
+                                        dgamma_partials.ld, stream);
+}
+
 namespace {
 std::atomic<int> g_placement{-1};  // -1: not yet read from the environment
 Fp8EpiloguePlacement placement_from_environment() {
@@ -466,6 +497,11 @@ Fp8EpiloguePlacement fp8_epilogue_placement() {
 }
 void set_fp8_epilogue_placement(Fp8EpiloguePlacement placement) {
   g_placement.store(int(placement), std::memory_order_relaxed);
+}
+
+bool fp8_rmsnorm_backward_split(int64_t m, int64_t hidden, int64_t k) {
+  (void)m, (void)hidden, (void)k;  // auto: fused (ops.hpp)
+  return fp8_epilogue_placement() == Fp8EpiloguePlacement::kSplit;
 }
 
 bool fp8_swiglu_backward_split(int64_t m, int64_t intermediate, int64_t hidden) {

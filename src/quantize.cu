@@ -310,6 +310,104 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
 }
 
 
+// B1's epilogue as a pass of its own (kernel/quantize.hpp rmsnorm_backward_quantize_fp8): one CTA
+// per 128x128 tile of g. A chunk is 8 columns of a row (16 bytes of g, x and dres); the thread's
+// 8 columns are the same in every chunk (256 threads, 16 chunks a row), so γ is loaded once and
+// the dγ column sums stay in registers until the CTA's 16 row groups meet in shared memory. dx
+// goes straight to global memory; h_out = x·r·γ is staged and its transposed copy quantized by
+// the cast's column pass.
+__global__ void __launch_bounds__(kThreads, 2)
+    rmsnorm_backward_tile_kernel(const bf16* __restrict__ g, int64_t ldg,
+                                 const bf16* __restrict__ x, int64_t ldx, const bf16* dres,
+                                 int64_t ld_dres, const float* __restrict__ r,
+                                 const bf16* __restrict__ gamma, const float* __restrict__ zdz,
+                                 int64_t rows, int64_t cols, bf16* dx, int64_t lddx,
+                                 Fp8Output out_t, float* __restrict__ partials,
+                                 int64_t ld_partials) {
+  using fp8_tile::kPitch;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const fp8_tile::Staged staged = fp8_tile::staged(smem);
+  constexpr int kChunks = kTile * kTile / 8 / kThreads;  // 8: rows threadIdx.x / 16 + 16 j
+  constexpr int kGroup = 4;
+  constexpr int kRowGroups = kThreads / (kTile / 8);  // 16 threads share a thread's columns
+  __shared__ float col_part[kRowGroups][kTile];
+  const fp8_tile::TilePlace t = fp8_tile::place(blockIdx.y, blockIdx.x, rows, cols);
+  const int c = threadIdx.x % (kTile / 8) * 8, group = threadIdx.x / (kTile / 8);
+  const bool cols_in = c < t.cols_here;  // cols_here is a multiple of 16: 8 columns in or out
+  float gam[8], col_acc[8];
+  {
+    uint4 gv = make_uint4(0, 0, 0, 0);
+    if (cols_in) gv = *reinterpret_cast<const uint4*>(gamma + t.col0 + c);
+    const uint32_t w[4] = {gv.x, gv.y, gv.z, gv.w};
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      gam[e] = e % 2 ? fp8_tile::high_value(w[e / 2]) : fp8_tile::low_value(w[e / 2]);
+      col_acc[e] = 0.0f;
+    }
+  }
+#pragma unroll
+  for (int j0 = 0; j0 < kChunks; j0 += kGroup) {
+    uint4 gv[kGroup], xv[kGroup], dv[kGroup];
+    float rr[kGroup], zz[kGroup];
+#pragma unroll
+    for (int k = 0; k < kGroup; ++k) {
+      const int row = group + kRowGroups * (j0 + k);
+      gv[k] = xv[k] = dv[k] = make_uint4(0, 0, 0, 0);
+      rr[k] = zz[k] = 0.0f;
+      if (row < t.rows_here && cols_in) {
+        const int64_t m = t.row0 + row, n = t.col0 + c;
+        gv[k] = *reinterpret_cast<const uint4*>(g + m * ldg + n);
+        xv[k] = *reinterpret_cast<const uint4*>(x + m * ldx + n);
+        if (dres != nullptr) dv[k] = *reinterpret_cast<const uint4*>(dres + m * ld_dres + n);
+        rr[k] = r[m];
+        zz[k] = zdz[m];
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kGroup; ++k) {
+      const int row = group + kRowGroups * (j0 + k);
+      const uint32_t gw[4] = {gv[k].x, gv[k].y, gv[k].z, gv[k].w};
+      const uint32_t xw[4] = {xv[k].x, xv[k].y, xv[k].z, xv[k].w};
+      const uint32_t dw[4] = {dv[k].x, dv[k].y, dv[k].z, dv[k].w};
+      uint4 dxv, hv;
+      uint32_t* dxw = reinterpret_cast<uint32_t*>(&dxv);
+      uint32_t* hw = reinterpret_cast<uint32_t*>(&hv);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        float d2[2], h2[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int e = 2 * q + h;
+          const float gf = h ? fp8_tile::high_value(gw[q]) : fp8_tile::low_value(gw[q]);
+          const float xf = h ? fp8_tile::high_value(xw[q]) : fp8_tile::low_value(xw[q]);
+          const float df = h ? fp8_tile::high_value(dw[q]) : fp8_tile::low_value(dw[q]);
+          d2[h] = programs::RmsnormBackwardDx{}(gf, df, xf, rr[k], gam[e], zz[k]);
+          h2[h] = programs::NormalizedScaled{}(xf, rr[k], gam[e]);
+          col_acc[e] += programs::GradTimesNormalized{}(gf, xf, rr[k]);
+        }
+        const __nv_bfloat162 dp = __floats2bfloat162_rn(d2[0], d2[1]);
+        const __nv_bfloat162 hp = __floats2bfloat162_rn(h2[0], h2[1]);
+        dxw[q] = *reinterpret_cast<const uint32_t*>(&dp);
+        hw[q] = *reinterpret_cast<const uint32_t*>(&hp);
+      }
+      // Zeros outside the tensor (their x and r are 0), which the column pass needs.
+      *reinterpret_cast<uint4*>(staged.tile + row * kPitch + c) = hv;
+      if (row < t.rows_here && cols_in)
+        *reinterpret_cast<uint4*>(dx + (t.row0 + row) * lddx + t.col0 + c) = dxv;
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < 8; ++e) col_part[group][c + e] = col_acc[e];
+  __syncthreads();
+  if (threadIdx.x < kTile && threadIdx.x < t.cols_here) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kRowGroups; ++k) sum += col_part[k][threadIdx.x];
+    partials[blockIdx.y * ld_partials + t.col0 + threadIdx.x] = sum;
+  }
+  fp8_tile::quantize_columns<Blocks::kRows>(staged, t, out_t, threadIdx.x);
+}
+
 // One 64x64 tile of codes per CTA: each thread loads 16 bytes of a row into shared memory (row
 // pitch 68 bytes, 4-byte stores: a warp's byte reads down the columns hit each bank at most
 // twice) and stores 16 bytes of a column, i.e. of out_t's row. rows and cols are multiples of 16,
@@ -499,6 +597,42 @@ void swiglu_backward_quantize_fp8(const bf16* da, int64_t ldda, const void* z, i
     else
       launch(swiglu_backward_tile_kernel<false, 2>);
   }
+  CODA_CUDA_CHECK(cudaGetLastError());
+}
+
+void rmsnorm_backward_quantize_fp8(const bf16* g, int64_t ldg, const bf16* x, int64_t ldx,
+                                   const bf16* dres, int64_t ld_dres, const float* r,
+                                   const bf16* gamma, const float* zdz, int64_t rows, int64_t cols,
+                                   bf16* dx, int64_t lddx, Fp8Output out_t, float* partials,
+                                   int64_t ld_partials, cudaStream_t stream) {
+  const char* op = "coda::kernel::rmsnorm_backward_quantize_fp8";
+  CODA_CHECK(rows > 0 && cols > 0 && cols % 16 == 0, op,
+             ": g must be (rows, H) with H a multiple of 16, got (", rows, ", ", cols, ")");
+  auto matrix = [&](const char* name, const void* p, int64_t ld) {
+    CODA_CHECK(p != nullptr && ld >= cols && ld % 8 == 0 && reinterpret_cast<uintptr_t>(p) % 16 == 0,
+               op, ": ", name, "'s start and row stride must be 16-byte aligned with the stride >= ",
+               cols, ", got row stride ", ld, " at address ", p);
+  };
+  matrix("g", g, ldg);
+  matrix("x", x, ldx);
+  matrix("dx", dx, lddx);
+  if (dres != nullptr) matrix("dres", dres, ld_dres);
+  CODA_CHECK(r != nullptr && zdz != nullptr && gamma != nullptr &&
+                 reinterpret_cast<uintptr_t>(gamma) % 16 == 0,
+             op, ": r, zdz and a 16-byte aligned gamma are all needed");
+  CODA_CHECK(partials != nullptr && ld_partials >= cols, op,
+             ": the dγ partials need a row stride >= ", cols, ", got ", ld_partials);
+  CODA_CHECK(out_t.codes != nullptr, op, ": no output");
+  check_output(op, "out_t", out_t, ScaleLayout::padded_tokens(rows), cols);
+  const int64_t row_blocks = ScaleLayout::blocks(rows), col_blocks = ScaleLayout::blocks(cols);
+  CODA_CHECK(row_blocks < 65536, op, ": ", rows, " rows is too many (at most 65535 tiles)");
+  CODA_CUDA_CHECK(cudaFuncSetAttribute(rmsnorm_backward_tile_kernel,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       fp8_tile::kSmemBytes));
+  const dim3 grid{unsigned(col_blocks), unsigned(row_blocks)};
+  rmsnorm_backward_tile_kernel<<<grid, kThreads, fp8_tile::kSmemBytes, stream>>>(
+      g, ldg, x, ldx, dres, ld_dres, r, gamma, zdz, rows, cols, dx, lddx, out_t, partials,
+      ld_partials);
   CODA_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -345,6 +345,20 @@ Fp8B1 fp8_gemm_rmsnorm_backward(const Tensor& dz, const Tensor& dz_scales, const
 #if CODA_TORCH_CUDA
   const c10::cuda::CUDAGuard guard(dz.device());
   const Tensor dx = at::empty({m, hidden}, x.options());
+  if (ops::fp8_rmsnorm_backward_split(m, hidden, k)) {
+    // Split (ops::fp8_epilogue_placement): the plain GEMM's g in bf16, then B1's pass over it.
+    const Tensor g = at::empty({m, hidden}, x.options());
+    ops::gemm_fp8(codes_view(dz), scales_view(dz_scales), codes_view(w_t), scales_view(w_t_scales),
+                  view(g, DType::kBF16), stream_of(dz));
+    const auto l = ops::fp8_rmsnorm_backward_split_partials_layout(m, hidden);
+    const Tensor s = at::empty({l.tiles, l.extent}, scale_options(dz));
+    ops::fp8_rmsnorm_backward_quantize(
+        view(g, DType::kBF16), view(x, DType::kBF16), vector_view(r, DType::kF32),
+        vector_view(gamma, DType::kBF16), vector_view(zdz, DType::kF32),
+        dres.defined() ? view(dres, DType::kBF16) : TensorView{}, view(dx, DType::kBF16),
+        codes_view(q.codes_t), scales_view(q.scales_t), view(s, DType::kF32), stream_of(dz));
+    return {dx, q.codes_t, q.scales_t, s};
+  }
   const auto l = ops::fp8_rmsnorm_backward_partials_layout(m, hidden, k);
   const Tensor s = at::empty({l.tiles, l.extent}, scale_options(dz));
   ops::gemm_fp8_rmsnorm_backward(

@@ -253,6 +253,15 @@ PartialLayout fp8_swiglu_backward_split_partials_layout(int64_t m, int64_t inter
 void fp8_swiglu_backward_quantize(View da, View z, View z_scales, View dz, View dz_scales,
                                   View dz_t, View dz_t_scales, View zdz_partials,
                                   cudaStream_t stream);
+// B1 split: gemm_fp8 writes g = dz · W (M, H) in bf16, then this pass makes what B1's epilogue
+// makes from it (gemm_fp8_rmsnorm_backward's x, r, gamma, zdz, dres, dx, h_t and h_t_scales):
+// dx, h_out's transposed copy quantized, and the dγ partials in
+// fp8_rmsnorm_backward_split_partials_layout (per column and 128-row tile, as the fused
+// kernel's). H a multiple of 16. The outputs differ from the fused B1's by g's rounding to bf16.
+PartialLayout fp8_rmsnorm_backward_split_partials_layout(int64_t m, int64_t hidden);
+void fp8_rmsnorm_backward_quantize(View g, View x, View r, View gamma, View zdz, View dres,
+                                   View dx, View h_t, View h_t_scales, View dgamma_partials,
+                                   cudaStream_t stream);
 // Where an FP8 program's elementwise work runs: in the GEMM's epilogue (kFused) or in a pass of
 // its own after a plain FP8 GEMM (kSplit), process-wide. The blockwise FP8 kernels' epilogue does
 // not overlap the tensor cores (docs/design.md), and a pass at HBM bandwidth can cost less than
@@ -263,6 +272,7 @@ void fp8_swiglu_backward_quantize(View da, View z, View z_scales, View dz, View 
 enum class Fp8EpiloguePlacement { kAuto, kFused, kSplit };
 Fp8EpiloguePlacement fp8_epilogue_placement();
 void set_fp8_epilogue_placement(Fp8EpiloguePlacement placement);
+bool fp8_rmsnorm_backward_split(int64_t m, int64_t hidden, int64_t k);
 bool fp8_swiglu_backward_split(int64_t m, int64_t intermediate, int64_t hidden);
 // d (M, N) = x · yᵀ with x (M, K) and y (N, K) both in 1x128 blocks (the weight gradient from
 // the transposed copies, K = tokens): d bf16, or with `accumulate` fp32 d += x · yᵀ. Runs on

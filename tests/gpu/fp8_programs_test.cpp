@@ -416,6 +416,65 @@ TEST_F(GpuKernelTest, Fp8SwigluBackwardQuantizesDzAsTheRecipe) {
   }
 }
 
+// B1 split: the pass over a plain GEMM's bf16 g (rmsnorm_backward_quantize_fp8), from fresh random
+// inputs with and without dres: dx and the dγ partials against the program's functors in fp64, and
+// h_out's transposed copy byte for byte the recipe's quantization of bf16(x·r·γ) computed in fp32
+// as the pass computes it (products only: exact to reproduce on the host). {M, H}: H = 144 ends in
+// a 16-column tile, M = 130 and 4097 in partial row tiles.
+TEST_F(GpuKernelTest, Fp8RmsnormBackwardSplitPassMatchesTheRecipe) {
+  testing::Rng rng(37);
+  const int64_t sizes[][2] = {{1, 128}, {130, 144}, {300, 1040}, {4097, 272}};
+  for (const auto& mh : sizes) {
+    const int64_t m = mh[0], hidden = mh[1];
+    for (const bool with_dres : {true, false}) {
+      const std::string what = "split B1 (" + std::to_string(m) + ", " + std::to_string(hidden) +
+                               (with_dres ? ", dres)" : ")");
+      const auto g = testing::bf16_uniform(size_t(m * hidden), -2, 2, rng);
+      const auto x = testing::bf16_uniform(size_t(m * hidden), -3, 3, rng);
+      const auto dres = testing::bf16_uniform(size_t(m * hidden), -1, 1, rng);
+      const auto gamma = testing::bf16_uniform(size_t(hidden), 0.5, 1.5, rng);
+      std::vector<float> r(static_cast<size_t>(m)), zdz(static_cast<size_t>(m));
+      for (auto& v : r) v = float(0.5 + rng.uniform());
+      for (auto& v : zdz) v = float(0.2 * rng.uniform() - 0.1);
+      auto d_g = upload_bf16(g), d_x = upload_bf16(x), d_dres = upload_bf16(dres),
+           d_gamma = upload_bf16(gamma);
+      DeviceBuffer<float> d_r(r), d_zdz(zdz);
+      DeviceBuffer<bf16> dx(size_t(m * hidden));
+      dx.poison();
+      const auto layout = epilogue::PartialLayout::per_column(m, hidden, 128, 128);
+      DeviceBuffer<float> parts(size_t(layout.elements()));
+      parts.poison();
+      QuantizedOut h(m, hidden);
+      rmsnorm_backward_quantize_fp8(d_g.get(), hidden, d_x.get(), hidden,
+                                    with_dres ? d_dres.get() : nullptr, hidden, d_r.get(),
+                                    d_gamma.get(), d_zdz.get(), m, hidden, dx.get(), hidden,
+                                    h.cols_out(), parts.get(), layout.extent, nullptr);
+      CODA_CUDA_CHECK(cudaDeviceSynchronize());
+      std::vector<double> dx_ref(size_t(m * hidden)), h_pass(size_t(m * hidden)),
+          parts_ref(size_t(layout.elements()), 0.0);
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t n = 0; n < hidden; ++n) {
+          const size_t e = size_t(i * hidden + n);
+          dx_ref[e] = programs::RmsnormBackwardDx{}(g[e], with_dres ? dres[e] : 0.0, x[e],
+                                                    double(r[size_t(i)]), gamma[size_t(n)],
+                                                    double(zdz[size_t(i)]));
+          h_pass[e] = testing::round_bf16(
+              programs::NormalizedScaled{}(float(x[e]), r[size_t(i)], float(gamma[size_t(n)])));
+          parts_ref[size_t(layout.index(n, i / 128))] +=
+              programs::GradTimesNormalized{}(g[e], x[e], double(r[size_t(i)]));
+        }
+      expect_close(what + " dx", download_bf16(dx), dx_ref);
+      std::vector<float> got = parts.download();
+      std::vector<double> got_d(got.begin(), got.end());
+      for (int64_t t = 0; t < layout.tiles; ++t)  // columns past H are padding, not outputs
+        for (int64_t n = hidden; n < layout.extent; ++n)
+          got_d[size_t(layout.index(n, t))] = parts_ref[size_t(layout.index(n, t))] = 0.0;
+      expect_close(what + " dγ partials", got_d, parts_ref);
+      h.expect_quantizes_copy(what + " h_out", h_pass);
+    }
+  }
+}
+
 // B2 split: the pass over a plain GEMM's bf16 da (swiglu_backward_quantize_fp8), from fresh
 // random da and z: the staged bf16 dz and the ZdZ partials against the program's functors in fp64
 // (programs::SwigluBackward's math on the same da), the codes and scales of both copies byte for

@@ -225,16 +225,27 @@ def test_fp8_rmsnorm_swiglu_matches_the_cpu_recipe(m, two_i, k):
     fp8_row_cast_near(a, a_ref, "a")
 
 
+@pytest.fixture(params=["fused", "split"])
+def placement(request):
+    """Each FP8 program with an elementwise half run both ways: in the GEMM's epilogue and as a
+    pass of its own after the plain GEMM (coda.set_fp8_epilogue)."""
+    old = CODA.set_fp8_epilogue(request.param)
+    yield request.param
+    CODA.set_fp8_epilogue(old)
+
+
 B1_FP8_SHAPES = [(77, 272, 400), (300, 1040, 2048), (4097, 256, 144)]  # (M, H, K)
 
 
 @pytest.mark.parametrize("m,hidden,k", B1_FP8_SHAPES)
-def test_fp8_rmsnorm_backward_matches_the_cpu_recipe(m, hidden, k):
-    """B1 over FP8 operands with h_out's transposed copy quantized in the epilogue, against the
-    CPU op in fp64 on the same codes (w_t: the transposed copy of W's blocks): dx and the dγ
-    partials (the columns < H the kernel defines) by the FP8 GEMM tolerance; h_out = x·r·γ's copy
-    dequantized against the CPU's (e4m3's half step). The bit-for-bit match with the cast of the
-    kernel's own bf16 h_out is tests/gpu/fp8_programs_test.cpp's."""
+def test_fp8_rmsnorm_backward_matches_the_cpu_recipe(m, hidden, k, placement):
+    """B1 over FP8 operands with h_out's transposed copy quantized, fused or split, against the
+    recipe on the same codes (w_t: the transposed copy of W's blocks): dx and the dγ partials (the
+    columns < H the kernel defines) against their formulas in fp64 on the CPU's g = dz · W
+    (fp8_gemm; split: rounded to bf16, as the plain GEMM writes it) by the FP8 GEMM tolerance, the
+    fused ones also against the CPU op; h_out = x·r·γ's copy dequantized against the CPU's
+    (e4m3's half step). The bit-for-bit match with the cast of the kernel's own bf16 h_out is
+    tests/gpu/fp8_programs_test.cpp's."""
     gen = torch.Generator().manual_seed(m + 11 * hidden)
     dz, w = wide_bf16(m, k, gen).cuda(), wide_bf16(k, hidden, gen).cuda()
     x = torch.randn(m, hidden, generator=gen).to(BF16).cuda()
@@ -249,29 +260,29 @@ def test_fp8_rmsnorm_backward_matches_the_cpu_recipe(m, hidden, k):
     args = [t.cpu() for t in (dzc, dzs, wtc, wts)] + [
         t.cpu().double() for t in (x, r, gamma, zdz, dres)
     ]
-    dx_ref, _, _, s_ref = CODA.fp8_gemm_rmsnorm_backward(*args)
-    fp8_gemm_close(dx, dx_ref, "dx")
-    h_ref = x.cpu().double() * r.cpu().double()[:, None] * gamma.cpu().double()
+    dx_cpu, _, _, s_cpu = CODA.fp8_gemm_rmsnorm_backward(*args)
+    assert s.shape == s_cpu.shape
+    g = CODA.fp8_gemm(*args[:4])  # fp64 on the CPU
+    if placement == "split":
+        g = g.to(BF16).double()
+    else:
+        fp8_gemm_close(dx, dx_cpu, "dx (the CPU op's)")
+        fp8_gemm_close(s[:, :hidden], s_cpu[:, :hidden], "dγ partials (the CPU op's)")
+    x64, r64, gamma64, zdz64, dres64 = args[4:]
+    n = x64 * r64[:, None]
+    fp8_gemm_close(dx, dres64 + r64[:, None] * (g * gamma64 - n * zdz64[:, None]), "dx")
+    h_ref = n * gamma64
     fp8_codes_near(ht[:, :m], hts, h_ref.t(), "h_outᵀ")
     assert (ht[:, m:].cpu().view(torch.uint8) == 0).all(), "h_outᵀ padding"
-    assert s.shape == s_ref.shape
-    fp8_gemm_close(s[:, :hidden], s_ref[:, :hidden], "dγ partials")
-    # Without dres (None): the norm's gradient alone, against the CPU op without it.
+    tiles = s.shape[0]
+    per_row = torch.nn.functional.pad(g * n, (0, 0, 0, tiles * 128 - m))
+    fp8_gemm_close(s[:, :hidden], per_row.view(tiles, 128, hidden).sum(1), "dγ partials")
+    # Without dres (None): the norm's gradient alone.
     dx0, _, _, _ = CODA.fp8_gemm_rmsnorm_backward(dzc, dzs, wtc, wts, x, r, gamma, zdz, None)
-    dx0_ref, _, _, _ = CODA.fp8_gemm_rmsnorm_backward(*args[:-1], None)
-    fp8_gemm_close(dx0, dx0_ref, "dx without dres")
+    fp8_gemm_close(dx0, r64[:, None] * (g * gamma64 - n * zdz64[:, None]), "dx without dres")
 
 
 B2_FP8_SHAPES = [(77, 272, 400), (300, 1040, 2048), (4097, 200, 144)]  # (M, I, H)
-
-
-@pytest.fixture(params=["fused", "split"])
-def placement(request):
-    """Each FP8 program with an elementwise half run both ways: in the GEMM's epilogue and as a
-    pass of its own after the plain GEMM (coda.set_fp8_epilogue)."""
-    old = CODA.set_fp8_epilogue(request.param)
-    yield request.param
-    CODA.set_fp8_epilogue(old)
 
 
 @pytest.mark.parametrize("m,inter,hidden", B2_FP8_SHAPES)

@@ -53,6 +53,19 @@ void swiglu_backward_quantize_fp8(const bf16* da, int64_t ldda, const void* z, i
                                   int64_t ld_partials, cudaStream_t stream, bf16* copy = nullptr,
                                   int64_t ld_copy = 0);
 
+// B1's elementwise half, for a B1 split into a plain FP8 GEMM (g = dz · W in bf16) and this
+// pass, all (rows, cols) bf16 matrices with 16-byte aligned starts and row strides, cols a
+// multiple of 16: dx = dres + r·(g·γ − x·r·ZdZ) (dres null: none; dx may alias dres), h_out =
+// x·r·γ rounded to bf16 and quantized as quantize_fp8_rows would quantize its transposed copy
+// (out_t), and the dγ partials Σ g·x·r per column and 128-row tile
+// (PartialLayout::per_column(rows, cols, 128, 128): tile t of column n at t · ld_partials + n;
+// columns past `cols` not written). r, zdz (rows) fp32, gamma (cols) bf16.
+void rmsnorm_backward_quantize_fp8(const bf16* g, int64_t ldg, const bf16* x, int64_t ldx,
+                                   const bf16* dres, int64_t ld_dres, const float* r,
+                                   const bf16* gamma, const float* zdz, int64_t rows, int64_t cols,
+                                   bf16* dx, int64_t lddx, Fp8Output out_t, float* partials,
+                                   int64_t ld_partials, cudaStream_t stream);
+
 // x (rows, cols) bf16 in 128x128 blocks (weights), cols a multiple of 16; one scale per block.
 //   out (if codes is set): codes (rows, cols); the scale of block (rb, cb) at rb · ld_scales + cb.
 //   out_t (if codes is set): codes (cols, rows) = xᵀ with the same blocks transposed; block
