@@ -365,6 +365,43 @@ TEST(OpArguments, Fp8ProgramArgumentsAreChecked) {
                     HasSubstr("rope_table must have shape (2, 16), got (2, 8)")));
 }
 
+TEST(OpArguments, Fp8SplitPassArgumentsAreChecked) {
+  const auto e4 = DType::kE4M3, f = DType::kF32;
+  const TensorView none{};
+  // B2's pass: z is (M, 2I) of da's (M, I); its partials per row and 128 columns of da.
+  EXPECT_THAT(error_of([&] {
+                fp8_swiglu_backward_quantize(bf16_matrix(256, 4, 32), bf16_matrix(512, 4, 48),
+                                             none, typed(768, e4, 4, 64), typed(1024, f, 1, 4),
+                                             none, none, typed(1280, f, 1, 128), nullptr);
+              }),
+              AllOf(HasSubstr("coda::ops::fp8_swiglu_backward_quantize"),
+                    HasSubstr("z must have shape (4, 64), got (4, 48)")));
+  EXPECT_THAT(error_of([&] {
+                fp8_swiglu_backward_quantize(bf16_matrix(256, 4, 32), bf16_matrix(512, 4, 64),
+                                             none, typed(768, e4, 4, 64), typed(1024, f, 1, 4),
+                                             none, none, typed(1280, f, 1, 64), nullptr);
+              }),
+              HasSubstr("zdz_partials must have shape (1, 128), got (1, 64)"));
+  // B1's pass: g (M, H) bf16, H a multiple of 16, dγ partials per column and 128 rows.
+  EXPECT_THAT(error_of([&] {
+                fp8_rmsnorm_backward_quantize(
+                    bf16_matrix(256, 4, 24), bf16_matrix(512, 4, 24), f32_vector(768, 4),
+                    TensorView::vector(reinterpret_cast<void*>(1024), DType::kBF16, 24, 0),
+                    f32_vector(1280, 4), none, bf16_matrix(1536, 4, 24), typed(1792, e4, 24, 16),
+                    typed(2048, f, 1, 24), typed(2304, f, 1, 128), nullptr);
+              }),
+              AllOf(HasSubstr("coda::ops::fp8_rmsnorm_backward_quantize"),
+                    HasSubstr("H a multiple of 16"), HasSubstr("got (4, 24)")));
+  EXPECT_THAT(error_of([&] {
+                fp8_rmsnorm_backward_quantize(
+                    bf16_matrix(256, 4, 32), bf16_matrix(512, 4, 32), f32_vector(768, 4),
+                    TensorView::vector(reinterpret_cast<void*>(1024), DType::kBF16, 32, 0),
+                    f32_vector(1280, 4), none, bf16_matrix(1536, 4, 32), typed(1792, e4, 32, 16),
+                    typed(2048, f, 1, 32), typed(2304, f, 1, 32), nullptr);
+              }),
+              HasSubstr("dgamma_partials must have shape (1, 128), got (1, 32)"));
+}
+
 TEST(OpArguments, Fp8ZArgumentsAreChecked) {
   const auto e4 = DType::kE4M3, f = DType::kF32;
   const TensorView none{};

@@ -625,3 +625,25 @@ def test_set_fp8_wgrad_backend_names_the_choices():
         assert previous == "cutlass"
         assert CODA.set_fp8_wgrad_backend("cutlass") == "cublaslt"
     assert CODA.set_fp8_wgrad_backend(old) == "cutlass"
+
+
+def test_set_fp8_epilogue_names_the_choices_and_leaves_the_cpu_recipe_alone():
+    """coda::set_fp8_epilogue refuses other names and returns the placement it replaces (a build
+    without CUDA kernels: "auto", having none to place); the CPU op runs the recipe either way."""
+    with pytest.raises(RuntimeError, match="must be 'auto', 'fused' or 'split', got 'unfused'"):
+        CODA.set_fp8_epilogue("unfused")
+    gen = torch.Generator().manual_seed(3)
+    dxc, dxs, _, _ = CODA.fp8_quantize_rows(torch.randn(130, 256, generator=gen))
+    wtc, wts, _, _ = CODA.fp8_quantize_blocks(torch.randn(144, 256, generator=gen))
+    z = torch.randn(130, 288, generator=gen, dtype=torch.float64)
+    old = CODA.set_fp8_epilogue("fused")
+    try:
+        fused = CODA.fp8_gemm_swiglu_backward(dxc, dxs, wtc, wts, z, True, True)
+        assert CODA.set_fp8_epilogue("split") in ("fused", "auto")
+        split = CODA.fp8_gemm_swiglu_backward(dxc, dxs, wtc, wts, z, True, True)
+    finally:
+        CODA.set_fp8_epilogue(old)
+    for a, b in zip(fused, split):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+
