@@ -36,7 +36,7 @@ Variants:
   coda           our plain FP8 GEMM (bf16 out)
   gemm_then_cast the plain GEMM, then the rows+t cast of a bf16 tensor of the quantized output's
                  shape: a lower bound for the unfused path (its elementwise pass left out)
-  split          B1, B2, B2z: the op split (coda.set_fp8_epilogue("split")): the plain GEMM's
+  split          F2z, B1, B2, B2z: the op split (coda.set_fp8_epilogue("split")): the plain GEMM's
                  bf16 output, then the elementwise half and the casts in one pass
   cublaslt       cuBLASLt's blockwise GEMM
 Cast rows: the standalone casts at this shape, against a device-to-device copy of the
@@ -58,7 +58,7 @@ CODA = torch.ops.coda
 FUSED_PROGRAMS = ("F1", "F2", "F2z", "B1", "B2", "B2z")
 # The programs that also run split (the plain GEMM, then their elementwise half as a pass of its
 # own: coda.set_fp8_epilogue("split")), timed as the `split` variant.
-SPLIT_PROGRAMS = ("B1", "B2", "B2z")
+SPLIT_PROGRAMS = ("F2z", "B1", "B2", "B2z")
 BF16 = torch.bfloat16
 
 

@@ -443,6 +443,27 @@ void fp8_swiglu_backward_quantize(View da, View z, View z_scales, View dz, View 
                                        stream);
 }
 
+void fp8_rmsnorm_swiglu_quantize(View y, View r, View z, View z_scales, View a, View a_scales,
+                                  View a_t, View a_t_scales, cudaStream_t stream) {
+  Args c("coda::ops::fp8_rmsnorm_swiglu_quantize");
+  CODA_CHECK(y.dims == 2, c.op(), ": y must be a matrix");
+  const int64_t m = y.rows, two_i = y.cols;
+  CODA_CHECK(m > 0 && two_i > 0 && two_i % 32 == 0 && m < (int64_t(1) << 31) &&
+                 two_i < (int64_t(1) << 31),
+             c.op(), ": y must be (M, 2I) with 2I a multiple of 32, both positive and below ",
+             "2^31, got (", m, ", ", two_i, ")");
+  c.matrix("y", y, kBf, m, two_i);
+  c.vector("r", r, kF, m);
+  CODA_CHECK(z.data, c.op(), ": z is null (its codes are the point of z saved in FP8)");
+  c.matrix("z", z, DType::kE4M3, m, two_i);
+  c.scales("z_scales", z_scales, blocks(two_i), m, true);
+  const RowOutputs out = row_outputs(c, "a", a, "a_scales", a_scales, "a_t", a_t, "a_t_scales",
+                                     a_t_scales, m, two_i / 2);
+  c.on_device();
+  kernel::rmsnorm_swiglu_quantize_fp8(bf(y), y.ld, f32(r), m, two_i / 2, fp8_output(z, z_scales),
+                                      out.rows, out.cols, stream);
+}
+
 PartialLayout fp8_rmsnorm_backward_split_partials_layout(int64_t m, int64_t hidden) {
   CODA_CHECK(m > 0 && hidden > 0, "coda::ops::fp8_rmsnorm_backward_split_partials_layout: M and ",
              "H must be positive, got ", m, " and ", hidden);
@@ -497,6 +518,11 @@ Fp8EpiloguePlacement fp8_epilogue_placement() {
 }
 void set_fp8_epilogue_placement(Fp8EpiloguePlacement placement) {
   g_placement.store(int(placement), std::memory_order_relaxed);
+}
+
+bool fp8_rmsnorm_swiglu_split(int64_t m, int64_t two_i, int64_t k) {
+  (void)m, (void)two_i, (void)k;  // auto: fused (ops.hpp)
+  return fp8_epilogue_placement() == Fp8EpiloguePlacement::kSplit;
 }
 
 bool fp8_rmsnorm_backward_split(int64_t m, int64_t hidden, int64_t k) {

@@ -310,6 +310,91 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
 }
 
 
+// F2's epilogue with z saved in FP8, as a pass of its own (kernel/quantize.hpp
+// rmsnorm_swiglu_quantize_fp8): one CTA per 128 rows of one 128-column tile of a, i.e. 256
+// columns of the plain GEMM's output y = h·w_guᵀ (its interleaved (g, u) pairs). A chunk is 8
+// columns of y (16 bytes); a warp covers a row's 256, each half-warp one 128-column block of z,
+// whose amax its shuffles find: z = r·y is rounded to bf16 and its codes written from registers.
+// a = silu(z_g)·z_u from the unrounded z is rounded to bf16 and staged; its rows and transposed
+// copy are quantized by the cast's passes.
+__global__ void __launch_bounds__(kThreads, 2)
+    rmsnorm_swiglu_tile_kernel(const bf16* __restrict__ y, int64_t ldy,
+                               const float* __restrict__ r, int64_t rows, int64_t inter,
+                               Fp8Output z_out, Fp8Output out, Fp8Output out_t, bf16* copy,
+                               int64_t ld_copy) {
+  using epilogue::E4m3;
+  using fp8_tile::kPitch;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const fp8_tile::Staged staged = fp8_tile::staged(smem);
+  constexpr int kRowChunks = 2 * kTile / 8;                    // 32 chunks of y per row
+  constexpr int kChunks = kTile * kRowChunks / kThreads;       // 16: rows threadIdx.x / 32 + 8 j
+  constexpr int kGroup = 4;
+  const fp8_tile::TilePlace t = fp8_tile::place(blockIdx.y, blockIdx.x, rows, inter);  // a's tile
+  const int lane = threadIdx.x % 32, c = lane * 8;  // the thread's 8 columns of y (4 of a)
+  const bool cols_in = c / 2 < t.cols_here;         // cols_here: a multiple of 16
+  const int64_t y_col = 2 * t.col0 + c;
+#pragma unroll
+  for (int j0 = 0; j0 < kChunks; j0 += kGroup) {
+    uint4 v[kGroup];
+    float rr[kGroup];
+#pragma unroll
+    for (int k = 0; k < kGroup; ++k) {
+      const int row = threadIdx.x / 32 + (kThreads / 32) * (j0 + k);
+      v[k] = make_uint4(0, 0, 0, 0);
+      rr[k] = 0.0f;
+      if (row < t.rows_here && cols_in) {
+        v[k] = *reinterpret_cast<const uint4*>(y + (t.row0 + row) * ldy + y_col);
+        rr[k] = r[t.row0 + row];
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kGroup; ++k) {
+      const int row = threadIdx.x / 32 + (kThreads / 32) * (j0 + k);
+      const uint32_t w[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
+      float zf[8];
+      uint32_t zb[4];  // z in bf16, pairs
+      uint32_t m = 0;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        zf[2 * q] = rr[k] * fp8_tile::low_value(w[q]);
+        zf[2 * q + 1] = rr[k] * fp8_tile::high_value(w[q]);
+        const __nv_bfloat162 p = __floats2bfloat162_rn(zf[2 * q], zf[2 * q + 1]);
+        zb[q] = *reinterpret_cast<const uint32_t*>(&p);
+        m = max(m, fp8_tile::pair_magnitudes(zb[q]));
+      }
+      // z's 1x128 block: this half-warp's 16 lanes.
+      uint32_t amax = max(fp8_tile::low_amax(m), fp8_tile::high_amax(m));
+#pragma unroll
+      for (int o = 8; o > 0; o /= 2) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+      const float sc = E4m3::scale(fp8_tile::as_amax(amax)), inv = E4m3::inverse(sc);
+      const int64_t zrow = t.row0 + row;
+      if (zrow < ScaleLayout::row_scales_ld(rows) && lane % 16 == 0 && cols_in)
+        z_out.scales[y_col / kTile * z_out.ld_scales + zrow] = sc;
+      if (row < t.rows_here && cols_in) {
+        const fp8_tile::Eight e{{zb[0], zb[1], zb[2], zb[3]}};
+        *reinterpret_cast<uint2*>(z_out.codes + zrow * z_out.ld + y_col) =
+            fp8_tile::encode8(e, inv);
+      }
+      // a from the unrounded z, rounded to bf16 and staged (4 values, 8 bytes).
+      uint2 a;
+      uint32_t* aw = reinterpret_cast<uint32_t*>(&a);
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        const __nv_bfloat162 p =
+            __floats2bfloat162_rn(epilogue::SwiGlu{}(zf[4 * q], zf[4 * q + 1]),
+                                  epilogue::SwiGlu{}(zf[4 * q + 2], zf[4 * q + 3]));
+        aw[q] = *reinterpret_cast<const uint32_t*>(&p);
+      }
+      *reinterpret_cast<uint2*>(staged.tile + row * kPitch + c / 2) = a;
+      if (copy != nullptr && row < t.rows_here && cols_in)
+        *reinterpret_cast<uint2*>(copy + (t.row0 + row) * ld_copy + t.col0 + c / 2) = a;
+    }
+  }
+  __syncthreads();
+  if (out.codes) fp8_tile::quantize_rows<Blocks::kRows>(staged, t, out, threadIdx.x);
+  if (out_t.codes) fp8_tile::quantize_columns<Blocks::kRows>(staged, t, out_t, threadIdx.x);
+}
+
 // B1's epilogue as a pass of its own (kernel/quantize.hpp rmsnorm_backward_quantize_fp8): one CTA
 // per 128x128 tile of g. A chunk is 8 columns of a row (16 bytes of g, x and dres); the thread's
 // 8 columns are the same in every chunk (256 threads, 16 chunks a row), so γ is loaded once and
@@ -597,6 +682,37 @@ void swiglu_backward_quantize_fp8(const bf16* da, int64_t ldda, const void* z, i
     else
       launch(swiglu_backward_tile_kernel<false, 2>);
   }
+  CODA_CUDA_CHECK(cudaGetLastError());
+}
+
+void rmsnorm_swiglu_quantize_fp8(const bf16* y, int64_t ldy, const float* r, int64_t rows,
+                                 int64_t inter, Fp8Output z_out, Fp8Output out, Fp8Output out_t,
+                                 cudaStream_t stream, bf16* copy, int64_t ld_copy) {
+  const char* op = "coda::kernel::rmsnorm_swiglu_quantize_fp8";
+  CODA_CHECK(rows > 0 && inter > 0 && inter % 16 == 0, op,
+             ": y must be (rows, 2·I) with I a multiple of 16, got rows ", rows, ", I ", inter);
+  CODA_CHECK(y != nullptr && ldy >= 2 * inter && ldy % 8 == 0 &&
+                 reinterpret_cast<uintptr_t>(y) % 16 == 0,
+             op, ": y's start and row stride must be 16-byte aligned with the stride >= ",
+             2 * inter, ", got row stride ", ldy, " at address ", static_cast<const void*>(y));
+  CODA_CHECK(r != nullptr, op, ": r is null");
+  CODA_CHECK(z_out.codes != nullptr, op, ": z's codes are the point (z saved in FP8)");
+  CODA_CHECK(copy == nullptr || (ld_copy >= inter && ld_copy % 4 == 0 &&
+                                 reinterpret_cast<uintptr_t>(copy) % 8 == 0),
+             op, ": the bf16 copy of a needs an 8-byte aligned start and row stride >= ", inter,
+             ", got ", ld_copy);
+  CODA_CHECK(out.codes || out_t.codes, op, ": neither a's rows nor its copy is wanted");
+  check_output(op, "z", z_out, 2 * inter, ScaleLayout::row_scales_ld(rows));
+  check_output(op, "out", out, inter, ScaleLayout::row_scales_ld(rows));
+  check_output(op, "out_t", out_t, ScaleLayout::padded_tokens(rows), inter);
+  const int64_t row_blocks = ScaleLayout::blocks(rows), col_blocks = ScaleLayout::blocks(inter);
+  CODA_CHECK(row_blocks < 65536, op, ": ", rows, " rows is too many (at most 65535 tiles)");
+  CODA_CUDA_CHECK(cudaFuncSetAttribute(rmsnorm_swiglu_tile_kernel,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       fp8_tile::kSmemBytes));
+  const dim3 grid{unsigned(col_blocks), unsigned(row_blocks)};
+  rmsnorm_swiglu_tile_kernel<<<grid, kThreads, fp8_tile::kSmemBytes, stream>>>(
+      y, ldy, r, rows, inter, z_out, out, out_t, copy, ld_copy);
   CODA_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -259,6 +259,16 @@ Fp8F2Z fp8_gemm_rmsnorm_swiglu_fp8_z(const Tensor& h, const Tensor& h_scales, co
 #if CODA_TORCH_CUDA
   const c10::cuda::CUDAGuard guard(h.device());
   const RowCastViews v = views_of(a);
+  if (ops::fp8_rmsnorm_swiglu_split(m, two_i, h.size(1))) {
+    // Split (ops::fp8_epilogue_placement): the plain GEMM's y in bf16, then F2's pass over it.
+    const Tensor y = at::empty({m, two_i}, h_scales.options().dtype(at::kBFloat16));
+    ops::gemm_fp8(codes_view(h), scales_view(h_scales), codes_view(w_gu), scales_view(w_gu_scales),
+                  view(y, DType::kBF16), stream_of(h));
+    ops::fp8_rmsnorm_swiglu_quantize(view(y, DType::kBF16), vector_view(r, DType::kF32),
+                                     codes_view(z.codes), scales_view(z.scales), v.codes, v.scales,
+                                     v.codes_t, v.scales_t, stream_of(h));
+    return {z.codes, z.scales, a.codes, a.scales, a.codes_t, a.scales_t};
+  }
   ops::gemm_fp8_rmsnorm_swiglu_fp8_z(codes_view(h), scales_view(h_scales), codes_view(w_gu),
                                      scales_view(w_gu_scales), vector_view(r, DType::kF32),
                                      codes_view(z.codes), scales_view(z.scales), v.codes, v.scales,

@@ -253,6 +253,13 @@ PartialLayout fp8_swiglu_backward_split_partials_layout(int64_t m, int64_t inter
 void fp8_swiglu_backward_quantize(View da, View z, View z_scales, View dz, View dz_scales,
                                   View dz_t, View dz_t_scales, View zdz_partials,
                                   cudaStream_t stream);
+// F2 split with z saved in FP8: gemm_fp8 writes y = h · w_guᵀ (M, 2I) in bf16, then this pass
+// makes what F2's epilogue with an FP8 z makes from it (gemm_fp8_rmsnorm_swiglu_fp8_z's r, z,
+// z_scales, a, a_scales, a_t, a_t_scales): z = r ⊙ y rounded to bf16 and quantized, and a =
+// silu(z_g)·z_u from the unrounded z, rounded and quantized. 2I a multiple of 32. The outputs
+// differ from the fused F2's by y's rounding to bf16 before r scales it.
+void fp8_rmsnorm_swiglu_quantize(View y, View r, View z, View z_scales, View a, View a_scales,
+                                 View a_t, View a_t_scales, cudaStream_t stream);
 // B1 split: gemm_fp8 writes g = dz · W (M, H) in bf16, then this pass makes what B1's epilogue
 // makes from it (gemm_fp8_rmsnorm_backward's x, r, gamma, zdz, dres, dx, h_t and h_t_scales):
 // dx, h_out's transposed copy quantized, and the dγ partials in
@@ -272,6 +279,7 @@ void fp8_rmsnorm_backward_quantize(View g, View x, View r, View gamma, View zdz,
 enum class Fp8EpiloguePlacement { kAuto, kFused, kSplit };
 Fp8EpiloguePlacement fp8_epilogue_placement();
 void set_fp8_epilogue_placement(Fp8EpiloguePlacement placement);
+bool fp8_rmsnorm_swiglu_split(int64_t m, int64_t two_i, int64_t k);  // F2 with z in FP8
 bool fp8_rmsnorm_backward_split(int64_t m, int64_t hidden, int64_t k);
 bool fp8_swiglu_backward_split(int64_t m, int64_t intermediate, int64_t hidden);
 // d (M, N) = x · yᵀ with x (M, K) and y (N, K) both in 1x128 blocks (the weight gradient from

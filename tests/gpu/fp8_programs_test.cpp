@@ -416,6 +416,44 @@ TEST_F(GpuKernelTest, Fp8SwigluBackwardQuantizesDzAsTheRecipe) {
   }
 }
 
+// F2 split with z in FP8: the pass over a plain GEMM's bf16 y (rmsnorm_swiglu_quantize_fp8), from
+// fresh random y and r: z's codes byte for byte the recipe's quantization of bf16(r·y) (one fp32
+// product: exact to reproduce on the host), a's bf16 copy against silu(z_g)·z_u in fp64 and its
+// codes (both copies) byte for byte the recipe's quantization of that copy. {M, I}: I = 144 ends
+// in a 16-column tile of a (z's last block 32 columns wide); M = 130 and 4097 in partial tiles.
+TEST_F(GpuKernelTest, Fp8RmsnormSwigluSplitPassMatchesTheRecipe) {
+  testing::Rng rng(41);
+  const int64_t sizes[][2] = {{1, 128}, {130, 144}, {300, 528}, {4097, 128}};
+  for (const auto& mi : sizes) {
+    const int64_t m = mi[0], inter = mi[1];
+    const std::string what = "split F2 (" + std::to_string(m) + ", " + std::to_string(inter) + ")";
+    const auto y = testing::bf16_uniform(size_t(m * 2 * inter), -3, 3, rng);
+    std::vector<float> r(static_cast<size_t>(m));
+    for (auto& v : r) v = float(0.5 + rng.uniform());
+    auto d_y = upload_bf16(y);
+    DeviceBuffer<float> d_r(r);
+    DeviceBuffer<bf16> copy(size_t(m * inter));
+    copy.poison();
+    QuantizedOut z(m, 2 * inter), a(m, inter);
+    rmsnorm_swiglu_quantize_fp8(d_y.get(), 2 * inter, d_r.get(), m, inter, z.rows_out(),
+                                a.rows_out(), a.cols_out(), nullptr, copy.get(), inter);
+    CODA_CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<double> z_pass(size_t(m * 2 * inter)), a_ref(size_t(m * inter));
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t n = 0; n < inter; ++n) {
+        const size_t e = size_t(i * 2 * inter + 2 * n);
+        z_pass[e] = testing::round_bf16(r[size_t(i)] * float(y[e]));
+        z_pass[e + 1] = testing::round_bf16(r[size_t(i)] * float(y[e + 1]));
+        const double ri = r[size_t(i)];
+        a_ref[size_t(i * inter + n)] = epilogue::SwiGlu{}(ri * y[e], ri * y[e + 1]);
+      }
+    z.expect_quantizes_rows(what + " z", z_pass);
+    const std::vector<double> a_got = download_bf16(copy);
+    expect_close(what + " a", a_got, a_ref);
+    a.expect_quantizes(what + " a", a_got);
+  }
+}
+
 // B1 split: the pass over a plain GEMM's bf16 g (rmsnorm_backward_quantize_fp8), from fresh random
 // inputs with and without dres: dx and the dγ partials against the program's functors in fp64, and
 // h_out's transposed copy byte for byte the recipe's quantization of bf16(x·r·γ) computed in fp32

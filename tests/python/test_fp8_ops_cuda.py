@@ -205,6 +205,33 @@ def fp8_gemm_close(got, ref, what):
 F2_FP8_SHAPES = [(77, 288, 400), (300, 1056, 2048), (4097, 256, 144)]  # (M, 2I, K), 2I % 32 == 0
 
 
+@pytest.fixture(params=["fused", "split"])
+def placement(request):
+    """Each FP8 program with an elementwise half run both ways: in the GEMM's epilogue and as a
+    pass of its own after the plain GEMM (coda.set_fp8_epilogue)."""
+    old = CODA.set_fp8_epilogue(request.param)
+    yield request.param
+    CODA.set_fp8_epilogue(old)
+
+
+@pytest.mark.parametrize("m,two_i,k", F2_FP8_SHAPES)
+def test_fp8_rmsnorm_swiglu_with_fp8_z_matches_the_cpu_recipe(m, two_i, k, placement):
+    """F2 with z saved in FP8, fused or split, against the CPU op in fp64 on the same codes: z's
+    codes (rows) and a's (both copies) dequantized against the CPU's z and silu(z_g) · z_u. The
+    bit-for-bit match with the recipe's cast of the kernel's own bf16 values is
+    tests/gpu/fp8_programs_test.cpp's."""
+    gen = torch.Generator().manual_seed(m + 9 * two_i)
+    h, w = wide_bf16(m, k, gen).cuda(), wide_bf16(two_i, k, gen).cuda()
+    r = (torch.rand(m, generator=gen) + 0.5).cuda()
+    hc, hs, _, _ = CODA.fp8_quantize_rows(h)
+    wc, ws, _, _ = CODA.fp8_quantize_blocks(w)
+    zc, zs, *a = CODA.fp8_gemm_rmsnorm_swiglu_fp8_z(hc, hs, wc, ws, r, True, True)
+    args = [t.cpu() for t in (hc, hs, wc, ws)] + [r.cpu().double()]
+    z_ref = CODA.fp8_gemm_rmsnorm_swiglu(*args, dtype=torch.float64)[0]
+    fp8_codes_near(zc, zs, z_ref, "z")
+    fp8_row_cast_near(a, F.silu(z_ref[:, 0::2]) * z_ref[:, 1::2], "a")
+
+
 @pytest.mark.parametrize("m,two_i,k", F2_FP8_SHAPES)
 def test_fp8_rmsnorm_swiglu_matches_the_cpu_recipe(m, two_i, k):
     """F2 over FP8 operands with a quantized in the epilogue, against the CPU op in fp64 on the
@@ -223,15 +250,6 @@ def test_fp8_rmsnorm_swiglu_matches_the_cpu_recipe(m, two_i, k):
     fp8_gemm_close(z, z_ref, "z")
     a_ref = F.silu(z_ref[:, 0::2]) * z_ref[:, 1::2]
     fp8_row_cast_near(a, a_ref, "a")
-
-
-@pytest.fixture(params=["fused", "split"])
-def placement(request):
-    """Each FP8 program with an elementwise half run both ways: in the GEMM's epilogue and as a
-    pass of its own after the plain GEMM (coda.set_fp8_epilogue)."""
-    old = CODA.set_fp8_epilogue(request.param)
-    yield request.param
-    CODA.set_fp8_epilogue(old)
 
 
 B1_FP8_SHAPES = [(77, 272, 400), (300, 1040, 2048), (4097, 256, 144)]  # (M, H, K)

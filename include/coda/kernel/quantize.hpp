@@ -53,6 +53,17 @@ void swiglu_backward_quantize_fp8(const bf16* da, int64_t ldda, const void* z, i
                                   int64_t ld_partials, cudaStream_t stream, bf16* copy = nullptr,
                                   int64_t ld_copy = 0);
 
+// F2's elementwise half with z saved in FP8, for an F2 split into a plain FP8 GEMM (y = h ·
+// w_guᵀ (rows, 2·inter) in bf16, interleaved (g, u) columns, 16-byte aligned start and row
+// stride) and this pass, inter a multiple of 16: z = r ⊙ y (r (rows) fp32) rounded to bf16 and
+// quantized in 1x128 blocks (z_out, required: the codes gemm_fp8_rmsnorm_swiglu_fp8_z writes);
+// a = silu(z_g)·z_u (rows, inter) from the unrounded z, rounded to bf16 and quantized as
+// quantize_fp8_rows would quantize it (out, out_t; either may be left out). copy (optional,
+// tests): a's bf16 values, row stride ld_copy.
+void rmsnorm_swiglu_quantize_fp8(const bf16* y, int64_t ldy, const float* r, int64_t rows,
+                                 int64_t inter, Fp8Output z_out, Fp8Output out, Fp8Output out_t,
+                                 cudaStream_t stream, bf16* copy = nullptr, int64_t ld_copy = 0);
+
 // B1's elementwise half, for a B1 split into a plain FP8 GEMM (g = dz · W in bf16) and this
 // pass, all (rows, cols) bf16 matrices with 16-byte aligned starts and row strides, cols a
 // multiple of 16: dx = dres + r·(g·γ − x·r·ZdZ) (dres null: none; dx may alias dres), h_out =
