@@ -157,9 +157,10 @@ def fp8_fused_table(d, files=None):
                 "`fused`: the output in 1x128 blocks and its transposed 128x1 copy; `rows`: "
                 "without the copy; `plain`: our FP8 GEMM of the same shape; `GEMM then cast`: the "
                 "plain GEMM followed by the rows+t cast of a bf16 tensor of the output's shape, a "
-                "lower bound for the unfused path; `split`: the op as the models run it by "
-                "default where it splits (B2: the plain GEMM's bf16 da, then one pass for dSwiGLU "
-                "and both casts; `coda.set_fp8_epilogue`). Target: fused / plain <= 1.05.\n",
+                "lower bound for the unfused path; `split`: the op under "
+                "`coda.set_fp8_epilogue(\"split\")` (F2z, B1, B2: the plain GEMM's bf16 "
+                "output, then one pass for the elementwise half and the casts). Target: fused / "
+                "plain <= 1.05.\n",
                 "| model | M | program | proj | M×N×K | fused ms | rows ms | plain ms | "
                 "GEMM then cast ms | split ms | cuBLASLt ms | fused / plain | rows / plain | "
                 "split / plain |" + (" file |" if files else ""),

@@ -531,8 +531,8 @@ bool fp8_rmsnorm_backward_split(int64_t m, int64_t hidden, int64_t k) {
 }
 
 bool fp8_swiglu_backward_split(int64_t m, int64_t intermediate, int64_t hidden) {
-  (void)m, (void)intermediate, (void)hidden;  // auto: split at every measured shape (ops.hpp)
-  return fp8_epilogue_placement() != Fp8EpiloguePlacement::kFused;
+  (void)m, (void)intermediate, (void)hidden;  // auto: fused (ops.hpp)
+  return fp8_epilogue_placement() == Fp8EpiloguePlacement::kSplit;
 }
 
 void gemm_fp8_xyt(View x, View x_scales, View y, View y_scales, View d, bool accumulate,

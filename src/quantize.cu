@@ -6,7 +6,6 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
-#include <cstdlib>
 
 #include "coda/common/check.hpp"
 #include "coda/epilogue/elementwise.hpp"
@@ -215,8 +214,8 @@ __global__ void __launch_bounds__(kThreads)
 // row. dz is rounded to bf16 in the staging and quantized from there by the cast's passes, so
 // its codes are the cast kernel's of those bf16 values; ZdZ sums g·dg + u·du over the CTA's 256
 // columns of dz in fp32 from the unrounded dg, du, as the fused epilogue does.
-template <bool kFp8Z, int kMinBlocks>
-__global__ void __launch_bounds__(kThreads, kMinBlocks)
+template <bool kFp8Z>
+__global__ void __launch_bounds__(kThreads, 2)
     swiglu_backward_tile_kernel(const bf16* __restrict__ da, int64_t ldda,
                                 const void* __restrict__ z, int64_t ldz, InputScales zs,
                                 int64_t rows, int64_t cols, Fp8Output out, Fp8Output out_t,
@@ -226,9 +225,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   extern __shared__ __align__(16) unsigned char smem[];
   const fp8_tile::Staged staged = fp8_tile::staged(smem);
   constexpr int kChunks = kTile * kTile / 8 / kThreads;  // 8: rows threadIdx.x / 16 + 16 j
-  // Loaded and staged in groups of 4 chunks: all 8 in flight at once would take ~60 more
-  // registers, and three CTAs an SM (85 registers) keep more bytes in flight than one.
-  constexpr int kGroup = 2;
+  // Loaded and staged in groups of 4 chunks: all 8 in flight at once took 144 registers (one CTA
+  // an SM); in groups, 127 (two). Three CTAs (80 registers) spill 144 bytes.
+  constexpr int kGroup = 4;
   // ZdZ per row of the CTA, summed over its 256 columns of dz: each chunk's 8 columns reduced over
   // the half-warp that holds the row, added by the half-warp's first lane (one writer a row).
   __shared__ float row_part[kTile];
@@ -670,18 +669,10 @@ void swiglu_backward_quantize_fp8(const bf16* da, int64_t ldda, const void* z, i
                                                              2 * inter, out, out_t, partials,
                                                              ld_partials, copy, ld_copy);
   };
-  static const bool three = std::getenv("CODA_AB_SPLIT3") != nullptr;  // TEMP A/B
-  if (three) {
-    if (fp8_z)
-      launch(swiglu_backward_tile_kernel<true, 3>);
-    else
-      launch(swiglu_backward_tile_kernel<false, 3>);
-  } else {
-    if (fp8_z)
-      launch(swiglu_backward_tile_kernel<true, 2>);
-    else
-      launch(swiglu_backward_tile_kernel<false, 2>);
-  }
+  if (fp8_z)
+    launch(swiglu_backward_tile_kernel<true>);
+  else
+    launch(swiglu_backward_tile_kernel<false>);
   CODA_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -389,7 +389,7 @@ Fp8B1 fp8_gemm_rmsnorm_backward(const Tensor& dz, const Tensor& dz_scales, const
 // and quantized (`rows`, `transposed`), and the ZdZ partials Σ g·dg + u·du (not yet / H),
 // PartialLayout::per_row(M, I, 128, 128), for zdz_fold. On the CPU z may be float32 or float64.
 // On CUDA the fused kernel, or split (ops::fp8_swiglu_backward_split): the plain GEMM's da in
-// bf16 (M x I bytes x 2, freed on return) and ops::fp8_swiglu_backward_quantize.
+// bf16 (M·I·2 bytes, freed on return) and ops::fp8_swiglu_backward_quantize.
 using Fp8B2 = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
 Fp8B2 fp8_gemm_swiglu_backward(const Tensor& dx_out, const Tensor& dx_out_scales,
                                const Tensor& w_down_t, const Tensor& w_down_t_scales,

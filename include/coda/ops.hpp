@@ -271,10 +271,10 @@ void fp8_rmsnorm_backward_quantize(View g, View x, View r, View gamma, View zdz,
                                    cudaStream_t stream);
 // Where an FP8 program's elementwise work runs: in the GEMM's epilogue (kFused) or in a pass of
 // its own after a plain FP8 GEMM (kSplit), process-wide. The blockwise FP8 kernels' epilogue does
-// not overlap the tensor cores (docs/design.md), and a pass at HBM bandwidth can cost less than
-// the exposed epilogue. kAuto, the default, splits B2 (measured faster at every LLaMA-3 shape,
-// docs/experiments.md). Starts from the environment variable CODA_FP8_EPILOGUE ("auto",
-// "fused", "split"), read on first use. Callers that own an allocator (the torch ops) apply it:
+// not overlap the tensor cores (docs/design.md), and a pass at HBM bandwidth could cost less than
+// the exposed epilogue. kAuto, the default, runs every program fused: no split pass is measured
+// faster yet (docs/experiments.md). Starts from the environment variable CODA_FP8_EPILOGUE
+// ("auto", "fused", "split"), read on first use. Callers that own an allocator (the torch ops) apply it:
 // fp8_swiglu_backward_split says whether B2 (M, I, H) splits.
 enum class Fp8EpiloguePlacement { kAuto, kFused, kSplit };
 Fp8EpiloguePlacement fp8_epilogue_placement();
