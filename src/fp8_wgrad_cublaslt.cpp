@@ -14,7 +14,6 @@
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -184,28 +183,18 @@ const char* gemm_fp8_xyt_cublaslt(const kernel::GemmProblem& p, void* d, int64_t
 
 namespace coda::ops {
 namespace {
-std::atomic<int> g_backend{-1};  // -1: not yet read from the environment
-Fp8WgradBackend from_environment() {
+int backend_from_environment() {
   const char* v = std::getenv("CODA_FP8_WGRAD");
   if (v == nullptr || *v == '\0' || std::strcmp(v, "cublaslt") == 0)
-    return Fp8WgradBackend::kCublasLt;
-  if (std::strcmp(v, "cutlass") == 0) return Fp8WgradBackend::kCutlass;
+    return int(Fp8WgradBackend::kCublasLt);
+  if (std::strcmp(v, "cutlass") == 0) return int(Fp8WgradBackend::kCutlass);
   CODA_CHECK(std::strcmp(v, "cublaslt-only") == 0,
              "CODA_FP8_WGRAD must be 'cutlass', 'cublaslt' or 'cublaslt-only', got '", v, "'");
-  return Fp8WgradBackend::kCublasLtOnly;
+  return int(Fp8WgradBackend::kCublasLtOnly);
 }
+detail::ProcessSetting g_backend(backend_from_environment);
 }  // namespace
 
-Fp8WgradBackend fp8_wgrad_backend() {
-  int b = g_backend.load(std::memory_order_relaxed);
-  if (b < 0) {
-    int expected = -1;
-    g_backend.compare_exchange_strong(expected, int(from_environment()));
-    b = g_backend.load(std::memory_order_relaxed);
-  }
-  return Fp8WgradBackend(b);
-}
-void set_fp8_wgrad_backend(Fp8WgradBackend backend) {
-  g_backend.store(int(backend), std::memory_order_relaxed);
-}
+Fp8WgradBackend fp8_wgrad_backend() { return Fp8WgradBackend(g_backend.get()); }
+void set_fp8_wgrad_backend(Fp8WgradBackend backend) { g_backend.set(int(backend)); }
 }  // namespace coda::ops

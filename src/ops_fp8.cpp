@@ -2,7 +2,6 @@
 // FP8 operands, each with its argument checks, kernel choice and launch (src/ops_internal.hpp).
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cstdlib>
 #include <cstring>
 
@@ -496,28 +495,23 @@ void fp8_rmsnorm_backward_quantize(View g, View x, View r, View gamma, View zdz,
 }
 
 namespace {
-std::atomic<int> g_placement{-1};  // -1: not yet read from the environment
-Fp8EpiloguePlacement placement_from_environment() {
+int placement_from_environment() {
   const char* v = std::getenv("CODA_FP8_EPILOGUE");
-  if (v == nullptr || *v == '\0' || std::strcmp(v, "auto") == 0) return Fp8EpiloguePlacement::kAuto;
-  if (std::strcmp(v, "fused") == 0) return Fp8EpiloguePlacement::kFused;
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "auto") == 0)
+    return int(Fp8EpiloguePlacement::kAuto);
+  if (std::strcmp(v, "fused") == 0) return int(Fp8EpiloguePlacement::kFused);
   CODA_CHECK(std::strcmp(v, "split") == 0,
              "CODA_FP8_EPILOGUE must be 'auto', 'fused' or 'split', got '", v, "'");
-  return Fp8EpiloguePlacement::kSplit;
+  return int(Fp8EpiloguePlacement::kSplit);
 }
+ProcessSetting g_placement(placement_from_environment);
 }  // namespace
 
 Fp8EpiloguePlacement fp8_epilogue_placement() {
-  int p = g_placement.load(std::memory_order_relaxed);
-  if (p < 0) {
-    int expected = -1;
-    g_placement.compare_exchange_strong(expected, int(placement_from_environment()));
-    p = g_placement.load(std::memory_order_relaxed);
-  }
-  return Fp8EpiloguePlacement(p);
+  return Fp8EpiloguePlacement(g_placement.get());
 }
 void set_fp8_epilogue_placement(Fp8EpiloguePlacement placement) {
-  g_placement.store(int(placement), std::memory_order_relaxed);
+  g_placement.set(int(placement));
 }
 
 bool fp8_rmsnorm_swiglu_split(int64_t m, int64_t two_i, int64_t k) {

@@ -5,6 +5,7 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 
 #include "coda/common/check.hpp"
@@ -222,5 +223,26 @@ void rmsnorm_backward_inputs(Args& c, View x, View r, View gamma, View zdz, View
 // it (nothing launched): scales whose row stride is not the operand's rows, or no algorithm.
 const char* gemm_fp8_xyt_cublaslt(const kernel::GemmProblem& p, void* d, int64_t ldd,
                                   bool accumulate, cudaStream_t stream);
+
+// A process-wide choice (an enum's value) that starts from the environment, read on the first
+// get(), and that set() replaces: the FP8 weight gradient's backend, the FP8 epilogue placement.
+class ProcessSetting {
+ public:
+  explicit ProcessSetting(int (*from_environment)()) : from_environment_(from_environment) {}
+  int get() {
+    int v = value_.load(std::memory_order_relaxed);
+    if (v < 0) {
+      int unset = -1;
+      value_.compare_exchange_strong(unset, from_environment_());
+      v = value_.load(std::memory_order_relaxed);
+    }
+    return v;
+  }
+  void set(int v) { value_.store(v, std::memory_order_relaxed); }
+
+ private:
+  std::atomic<int> value_{-1};  // -1: not yet read from the environment
+  int (*from_environment_)();
+};
 
 }  // namespace coda::ops::detail
