@@ -514,19 +514,8 @@ void set_fp8_epilogue_placement(Fp8EpiloguePlacement placement) {
   g_placement.set(int(placement));
 }
 
-bool fp8_rmsnorm_swiglu_split(int64_t m, int64_t two_i, int64_t k) {
-  (void)m, (void)two_i, (void)k;  // auto: fused (ops.hpp)
-  return fp8_epilogue_placement() == Fp8EpiloguePlacement::kSplit;
-}
-
-bool fp8_rmsnorm_backward_split(int64_t m, int64_t hidden, int64_t k) {
-  (void)m, (void)hidden, (void)k;  // auto: fused (ops.hpp)
-  return fp8_epilogue_placement() == Fp8EpiloguePlacement::kSplit;
-}
-
-bool fp8_swiglu_backward_split(int64_t m, int64_t intermediate, int64_t hidden) {
-  (void)m, (void)intermediate, (void)hidden;  // auto: fused (ops.hpp)
-  return fp8_epilogue_placement() == Fp8EpiloguePlacement::kSplit;
+bool fp8_epilogue_split() {
+  return fp8_epilogue_placement() == Fp8EpiloguePlacement::kSplit;  // auto: fused (ops.hpp)
 }
 
 void gemm_fp8_xyt(View x, View x_scales, View y, View y_scales, View d, bool accumulate,

@@ -259,7 +259,7 @@ Fp8F2Z fp8_gemm_rmsnorm_swiglu_fp8_z(const Tensor& h, const Tensor& h_scales, co
 #if CODA_TORCH_CUDA
   const c10::cuda::CUDAGuard guard(h.device());
   const RowCastViews v = views_of(a);
-  if (ops::fp8_rmsnorm_swiglu_split(m, two_i, h.size(1))) {
+  if (ops::fp8_epilogue_split()) {
     // Split (ops::fp8_epilogue_placement): the plain GEMM's y in bf16, then F2's pass over it.
     const Tensor y = at::empty({m, two_i}, h_scales.options().dtype(at::kBFloat16));
     ops::gemm_fp8(codes_view(h), scales_view(h_scales), codes_view(w_gu), scales_view(w_gu_scales),
@@ -355,7 +355,7 @@ Fp8B1 fp8_gemm_rmsnorm_backward(const Tensor& dz, const Tensor& dz_scales, const
 #if CODA_TORCH_CUDA
   const c10::cuda::CUDAGuard guard(dz.device());
   const Tensor dx = at::empty({m, hidden}, x.options());
-  if (ops::fp8_rmsnorm_backward_split(m, hidden, k)) {
+  if (ops::fp8_epilogue_split()) {
     // Split (ops::fp8_epilogue_placement): the plain GEMM's g in bf16, then B1's pass over it.
     const Tensor g = at::empty({m, hidden}, x.options());
     ops::gemm_fp8(codes_view(dz), scales_view(dz_scales), codes_view(w_t), scales_view(w_t_scales),
@@ -388,7 +388,7 @@ Fp8B1 fp8_gemm_rmsnorm_backward(const Tensor& dz, const Tensor& dz_scales, const
 // saved interleaved pre-activation, dz (M, 2I) = dSwiGLU (docs/math.md B2) rounded to z's dtype
 // and quantized (`rows`, `transposed`), and the ZdZ partials Σ g·dg + u·du (not yet / H),
 // PartialLayout::per_row(M, I, 128, 128), for zdz_fold. On the CPU z may be float32 or float64.
-// On CUDA the fused kernel, or split (ops::fp8_swiglu_backward_split): the plain GEMM's da in
+// On CUDA the fused kernel, or split (ops::fp8_epilogue_split): the plain GEMM's da in
 // bf16 (M·I·2 bytes, freed on return) and ops::fp8_swiglu_backward_quantize.
 using Fp8B2 = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
 Fp8B2 fp8_gemm_swiglu_backward(const Tensor& dx_out, const Tensor& dx_out_scales,
@@ -416,7 +416,7 @@ Fp8B2 fp8_gemm_swiglu_backward(const Tensor& dx_out, const Tensor& dx_out_scales
 #if CODA_TORCH_CUDA
   const c10::cuda::CUDAGuard guard(dx_out.device());
   const RowCastViews v = views_of(q);
-  if (ops::fp8_swiglu_backward_split(m, inter, k)) {
+  if (ops::fp8_epilogue_split()) {
     // Split (ops::fp8_epilogue_placement): the plain GEMM's da in bf16, then B2's pass over it.
     const Tensor da = at::empty({m, inter}, dx_out.options().dtype(at::kBFloat16));
     ops::gemm_fp8(codes_view(dx_out), scales_view(dx_out_scales), codes_view(w_down_t),

@@ -274,14 +274,13 @@ void fp8_rmsnorm_backward_quantize(View g, View x, View r, View gamma, View zdz,
 // not overlap the tensor cores (docs/design.md), and a pass at HBM bandwidth could cost less than
 // the exposed epilogue. kAuto, the default, runs every program fused: no split pass is measured
 // faster yet (docs/experiments.md). Starts from the environment variable CODA_FP8_EPILOGUE
-// ("auto", "fused", "split"), read on first use. Callers that own an allocator (the torch ops) apply it:
-// fp8_swiglu_backward_split says whether B2 (M, I, H) splits.
+// ("auto", "fused", "split"), read on first use. Callers that own an allocator (the torch ops)
+// apply it: fp8_epilogue_split says whether B1, B2 and F2 with z in FP8 run split (once a split
+// pass is measured faster, auto chooses per program and shape, and the shape joins the call).
 enum class Fp8EpiloguePlacement { kAuto, kFused, kSplit };
 Fp8EpiloguePlacement fp8_epilogue_placement();
 void set_fp8_epilogue_placement(Fp8EpiloguePlacement placement);
-bool fp8_rmsnorm_swiglu_split(int64_t m, int64_t two_i, int64_t k);  // F2 with z in FP8
-bool fp8_rmsnorm_backward_split(int64_t m, int64_t hidden, int64_t k);
-bool fp8_swiglu_backward_split(int64_t m, int64_t intermediate, int64_t hidden);
+bool fp8_epilogue_split();
 // d (M, N) = x · yᵀ with x (M, K) and y (N, K) both in 1x128 blocks (the weight gradient from
 // the transposed copies, K = tokens): d bf16, or with `accumulate` fp32 d += x · yᵀ. Runs on
 // the backend fp8_wgrad_backend() names.
