@@ -463,6 +463,36 @@ void fp8_rmsnorm_swiglu_quantize(View y, View r, View z, View z_scales, View a, 
                                       out.rows, out.cols, stream);
 }
 
+PartialLayout fp8_rope_backward_partials_layout(int64_t m, int64_t width) {
+  CODA_CHECK(m > 0 && width > 0, "coda::ops::fp8_rope_backward_partials_layout: M and the width ",
+             "must be positive, got ", m, " and ", width);
+  constexpr int64_t kTile = kernel::ScaleLayout::kBlock;
+  return PartialLayout::per_row(m, width, kTile, kTile);
+}
+
+void fp8_rope_backward_quantize(View qkv, View dqkv, View pos, View rope_table, View dpre,
+                                View dpre_scales, View dpre_t, View dpre_t_scales,
+                                View zdz_partials, cudaStream_t stream) {
+  Args c("coda::ops::fp8_rope_backward_quantize");
+  CODA_CHECK(qkv.dims == 2, c.op(), ": qkv must be a matrix");
+  const int64_t m = qkv.rows, width = qkv.cols;
+  CODA_CHECK(
+      m > 0 && width > 0 && width % 16 == 0 && m < (int64_t(1) << 31) && width < (int64_t(1) << 31),
+      c.op(), ": qkv must be (M, N) with N a multiple of 16, both positive and below 2^31, ",
+      "got (", m, ", ", width, ")");
+  c.matrix("qkv", qkv, kBf, m, width);
+  c.matrix("dqkv", dqkv, kBf, m, width);
+  c.vector("pos", pos, DType::kI32, m);
+  c.matrix("rope_table", rope_table, DType::kI32, 2, width);
+  const RowOutputs out = row_outputs(c, "dpre", dpre, "dpre_scales", dpre_scales, "dpre_t", dpre_t,
+                                     "dpre_t_scales", dpre_t_scales, m, width);
+  c.partials("zdz_partials", zdz_partials, fp8_rope_backward_partials_layout(m, width));
+  c.on_device();
+  kernel::rope_backward_quantize_fp8(bf(qkv), qkv.ld, bf(dqkv), dqkv.ld, pos.as<const int32_t>(),
+                                     words(rope_table, 0), words(rope_table, 1), m, width, out.rows,
+                                     out.cols, f32_out(zdz_partials), zdz_partials.ld, stream);
+}
+
 PartialLayout fp8_rmsnorm_backward_split_partials_layout(int64_t m, int64_t hidden) {
   CODA_CHECK(m > 0 && hidden > 0, "coda::ops::fp8_rmsnorm_backward_split_partials_layout: M and ",
              "H must be positive, got ", m, " and ", hidden);

@@ -6,6 +6,7 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <tuple>
 
 #include "coda/common/check.hpp"
 #include "coda/epilogue/elementwise.hpp"
@@ -14,6 +15,7 @@
 #include "coda/kernel/fp8_tile.cuh"
 #include "coda/kernel/quantize.hpp"
 #include "coda/programs/formulas.hpp"
+#include "coda/programs/rope.hpp"
 
 namespace coda::kernel {
 namespace {
@@ -492,6 +494,86 @@ __global__ void __launch_bounds__(kThreads, 2)
   fp8_tile::quantize_columns<Blocks::kRows>(staged, t, out_t, threadIdx.x);
 }
 
+// B3's RoPE backward with its output quantized, for the FP8 norm+QKV backward (kernel/quantize.hpp
+// rope_backward_quantize_fp8): one CTA per 128x128 tile of qkv. A chunk is 8 columns (4 rotation
+// pairs) of a row: 16 bytes of qkv and of dqkv; a thread's 8 columns are the same in every chunk
+// (256 threads, 16 chunks a row), so its 4 pairs' frequencies are loaded once. dpre = Rᵀ·dqkv is
+// computed as rope_backward's kernel computes it (aux_kernels.cu), rounded to bf16 and staged;
+// its rows and transposed copy are quantized by the cast's passes, so the codes are the cast
+// kernel's of rope_backward's output. ZdZ's partial Σ qkv·dqkv over the tile's columns of a row:
+// the half-warp holding the row reduces it and its first lane writes it (one writer a row).
+__global__ void __launch_bounds__(kThreads, 2)
+    rope_backward_tile_kernel(const bf16* __restrict__ y, int64_t ldy, const bf16* __restrict__ dy,
+                              int64_t lddy, const int32_t* __restrict__ pos,
+                              const uint32_t* __restrict__ freq_hi,
+                              const uint32_t* __restrict__ freq_lo, int64_t rows, int64_t cols,
+                              Fp8Output out, Fp8Output out_t, float* __restrict__ partials,
+                              int64_t ld_partials, bf16* copy, int64_t ld_copy) {
+  using fp8_tile::kPitch;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const fp8_tile::Staged staged = fp8_tile::staged(smem);
+  constexpr int kChunks = kTile * kTile / 8 / kThreads;  // 8: rows threadIdx.x / 16 + 16 j
+  constexpr int kGroup = 4;
+  constexpr int kRowGroups = kThreads / (kTile / 8);  // 16 threads share a thread's columns
+  const fp8_tile::TilePlace t = fp8_tile::place(blockIdx.y, blockIdx.x, rows, cols);
+  const int c = threadIdx.x % (kTile / 8) * 8, group = threadIdx.x / (kTile / 8);
+  const bool cols_in = c < t.cols_here;  // cols_here is a multiple of 16: 8 columns in or out
+  programs::RopeFrequency freq[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int64_t n = t.col0 + c + 2 * q;  // pair q's first column; its frequency's entry
+    freq[q] = cols_in ? programs::RopeFrequency{freq_hi[n], freq_lo[n]} : programs::RopeFrequency{};
+  }
+#pragma unroll
+  for (int j0 = 0; j0 < kChunks; j0 += kGroup) {
+    uint4 yv[kGroup], gv[kGroup];
+    int32_t p[kGroup];
+#pragma unroll
+    for (int k = 0; k < kGroup; ++k) {
+      const int row = group + kRowGroups * (j0 + k);
+      yv[k] = gv[k] = make_uint4(0, 0, 0, 0);
+      p[k] = 0;
+      if (row < t.rows_here && cols_in) {
+        const int64_t m = t.row0 + row, n = t.col0 + c;
+        yv[k] = *reinterpret_cast<const uint4*>(y + m * ldy + n);
+        gv[k] = *reinterpret_cast<const uint4*>(dy + m * lddy + n);
+        p[k] = pos[m];
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kGroup; ++k) {
+      const int row = group + kRowGroups * (j0 + k);
+      const uint32_t yw[4] = {yv[k].x, yv[k].y, yv[k].z, yv[k].w};
+      const uint32_t gw[4] = {gv[k].x, gv[k].y, gv[k].z, gv[k].w};
+      uint4 d;
+      uint32_t* dw = reinterpret_cast<uint32_t*>(&d);
+      float part = 0.0f;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float y0 = fp8_tile::low_value(yw[q]), y1 = fp8_tile::high_value(yw[q]);
+        const float g0 = fp8_tile::low_value(gw[q]), g1 = fp8_tile::high_value(gw[q]);
+        float cs, sn, d0, d1;
+        programs::rope_cos_sin<float>(p[k], freq[q], cs, sn);
+        epilogue::RopeRotateTranspose{}(g0, g1, cs, sn, d0, d1);
+        part += programs::PairDot{}(y0, y1, g0, g1);
+        const __nv_bfloat162 pair = __floats2bfloat162_rn(d0, d1);
+        dw[q] = *reinterpret_cast<const uint32_t*>(&pair);
+      }
+#pragma unroll
+      for (int o = 8; o > 0; o /= 2) part += __shfl_xor_sync(0xffffffffu, part, o);
+      if (threadIdx.x % 16 == 0 && row < t.rows_here)
+        partials[blockIdx.x * ld_partials + t.row0 + row] = part;
+      // Zeros outside the tensor, which the passes' amaxes need.
+      *reinterpret_cast<uint4*>(staged.tile + row * kPitch + c) = d;
+      if (copy != nullptr && row < t.rows_here && cols_in)
+        *reinterpret_cast<uint4*>(copy + (t.row0 + row) * ld_copy + t.col0 + c) = d;
+    }
+  }
+  __syncthreads();
+  if (out.codes) fp8_tile::quantize_rows<Blocks::kRows>(staged, t, out, threadIdx.x);
+  if (out_t.codes) fp8_tile::quantize_columns<Blocks::kRows>(staged, t, out_t, threadIdx.x);
+}
+
 // One 64x64 tile of codes per CTA: each thread loads 16 bytes of a row into shared memory (row
 // pitch 68 bytes, 4-byte stores: a warp's byte reads down the columns hit each bank at most
 // twice) and stores 16 bytes of a column, i.e. of out_t's row. rows and cols are multiples of 16,
@@ -740,6 +822,42 @@ void rmsnorm_backward_quantize_fp8(const bf16* g, int64_t ldg, const bf16* x, in
   rmsnorm_backward_tile_kernel<<<grid, kThreads, fp8_tile::kSmemBytes, stream>>>(
       g, ldg, x, ldx, dres, ld_dres, r, gamma, zdz, rows, cols, dx, lddx, out_t, partials,
       ld_partials);
+  CODA_CUDA_CHECK(cudaGetLastError());
+}
+
+void rope_backward_quantize_fp8(const bf16* y, int64_t ldy, const bf16* dy, int64_t lddy,
+                                const int32_t* pos, const uint32_t* freq_hi,
+                                const uint32_t* freq_lo, int64_t rows, int64_t cols, Fp8Output out,
+                                Fp8Output out_t, float* partials, int64_t ld_partials,
+                                cudaStream_t stream, bf16* copy, int64_t ld_copy) {
+  const char* op = "coda::kernel::rope_backward_quantize_fp8";
+  CODA_CHECK(rows > 0 && cols > 0 && cols % 16 == 0, op,
+             ": qkv must be (rows, cols) with cols a multiple of 16, got (", rows, ", ", cols, ")");
+  for (const auto& [name, p, ld] : {std::tuple{"qkv", y, ldy}, std::tuple{"dqkv", dy, lddy}})
+    CODA_CHECK(
+        p != nullptr && ld >= cols && ld % 8 == 0 && reinterpret_cast<uintptr_t>(p) % 16 == 0, op,
+        ": ", name, "'s start and row stride must be 16-byte aligned with the stride >= ", cols,
+        ", got row stride ", ld, " at address ", static_cast<const void*>(p));
+  CODA_CHECK(pos != nullptr && freq_hi != nullptr && freq_lo != nullptr, op,
+             ": null positions or frequency table");
+  CODA_CHECK(partials != nullptr && ld_partials >= rows, op,
+             ": the ZdZ partials need a row stride >= ", rows, ", got ", ld_partials);
+  CODA_CHECK(copy == nullptr || (ld_copy >= cols && ld_copy % 8 == 0 &&
+                                 reinterpret_cast<uintptr_t>(copy) % 16 == 0),
+             op, ": the bf16 copy of dpre needs a 16-byte aligned start and row stride >= ", cols,
+             ", got ", ld_copy);
+  CODA_CHECK(out.codes || out_t.codes, op, ": no output");
+  check_output(op, "out", out, cols, ScaleLayout::row_scales_ld(rows));
+  check_output(op, "out_t", out_t, ScaleLayout::padded_tokens(rows), cols);
+  const int64_t row_blocks = ScaleLayout::blocks(rows), col_blocks = ScaleLayout::blocks(cols);
+  CODA_CHECK(row_blocks < 65536, op, ": ", rows, " rows is too many (at most 65535 tiles)");
+  CODA_CUDA_CHECK(cudaFuncSetAttribute(rope_backward_tile_kernel,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       fp8_tile::kSmemBytes));
+  const dim3 grid{unsigned(col_blocks), unsigned(row_blocks)};
+  rope_backward_tile_kernel<<<grid, kThreads, fp8_tile::kSmemBytes, stream>>>(
+      y, ldy, dy, lddy, pos, freq_hi, freq_lo, rows, cols, out, out_t, partials, ld_partials, copy,
+      ld_copy);
   CODA_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -269,6 +269,17 @@ PartialLayout fp8_rmsnorm_backward_split_partials_layout(int64_t m, int64_t hidd
 void fp8_rmsnorm_backward_quantize(View g, View x, View r, View gamma, View zdz, View dres,
                                    View dx, View h_t, View h_t_scales, View dgamma_partials,
                                    cudaStream_t stream);
+// B3 and the cast of its output in one pass (the FP8 norm+QKV backward without a bias): dqkv_pre
+// = Rᵀ·dqkv as rope_backward computes it, rounded to bf16 and quantized as quantize_fp8_rows
+// would quantize it (dpre rows, dpre_t its transposed copy; either may be left out), and the ZdZ
+// partials Σ qkv·dqkv per row and 128-column tile in fp8_rope_backward_partials_layout, which
+// zdz_fold(partials, hidden) turns into rope_backward's zdz (up to fp32 summation order). qkv,
+// dqkv (M, N) bf16, N a multiple of 16; pos (M) int32; rope_table (2, N) int32 as
+// rope_backward's. Saves the bf16 dqkv_pre's write and the cast's read of it.
+PartialLayout fp8_rope_backward_partials_layout(int64_t m, int64_t width);
+void fp8_rope_backward_quantize(View qkv, View dqkv, View pos, View rope_table, View dpre,
+                                View dpre_scales, View dpre_t, View dpre_t_scales,
+                                View zdz_partials, cudaStream_t stream);
 // Where an FP8 program's elementwise work runs: in the GEMM's epilogue (kFused) or in a pass of
 // its own after a plain FP8 GEMM (kSplit), process-wide. The blockwise FP8 kernels' epilogue does
 // not overlap the tensor cores (docs/design.md), and a pass at HBM bandwidth could cost less than

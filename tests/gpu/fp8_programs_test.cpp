@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "coda/kernel/aux_kernels.hpp"
 #include "coda/kernel/cuda_check.hpp"
 #include "coda/kernel/quantize.hpp"
 #include "coda/ops.hpp"
@@ -578,6 +579,75 @@ TEST_F(GpuKernelTest, Fp8SwigluBackwardSplitPassMatchesTheRecipe) {
                        std::vector<float>(got.begin(), got.end()),
                        std::vector<float>(want.begin(), want.end()));
   }
+}
+
+// B3 and its cast in one pass (the FP8 norm+QKV backward without a bias) against the two kernels
+// it replaces, on random qkv, dqkv and positions with a LLaMA RoPE table (V heads at frequency
+// 0): dpre's staged bf16 values byte for byte rope_backward's dqkv_pre, its codes and scales
+// (rows and transposed copy) the recipe's quantization of them, the ZdZ partials against fp64
+// sums per row and 128-column tile, and their fold over the tiles rope_backward's zdz to fp32
+// rounding. Widths 512, 640 and 112 (not a multiple of 128: a last tile 112 columns wide).
+TEST_F(GpuKernelTest, Fp8RopeBackwardPassIsTheCastOfRopeBackward) {
+  testing::Rng rng(41);
+  const programs::QkvLayout layouts[] = {{4, 2, 64}, {3, 1, 128}, {5, 1, 16}};
+  for (const programs::QkvLayout& ql : layouts)
+    for (const int64_t m : {int64_t(1), int64_t(130), int64_t(300), int64_t(4097)}) {
+      const int64_t w = ql.width(), hidden = 256;
+      const std::string what =
+          "B3 + cast (M=" + std::to_string(m) + ", width " + std::to_string(w) + ")";
+      const std::vector<double> y = testing::bf16_uniform(size_t(m * w), -2, 2, rng);
+      const std::vector<double> dy = testing::bf16_uniform(size_t(m * w), -1, 1, rng);
+      std::vector<int32_t> pos(static_cast<size_t>(m));
+      for (auto& p : pos) p = static_cast<int32_t>(rng.integer(0, 1 << 17));
+      const auto inv = programs::rope_inv_freq(ql.head_dim, 500000.0, {.enabled = true});
+      const auto table = programs::rope_column_table(ql, inv);
+      std::vector<uint32_t> hi, lo;
+      ops::split_rope_table(table, hi, lo);
+      auto d_y = upload_bf16(y), d_dy = upload_bf16(dy);
+      DeviceBuffer<int32_t> d_pos(pos);
+      DeviceBuffer<uint32_t> d_hi(hi), d_lo(lo);
+      const auto layout = epilogue::PartialLayout::per_row(m, w, 128, 128);
+      DeviceBuffer<float> partials(size_t(layout.elements())), zdz(static_cast<size_t>(m));
+      DeviceBuffer<bf16> copy(size_t(m * w)), dpre(size_t(m * w));
+      partials.poison();
+      zdz.poison();
+      copy.poison();
+      dpre.poison();
+      QuantizedOut q(m, w);
+      rope_backward_quantize_fp8(d_y.get(), w, d_dy.get(), w, d_pos.get(), d_hi.get(), d_lo.get(),
+                                 m, w, q.rows_out(), q.cols_out(), partials.get(), layout.extent,
+                                 nullptr, copy.get(), w);
+      rope_backward(d_y.get(), d_dy.get(), nullptr, d_pos.get(), d_hi.get(), d_lo.get(), m, w,
+                    hidden, dpre.get(), zdz.get(), nullptr);
+      CODA_CUDA_CHECK(cudaDeviceSynchronize());
+
+      const std::vector<double> got = download_bf16(copy), unfused = download_bf16(dpre);
+      size_t differ = 0, first = 0;
+      for (size_t i = got.size(); i-- > 0;)
+        if (got[i] != unfused[i]) ++differ, first = i;
+      EXPECT_EQ(differ, 0u) << what << ": dpre differs from rope_backward's in " << differ
+                            << " elements, first at " << first << " (" << got[first] << " vs "
+                            << unfused[first] << ")";
+      q.expect_quantizes(what + " dpre", got);
+
+      std::vector<double> part_ref(size_t(layout.elements()), 0.0);
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t n = 0; n < w; ++n)
+          part_ref[size_t(layout.index(r, n / 128))] +=
+              y[size_t(r * w + n)] * dy[size_t(r * w + n)];
+      const std::vector<float> part_got = partials.download();
+      expect_close(what + " ZdZ partials", defined_partials(part_got, part_ref, layout, m),
+                   part_ref);
+      std::vector<double> folded(static_cast<size_t>(m), 0.0);
+      for (int64_t r = 0; r < m; ++r) {
+        for (int64_t t = 0; t < layout.tiles; ++t)
+          folded[size_t(r)] += part_got[size_t(layout.index(r, t))];
+        folded[size_t(r)] /= double(hidden);
+      }
+      const std::vector<float> zdz_unfused = zdz.download();
+      expect_close(what + " ZdZ folded vs rope_backward's", folded,
+                   std::vector<double>(zdz_unfused.begin(), zdz_unfused.end()));
+    }
 }
 
 }  // namespace

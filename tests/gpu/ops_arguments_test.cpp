@@ -400,6 +400,37 @@ TEST(OpArguments, Fp8SplitPassArgumentsAreChecked) {
                     typed(2048, f, 1, 32), typed(2304, f, 1, 32), nullptr);
               }),
               HasSubstr("dgamma_partials must have shape (1, 128), got (1, 32)"));
+  // B3 and its cast in one pass: the width a multiple of 16, the table spanning it, the ZdZ
+  // partials per row and 128 columns.
+  const TensorView pos = TensorView::vector(reinterpret_cast<void*>(1536), DType::kI32, 4, 0);
+  EXPECT_THAT(error_of([&] {
+                fp8_rope_backward_quantize(bf16_matrix(256, 4, 24), bf16_matrix(512, 4, 24), pos,
+                                           typed(1792, DType::kI32, 2, 24), typed(768, e4, 4, 24),
+                                           typed(1024, f, 1, 4), none, none, typed(1280, f, 1, 128),
+                                           nullptr);
+              }),
+              AllOf(HasSubstr("coda::ops::fp8_rope_backward_quantize"),
+                    HasSubstr("N a multiple of 16"), HasSubstr("got (4, 24)")));
+  EXPECT_THAT(error_of([&] {
+                fp8_rope_backward_quantize(bf16_matrix(256, 4, 32), bf16_matrix(512, 4, 32), pos,
+                                           typed(1792, DType::kI32, 2, 16), typed(768, e4, 4, 32),
+                                           typed(1024, f, 1, 4), none, none, typed(1280, f, 1, 128),
+                                           nullptr);
+              }),
+              HasSubstr("rope_table must have shape (2, 32), got (2, 16)"));
+  EXPECT_THAT(error_of([&] {
+                fp8_rope_backward_quantize(bf16_matrix(256, 4, 32), bf16_matrix(512, 4, 32), pos,
+                                           typed(1792, DType::kI32, 2, 32), typed(768, e4, 4, 32),
+                                           typed(1024, f, 1, 4), none, none, typed(1280, f, 1, 32),
+                                           nullptr);
+              }),
+              HasSubstr("zdz_partials must have shape (1, 128), got (1, 32)"));
+  EXPECT_THAT(error_of([&] {
+                fp8_rope_backward_quantize(bf16_matrix(256, 4, 32), bf16_matrix(512, 4, 32), pos,
+                                           typed(1792, DType::kI32, 2, 32), none, none, none, none,
+                                           typed(1280, f, 1, 128), nullptr);
+              }),
+              HasSubstr("neither dpre nor dpre_t is wanted"));
 }
 
 TEST(OpArguments, Fp8ZArgumentsAreChecked) {

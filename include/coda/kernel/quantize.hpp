@@ -77,6 +77,21 @@ void rmsnorm_backward_quantize_fp8(const bf16* g, int64_t ldg, const bf16* x, in
                                    bf16* dx, int64_t lddx, Fp8Output out_t, float* partials,
                                    int64_t ld_partials, cudaStream_t stream);
 
+// B3's RoPE backward and the cast of its output in one pass, for the FP8 norm+QKV backward
+// without a bias: dpre = Rᵀ·dqkv (rows, cols) from y = qkv and dy = dqkv (bf16, 16-byte aligned
+// starts and row strides), pos (rows) int32 and each column's fixed-point frequency (freq_hi,
+// freq_lo: cols entries; a pair's at its first column), cols a multiple of 16: dpre rounded to
+// bf16 and quantized as quantize_fp8_rows would quantize it (out, out_t; either may be left
+// out), i.e. rope_backward's dqkv_pre cast; and the ZdZ partials Σ qkv·dqkv per row and
+// 128-column tile (PartialLayout::per_row(rows, cols, 128, 128): tile t of row r at
+// t · ld_partials + r; rows past `rows` not written), whose fold over the tiles / hidden is
+// rope_backward's zdz up to fp32 summation order. copy (optional, tests): dpre's bf16 values.
+void rope_backward_quantize_fp8(const bf16* y, int64_t ldy, const bf16* dy, int64_t lddy,
+                                const int32_t* pos, const uint32_t* freq_hi,
+                                const uint32_t* freq_lo, int64_t rows, int64_t cols, Fp8Output out,
+                                Fp8Output out_t, float* partials, int64_t ld_partials,
+                                cudaStream_t stream, bf16* copy = nullptr, int64_t ld_copy = 0);
+
 // x (rows, cols) bf16 in 128x128 blocks (weights), cols a multiple of 16; one scale per block.
 //   out (if codes is set): codes (rows, cols); the scale of block (rb, cb) at rb · ld_scales + cb.
 //   out_t (if codes is set): codes (cols, rows) = xᵀ with the same blocks transposed; block
