@@ -641,20 +641,35 @@ void check_input(const char* op, const bf16* x, int64_t rows, int64_t cols, int6
   CODA_CHECK(out.codes || out_t.codes, op, ": no output");
 }
 
+// A tile kernel's launch: one CTA of kThreads per 128 rows and `col_units` column units, each with
+// the staged tile's shared memory.
+template <class... Params, class... A>
+void launch_tile_kernel(const char* op, void (*kernel)(Params...), int64_t rows, int64_t col_units,
+                        cudaStream_t stream, A... args) {
+  const int64_t row_blocks = ScaleLayout::blocks(rows);
+  CODA_CHECK(row_blocks < 65536, op, ": ", rows, " rows is too many (at most 65535 tiles)");
+  // Per launch (the current device's function attribute; no synchronization).
+  CODA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       fp8_tile::kSmemBytes));
+  const dim3 grid{unsigned(col_units), unsigned(row_blocks)};
+  kernel<<<grid, kThreads, fp8_tile::kSmemBytes, stream>>>(args...);
+  CODA_CUDA_CHECK(cudaGetLastError());
+}
+
+// The quantized outputs of a (rows, cols) tensor, rows and transposed copy, at least one wanted.
+void check_outputs(const char* op, const Fp8Output& out, const Fp8Output& out_t, int64_t rows,
+                   int64_t cols) {
+  CODA_CHECK(out.codes || out_t.codes, op, ": no output");
+  check_output(op, "out", out, cols, ScaleLayout::row_scales_ld(rows));
+  check_output(op, "out_t", out_t, ScaleLayout::padded_tokens(rows), cols);
+}
+
 template <Blocks kBlocks, TileInput kInput = TileInput::kX>
 void launch_tiles(const char* op, const void* x, int64_t rows, int64_t cols, int64_t ldx,
                   const Fp8Output& out, const Fp8Output& out_t, cudaStream_t stream,
                   InputScales xs = {}) {
-  const int64_t row_blocks = ScaleLayout::blocks(rows), col_blocks = ScaleLayout::blocks(cols);
-  CODA_CHECK(row_blocks < 65536, op, ": ", rows, " rows is too many (at most 65535 tiles)");
-  // Per launch (the current device's function attribute; no synchronization).
-  CODA_CUDA_CHECK(cudaFuncSetAttribute(quantize_tile_kernel<kBlocks, kInput>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       fp8_tile::kSmemBytes));
-  const dim3 grid{unsigned(col_blocks), unsigned(row_blocks)};
-  quantize_tile_kernel<kBlocks, kInput>
-      <<<grid, kThreads, fp8_tile::kSmemBytes, stream>>>(x, rows, cols, ldx, out, out_t, xs);
-  CODA_CUDA_CHECK(cudaGetLastError());
+  launch_tile_kernel(op, quantize_tile_kernel<kBlocks, kInput>, rows, ScaleLayout::blocks(cols),
+                     stream, x, rows, cols, ldx, out, out_t, xs);
 }
 
 }  // namespace
@@ -737,25 +752,16 @@ void swiglu_backward_quantize_fp8(const bf16* da, int64_t ldda, const void* z, i
                                  reinterpret_cast<uintptr_t>(copy) % 16 == 0),
              op, ": the bf16 copy of dz needs a 16-byte aligned start and row stride >= ",
              2 * inter, ", got ", ld_copy);
-  CODA_CHECK(out.codes || out_t.codes, op, ": no output");
-  check_output(op, "out", out, 2 * inter, ScaleLayout::row_scales_ld(rows));
-  check_output(op, "out_t", out_t, ScaleLayout::padded_tokens(rows), 2 * inter);
-  const int64_t row_blocks = ScaleLayout::blocks(rows), col_units = ScaleLayout::blocks(inter);
-  CODA_CHECK(row_blocks < 65536, op, ": ", rows, " rows is too many (at most 65535 tiles)");
-  const dim3 grid{unsigned(col_units), unsigned(row_blocks)};
-  const InputScales zs{z_scales, ld_z_scales};
-  auto launch = [&](auto kernel) {
-    CODA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         fp8_tile::kSmemBytes));
-    kernel<<<grid, kThreads, fp8_tile::kSmemBytes, stream>>>(da, ldda, z, ldz, zs, rows,
-                                                             2 * inter, out, out_t, partials,
-                                                             ld_partials, copy, ld_copy);
+  check_outputs(op, out, out_t, rows, 2 * inter);
+  auto launch = [&](auto kernel) {  // one CTA per 128 columns of da
+    launch_tile_kernel(op, kernel, rows, ScaleLayout::blocks(inter), stream, da, ldda, z, ldz,
+                       InputScales{z_scales, ld_z_scales}, rows, 2 * inter, out, out_t, partials,
+                       ld_partials, copy, ld_copy);
   };
   if (fp8_z)
     launch(swiglu_backward_tile_kernel<true>);
   else
     launch(swiglu_backward_tile_kernel<false>);
-  CODA_CUDA_CHECK(cudaGetLastError());
 }
 
 void rmsnorm_swiglu_quantize_fp8(const bf16* y, int64_t ldy, const float* r, int64_t rows,
@@ -776,17 +782,9 @@ void rmsnorm_swiglu_quantize_fp8(const bf16* y, int64_t ldy, const float* r, int
              ", got ", ld_copy);
   CODA_CHECK(out.codes || out_t.codes, op, ": neither a's rows nor its copy is wanted");
   check_output(op, "z", z_out, 2 * inter, ScaleLayout::row_scales_ld(rows));
-  check_output(op, "out", out, inter, ScaleLayout::row_scales_ld(rows));
-  check_output(op, "out_t", out_t, ScaleLayout::padded_tokens(rows), inter);
-  const int64_t row_blocks = ScaleLayout::blocks(rows), col_blocks = ScaleLayout::blocks(inter);
-  CODA_CHECK(row_blocks < 65536, op, ": ", rows, " rows is too many (at most 65535 tiles)");
-  CODA_CUDA_CHECK(cudaFuncSetAttribute(rmsnorm_swiglu_tile_kernel,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       fp8_tile::kSmemBytes));
-  const dim3 grid{unsigned(col_blocks), unsigned(row_blocks)};
-  rmsnorm_swiglu_tile_kernel<<<grid, kThreads, fp8_tile::kSmemBytes, stream>>>(
-      y, ldy, r, rows, inter, z_out, out, out_t, copy, ld_copy);
-  CODA_CUDA_CHECK(cudaGetLastError());
+  check_outputs(op, out, out_t, rows, inter);
+  launch_tile_kernel(op, rmsnorm_swiglu_tile_kernel, rows, ScaleLayout::blocks(inter), stream, y,
+                     ldy, r, rows, inter, z_out, out, out_t, copy, ld_copy);
 }
 
 void rmsnorm_backward_quantize_fp8(const bf16* g, int64_t ldg, const bf16* x, int64_t ldx,
@@ -813,16 +811,9 @@ void rmsnorm_backward_quantize_fp8(const bf16* g, int64_t ldg, const bf16* x, in
              ": the dγ partials need a row stride >= ", cols, ", got ", ld_partials);
   CODA_CHECK(out_t.codes != nullptr, op, ": no output");
   check_output(op, "out_t", out_t, ScaleLayout::padded_tokens(rows), cols);
-  const int64_t row_blocks = ScaleLayout::blocks(rows), col_blocks = ScaleLayout::blocks(cols);
-  CODA_CHECK(row_blocks < 65536, op, ": ", rows, " rows is too many (at most 65535 tiles)");
-  CODA_CUDA_CHECK(cudaFuncSetAttribute(rmsnorm_backward_tile_kernel,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       fp8_tile::kSmemBytes));
-  const dim3 grid{unsigned(col_blocks), unsigned(row_blocks)};
-  rmsnorm_backward_tile_kernel<<<grid, kThreads, fp8_tile::kSmemBytes, stream>>>(
-      g, ldg, x, ldx, dres, ld_dres, r, gamma, zdz, rows, cols, dx, lddx, out_t, partials,
-      ld_partials);
-  CODA_CUDA_CHECK(cudaGetLastError());
+  launch_tile_kernel(op, rmsnorm_backward_tile_kernel, rows, ScaleLayout::blocks(cols), stream, g,
+                     ldg, x, ldx, dres, ld_dres, r, gamma, zdz, rows, cols, dx, lddx, out_t,
+                     partials, ld_partials);
 }
 
 void rope_backward_quantize_fp8(const bf16* y, int64_t ldy, const bf16* dy, int64_t lddy,
@@ -846,19 +837,10 @@ void rope_backward_quantize_fp8(const bf16* y, int64_t ldy, const bf16* dy, int6
                                  reinterpret_cast<uintptr_t>(copy) % 16 == 0),
              op, ": the bf16 copy of dpre needs a 16-byte aligned start and row stride >= ", cols,
              ", got ", ld_copy);
-  CODA_CHECK(out.codes || out_t.codes, op, ": no output");
-  check_output(op, "out", out, cols, ScaleLayout::row_scales_ld(rows));
-  check_output(op, "out_t", out_t, ScaleLayout::padded_tokens(rows), cols);
-  const int64_t row_blocks = ScaleLayout::blocks(rows), col_blocks = ScaleLayout::blocks(cols);
-  CODA_CHECK(row_blocks < 65536, op, ": ", rows, " rows is too many (at most 65535 tiles)");
-  CODA_CUDA_CHECK(cudaFuncSetAttribute(rope_backward_tile_kernel,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       fp8_tile::kSmemBytes));
-  const dim3 grid{unsigned(col_blocks), unsigned(row_blocks)};
-  rope_backward_tile_kernel<<<grid, kThreads, fp8_tile::kSmemBytes, stream>>>(
-      y, ldy, dy, lddy, pos, freq_hi, freq_lo, rows, cols, out, out_t, partials, ld_partials, copy,
-      ld_copy);
-  CODA_CUDA_CHECK(cudaGetLastError());
+  check_outputs(op, out, out_t, rows, cols);
+  launch_tile_kernel(op, rope_backward_tile_kernel, rows, ScaleLayout::blocks(cols), stream, y, ldy,
+                     dy, lddy, pos, freq_hi, freq_lo, rows, cols, out, out_t, partials,
+                     ld_partials, copy, ld_copy);
 }
 
 void quantize_fp8_blocks(const bf16* x, int64_t rows, int64_t cols, int64_t ldx, Fp8Output out,
