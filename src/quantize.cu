@@ -6,7 +6,6 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
-#include <tuple>
 
 #include "coda/common/check.hpp"
 #include "coda/epilogue/elementwise.hpp"
@@ -630,6 +629,15 @@ void check_output(const char* op, const char* name, const Fp8Output& o, int64_t 
              "'s scale row stride must be >= ", scale_cols, ", got ", o.ld_scales);
 }
 
+// A bf16 matrix read or written 16 bytes at a time: start and row stride 16-byte aligned, the
+// stride at least `cols`.
+void check_rows16(const char* op, const char* name, const void* p, int64_t ld, int64_t cols) {
+  CODA_CHECK(p != nullptr && ld >= cols && ld % 8 == 0 && reinterpret_cast<uintptr_t>(p) % 16 == 0,
+             op, ": ", name,
+             "'s start and row stride must be 16-byte aligned with the stride >= ", cols,
+             ", got row stride ", ld, " at address ", p);
+}
+
 void check_input(const char* op, const bf16* x, int64_t rows, int64_t cols, int64_t ldx,
                  const Fp8Output& out, const Fp8Output& out_t) {
   CODA_CHECK(x != nullptr && rows > 0 && cols > 0 && cols % 16 == 0 && ldx >= cols, op,
@@ -678,8 +686,7 @@ void quantize_fp8_rows(const bf16* x, int64_t rows, int64_t cols, int64_t ldx, F
                        Fp8Output out_t, cudaStream_t stream) {
   const char* op = "coda::kernel::quantize_fp8_rows";
   check_input(op, x, rows, cols, ldx, out, out_t);
-  check_output(op, "out", out, cols, ScaleLayout::row_scales_ld(rows));
-  check_output(op, "out_t", out_t, ScaleLayout::padded_tokens(rows), cols);
+  check_outputs(op, out, out_t, rows, cols);
   if (out_t.codes) {
     launch_tiles<Blocks::kRows>(op, x, rows, cols, ldx, out, out_t, stream);
     return;
@@ -748,10 +755,7 @@ void swiglu_backward_quantize_fp8(const bf16* da, int64_t ldda, const void* z, i
              ", got ", ld_z_scales);
   CODA_CHECK(partials != nullptr && ld_partials >= rows, op,
              ": the ZdZ partials need a row stride >= ", rows, ", got ", ld_partials);
-  CODA_CHECK(copy == nullptr || (ld_copy >= 2 * inter && ld_copy % 8 == 0 &&
-                                 reinterpret_cast<uintptr_t>(copy) % 16 == 0),
-             op, ": the bf16 copy of dz needs a 16-byte aligned start and row stride >= ",
-             2 * inter, ", got ", ld_copy);
+  if (copy != nullptr) check_rows16(op, "the bf16 copy of dz", copy, ld_copy, 2 * inter);
   check_outputs(op, out, out_t, rows, 2 * inter);
   auto launch = [&](auto kernel) {  // one CTA per 128 columns of da
     launch_tile_kernel(op, kernel, rows, ScaleLayout::blocks(inter), stream, da, ldda, z, ldz,
@@ -795,15 +799,10 @@ void rmsnorm_backward_quantize_fp8(const bf16* g, int64_t ldg, const bf16* x, in
   const char* op = "coda::kernel::rmsnorm_backward_quantize_fp8";
   CODA_CHECK(rows > 0 && cols > 0 && cols % 16 == 0, op,
              ": g must be (rows, H) with H a multiple of 16, got (", rows, ", ", cols, ")");
-  auto matrix = [&](const char* name, const void* p, int64_t ld) {
-    CODA_CHECK(p != nullptr && ld >= cols && ld % 8 == 0 && reinterpret_cast<uintptr_t>(p) % 16 == 0,
-               op, ": ", name, "'s start and row stride must be 16-byte aligned with the stride >= ",
-               cols, ", got row stride ", ld, " at address ", p);
-  };
-  matrix("g", g, ldg);
-  matrix("x", x, ldx);
-  matrix("dx", dx, lddx);
-  if (dres != nullptr) matrix("dres", dres, ld_dres);
+  check_rows16(op, "g", g, ldg, cols);
+  check_rows16(op, "x", x, ldx, cols);
+  check_rows16(op, "dx", dx, lddx, cols);
+  if (dres != nullptr) check_rows16(op, "dres", dres, ld_dres, cols);
   CODA_CHECK(r != nullptr && zdz != nullptr && gamma != nullptr &&
                  reinterpret_cast<uintptr_t>(gamma) % 16 == 0,
              op, ": r, zdz and a 16-byte aligned gamma are all needed");
@@ -824,19 +823,13 @@ void rope_backward_quantize_fp8(const bf16* y, int64_t ldy, const bf16* dy, int6
   const char* op = "coda::kernel::rope_backward_quantize_fp8";
   CODA_CHECK(rows > 0 && cols > 0 && cols % 16 == 0, op,
              ": qkv must be (rows, cols) with cols a multiple of 16, got (", rows, ", ", cols, ")");
-  for (const auto& [name, p, ld] : {std::tuple{"qkv", y, ldy}, std::tuple{"dqkv", dy, lddy}})
-    CODA_CHECK(
-        p != nullptr && ld >= cols && ld % 8 == 0 && reinterpret_cast<uintptr_t>(p) % 16 == 0, op,
-        ": ", name, "'s start and row stride must be 16-byte aligned with the stride >= ", cols,
-        ", got row stride ", ld, " at address ", static_cast<const void*>(p));
+  check_rows16(op, "qkv", y, ldy, cols);
+  check_rows16(op, "dqkv", dy, lddy, cols);
   CODA_CHECK(pos != nullptr && freq_hi != nullptr && freq_lo != nullptr, op,
              ": null positions or frequency table");
   CODA_CHECK(partials != nullptr && ld_partials >= rows, op,
              ": the ZdZ partials need a row stride >= ", rows, ", got ", ld_partials);
-  CODA_CHECK(copy == nullptr || (ld_copy >= cols && ld_copy % 8 == 0 &&
-                                 reinterpret_cast<uintptr_t>(copy) % 16 == 0),
-             op, ": the bf16 copy of dpre needs a 16-byte aligned start and row stride >= ", cols,
-             ", got ", ld_copy);
+  if (copy != nullptr) check_rows16(op, "the bf16 copy of dpre", copy, ld_copy, cols);
   check_outputs(op, out, out_t, rows, cols);
   launch_tile_kernel(op, rope_backward_tile_kernel, rows, ScaleLayout::blocks(cols), stream, y, ldy,
                      dy, lddy, pos, freq_hi, freq_lo, rows, cols, out, out_t, partials,
