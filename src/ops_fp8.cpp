@@ -414,8 +414,8 @@ void gemm_fp8_swiglu_backward_fp8_z(View dx_out, View dx_out_scales, View w_down
 PartialLayout fp8_swiglu_backward_split_partials_layout(int64_t m, int64_t intermediate) {
   CODA_CHECK(m > 0 && intermediate > 0, "coda::ops::fp8_swiglu_backward_split_partials_layout: M ",
              "and I must be positive, got ", m, " and ", intermediate);
-  constexpr int64_t kTile = kernel::ScaleLayout::kBlock;
-  return PartialLayout::per_row(m, intermediate, kTile, kTile);
+  constexpr int64_t kTile = kernel::ScaleLayout::kBlock;  // dz's: 64 columns of da
+  return PartialLayout::per_row(m, intermediate, kTile, kTile / 2);
 }
 
 void fp8_swiglu_backward_quantize(View da, View z, View z_scales, View dz, View dz_scales,

@@ -208,15 +208,48 @@ __global__ void __launch_bounds__(kThreads)
   if (out_t.codes) fp8_tile::quantize_columns<kBlocks>(staged, t, out_t, threadIdx.x, tile_inv);
 }
 
+// 16 bytes from global to shared memory without passing through registers (cp.async, cached in
+// L2 only); `bytes` 0 fills the 16 bytes with zeros and reads nothing.
+__device__ __forceinline__ void copy16_async(void* dst, const void* src, int bytes) {
+  const uint32_t d = uint32_t(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void copy4_async(void* dst, const void* src, int bytes) {
+  const uint32_t d = uint32_t(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void wait_async_copies() {
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+}
+
+// A row's partial sum over 128 columns held 8 a lane by a half-warp: the half-warp's sum, stored
+// at `at` by its first lane (one writer a row) where `store`.
+__device__ __forceinline__ void store_row_partial(float part, float* at, bool store) {
+#pragma unroll
+  for (int o = 8; o > 0; o /= 2) part += __shfl_xor_sync(0xffffffffu, part, o);
+  if (threadIdx.x % 16 == 0 && store) *at = part;
+}
+
+// B2's pass: shared memory past the staged dz tile. da's 128x64 tile (the 64 columns of da whose
+// (dg, du) pairs are the tile's 128 columns of dz), rows kDaPitch elements apart; from an FP8 z,
+// its 128x128 codes, rows kCodePitch bytes apart, and the 128 rows' block scales. A bf16 z is
+// brought into the staging itself, which dz then overwrites in place.
+constexpr int kDaPitch = kTile / 2 + 8;  // 144 bytes: 8 lanes' 16-byte reads on distinct banks
+constexpr int kCodePitch = kTile + 16;
+constexpr int kSwigluBackwardSmem = fp8_tile::kSmemBytes + kTile * kDaPitch * 2;
+constexpr int kSwigluBackwardFp8ZSmem =
+    kSwigluBackwardSmem + kTile * kCodePitch + kTile * int(sizeof(float));
+
 // B2's epilogue as a pass of its own (kernel/quantize.hpp swiglu_backward_quantize_fp8): one CTA
-// per 128 rows of one 128-column tile of da, i.e. two 128x128 tiles of dz (the (dg, du) pairs of
-// 64 columns of da each), one after the other through the same staging. A chunk is 8 columns of
-// dz: 4 of da (8 bytes), 8 of z (16 bytes in bf16, 8 in FP8); 16 lanes (a half-warp) cover a
-// row. dz is rounded to bf16 in the staging and quantized from there by the cast's passes, so
-// its codes are the cast kernel's of those bf16 values; ZdZ sums g·dg + u·du over the CTA's 256
-// columns of dz in fp32 from the unrounded dg, du, as the fused epilogue does.
+// per 128x128 tile of dz, i.e. 128 rows of 64 columns of da and 128 of z. The inputs come into
+// shared memory by cp.async with no registers held in flight (64 registers a thread: 4 CTAs an
+// SM from a bf16 z, 3 from an FP8 one, whose loads overlap the others' math and stores). A chunk
+// is 8 columns of dz: 4 of da, 8 of z; 16 lanes (a half-warp) cover a row. dz is rounded to bf16
+// in the staging and quantized from there by the cast's passes, so its codes are the cast
+// kernel's of those bf16 values; ZdZ sums g·dg + u·du over the tile's 128 columns of dz in fp32
+// from the unrounded dg, du, as the fused epilogue does.
 template <bool kFp8Z>
-__global__ void __launch_bounds__(kThreads, 2)
+__global__ void __launch_bounds__(kThreads)
     swiglu_backward_tile_kernel(const bf16* __restrict__ da, int64_t ldda,
                                 const void* __restrict__ z, int64_t ldz, InputScales zs,
                                 int64_t rows, int64_t cols, Fp8Output out, Fp8Output out_t,
@@ -225,90 +258,98 @@ __global__ void __launch_bounds__(kThreads, 2)
   using fp8_tile::kPitch;
   extern __shared__ __align__(16) unsigned char smem[];
   const fp8_tile::Staged staged = fp8_tile::staged(smem);
+  bf16* const da_tile = reinterpret_cast<bf16*>(smem + fp8_tile::kSmemBytes);
+  uint8_t* const codes = smem + kSwigluBackwardSmem;
+  float* const row_scale = reinterpret_cast<float*>(codes + kTile * kCodePitch);
+  const fp8_tile::TilePlace t = fp8_tile::place(blockIdx.y, blockIdx.x, rows, cols);
   constexpr int kChunks = kTile * kTile / 8 / kThreads;  // 8: rows threadIdx.x / 16 + 16 j
-  // Loaded and staged in groups of 4 chunks: all 8 in flight at once took 144 registers (one CTA
-  // an SM); in groups, 127 (two). Three CTAs (80 registers) spill 144 bytes.
-  constexpr int kGroup = 4;
-  // ZdZ per row of the CTA, summed over its 256 columns of dz: each chunk's 8 columns reduced over
-  // the half-warp that holds the row, added by the half-warp's first lane (one writer a row).
-  __shared__ float row_part[kTile];
-  if (threadIdx.x < kTile) row_part[threadIdx.x] = 0.0f;
-  __syncthreads();
-  for (int sub = 0; sub < 2; ++sub) {
-    const int64_t tile_col = 2 * int64_t(blockIdx.x) + sub;
-    if (tile_col * kTile >= cols) break;  // the same for the whole CTA
-    const fp8_tile::TilePlace t = fp8_tile::place(blockIdx.y, tile_col, rows, cols);
-#pragma unroll
-    for (int j0 = 0; j0 < kChunks; j0 += kGroup) {
-      uint2 dv[kGroup];
-      uint4 zv[kGroup];  // FP8: .x, .y hold the 8 codes
-      float scale[kGroup];
-#pragma unroll
-      for (int g = 0; g < kGroup; ++g) {
-        const int i = threadIdx.x + (j0 + g) * kThreads, r = i / (kTile / 8),
-                  c = i % (kTile / 8) * 8;
-        dv[g] = make_uint2(0, 0);
-        zv[g] = make_uint4(0, 0, 0, 0);
-        scale[g] = 0.0f;
-        if (r < t.rows_here && c < t.cols_here) {
-          const int64_t row = t.row0 + r, col = t.col0 + c;
-          dv[g] = *reinterpret_cast<const uint2*>(da + row * ldda + col / 2);
-          if constexpr (kFp8Z) {
-            const uint2 codes =
-                *reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(z) + row * ldz + col);
-            zv[g] = make_uint4(codes.x, codes.y, 0, 0);
-            scale[g] = zs.scales[col / kTile * zs.ld + row];
-          } else {
-            zv[g] = *reinterpret_cast<const uint4*>(static_cast<const bf16*>(z) + row * ldz + col);
-          }
-        }
-      }
-#pragma unroll
-      for (int g = 0; g < kGroup; ++g) {
-        const int i = threadIdx.x + (j0 + g) * kThreads, r = i / (kTile / 8),
-                  c = i % (kTile / 8) * 8;
-        const uint32_t dwords[2] = {dv[g].x, dv[g].y};
-        const uint32_t zwords[4] = {zv[g].x, zv[g].y, zv[g].z, zv[g].w};
-        uint4 d;
-        uint32_t* dz = reinterpret_cast<uint32_t*>(&d);
-        float part = 0.0f;
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {  // pair q: da value q, z's (g, u) pair q
-          float2 gu;
-          if constexpr (kFp8Z) {
-            // Decoded, then rounded to bf16 (exact but below 2^-133), as fp8_pair_decode does.
-            const float2 p = fp8_tile::decode2(uint16_t(zwords[q / 2] >> (16 * (q % 2))));
-            gu = __bfloat1622float2(__floats2bfloat162_rn(p.x * scale[g], p.y * scale[g]));
-          } else {
-            gu = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&zwords[q]));
-          }
-          const float dav = q % 2 ? fp8_tile::high_value(dwords[q / 2])
-                                  : fp8_tile::low_value(dwords[q / 2]);
-          float dg, du, a;
-          epilogue::SwiGluBackward{}(gu.x, gu.y, dav, dg, du, a);
-          part += programs::PairDot{}(gu.x, gu.y, dg, du);
-          const __nv_bfloat162 pair = __floats2bfloat162_rn(dg, du);
-          dz[q] = *reinterpret_cast<const uint32_t*>(&pair);
-        }
-#pragma unroll
-        for (int o = 8; o > 0; o /= 2) part += __shfl_xor_sync(0xffffffffu, part, o);
-        if (threadIdx.x % 16 == 0) row_part[r] += part;  // r: this half-warp's row
-        *reinterpret_cast<uint4*>(staged.tile + r * kPitch + c) = d;
-        if (copy != nullptr && r < t.rows_here && c < t.cols_here)
-          *reinterpret_cast<uint4*>(copy + (t.row0 + r) * ld_copy + t.col0 + c) = d;
-      }
-    }
-    __syncthreads();
-    if (out.codes) fp8_tile::quantize_rows<Blocks::kRows>(staged, t, out, threadIdx.x);
-    if (out_t.codes) fp8_tile::quantize_columns<Blocks::kRows>(staged, t, out_t, threadIdx.x);
-    __syncthreads();  // the staging is read before the next tile overwrites it
-  }
-  // The last __syncthreads above orders every row's additions before these reads.
-  const int64_t row = int64_t(blockIdx.y) * kTile + threadIdx.x;
-  if (threadIdx.x < kTile && row < rows)
-    partials[blockIdx.x * ld_partials + row] = row_part[threadIdx.x];
-}
 
+  // da: 8 16-byte pieces a row, 4 a thread. cols_here is a multiple of 16, so a piece (8 columns
+  // of da, 16 of dz) is wholly in or out; pieces outside are zeros.
+#pragma unroll
+  for (int j = 0; j < kChunks / 2; ++j) {
+    const int i = threadIdx.x + j * kThreads, r = i / 8, c = i % 8 * 8;
+    const bool in = r < t.rows_here && 2 * c < t.cols_here;
+    copy16_async(da_tile + r * kDaPitch + c, in ? da + (t.row0 + r) * ldda + t.col0 / 2 + c : da,
+                 in ? 16 : 0);
+  }
+  if constexpr (kFp8Z) {
+    const uint8_t* zc = static_cast<const uint8_t*>(z);
+#pragma unroll
+    for (int j = 0; j < kChunks / 2; ++j) {
+      const int i = threadIdx.x + j * kThreads, r = i / 8, c = i % 8 * 16;
+      const bool in = r < t.rows_here && c < t.cols_here;
+      copy16_async(codes + r * kCodePitch + c, in ? zc + (t.row0 + r) * ldz + t.col0 + c : zc,
+                   in ? 16 : 0);
+    }
+    if (threadIdx.x < kTile) {
+      const bool in = int(threadIdx.x) < t.rows_here;
+      copy4_async(row_scale + threadIdx.x,
+                  in ? zs.scales + t.tile_col * zs.ld + t.row0 + threadIdx.x : zs.scales,
+                  in ? 4 : 0);
+    }
+  } else {
+    const bf16* zb = static_cast<const bf16*>(z);
+#pragma unroll
+    for (int j = 0; j < kChunks; ++j) {
+      const int i = threadIdx.x + j * kThreads, r = i / 16, c = i % 16 * 8;
+      const bool in = r < t.rows_here && c < t.cols_here;
+      copy16_async(staged.tile + r * kPitch + c, in ? zb + (t.row0 + r) * ldz + t.col0 + c : zb,
+                   in ? 16 : 0);
+    }
+  }
+  wait_async_copies();
+  __syncthreads();
+
+#pragma unroll 2
+  for (int j = 0; j < kChunks; ++j) {
+    const int i = threadIdx.x + j * kThreads, r = i / 16, c = i % 16 * 8;
+    const uint2 dv = *reinterpret_cast<const uint2*>(da_tile + r * kDaPitch + c / 2);
+    uint32_t zwords[4];
+    if constexpr (kFp8Z) {
+      const uint2 cv = *reinterpret_cast<const uint2*>(codes + r * kCodePitch + c);
+      zwords[0] = cv.x;
+      zwords[1] = cv.y;
+    } else {
+      const uint4 zv = *reinterpret_cast<const uint4*>(staged.tile + r * kPitch + c);
+      zwords[0] = zv.x;
+      zwords[1] = zv.y;
+      zwords[2] = zv.z;
+      zwords[3] = zv.w;
+    }
+    const uint32_t dwords[2] = {dv.x, dv.y};
+    uint4 d;
+    uint32_t* dz = reinterpret_cast<uint32_t*>(&d);
+    float part = 0.0f;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {  // pair q: da value q, z's (g, u) pair q
+      float2 gu;
+      if constexpr (kFp8Z) {
+        // Decoded, then rounded to bf16 (exact but below 2^-133), as fp8_pair_decode does.
+        const float s = row_scale[r];
+        const float2 p = fp8_tile::decode2(uint16_t(zwords[q / 2] >> (16 * (q % 2))));
+        gu = __bfloat1622float2(__floats2bfloat162_rn(p.x * s, p.y * s));
+      } else {
+        gu = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&zwords[q]));
+      }
+      const float dav =
+          q % 2 ? fp8_tile::high_value(dwords[q / 2]) : fp8_tile::low_value(dwords[q / 2]);
+      float dg, du, a;
+      epilogue::SwiGluBackward{}(gu.x, gu.y, dav, dg, du, a);
+      part += programs::PairDot{}(gu.x, gu.y, dg, du);
+      const __nv_bfloat162 pair = __floats2bfloat162_rn(dg, du);
+      dz[q] = *reinterpret_cast<const uint32_t*>(&pair);
+    }
+    // The half-warp holds row r's 128 columns of the tile: its sum is the row's partial.
+    store_row_partial(part, partials + t.tile_col * ld_partials + t.row0 + r, r < t.rows_here);
+    *reinterpret_cast<uint4*>(staged.tile + r * kPitch + c) = d;  // z's chunk, read above
+    if (copy != nullptr && r < t.rows_here && c < t.cols_here)
+      *reinterpret_cast<uint4*>(copy + (t.row0 + r) * ld_copy + t.col0 + c) = d;
+  }
+  __syncthreads();
+  if (out.codes) fp8_tile::quantize_rows<Blocks::kRows>(staged, t, out, threadIdx.x);
+  if (out_t.codes) fp8_tile::quantize_columns<Blocks::kRows>(staged, t, out_t, threadIdx.x);
+}
 
 // F2's epilogue with z saved in FP8, as a pass of its own (kernel/quantize.hpp
 // rmsnorm_swiglu_quantize_fp8): one CTA per 128 rows of one 128-column tile of a, i.e. 256
@@ -395,13 +436,22 @@ __global__ void __launch_bounds__(kThreads, 2)
   if (out_t.codes) fp8_tile::quantize_columns<Blocks::kRows>(staged, t, out_t, threadIdx.x);
 }
 
+// B1's pass: shared memory. g's, x's and (with dres) dres's 128x128 tiles, rows kPitch apart,
+// then the rows' r and ZdZ. x's tile is the staging: h_out overwrites it in place.
+constexpr int kTileBytes = fp8_tile::kSmemBytes;
+constexpr int rmsnorm_backward_smem(bool dres) {
+  return (dres ? 3 : 2) * kTileBytes + 2 * kTile * int(sizeof(float));
+}
+
 // B1's epilogue as a pass of its own (kernel/quantize.hpp rmsnorm_backward_quantize_fp8): one CTA
-// per 128x128 tile of g. A chunk is 8 columns of a row (16 bytes of g, x and dres); the thread's
+// per 128x128 tile of g. The inputs come into shared memory by cp.async with no registers held
+// in flight (3 CTAs an SM without dres, 2 with it). A chunk is 8 columns of a row; the thread's
 // 8 columns are the same in every chunk (256 threads, 16 chunks a row), so γ is loaded once and
-// the dγ column sums stay in registers until the CTA's 16 row groups meet in shared memory. dx
-// goes straight to global memory; h_out = x·r·γ is staged and its transposed copy quantized by
-// the cast's column pass.
-__global__ void __launch_bounds__(kThreads, 2)
+// the dγ column sums stay in registers until the CTA's 16 row groups meet in shared memory (in
+// g's tile, read by then). dx goes straight to global memory; h_out = x·r·γ is staged over x's
+// tile and its transposed copy quantized by the cast's column pass.
+template <bool kDres>
+__global__ void __launch_bounds__(kThreads)
     rmsnorm_backward_tile_kernel(const bf16* __restrict__ g, int64_t ldg,
                                  const bf16* __restrict__ x, int64_t ldx, const bf16* dres,
                                  int64_t ld_dres, const float* __restrict__ r,
@@ -411,14 +461,34 @@ __global__ void __launch_bounds__(kThreads, 2)
                                  int64_t ld_partials) {
   using fp8_tile::kPitch;
   extern __shared__ __align__(16) unsigned char smem[];
-  const fp8_tile::Staged staged = fp8_tile::staged(smem);
+  bf16* const g_tile = reinterpret_cast<bf16*>(smem);
+  const fp8_tile::Staged staged = fp8_tile::staged(smem + kTileBytes);  // x's tile, then h_out's
+  bf16* const d_tile = reinterpret_cast<bf16*>(smem + 2 * kTileBytes);
+  float* const r_row = reinterpret_cast<float*>(smem + (kDres ? 3 : 2) * kTileBytes);
+  float* const zdz_row = r_row + kTile;
   constexpr int kChunks = kTile * kTile / 8 / kThreads;  // 8: rows threadIdx.x / 16 + 16 j
-  constexpr int kGroup = 4;
-  constexpr int kRowGroups = kThreads / (kTile / 8);  // 16 threads share a thread's columns
-  __shared__ float col_part[kRowGroups][kTile];
+  constexpr int kRowGroups = kThreads / (kTile / 8);    // 16 threads share a thread's columns
   const fp8_tile::TilePlace t = fp8_tile::place(blockIdx.y, blockIdx.x, rows, cols);
   const int c = threadIdx.x % (kTile / 8) * 8, group = threadIdx.x / (kTile / 8);
   const bool cols_in = c < t.cols_here;  // cols_here is a multiple of 16: 8 columns in or out
+
+  // Zeros outside the tensor (x and r 0 there: h_out 0, which the column pass needs).
+#pragma unroll
+  for (int j = 0; j < kChunks; ++j) {
+    const int row = group + kRowGroups * j;
+    const bool in = row < t.rows_here && cols_in;
+    const int64_t m = t.row0 + row, n = t.col0 + c;
+    copy16_async(g_tile + row * kPitch + c, in ? g + m * ldg + n : g, in ? 16 : 0);
+    copy16_async(staged.tile + row * kPitch + c, in ? x + m * ldx + n : x, in ? 16 : 0);
+    if constexpr (kDres)
+      copy16_async(d_tile + row * kPitch + c, in ? dres + m * ld_dres + n : dres, in ? 16 : 0);
+  }
+  if (threadIdx.x < kTile) {
+    const bool in = int(threadIdx.x) < t.rows_here;
+    const int64_t m = t.row0 + threadIdx.x;
+    copy4_async(r_row + threadIdx.x, in ? r + m : r, in ? 4 : 0);
+    copy4_async(zdz_row + threadIdx.x, in ? zdz + m : zdz, in ? 4 : 0);
+  }
   float gam[8], col_acc[8];
   {
     uint4 gv = make_uint4(0, 0, 0, 0);
@@ -430,57 +500,44 @@ __global__ void __launch_bounds__(kThreads, 2)
       col_acc[e] = 0.0f;
     }
   }
+  wait_async_copies();
+  __syncthreads();
+
+#pragma unroll 2
+  for (int j = 0; j < kChunks; ++j) {
+    const int row = group + kRowGroups * j;
+    const fp8_tile::Eight gv = fp8_tile::load8(g_tile + row * kPitch + c);
+    const fp8_tile::Eight xv = fp8_tile::load8(staged.tile + row * kPitch + c);
+    fp8_tile::Eight dv = {{0, 0, 0, 0}};
+    if constexpr (kDres) dv = fp8_tile::load8(d_tile + row * kPitch + c);
+    const float rr = r_row[row], zz = zdz_row[row];
+    uint4 dxv, hv;
+    uint32_t* dxw = reinterpret_cast<uint32_t*>(&dxv);
+    uint32_t* hw = reinterpret_cast<uint32_t*>(&hv);
 #pragma unroll
-  for (int j0 = 0; j0 < kChunks; j0 += kGroup) {
-    uint4 gv[kGroup], xv[kGroup], dv[kGroup];
-    float rr[kGroup], zz[kGroup];
+    for (int q = 0; q < 4; ++q) {
+      float d2[2], h2[2];
 #pragma unroll
-    for (int k = 0; k < kGroup; ++k) {
-      const int row = group + kRowGroups * (j0 + k);
-      gv[k] = xv[k] = dv[k] = make_uint4(0, 0, 0, 0);
-      rr[k] = zz[k] = 0.0f;
-      if (row < t.rows_here && cols_in) {
-        const int64_t m = t.row0 + row, n = t.col0 + c;
-        gv[k] = *reinterpret_cast<const uint4*>(g + m * ldg + n);
-        xv[k] = *reinterpret_cast<const uint4*>(x + m * ldx + n);
-        if (dres != nullptr) dv[k] = *reinterpret_cast<const uint4*>(dres + m * ld_dres + n);
-        rr[k] = r[m];
-        zz[k] = zdz[m];
+      for (int h = 0; h < 2; ++h) {
+        const int e = 2 * q + h;
+        const float gf = h ? fp8_tile::high_value(gv.p[q]) : fp8_tile::low_value(gv.p[q]);
+        const float xf = h ? fp8_tile::high_value(xv.p[q]) : fp8_tile::low_value(xv.p[q]);
+        const float df = h ? fp8_tile::high_value(dv.p[q]) : fp8_tile::low_value(dv.p[q]);
+        d2[h] = programs::RmsnormBackwardDx{}(gf, df, xf, rr, gam[e], zz);
+        h2[h] = programs::NormalizedScaled{}(xf, rr, gam[e]);
+        col_acc[e] += programs::GradTimesNormalized{}(gf, xf, rr);
       }
+      const __nv_bfloat162 dp = __floats2bfloat162_rn(d2[0], d2[1]);
+      const __nv_bfloat162 hp = __floats2bfloat162_rn(h2[0], h2[1]);
+      dxw[q] = *reinterpret_cast<const uint32_t*>(&dp);
+      hw[q] = *reinterpret_cast<const uint32_t*>(&hp);
     }
-#pragma unroll
-    for (int k = 0; k < kGroup; ++k) {
-      const int row = group + kRowGroups * (j0 + k);
-      const uint32_t gw[4] = {gv[k].x, gv[k].y, gv[k].z, gv[k].w};
-      const uint32_t xw[4] = {xv[k].x, xv[k].y, xv[k].z, xv[k].w};
-      const uint32_t dw[4] = {dv[k].x, dv[k].y, dv[k].z, dv[k].w};
-      uint4 dxv, hv;
-      uint32_t* dxw = reinterpret_cast<uint32_t*>(&dxv);
-      uint32_t* hw = reinterpret_cast<uint32_t*>(&hv);
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        float d2[2], h2[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int e = 2 * q + h;
-          const float gf = h ? fp8_tile::high_value(gw[q]) : fp8_tile::low_value(gw[q]);
-          const float xf = h ? fp8_tile::high_value(xw[q]) : fp8_tile::low_value(xw[q]);
-          const float df = h ? fp8_tile::high_value(dw[q]) : fp8_tile::low_value(dw[q]);
-          d2[h] = programs::RmsnormBackwardDx{}(gf, df, xf, rr[k], gam[e], zz[k]);
-          h2[h] = programs::NormalizedScaled{}(xf, rr[k], gam[e]);
-          col_acc[e] += programs::GradTimesNormalized{}(gf, xf, rr[k]);
-        }
-        const __nv_bfloat162 dp = __floats2bfloat162_rn(d2[0], d2[1]);
-        const __nv_bfloat162 hp = __floats2bfloat162_rn(h2[0], h2[1]);
-        dxw[q] = *reinterpret_cast<const uint32_t*>(&dp);
-        hw[q] = *reinterpret_cast<const uint32_t*>(&hp);
-      }
-      // Zeros outside the tensor (their x and r are 0), which the column pass needs.
-      *reinterpret_cast<uint4*>(staged.tile + row * kPitch + c) = hv;
-      if (row < t.rows_here && cols_in)
-        *reinterpret_cast<uint4*>(dx + (t.row0 + row) * lddx + t.col0 + c) = dxv;
-    }
+    *reinterpret_cast<uint4*>(staged.tile + row * kPitch + c) = hv;  // x's chunk, read above
+    if (row < t.rows_here && cols_in)
+      *reinterpret_cast<uint4*>(dx + (t.row0 + row) * lddx + t.col0 + c) = dxv;
   }
+  __syncthreads();  // g's tile is read: the column sums go there
+  float (*col_part)[kTile] = reinterpret_cast<float (*)[kTile]>(g_tile);
 #pragma unroll
   for (int e = 0; e < 8; ++e) col_part[group][c + e] = col_acc[e];
   __syncthreads();
@@ -558,10 +615,8 @@ __global__ void __launch_bounds__(kThreads, 2)
         const __nv_bfloat162 pair = __floats2bfloat162_rn(d0, d1);
         dw[q] = *reinterpret_cast<const uint32_t*>(&pair);
       }
-#pragma unroll
-      for (int o = 8; o > 0; o /= 2) part += __shfl_xor_sync(0xffffffffu, part, o);
-      if (threadIdx.x % 16 == 0 && row < t.rows_here)
-        partials[blockIdx.x * ld_partials + t.row0 + row] = part;
+      store_row_partial(part, partials + blockIdx.x * ld_partials + t.row0 + row,
+                        row < t.rows_here);
       // Zeros outside the tensor, which the passes' amaxes need.
       *reinterpret_cast<uint4*>(staged.tile + row * kPitch + c) = d;
       if (copy != nullptr && row < t.rows_here && cols_in)
@@ -653,14 +708,14 @@ void check_input(const char* op, const bf16* x, int64_t rows, int64_t cols, int6
 // the staged tile's shared memory.
 template <class... Params, class... A>
 void launch_tile_kernel(const char* op, void (*kernel)(Params...), int64_t rows, int64_t col_units,
-                        cudaStream_t stream, A... args) {
+                        int smem, cudaStream_t stream, A... args) {
   const int64_t row_blocks = ScaleLayout::blocks(rows);
   CODA_CHECK(row_blocks < 65536, op, ": ", rows, " rows is too many (at most 65535 tiles)");
   // Per launch (the current device's function attribute; no synchronization).
-  CODA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       fp8_tile::kSmemBytes));
+  CODA_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const dim3 grid{unsigned(col_units), unsigned(row_blocks)};
-  kernel<<<grid, kThreads, fp8_tile::kSmemBytes, stream>>>(args...);
+  kernel<<<grid, kThreads, smem, stream>>>(args...);
   CODA_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -677,7 +732,7 @@ void launch_tiles(const char* op, const void* x, int64_t rows, int64_t cols, int
                   const Fp8Output& out, const Fp8Output& out_t, cudaStream_t stream,
                   InputScales xs = {}) {
   launch_tile_kernel(op, quantize_tile_kernel<kBlocks, kInput>, rows, ScaleLayout::blocks(cols),
-                     stream, x, rows, cols, ldx, out, out_t, xs);
+                     fp8_tile::kSmemBytes, stream, x, rows, cols, ldx, out, out_t, xs);
 }
 
 }  // namespace
@@ -741,31 +796,27 @@ void swiglu_backward_quantize_fp8(const bf16* da, int64_t ldda, const void* z, i
   const bool fp8_z = z_scales != nullptr;
   CODA_CHECK(rows > 0 && inter > 0 && inter % 8 == 0, op,
              ": da must be (rows, I) with I a multiple of 8, got (", rows, ", ", inter, ")");
-  CODA_CHECK(da != nullptr && ldda >= inter && ldda % 4 == 0 &&
-                 reinterpret_cast<uintptr_t>(da) % 8 == 0,
-             op, ": da's start and row stride must be 8-byte aligned with the stride >= ", inter,
-             ", got row stride ", ldda, " at address ", static_cast<const void*>(da));
-  // z's row stride in elements (bf16) or bytes (codes); a chunk's load is 16 (bf16) or 8 bytes.
-  const int64_t align = fp8_z ? 8 : 16;
-  CODA_CHECK(z != nullptr && ldz >= 2 * inter && (ldz * (fp8_z ? 1 : 2)) % align == 0 &&
-                 reinterpret_cast<uintptr_t>(z) % align == 0,
-             op, ": z must be (rows, 2·I) with its start and row stride ", align,
-             "-byte aligned, got row stride ", ldz, " at address ", z);
+  check_rows16(op, "da", da, ldda, inter);
+  // z's row stride in elements (bf16) or bytes (codes); its loads are 16 bytes.
+  CODA_CHECK(z != nullptr && ldz >= 2 * inter && (ldz * (fp8_z ? 1 : 2)) % 16 == 0 &&
+                 reinterpret_cast<uintptr_t>(z) % 16 == 0,
+             op, ": z must be (rows, 2·I) with its start and row stride 16-byte aligned, got row ",
+             "stride ", ldz, " at address ", z);
   CODA_CHECK(!fp8_z || ld_z_scales >= rows, op, ": z's scale row stride must be >= ", rows,
              ", got ", ld_z_scales);
   CODA_CHECK(partials != nullptr && ld_partials >= rows, op,
              ": the ZdZ partials need a row stride >= ", rows, ", got ", ld_partials);
   if (copy != nullptr) check_rows16(op, "the bf16 copy of dz", copy, ld_copy, 2 * inter);
   check_outputs(op, out, out_t, rows, 2 * inter);
-  auto launch = [&](auto kernel) {  // one CTA per 128 columns of da
-    launch_tile_kernel(op, kernel, rows, ScaleLayout::blocks(inter), stream, da, ldda, z, ldz,
+  auto launch = [&](auto kernel, int smem) {  // one CTA per 128x128 tile of dz
+    launch_tile_kernel(op, kernel, rows, ScaleLayout::blocks(2 * inter), smem, stream, da, ldda, z, ldz,
                        InputScales{z_scales, ld_z_scales}, rows, 2 * inter, out, out_t, partials,
                        ld_partials, copy, ld_copy);
   };
   if (fp8_z)
-    launch(swiglu_backward_tile_kernel<true>);
+    launch(swiglu_backward_tile_kernel<true>, kSwigluBackwardFp8ZSmem);
   else
-    launch(swiglu_backward_tile_kernel<false>);
+    launch(swiglu_backward_tile_kernel<false>, kSwigluBackwardSmem);
 }
 
 void rmsnorm_swiglu_quantize_fp8(const bf16* y, int64_t ldy, const float* r, int64_t rows,
@@ -774,7 +825,10 @@ void rmsnorm_swiglu_quantize_fp8(const bf16* y, int64_t ldy, const float* r, int
   const char* op = "coda::kernel::rmsnorm_swiglu_quantize_fp8";
   CODA_CHECK(rows > 0 && inter > 0 && inter % 16 == 0, op,
              ": y must be (rows, 2·I) with I a multiple of 16, got rows ", rows, ", I ", inter);
-  check_rows16(op, "y", y, ldy, 2 * inter);
+  CODA_CHECK(y != nullptr && ldy >= 2 * inter && ldy % 8 == 0 &&
+                 reinterpret_cast<uintptr_t>(y) % 16 == 0,
+             op, ": y's start and row stride must be 16-byte aligned with the stride >= ",
+             2 * inter, ", got row stride ", ldy, " at address ", static_cast<const void*>(y));
   CODA_CHECK(r != nullptr, op, ": r is null");
   CODA_CHECK(z_out.codes != nullptr, op, ": z's codes are the point (z saved in FP8)");
   CODA_CHECK(copy == nullptr || (ld_copy >= inter && ld_copy % 4 == 0 &&
@@ -784,7 +838,7 @@ void rmsnorm_swiglu_quantize_fp8(const bf16* y, int64_t ldy, const float* r, int
   CODA_CHECK(out.codes || out_t.codes, op, ": neither a's rows nor its copy is wanted");
   check_output(op, "z", z_out, 2 * inter, ScaleLayout::row_scales_ld(rows));
   check_outputs(op, out, out_t, rows, inter);
-  launch_tile_kernel(op, rmsnorm_swiglu_tile_kernel, rows, ScaleLayout::blocks(inter), stream, y,
+  launch_tile_kernel(op, rmsnorm_swiglu_tile_kernel, rows, ScaleLayout::blocks(inter), fp8_tile::kSmemBytes, stream, y,
                      ldy, r, rows, inter, z_out, out, out_t, copy, ld_copy);
 }
 
@@ -807,9 +861,15 @@ void rmsnorm_backward_quantize_fp8(const bf16* g, int64_t ldg, const bf16* x, in
              ": the dγ partials need a row stride >= ", cols, ", got ", ld_partials);
   CODA_CHECK(out_t.codes != nullptr, op, ": no output");
   check_output(op, "out_t", out_t, ScaleLayout::padded_tokens(rows), cols);
-  launch_tile_kernel(op, rmsnorm_backward_tile_kernel, rows, ScaleLayout::blocks(cols), stream, g,
-                     ldg, x, ldx, dres, ld_dres, r, gamma, zdz, rows, cols, dx, lddx, out_t,
-                     partials, ld_partials);
+  auto launch = [&](auto kernel, int smem) {
+    launch_tile_kernel(op, kernel, rows, ScaleLayout::blocks(cols), smem, stream, g, ldg, x, ldx,
+                       dres, ld_dres, r, gamma, zdz, rows, cols, dx, lddx, out_t, partials,
+                       ld_partials);
+  };
+  if (dres != nullptr)
+    launch(rmsnorm_backward_tile_kernel<true>, rmsnorm_backward_smem(true));
+  else
+    launch(rmsnorm_backward_tile_kernel<false>, rmsnorm_backward_smem(false));
 }
 
 void rope_backward_quantize_fp8(const bf16* y, int64_t ldy, const bf16* dy, int64_t lddy,
@@ -828,7 +888,7 @@ void rope_backward_quantize_fp8(const bf16* y, int64_t ldy, const bf16* dy, int6
              ": the ZdZ partials need a row stride >= ", rows, ", got ", ld_partials);
   if (copy != nullptr) check_rows16(op, "the bf16 copy of dpre", copy, ld_copy, cols);
   check_outputs(op, out, out_t, rows, cols);
-  launch_tile_kernel(op, rope_backward_tile_kernel, rows, ScaleLayout::blocks(cols), stream, y, ldy,
+  launch_tile_kernel(op, rope_backward_tile_kernel, rows, ScaleLayout::blocks(cols), fp8_tile::kSmemBytes, stream, y, ldy,
                      dy, lddy, pos, freq_hi, freq_lo, rows, cols, out, out_t, partials,
                      ld_partials, copy, ld_copy);
 }

@@ -387,7 +387,8 @@ Fp8B1 fp8_gemm_rmsnorm_backward(const Tensor& dz, const Tensor& dz_scales, const
 // in 1x128 blocks and w_down_t = W_downᵀ's codes (I, H) in 128x128 blocks; with z (M, 2I) the
 // saved interleaved pre-activation, dz (M, 2I) = dSwiGLU (docs/math.md B2) rounded to z's dtype
 // and quantized (`rows`, `transposed`), and the ZdZ partials Σ g·dg + u·du (not yet / H),
-// PartialLayout::per_row(M, I, 128, 128), for zdz_fold. On the CPU z may be float32 or float64.
+// PartialLayout::per_row(M, I, 128, 128) (split: ops::fp8_swiglu_backward_split_partials_layout's
+// 64-column tiles), for zdz_fold. On the CPU z may be float32 or float64.
 // On CUDA the fused kernel, or split (ops::fp8_epilogue_split): the plain GEMM's da in
 // bf16 (M·I·2 bytes, freed on return) and ops::fp8_swiglu_backward_quantize.
 using Fp8B2 = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;

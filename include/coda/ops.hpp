@@ -246,7 +246,7 @@ void gemm_fp8_swiglu_backward_fp8_z(View dx_out, View dx_out_scales, View w_down
 // this pass makes what B2's epilogue makes from it: dz = dSwiGLU(z, da) rounded to bf16 and
 // quantized as quantize_fp8_rows would quantize it (dz, dz_t as gemm_fp8_swiglu_backward's, either
 // may be left out) and the ZdZ partials in fp8_swiglu_backward_split_partials_layout (per row and
-// 128-column tile of da, as the fused kernel's). z (M, 2I) bf16, or e4m3 codes with z_scales
+// 64-column tile of da, i.e. 128 columns of dz). z (M, 2I) bf16, or e4m3 codes with z_scales
 // (z_scales' data null: bf16), as gemm_fp8_swiglu_backward[_fp8_z] take it. I a multiple of 8.
 // The outputs differ from the fused B2's by da's rounding to bf16 before the pass.
 PartialLayout fp8_swiglu_backward_split_partials_layout(int64_t m, int64_t intermediate);

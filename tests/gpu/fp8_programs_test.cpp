@@ -518,8 +518,8 @@ TEST_F(GpuKernelTest, Fp8RmsnormBackwardSplitPassMatchesTheRecipe) {
 // random da and z: the staged bf16 dz and the ZdZ partials against the program's functors in fp64
 // (programs::SwigluBackward's math on the same da), the codes and scales of both copies byte for
 // byte the recipe's quantization of the staged values, and from an FP8 z every output byte for
-// byte the pass's on the decoded z in bf16. {M, I}: I = 200 ends in a tile whose second half is
-// 16 columns of dz wide; I = 64 has no second half at all.
+// byte the pass's on the decoded z in bf16. {M, I}: I = 200 ends in a dz tile 16 columns wide;
+// I = 64 is one dz tile.
 TEST_F(GpuKernelTest, Fp8SwigluBackwardSplitPassMatchesTheRecipe) {
   testing::Rng rng(31);
   const int64_t sizes[][2] = {{1, 128}, {130, 200}, {300, 456}, {4097, 128}, {256, 64}};
@@ -530,7 +530,7 @@ TEST_F(GpuKernelTest, Fp8SwigluBackwardSplitPassMatchesTheRecipe) {
     const std::vector<double> da = testing::bf16_uniform(size_t(m * inter), -2, 2, rng);
     const std::vector<double> z = testing::bf16_uniform(size_t(m * 2 * inter), -3, 3, rng);
     auto d_da = upload_bf16(da), d_z = upload_bf16(z);
-    const auto layout = epilogue::PartialLayout::per_row(m, inter, 128, 128);
+    const auto layout = epilogue::PartialLayout::per_row(m, inter, 128, 64);  // per dz tile
     DeviceBuffer<float> zdz(size_t(layout.elements()));
     zdz.poison();
     DeviceBuffer<bf16> copy(size_t(m * 2 * inter));
@@ -548,7 +548,7 @@ TEST_F(GpuKernelTest, Fp8SwigluBackwardSplitPassMatchesTheRecipe) {
         epilogue::SwiGluBackward{}(g, u, da[size_t(r * inter + n)], dg, du, a);
         dz_ref[size_t(r * 2 * inter + 2 * n)] = dg;
         dz_ref[size_t(r * 2 * inter + 2 * n + 1)] = du;
-        zdz_ref[size_t(layout.index(r, n / 128))] += programs::PairDot{}(g, u, dg, du);
+        zdz_ref[size_t(layout.index(r, n / 64))] += programs::PairDot{}(g, u, dg, du);
       }
     const std::vector<double> dz_got = download_bf16(copy);
     expect_close(what + " dz", dz_got, dz_ref);

@@ -308,7 +308,7 @@ def test_fp8_swiglu_backward_matches_the_cpu_recipe(m, inter, hidden, placement)
     """B2 over FP8 operands with dz quantized, fused or split, against the CPU recipe on the same
     codes: dz's codes (both copies) dequantized against dSwiGLU of the CPU's fp64 da = dx_out ·
     W_down (fp8_gemm), and the ZdZ partials (the rows < M the kernel defines) against Σ g·dg +
-    u·du per 128-column tile of da in fp64 by the FP8 GEMM tolerance, from that da, or split from
+    u·du per tile of da (128 columns fused, 64 split) in fp64 by the FP8 GEMM tolerance, from that da, or split from
     da rounded to bf16 as the plain GEMM writes it."""
     gen = torch.Generator().manual_seed(m + 13 * inter)
     dx_out, w_t = wide_bf16(m, hidden, gen).cuda(), wide_bf16(inter, hidden, gen).cuda()
@@ -319,7 +319,9 @@ def test_fp8_swiglu_backward_matches_the_cpu_recipe(m, inter, hidden, placement)
     assert s.dtype == torch.float32
     ops_cpu = [t.cpu() for t in (dxc, dxs, wtc, wts)]
     s_cpu = CODA.fp8_gemm_swiglu_backward(*ops_cpu, z.cpu().double())[-1]
-    assert s.shape == s_cpu.shape
+    # Fused: per 128 columns of da, as the CPU program's; split: per 64 (the pass's 128 of dz).
+    width = 128 if placement == "fused" else 64
+    assert s.shape == (-(-inter // width), s_cpu.shape[1])
     da = CODA.fp8_gemm(*ops_cpu)  # fp64 on the CPU
     gate, up = z.cpu().double()[:, 0::2], z.cpu().double()[:, 1::2]
     sig = torch.sigmoid(gate)
@@ -328,8 +330,8 @@ def test_fp8_swiglu_backward_matches_the_cpu_recipe(m, inter, hidden, placement)
     da_used = da if placement == "fused" else da.to(BF16).double()
     dg, du = da_used * up * sig * (1 + gate * (1 - sig)), da_used * gate * sig
     tiles = s.shape[0]
-    pair_dot = torch.nn.functional.pad(gate * dg + up * du, (0, tiles * 128 - inter))
-    s_ref = pair_dot.view(m, tiles, 128).sum(2).t()
+    pair_dot = torch.nn.functional.pad(gate * dg + up * du, (0, tiles * width - inter))
+    s_ref = pair_dot.view(m, tiles, width).sum(2).t()
     fp8_gemm_close(s[:, :m], s_ref, "ZdZ partials")
 
 
