@@ -31,6 +31,10 @@ and peak memory, for the systems people train LLaMA with, from one initializatio
                   default backend, cuBLASLt where it has a kernel, ours elsewhere)
   coda_patched_fp8
                   the HF model patched in place with precision="fp8", eager
+  SYSTEM@PLACEMENT
+                  a coda FP8 system with its process's FP8 epilogue placement set first
+                  (torch.ops.coda.set_fp8_epilogue: fused, split or auto; docs/design.md), e.g.
+                  coda_fp8_z_recast@split beside coda_fp8_z_recast@fused in one run
   torchao_fp8_tensorwise, torchao_fp8_rowwise
                   the HF model with torchao's float8 training (convert_to_float8_training with the
                   recipe's Float8LinearConfig; the LM head left in bf16, as coda's), each decoder
@@ -126,8 +130,28 @@ def new_hf(cfg):
     return model
 
 
+PLACEMENTS = ("auto", "fused", "split")
+
+
+def placement_of(system):
+    """(system, FP8 epilogue placement or None) of a system name, `SYSTEM@PLACEMENT` or `SYSTEM`."""
+    base, at, placement = system.partition("@")
+    if not at:
+        return system, None
+    if base not in FP8_VARIANTS and base != "coda_patched_fp8":
+        raise ValueError(f"{system}: a placement (@{placement}) is for coda's FP8 systems "
+                         f"({', '.join(list(FP8_VARIANTS) + ['coda_patched_fp8'])}), not {base}")
+    if placement not in PLACEMENTS:
+        raise ValueError(f"{system}: the placement must be one of {', '.join(PLACEMENTS)}, got "
+                         f"'{placement}'")
+    return base, placement
+
+
 def build(system, cfg):
-    """(model, step's loss function) of one system."""
+    """(model, step's loss function) of one system (a `@placement` suffix: placement_of)."""
+    system, placement = placement_of(system)
+    if placement:  # process-wide; each system runs in a process of its own
+        torch.ops.coda.set_fp8_epilogue(placement)
     hf = new_hf(cfg)
     if system.startswith("torchao_fp8_"):
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -228,6 +252,8 @@ def run(progress=print, models=tuple(MODEL_SHAPES), systems=SYSTEMS, warmup=3, s
     """The section's results (filled into `out`, `save()` called after every system, so a run
     cut short keeps what it measured): per model shape, one row per system (or the reason it is
     absent), each from a process of its own under `timeout_s`."""
+    for system in systems:  # a bad placement suffix fails here, before any process starts
+        placement_of(system)
     out = {} if out is None else out
     out.update(config=dict(warmup=warmup, steps=steps, optimizer="AdamW(fused, bf16 params)",
                            process_per_system=True, timeout_s=timeout_s),
