@@ -546,9 +546,12 @@ void set_fp8_epilogue_placement(Fp8EpiloguePlacement placement) {
 
 bool fp8_epilogue_split(Fp8SplitProgram program) {
   switch (fp8_epilogue_placement()) {
-    case Fp8EpiloguePlacement::kFused: return false;
-    case Fp8EpiloguePlacement::kSplit: return true;
-    case Fp8EpiloguePlacement::kAuto: break;
+    case Fp8EpiloguePlacement::kFused:
+      return false;
+    case Fp8EpiloguePlacement::kSplit:
+      return true;
+    case Fp8EpiloguePlacement::kAuto:
+      break;
   }
   // Auto: a program runs split once its pass is measured faster than its fused epilogue
   // (docs/experiments.md); none is yet.

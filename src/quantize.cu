@@ -467,7 +467,7 @@ __global__ void __launch_bounds__(kThreads)
   float* const r_row = reinterpret_cast<float*>(smem + (kDres ? 3 : 2) * kTileBytes);
   float* const zdz_row = r_row + kTile;
   constexpr int kChunks = kTile * kTile / 8 / kThreads;  // 8: rows threadIdx.x / 16 + 16 j
-  constexpr int kRowGroups = kThreads / (kTile / 8);    // 16 threads share a thread's columns
+  constexpr int kRowGroups = kThreads / (kTile / 8);     // 16 threads share a thread's columns
   const fp8_tile::TilePlace t = fp8_tile::place(blockIdx.y, blockIdx.x, rows, cols);
   const int c = threadIdx.x % (kTile / 8) * 8, group = threadIdx.x / (kTile / 8);
   const bool cols_in = c < t.cols_here;  // cols_here is a multiple of 16: 8 columns in or out
@@ -537,7 +537,7 @@ __global__ void __launch_bounds__(kThreads)
       *reinterpret_cast<uint4*>(dx + (t.row0 + row) * lddx + t.col0 + c) = dxv;
   }
   __syncthreads();  // g's tile is read: the column sums go there
-  float (*col_part)[kTile] = reinterpret_cast<float (*)[kTile]>(g_tile);
+  float(*col_part)[kTile] = reinterpret_cast<float(*)[kTile]>(g_tile);
 #pragma unroll
   for (int e = 0; e < 8; ++e) col_part[group][c + e] = col_acc[e];
   __syncthreads();
@@ -712,8 +712,7 @@ void launch_tile_kernel(const char* op, void (*kernel)(Params...), int64_t rows,
   const int64_t row_blocks = ScaleLayout::blocks(rows);
   CODA_CHECK(row_blocks < 65536, op, ": ", rows, " rows is too many (at most 65535 tiles)");
   // Per launch (the current device's function attribute; no synchronization).
-  CODA_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  CODA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const dim3 grid{unsigned(col_units), unsigned(row_blocks)};
   kernel<<<grid, kThreads, smem, stream>>>(args...);
   CODA_CUDA_CHECK(cudaGetLastError());
@@ -809,9 +808,9 @@ void swiglu_backward_quantize_fp8(const bf16* da, int64_t ldda, const void* z, i
   if (copy != nullptr) check_rows16(op, "the bf16 copy of dz", copy, ld_copy, 2 * inter);
   check_outputs(op, out, out_t, rows, 2 * inter);
   auto launch = [&](auto kernel, int smem) {  // one CTA per 128x128 tile of dz
-    launch_tile_kernel(op, kernel, rows, ScaleLayout::blocks(2 * inter), smem, stream, da, ldda, z, ldz,
-                       InputScales{z_scales, ld_z_scales}, rows, 2 * inter, out, out_t, partials,
-                       ld_partials, copy, ld_copy);
+    launch_tile_kernel(op, kernel, rows, ScaleLayout::blocks(2 * inter), smem, stream, da, ldda, z,
+                       ldz, InputScales{z_scales, ld_z_scales}, rows, 2 * inter, out, out_t,
+                       partials, ld_partials, copy, ld_copy);
   };
   if (fp8_z)
     launch(swiglu_backward_tile_kernel<true>, kSwigluBackwardFp8ZSmem);
@@ -825,10 +824,10 @@ void rmsnorm_swiglu_quantize_fp8(const bf16* y, int64_t ldy, const float* r, int
   const char* op = "coda::kernel::rmsnorm_swiglu_quantize_fp8";
   CODA_CHECK(rows > 0 && inter > 0 && inter % 16 == 0, op,
              ": y must be (rows, 2·I) with I a multiple of 16, got rows ", rows, ", I ", inter);
-  CODA_CHECK(y != nullptr && ldy >= 2 * inter && ldy % 8 == 0 &&
-                 reinterpret_cast<uintptr_t>(y) % 16 == 0,
-             op, ": y's start and row stride must be 16-byte aligned with the stride >= ",
-             2 * inter, ", got row stride ", ldy, " at address ", static_cast<const void*>(y));
+  CODA_CHECK(
+      y != nullptr && ldy >= 2 * inter && ldy % 8 == 0 && reinterpret_cast<uintptr_t>(y) % 16 == 0,
+      op, ": y's start and row stride must be 16-byte aligned with the stride >= ", 2 * inter,
+      ", got row stride ", ldy, " at address ", static_cast<const void*>(y));
   CODA_CHECK(r != nullptr, op, ": r is null");
   CODA_CHECK(z_out.codes != nullptr, op, ": z's codes are the point (z saved in FP8)");
   CODA_CHECK(copy == nullptr || (ld_copy >= inter && ld_copy % 4 == 0 &&
@@ -838,8 +837,9 @@ void rmsnorm_swiglu_quantize_fp8(const bf16* y, int64_t ldy, const float* r, int
   CODA_CHECK(out.codes || out_t.codes, op, ": neither a's rows nor its copy is wanted");
   check_output(op, "z", z_out, 2 * inter, ScaleLayout::row_scales_ld(rows));
   check_outputs(op, out, out_t, rows, inter);
-  launch_tile_kernel(op, rmsnorm_swiglu_tile_kernel, rows, ScaleLayout::blocks(inter), fp8_tile::kSmemBytes, stream, y,
-                     ldy, r, rows, inter, z_out, out, out_t, copy, ld_copy);
+  launch_tile_kernel(op, rmsnorm_swiglu_tile_kernel, rows, ScaleLayout::blocks(inter),
+                     fp8_tile::kSmemBytes, stream, y, ldy, r, rows, inter, z_out, out, out_t, copy,
+                     ld_copy);
 }
 
 void rmsnorm_backward_quantize_fp8(const bf16* g, int64_t ldg, const bf16* x, int64_t ldx,
@@ -888,9 +888,9 @@ void rope_backward_quantize_fp8(const bf16* y, int64_t ldy, const bf16* dy, int6
              ": the ZdZ partials need a row stride >= ", rows, ", got ", ld_partials);
   if (copy != nullptr) check_rows16(op, "the bf16 copy of dpre", copy, ld_copy, cols);
   check_outputs(op, out, out_t, rows, cols);
-  launch_tile_kernel(op, rope_backward_tile_kernel, rows, ScaleLayout::blocks(cols), fp8_tile::kSmemBytes, stream, y, ldy,
-                     dy, lddy, pos, freq_hi, freq_lo, rows, cols, out, out_t, partials,
-                     ld_partials, copy, ld_copy);
+  launch_tile_kernel(op, rope_backward_tile_kernel, rows, ScaleLayout::blocks(cols),
+                     fp8_tile::kSmemBytes, stream, y, ldy, dy, lddy, pos, freq_hi, freq_lo, rows,
+                     cols, out, out_t, partials, ld_partials, copy, ld_copy);
 }
 
 void quantize_fp8_blocks(const bf16* x, int64_t rows, int64_t cols, int64_t ldx, Fp8Output out,

@@ -308,8 +308,8 @@ def test_fp8_swiglu_backward_matches_the_cpu_recipe(m, inter, hidden, placement)
     """B2 over FP8 operands with dz quantized, fused or split, against the CPU recipe on the same
     codes: dz's codes (both copies) dequantized against dSwiGLU of the CPU's fp64 da = dx_out ·
     W_down (fp8_gemm), and the ZdZ partials (the rows < M the kernel defines) against Σ g·dg +
-    u·du per tile of da (128 columns fused, 64 split) in fp64 by the FP8 GEMM tolerance, from that da, or split from
-    da rounded to bf16 as the plain GEMM writes it."""
+    u·du per tile of da (128 columns fused, 64 split) in fp64 by the FP8 GEMM tolerance, from
+    that da, or split from da rounded to bf16 as the plain GEMM writes it."""
     gen = torch.Generator().manual_seed(m + 13 * inter)
     dx_out, w_t = wide_bf16(m, hidden, gen).cuda(), wide_bf16(inter, hidden, gen).cuda()
     z = (torch.randn(m, 2 * inter, generator=gen) * 2).to(BF16).cuda()

@@ -40,13 +40,13 @@ void quantize_fp8_swiglu_t_fp8_z(const uint8_t* z, int64_t rows, int64_t cols, i
 // B2's elementwise half, for a B2 split into a plain FP8 GEMM (da = dx_out · W_down in bf16) and
 // this pass: dz = dSwiGLU(z, da) (rows, 2·inter) from da (rows, inter) bf16 (start and row stride
 // 16-byte aligned) and z's interleaved (g, u) pairs, bf16 (z_scales null; row stride ldz
-// elements, 16-byte aligned) or e4m3 codes (row stride ldz bytes, a multiple of 16) with their 1x128 scales (block b of row r at
-// b · ld_z_scales + r; each value decoded and rounded to bf16 first), inter a multiple of 8:
-// dz rounded to bf16 and quantized as quantize_fp8_rows would quantize it (out: 1x128 blocks,
-// out_t: the transposed copy; either may be left out), and the ZdZ partials Σ g·dg + u·du per
-// row and 128x128 tile of dz, i.e. 64 columns of da (PartialLayout::per_row(rows, inter, 128, 64): tile t of row r
-// at t · ld_partials + r; rows past `rows` not written). copy (optional, tests): dz's bf16
-// values as staged, row stride ld_copy.
+// elements, 16-byte aligned) or e4m3 codes (row stride ldz bytes, a multiple of 16) with their
+// 1x128 scales (block b of row r at b · ld_z_scales + r; each value decoded and rounded to bf16
+// first), inter a multiple of 8: dz rounded to bf16 and quantized as quantize_fp8_rows would
+// quantize it (out: 1x128 blocks, out_t: the transposed copy; either may be left out), and the ZdZ
+// partials Σ g·dg + u·du per row and 128x128 tile of dz, i.e. 64 columns of da
+// (PartialLayout::per_row(rows, inter, 128, 64): tile t of row r at t · ld_partials + r; rows past
+// `rows` not written). copy (optional, tests): dz's bf16 values as staged, row stride ld_copy.
 void swiglu_backward_quantize_fp8(const bf16* da, int64_t ldda, const void* z, int64_t ldz,
                                   const float* z_scales, int64_t ld_z_scales, int64_t rows,
                                   int64_t inter, Fp8Output out, Fp8Output out_t, float* partials,
