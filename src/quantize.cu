@@ -824,10 +824,7 @@ void rmsnorm_swiglu_quantize_fp8(const bf16* y, int64_t ldy, const float* r, int
   const char* op = "coda::kernel::rmsnorm_swiglu_quantize_fp8";
   CODA_CHECK(rows > 0 && inter > 0 && inter % 16 == 0, op,
              ": y must be (rows, 2·I) with I a multiple of 16, got rows ", rows, ", I ", inter);
-  CODA_CHECK(
-      y != nullptr && ldy >= 2 * inter && ldy % 8 == 0 && reinterpret_cast<uintptr_t>(y) % 16 == 0,
-      op, ": y's start and row stride must be 16-byte aligned with the stride >= ", 2 * inter,
-      ", got row stride ", ldy, " at address ", static_cast<const void*>(y));
+  check_rows16(op, "y", y, ldy, 2 * inter);
   CODA_CHECK(r != nullptr, op, ": r is null");
   CODA_CHECK(z_out.codes != nullptr, op, ": z's codes are the point (z saved in FP8)");
   CODA_CHECK(copy == nullptr || (ld_copy >= inter && ld_copy % 4 == 0 &&
