@@ -475,6 +475,8 @@ def main():
                     help="fp8 / fp8-fused: only these fused programs (F1, F2, F2z, B1, B2, B2z)")
     ap.add_argument("--e2e-timeout", type=int, default=300,
                     help="e2e: seconds each system's process may take")
+    ap.add_argument("--e2e-steps", type=int, default=10,
+                    help="e2e: timed steps per system (their median is the result)")
     a = ap.parse_args()
     path = a.json or os.path.join(here, "results", f"{datetime.date.today().isoformat()}.json")
     sections = a.sections.split(",")
@@ -623,7 +625,8 @@ def main():
 
         systems = (suite_e2e.FP8_COMPARISON if a.e2e_systems == "fp8" else
                    a.e2e_systems.split(",") if a.e2e_systems else suite_e2e.SYSTEMS)
-        suite_e2e.run(progress, a.e2e_models.split(","), systems, timeout_s=a.e2e_timeout,
+        suite_e2e.run(progress, a.e2e_models.split(","), systems, steps=a.e2e_steps,
+                      timeout_s=a.e2e_timeout,
                       out=out["sections"].setdefault("e2e", {}), save=save)
     if "train" in sections:
         import suite_train

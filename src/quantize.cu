@@ -393,18 +393,16 @@ __global__ void __launch_bounds__(kThreads, 2)
       const int row = threadIdx.x / 32 + (kThreads / 32) * (j0 + k);
       const uint32_t w[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
       float zf[8];
-      uint32_t zb[4];  // z in bf16, pairs
-      uint32_t m = 0;
+      fp8_tile::Eight e;  // z in bf16, pairs
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         zf[2 * q] = rr[k] * fp8_tile::low_value(w[q]);
         zf[2 * q + 1] = rr[k] * fp8_tile::high_value(w[q]);
         const __nv_bfloat162 p = __floats2bfloat162_rn(zf[2 * q], zf[2 * q + 1]);
-        zb[q] = *reinterpret_cast<const uint32_t*>(&p);
-        m = max(m, fp8_tile::pair_magnitudes(zb[q]));
+        e.p[q] = *reinterpret_cast<const uint32_t*>(&p);
       }
-      // z's 1x128 block: this half-warp's 16 lanes.
-      uint32_t amax = max(fp8_tile::low_amax(m), fp8_tile::high_amax(m));
+      // z's 1x128 block: this half-warp's 16 lanes (amax8: per-half maxima of the pairs).
+      uint32_t amax = fp8_tile::amax8(e);
 #pragma unroll
       for (int o = 8; o > 0; o /= 2) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, o));
       const float sc = E4m3::scale(fp8_tile::as_amax(amax)), inv = E4m3::inverse(sc);
@@ -412,7 +410,6 @@ __global__ void __launch_bounds__(kThreads, 2)
       if (zrow < ScaleLayout::row_scales_ld(rows) && lane % 16 == 0 && cols_in)
         z_out.scales[y_col / kTile * z_out.ld_scales + zrow] = sc;
       if (row < t.rows_here && cols_in) {
-        const fp8_tile::Eight e{{zb[0], zb[1], zb[2], zb[3]}};
         *reinterpret_cast<uint2*>(z_out.codes + zrow * z_out.ld + y_col) =
             fp8_tile::encode8(e, inv);
       }

@@ -113,6 +113,18 @@ class CudaBackend : public TorchTensors {
                                qk, view(pos), view(rope_table), hidden, view(dpre), view(zdz),
                                view(partials), view(dq_gamma), view(dk_gamma), stream_);
   }
+  // B3 and the cast of its output in one pass (block/compose_fp8.hpp fp8_norm_qkv_backward,
+  // without a bias): dpre's rows and transposed copy, and the ZdZ partials for zdz_fold.
+  std::tuple<Fp8, Tensor> fp8_rope_backward(const Tensor& qkv, const Tensor& dqkv,
+                                            const Tensor& pos, const Tensor& rope_table) const {
+    const int64_t m = qkv.size(0), width = qkv.size(1);
+    const auto [c, s, ct, st] = fp8::empty_quantized(qkv, m, width, true, true);
+    const epilogue::PartialLayout l = ops::fp8_rope_backward_partials_layout(m, width);
+    const Tensor p = stat(l.tiles * l.extent).view({l.tiles, l.extent});
+    ops::fp8_rope_backward_quantize(view(qkv), view(dqkv), view(pos), view(rope_table), view(c),
+                                    view(s), view(ct), view(st), view(p), stream_);
+    return {Fp8{c, s, ct, st}, p};
+  }
   // out[n] = Σ_m t[m, n] in fp32 (a bias gradient).
   void column_sum(const Tensor& t, Tensor& out) const {
     at::sum_out(out, t, {0}, false, at::kFloat);

@@ -284,7 +284,7 @@ void fp8_rope_backward_quantize(View qkv, View dqkv, View pos, View rope_table, 
 // its own after a plain FP8 GEMM (kSplit), process-wide. The blockwise FP8 kernels' epilogue does
 // not overlap the tensor cores (docs/design.md), and a pass at HBM bandwidth could cost less than
 // the exposed epilogue. kAuto, the default, splits the programs whose pass is measured faster
-// than their fused epilogue (docs/experiments.md; none yet) and fuses the others. Starts from the
+// than their fused epilogue (docs/experiments.md: B1 and B2) and fuses the others (F2z). Starts from the
 // environment variable CODA_FP8_EPILOGUE ("auto", "fused", "split"), read on first use. Callers
 // that own an allocator (the torch ops) apply it: fp8_epilogue_split(program) says whether B1, B2
 // or F2 with z in FP8 runs split.

@@ -30,6 +30,11 @@
 //                                             codes_t, scales_t): a not kept by the forward
 //   fp8_swiglu_backward(dx_out, w_down, z, z_scales) -> (dz, partials)      B2 (W_downᵀ's), dz
 //                                                                           both copies
+// and may provide
+//   fp8_rope_backward(qkv, dqkv, pos, rope_table) -> (dpre, partials)       B3 and the cast of
+//                                                                           its output in one
+//                                                                           pass (no bias; ZdZ
+//                                                                           partials for zdz_fold)
 // (z_scales empty: z in the activation dtype; else z's codes and their 1x128 scales)
 
 #include <cstdint>
@@ -175,15 +180,24 @@ InputGrads<B> fp8_mlp_backward(B& b, const T<B>& dx_out, const T<B>& x, const T<
 }
 
 // B3 → cast → B1 (+ dW_qkv; db_qkv = Σ_tokens of B3's output with a bias): fp8_norm_qkv's
-// backward. dx excludes the residual stream's own gradient.
+// backward; B3 and the cast in one pass where the backend has it and there is no bias. dx
+// excludes the residual stream's own gradient.
 template <class B>
 InputGrads<B> fp8_norm_qkv_backward(B& b, const T<B>& dqkv, const T<B>& qkv, const T<B>& x,
                                     const T<B>& gamma, const Fp8<B>& w_qkv, const T<B>& b_qkv,
                                     const T<B>& r, const auto& pos, const auto& rope_table) {
   const int64_t hidden = b.cols(x);
+  // No dres: autograd adds the residual stream's own gradient.
+  if constexpr (requires { b.fp8_rope_backward(qkv, dqkv, pos, rope_table); }) {
+    if (!b.present(b_qkv)) {  // B3 and its cast in one pass: dpre never stored in bf16
+      auto [dp, p] = b.fp8_rope_backward(qkv, dqkv, pos, rope_table);
+      T<B> zdz = b.stat(b.rows(qkv));
+      b.zdz_fold(p, hidden, zdz);
+      return fp8_rmsnorm_backward(b, dp, w_qkv, x, r, gamma, zdz, T<B>{});
+    }
+  }
   const RopeGrad<B> d = qkv_rope_backward(b, dqkv, qkv, b_qkv, hidden, pos, rope_table);
   const Fp8<B> dp = b.fp8_cast(d.dpre, true, true);
-  // No dres: autograd adds the residual stream's own gradient.
   InputGrads<B> g = fp8_rmsnorm_backward(b, dp, w_qkv, x, r, gamma, d.zdz, T<B>{});
   g.dbias = d.dbias;
   return g;
