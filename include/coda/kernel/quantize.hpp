@@ -37,6 +37,7 @@ void quantize_fp8_swiglu_t_fp8_z(const uint8_t* z, int64_t rows, int64_t cols, i
                                  const float* z_scales, int64_t ld_z_scales, Fp8Output out_t,
                                  cudaStream_t stream);
 
+// The FP8 programs' elementwise halves as passes of their own (src/fp8_passes.cu).
 // B2's elementwise half, for a B2 split into a plain FP8 GEMM (da = dx_out · W_down in bf16) and
 // this pass: dz = dSwiGLU(z, da) (rows, 2·inter) from da (rows, inter) bf16 (start and row stride
 // 16-byte aligned) and z's interleaved (g, u) pairs, bf16 (z_scales null; row stride ldz
