@@ -156,82 +156,111 @@ __global__ void __launch_bounds__(kThreads)
   if (out_t.codes) fp8_tile::quantize_columns<Blocks::kRows>(staged, t, out_t, threadIdx.x);
 }
 
+// F2's pass: shared memory past the staged a tile. y's 128x256 tile (the 256 columns of y whose
+// interleaved (g, u) pairs are the tile's 128 columns of a), rows kYPitch elements apart, then the
+// rows' r.
+constexpr int kYPitch = 2 * kTile + 8;  // 528 bytes: a warp's 16-byte reads of a row conflict-free
+constexpr int kRmsnormSwigluSmem =
+    fp8_tile::kSmemBytes + kTile * kYPitch * 2 + kTile * int(sizeof(float));
+
+// Commits the cp.async copies issued so far as one group; then waits until at most `kPending`
+// groups are still in flight (commit_and_wait).
+__device__ __forceinline__ void commit_async_copies() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int kPending>
+__device__ __forceinline__ void commit_and_wait() {
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
 // F2's epilogue with z saved in FP8, as a pass of its own (kernel/quantize.hpp
 // rmsnorm_swiglu_quantize_fp8): one CTA per 128 rows of one 128-column tile of a, i.e. 256
-// columns of the plain GEMM's output y = h·w_guᵀ (its interleaved (g, u) pairs). A chunk is 8
-// columns of y (16 bytes); a warp covers a row's 256, each half-warp one 128-column block of z,
-// whose amax its shuffles find: z = r·y is rounded to bf16 and its codes written from registers.
-// a = silu(z_g)·z_u from the unrounded z is rounded to bf16 and staged; its rows and transposed
-// copy are quantized by the cast's passes.
-__global__ void __launch_bounds__(kThreads, 2)
+// columns of the plain GEMM's output y = h·w_guᵀ. y's tile comes into shared memory by cp.async
+// in two groups of 64 rows, the second in flight while the first is computed, with no registers
+// held in flight (two CTAs an SM by shared memory, one's loads under the other's math and
+// stores). A chunk is 8 columns of y (16 bytes); a warp covers a row's 256, each half-warp one
+// 128-column block of z, whose amax its shuffles find: z = r·y is rounded to bf16 and its codes
+// written from registers. a = silu(z_g)·z_u from the unrounded z is rounded to bf16 and staged;
+// its rows and transposed copy are quantized by the cast's passes.
+__global__ void __launch_bounds__(kThreads)
     rmsnorm_swiglu_tile_kernel(const bf16* __restrict__ y, int64_t ldy, const float* __restrict__ r,
                                int64_t rows, int64_t inter, Fp8Output z_out, Fp8Output out,
                                Fp8Output out_t, bf16* copy, int64_t ld_copy) {
-  using epilogue::E4m3;
   using fp8_tile::kPitch;
   extern __shared__ __align__(16) unsigned char smem[];
   const fp8_tile::Staged staged = fp8_tile::staged(smem);
+  bf16* const y_tile = reinterpret_cast<bf16*>(smem + fp8_tile::kSmemBytes);
+  float* const row_r = reinterpret_cast<float*>(smem + fp8_tile::kSmemBytes + kTile * kYPitch * 2);
   constexpr int kRowChunks = 2 * kTile / 8;               // 32 chunks of y per row
   constexpr int kChunks = kTile * kRowChunks / kThreads;  // 16: rows threadIdx.x / 32 + 8 j
-  constexpr int kGroup = 4;
   const fp8_tile::TilePlace t = fp8_tile::place(blockIdx.y, blockIdx.x, rows, inter);  // a's tile
   const int lane = threadIdx.x % 32, c = lane * 8;  // the thread's 8 columns of y (4 of a)
   const bool cols_in = c / 2 < t.cols_here;         // cols_here: a multiple of 16
   const int64_t y_col = 2 * t.col0 + c;
+
+  // Group j / 8: rows 64 (j / 8) .. 64 (j / 8) + 63; r's 128 values with the first.
+  auto load = [&](int j) {
+    const int row = threadIdx.x / 32 + (kThreads / 32) * j;
+    const bool in = row < t.rows_here && cols_in;
+    copy16_async(y_tile + row * kYPitch + c, in ? y + (t.row0 + row) * ldy + y_col : y,
+                 in ? 16 : 0);
+  };
 #pragma unroll
-  for (int j0 = 0; j0 < kChunks; j0 += kGroup) {
-    uint4 v[kGroup];
-    float rr[kGroup];
-#pragma unroll
-    for (int k = 0; k < kGroup; ++k) {
-      const int row = threadIdx.x / 32 + (kThreads / 32) * (j0 + k);
-      v[k] = make_uint4(0, 0, 0, 0);
-      rr[k] = 0.0f;
-      if (row < t.rows_here && cols_in) {
-        v[k] = *reinterpret_cast<const uint4*>(y + (t.row0 + row) * ldy + y_col);
-        rr[k] = r[t.row0 + row];
-      }
-    }
-#pragma unroll
-    for (int k = 0; k < kGroup; ++k) {
-      const int row = threadIdx.x / 32 + (kThreads / 32) * (j0 + k);
-      const uint32_t w[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
-      float zf[8];
-      fp8_tile::Eight e;  // z in bf16, pairs
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        zf[2 * q] = rr[k] * fp8_tile::low_value(w[q]);
-        zf[2 * q + 1] = rr[k] * fp8_tile::high_value(w[q]);
-        const __nv_bfloat162 p = __floats2bfloat162_rn(zf[2 * q], zf[2 * q + 1]);
-        e.p[q] = *reinterpret_cast<const uint32_t*>(&p);
-      }
-      // z's 1x128 block: this half-warp's 16 lanes (amax8: per-half maxima of the pairs).
-      uint32_t amax = fp8_tile::amax8(e);
-#pragma unroll
-      for (int o = 8; o > 0; o /= 2) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-      const float sc = E4m3::scale(fp8_tile::as_amax(amax)), inv = E4m3::inverse(sc);
-      const int64_t zrow = t.row0 + row;
-      if (zrow < ScaleLayout::row_scales_ld(rows) && lane % 16 == 0 && cols_in)
-        z_out.scales[y_col / kTile * z_out.ld_scales + zrow] = sc;
-      if (row < t.rows_here && cols_in) {
-        *reinterpret_cast<uint2*>(z_out.codes + zrow * z_out.ld + y_col) =
-            fp8_tile::encode8(e, inv);
-      }
-      // a from the unrounded z, rounded to bf16 and staged (4 values, 8 bytes).
-      uint2 a;
-      uint32_t* aw = reinterpret_cast<uint32_t*>(&a);
-#pragma unroll
-      for (int q = 0; q < 2; ++q) {
-        const __nv_bfloat162 p =
-            __floats2bfloat162_rn(epilogue::SwiGlu{}(zf[4 * q], zf[4 * q + 1]),
-                                  epilogue::SwiGlu{}(zf[4 * q + 2], zf[4 * q + 3]));
-        aw[q] = *reinterpret_cast<const uint32_t*>(&p);
-      }
-      *reinterpret_cast<uint2*>(staged.tile + row * kPitch + c / 2) = a;
-      if (copy != nullptr && row < t.rows_here && cols_in)
-        *reinterpret_cast<uint2*>(copy + (t.row0 + row) * ld_copy + t.col0 + c / 2) = a;
-    }
+  for (int j = 0; j < kChunks / 2; ++j) load(j);
+  if (threadIdx.x < kTile) {
+    const bool in = int(threadIdx.x) < t.rows_here;
+    copy4_async(row_r + threadIdx.x, in ? r + t.row0 + threadIdx.x : r, in ? 4 : 0);
   }
+  commit_async_copies();
+#pragma unroll
+  for (int j = kChunks / 2; j < kChunks; ++j) load(j);
+
+  auto compute = [&](int j) {
+    const int row = threadIdx.x / 32 + (kThreads / 32) * j;
+    const uint4 v = *reinterpret_cast<const uint4*>(y_tile + row * kYPitch + c);
+    const float rr = row_r[row];
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+    float zf[8];
+    fp8_tile::Eight e;  // z in bf16, pairs
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      zf[2 * q] = rr * fp8_tile::low_value(w[q]);
+      zf[2 * q + 1] = rr * fp8_tile::high_value(w[q]);
+      const __nv_bfloat162 p = __floats2bfloat162_rn(zf[2 * q], zf[2 * q + 1]);
+      e.p[q] = *reinterpret_cast<const uint32_t*>(&p);
+    }
+    // z's 1x128 block: this half-warp's 16 lanes (amax8: per-half maxima of the pairs).
+    uint32_t amax = fp8_tile::amax8(e);
+#pragma unroll
+    for (int o = 8; o > 0; o /= 2) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float sc = E4m3::scale(fp8_tile::as_amax(amax)), inv = E4m3::inverse(sc);
+    const int64_t zrow = t.row0 + row;
+    if (zrow < ScaleLayout::row_scales_ld(rows) && lane % 16 == 0 && cols_in)
+      z_out.scales[y_col / kTile * z_out.ld_scales + zrow] = sc;
+    if (row < t.rows_here && cols_in)
+      *reinterpret_cast<uint2*>(z_out.codes + zrow * z_out.ld + y_col) = fp8_tile::encode8(e, inv);
+    // a from the unrounded z, rounded to bf16 and staged (4 values, 8 bytes).
+    uint2 a;
+    uint32_t* aw = reinterpret_cast<uint32_t*>(&a);
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      const __nv_bfloat162 p =
+          __floats2bfloat162_rn(epilogue::SwiGlu{}(zf[4 * q], zf[4 * q + 1]),
+                                epilogue::SwiGlu{}(zf[4 * q + 2], zf[4 * q + 3]));
+      aw[q] = *reinterpret_cast<const uint32_t*>(&p);
+    }
+    *reinterpret_cast<uint2*>(staged.tile + row * kPitch + c / 2) = a;
+    if (copy != nullptr && row < t.rows_here && cols_in)
+      *reinterpret_cast<uint2*>(copy + (t.row0 + row) * ld_copy + t.col0 + c / 2) = a;
+  };
+  commit_and_wait<1>();  // the first group has landed; the second may still be in flight
+  __syncthreads();
+#pragma unroll 2
+  for (int j = 0; j < kChunks / 2; ++j) compute(j);
+  commit_and_wait<0>();
+  __syncthreads();
+#pragma unroll 2
+  for (int j = kChunks / 2; j < kChunks; ++j) compute(j);
   __syncthreads();
   if (out.codes) fp8_tile::quantize_rows<Blocks::kRows>(staged, t, out, threadIdx.x);
   if (out_t.codes) fp8_tile::quantize_columns<Blocks::kRows>(staged, t, out_t, threadIdx.x);
@@ -480,7 +509,7 @@ void rmsnorm_swiglu_quantize_fp8(const bf16* y, int64_t ldy, const float* r, int
   check_output(op, "z", z_out, 2 * inter, ScaleLayout::row_scales_ld(rows));
   check_outputs(op, out, out_t, rows, inter);
   launch_tile_kernel(op, rmsnorm_swiglu_tile_kernel, rows, ScaleLayout::blocks(inter),
-                     fp8_tile::kSmemBytes, stream, y, ldy, r, rows, inter, z_out, out, out_t, copy,
+                     kRmsnormSwigluSmem, stream, y, ldy, r, rows, inter, z_out, out, out_t, copy,
                      ld_copy);
 }
 

@@ -544,7 +544,7 @@ void set_fp8_epilogue_placement(Fp8EpiloguePlacement placement) {
   g_placement.set(int(placement));
 }
 
-bool fp8_epilogue_split(Fp8SplitProgram program) {
+bool fp8_epilogue_split(Fp8SplitProgram program, int64_t k) {
   switch (fp8_epilogue_placement()) {
     case Fp8EpiloguePlacement::kFused:
       return false;
@@ -553,11 +553,20 @@ bool fp8_epilogue_split(Fp8SplitProgram program) {
     case Fp8EpiloguePlacement::kAuto:
       break;
   }
-  // Auto: split where the plain GEMM and the pass measure faster than the fused epilogue
-  // (bench/results, the suite's fp8-fused `split` rows; docs/design.md): B1 and B2, whose
-  // epilogues need a second operand tile (x, or z) beside the accumulator. F2z stays fused: its
-  // pass measures no faster.
-  return program != Fp8SplitProgram::kF2z;
+  // Auto: split where the plain GEMM and the pass measure faster than the fused epilogue (the
+  // suite's fp8-fused `split` rows, bench/results; docs/design.md). B2 everywhere; B1 up to
+  // kFp8B1SplitMaxK: the epilogue's cost is per output element while the GEMM's grows with K, and
+  // at 70B's gate/up (K = 57344) the fused kernel runs within 1.04x of its plain GEMM and the split
+  // is no faster. F2z stays fused: its pass measures no faster.
+  switch (program) {
+    case Fp8SplitProgram::kB2:
+      return true;
+    case Fp8SplitProgram::kB1:
+      return k <= kFp8B1SplitMaxK;
+    case Fp8SplitProgram::kF2z:
+      return false;
+  }
+  return false;
 }
 
 void gemm_fp8_xyt(View x, View x_scales, View y, View y_scales, View d, bool accumulate,

@@ -259,7 +259,7 @@ Fp8F2Z fp8_gemm_rmsnorm_swiglu_fp8_z(const Tensor& h, const Tensor& h_scales, co
 #if CODA_TORCH_CUDA
   const c10::cuda::CUDAGuard guard(h.device());
   const RowCastViews v = views_of(a);
-  if (ops::fp8_epilogue_split(ops::Fp8SplitProgram::kF2z)) {
+  if (ops::fp8_epilogue_split(ops::Fp8SplitProgram::kF2z, h.size(1))) {
     // Split (ops::fp8_epilogue_placement): the plain GEMM's y in bf16, then F2's pass over it.
     const Tensor y = at::empty({m, two_i}, h_scales.options().dtype(at::kBFloat16));
     ops::gemm_fp8(codes_view(h), scales_view(h_scales), codes_view(w_gu), scales_view(w_gu_scales),
@@ -355,7 +355,7 @@ Fp8B1 fp8_gemm_rmsnorm_backward(const Tensor& dz, const Tensor& dz_scales, const
 #if CODA_TORCH_CUDA
   const c10::cuda::CUDAGuard guard(dz.device());
   const Tensor dx = at::empty({m, hidden}, x.options());
-  if (ops::fp8_epilogue_split(ops::Fp8SplitProgram::kB1)) {
+  if (ops::fp8_epilogue_split(ops::Fp8SplitProgram::kB1, k)) {
     // Split (ops::fp8_epilogue_placement): the plain GEMM's g in bf16, then B1's pass over it.
     const Tensor g = at::empty({m, hidden}, x.options());
     ops::gemm_fp8(codes_view(dz), scales_view(dz_scales), codes_view(w_t), scales_view(w_t_scales),
@@ -417,7 +417,7 @@ Fp8B2 fp8_gemm_swiglu_backward(const Tensor& dx_out, const Tensor& dx_out_scales
 #if CODA_TORCH_CUDA
   const c10::cuda::CUDAGuard guard(dx_out.device());
   const RowCastViews v = views_of(q);
-  if (ops::fp8_epilogue_split(ops::Fp8SplitProgram::kB2)) {
+  if (ops::fp8_epilogue_split(ops::Fp8SplitProgram::kB2, k)) {
     // Split (ops::fp8_epilogue_placement): the plain GEMM's da in bf16, then B2's pass over it.
     const Tensor da = at::empty({m, inter}, dx_out.options().dtype(at::kBFloat16));
     ops::gemm_fp8(codes_view(dx_out), scales_view(dx_out_scales), codes_view(w_down_t),

@@ -479,5 +479,28 @@ TEST(OpArguments, Fp8ZArgumentsAreChecked) {
                     HasSubstr("2I a multiple of 32"), HasSubstr("got (4, 48)")));
 }
 
+// The FP8 epilogue placement: fused and split are what they say for every program; auto splits
+// B2 at any K, B1 up to kFp8B1SplitMaxK (a GEMM past it fuses), and never F2z (the measured table
+// of docs/experiments.md).
+TEST(OpArguments, Fp8EpiloguePlacementByProgramAndReductionExtent) {
+  const Fp8EpiloguePlacement before = fp8_epilogue_placement();
+  using P = Fp8SplitProgram;
+  const int64_t beyond = kFp8B1SplitMaxK + 128;
+  set_fp8_epilogue_placement(Fp8EpiloguePlacement::kFused);
+  for (const P p : {P::kF2z, P::kB1, P::kB2})
+    for (const int64_t k : {int64_t(4096), beyond}) EXPECT_FALSE(fp8_epilogue_split(p, k));
+  set_fp8_epilogue_placement(Fp8EpiloguePlacement::kSplit);
+  for (const P p : {P::kF2z, P::kB1, P::kB2})
+    for (const int64_t k : {int64_t(4096), beyond}) EXPECT_TRUE(fp8_epilogue_split(p, k));
+  set_fp8_epilogue_placement(Fp8EpiloguePlacement::kAuto);
+  EXPECT_TRUE(fp8_epilogue_split(P::kB2, 4096));
+  EXPECT_TRUE(fp8_epilogue_split(P::kB2, beyond));
+  EXPECT_TRUE(fp8_epilogue_split(P::kB1, 28672));  // 8B gate/up's backward
+  EXPECT_TRUE(fp8_epilogue_split(P::kB1, kFp8B1SplitMaxK));
+  EXPECT_FALSE(fp8_epilogue_split(P::kB1, 57344));  // 70B gate/up's backward
+  EXPECT_FALSE(fp8_epilogue_split(P::kF2z, 4096));
+  set_fp8_epilogue_placement(before);
+}
+
 }  // namespace
 }  // namespace coda::ops
