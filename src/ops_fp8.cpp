@@ -554,17 +554,18 @@ bool fp8_epilogue_split(Fp8SplitProgram program, int64_t k) {
       break;
   }
   // Auto: split where the plain GEMM and the pass measure faster than the fused epilogue (the
-  // suite's fp8-fused `split` rows, bench/results; docs/design.md). B2 everywhere; B1 up to
-  // kFp8B1SplitMaxK: the epilogue's cost is per output element while the GEMM's grows with K, and
-  // at 70B's gate/up (K = 57344) the fused kernel runs within 1.04x of its plain GEMM and the split
-  // is no faster. F2z stays fused: its pass measures no faster.
+  // suite's fp8-fused `split` rows, bench/results; docs/design.md). The epilogue's cost is per
+  // output element while the GEMM's grows with K, so each program splits up to a K: B2 at every
+  // LLaMA shape; B1 up to 32768 (at 70B's gate/up, K = 57344, the fused kernel runs within
+  // 1.06x of its plain GEMM and the split measures level); F2z up to 4096 (at 70B, K = 8192, its
+  // pass costs more than the fused epilogue's 1.09-1.11x).
   switch (program) {
     case Fp8SplitProgram::kB2:
       return true;
     case Fp8SplitProgram::kB1:
       return k <= kFp8B1SplitMaxK;
     case Fp8SplitProgram::kF2z:
-      return false;
+      return k <= kFp8F2zSplitMaxK;
   }
   return false;
 }

@@ -284,14 +284,14 @@ void fp8_rope_backward_quantize(View qkv, View dqkv, View pos, View rope_table, 
 // its own after a plain FP8 GEMM (kSplit), process-wide. The blockwise FP8 kernels' epilogue does
 // not overlap the tensor cores (docs/design.md), and a pass at HBM bandwidth could cost less than
 // the exposed epilogue. kAuto, the default, splits where the pass is measured faster than the
-// fused epilogue (docs/experiments.md): B2, and B1 whose GEMM's K is at most kFp8B1SplitMaxK;
-// F2z stays fused. Starts from the environment variable CODA_FP8_EPILOGUE ("auto", "fused",
-// "split"), read on first use. Callers that own an allocator (the torch ops) apply it:
-// fp8_epilogue_split(program, k) says whether B1, B2 or F2 with z in FP8 over a GEMM of reduction
-// extent k runs split.
+// fused epilogue (docs/experiments.md): B2, B1 whose GEMM's K is at most kFp8B1SplitMaxK and F2z
+// whose K is at most kFp8F2zSplitMaxK. Starts from the environment variable CODA_FP8_EPILOGUE
+// ("auto", "fused", "split"), read on first use. Callers that own an allocator (the torch ops)
+// apply it: fp8_epilogue_split(program, k) says whether B1, B2 or F2 with z in FP8 over a GEMM of
+// reduction extent k runs split.
 enum class Fp8EpiloguePlacement { kAuto, kFused, kSplit };
 enum class Fp8SplitProgram { kF2z, kB1, kB2 };
-inline constexpr int64_t kFp8B1SplitMaxK = 32768;
+inline constexpr int64_t kFp8B1SplitMaxK = 32768, kFp8F2zSplitMaxK = 4096;
 Fp8EpiloguePlacement fp8_epilogue_placement();
 void set_fp8_epilogue_placement(Fp8EpiloguePlacement placement);
 bool fp8_epilogue_split(Fp8SplitProgram program, int64_t k);

@@ -480,8 +480,8 @@ TEST(OpArguments, Fp8ZArgumentsAreChecked) {
 }
 
 // The FP8 epilogue placement: fused and split are what they say for every program; auto splits
-// B2 at any K, B1 up to kFp8B1SplitMaxK (a GEMM past it fuses), and never F2z (the measured table
-// of docs/experiments.md).
+// B2 at any K, B1 up to kFp8B1SplitMaxK and F2z up to kFp8F2zSplitMaxK (a GEMM past it fuses: the
+// measured table of docs/experiments.md).
 TEST(OpArguments, Fp8EpiloguePlacementByProgramAndReductionExtent) {
   const Fp8EpiloguePlacement before = fp8_epilogue_placement();
   using P = Fp8SplitProgram;
@@ -498,7 +498,9 @@ TEST(OpArguments, Fp8EpiloguePlacementByProgramAndReductionExtent) {
   EXPECT_TRUE(fp8_epilogue_split(P::kB1, 28672));  // 8B gate/up's backward
   EXPECT_TRUE(fp8_epilogue_split(P::kB1, kFp8B1SplitMaxK));
   EXPECT_FALSE(fp8_epilogue_split(P::kB1, 57344));  // 70B gate/up's backward
-  EXPECT_FALSE(fp8_epilogue_split(P::kF2z, 4096));
+  EXPECT_TRUE(fp8_epilogue_split(P::kF2z, 2048));   // 1B gate/up
+  EXPECT_TRUE(fp8_epilogue_split(P::kF2z, 4096));   // 8B
+  EXPECT_FALSE(fp8_epilogue_split(P::kF2z, 8192));  // 70B
   set_fp8_epilogue_placement(before);
 }
 
