@@ -193,10 +193,16 @@ def fp8_fused_table(d, files=None):
     return out
 
 
-def fp8_fused_tables(path):
+def fp8_fused_tables(path, title="Blockwise FP8 fused programs"):
     """A results file with only the fused rows (bench/suite.py --sections fp8-fused)."""
     d = load(path, "fp8")
-    return ["## Blockwise FP8 fused programs\n", header(path, d)] + fp8_fused_table(d) + [""]
+    return [f"## {title}\n", header(path, d)] + fp8_fused_table(d) + [""]
+
+
+def fp8_split_fused_tables(path):
+    """gpu-check's fp8-split stage: F2z, B1, B2 fused beside split (ops::fp8_epilogue_split's
+    table is set from these rows)."""
+    return fp8_fused_tables(path, "FP8 epilogues fused vs split (the placement table's source)")
 
 
 def fp8_files(results, pattern):
@@ -534,13 +540,13 @@ def train_parity_table(path):
 E2E_TARGETS = {"llama3.2-1B": 1.15, "llama3-8B": 1.25}  # FP8 coda / the best bf16 peer
 
 
-def e2e_fp8_table(path):
+def e2e_fp8_table(path, title="Whole-model training step in FP8 (e2e)"):
     """The e2e section's FP8 comparison (bench/suite_e2e.py, FP8_COMPARISON): a whole model's
     training step per system, with the ratios the FP8 targets are stated in and the training
     check (suite_report.loss_check); a row that fails the check is marked, its speed no result."""
     d = json.load(open(path))
     commands = d.get("commands") or [d.get("command", "?")]
-    out = ["## Whole-model training step in FP8 (e2e)\n",
+    out = [f"## {title}\n",
            f"Source: `{os.path.relpath(path)}` — commit `{d.get('commit', '?')}`, "
            f"{d.get('device', '?')}, torch {d.get('torch', '?')}, FP8 weight gradients on "
            f"{d.get('fp8_wgrad', 'cutlass')}; commands: "
@@ -574,6 +580,12 @@ def e2e_fp8_table(path):
                        f"| {r['peak_gib']:.2f} | {dm} | {check} |")
         out.append("")
     return out
+
+
+def e2e_split_table(path):
+    """gpu-check's fp8-split stage's training step: an FP8 system under each epilogue placement
+    (`SYSTEM@fused`, `@split`; no suffix: auto)."""
+    return e2e_fp8_table(path, "Whole-model training step under each FP8 epilogue placement")
 
 
 def fsdp_table(path):
@@ -790,6 +802,8 @@ def main():
                         ("*-train-compare.json", train_compare_table),
                         ("*-train-parity.json", train_parity_table),
                         ("*-fp8-e2e.json", e2e_fp8_table),
+                        ("*-fp8-split-fused.json", fp8_split_fused_tables),
+                        ("*-fp8-split-e2e.json", e2e_split_table),
                         ("*-fsdp-fsdp.json", fsdp_table)):
         if fn is train_parity_table:
             for path in train_parity_files(a.results):

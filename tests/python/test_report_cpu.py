@@ -368,3 +368,31 @@ def test_train_parity_tables_keep_the_newest_run_of_each_run_set(tmp_path):
     newest_z = parity("2026-01-02-train-parity.json", ["coda_bf16", "coda_fp8", "coda_fp8_z"])
     assert older_ao not in report.train_parity_files(str(tmp_path))
     assert report.train_parity_files(str(tmp_path)) == [newest_z, newer_ao]
+
+
+def e2e_file(path, systems, commit):
+    rows = [{"system": s, "median_step_ms": ms, "tokens_per_s": int(8192e3 / ms), "peak_gib": 20.0,
+             "first_loss": 12.0, "last_loss": 9.0, "loss_drop_vs_ref": 1.0}
+            for s, ms in systems]
+    d = {"commit": commit, "device": "test", "torch": "t", "command": f"suite.py {commit}",
+         "sections": {"e2e": {"models": {"llama3-8B": {
+             "shape": {"layers": 8, "batch": 2, "seq": 4096}, "rows": rows,
+             "loss_reference": "coda"}}}}}
+    path.write_text(json.dumps(d))
+    return str(path)
+
+
+def test_split_placement_e2e_file_is_its_own_table_and_leaves_the_fp8_one_alone(tmp_path):
+    """gpu-check's fp8-split stage writes *-fp8-split-e2e.json: its own section, which neither
+    matches the FP8 comparison's pattern nor replaces that file as the latest."""
+    fp8 = e2e_file(tmp_path / "2026-01-01-run1-fp8-e2e.json",
+                   [("hf_compile", 220.0), ("coda", 221.0), ("coda_fp8", 176.0)], "aaa")
+    split = e2e_file(tmp_path / "2026-01-02-run2-fp8-split-e2e.json",
+                     [("hf_compile", 222.0), ("coda", 224.0), ("coda_fp8_z_recast@fused", 179.6),
+                      ("coda_fp8_z_recast@split", 177.8)], "bbb")
+    assert report.latest(str(tmp_path), "*-fp8-e2e.json") == fp8
+    assert report.latest(str(tmp_path), "*-fp8-split-e2e.json") == split
+    table = "\n".join(report.e2e_split_table(split))
+    assert "under each FP8 epilogue placement" in table and "`bbb`" in table
+    assert "| coda_fp8_z_recast@split | 177.80 |" in table
+    assert f"{222.0 / 177.8:.3f} [1.25]" in table  # tokens/s over HF + compile's, the 8B target
