@@ -477,6 +477,9 @@ def main():
                     help="e2e: seconds each system's process may take")
     ap.add_argument("--e2e-steps", type=int, default=10,
                     help="e2e: timed steps per system (their median is the result)")
+    ap.add_argument("--e2e-rounds", type=int, default=1,
+                    help="e2e: rounds over the systems, a process each (the median of the "
+                         "rounds' medians is the result)")
     a = ap.parse_args()
     path = a.json or os.path.join(here, "results", f"{datetime.date.today().isoformat()}.json")
     sections = a.sections.split(",")
@@ -626,7 +629,7 @@ def main():
         systems = (suite_e2e.FP8_COMPARISON if a.e2e_systems == "fp8" else
                    a.e2e_systems.split(",") if a.e2e_systems else suite_e2e.SYSTEMS)
         suite_e2e.run(progress, a.e2e_models.split(","), systems, steps=a.e2e_steps,
-                      timeout_s=a.e2e_timeout,
+                      rounds=a.e2e_rounds, timeout_s=a.e2e_timeout,
                       out=out["sections"].setdefault("e2e", {}), save=save)
     if "train" in sections:
         import suite_train

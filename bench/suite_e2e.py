@@ -44,7 +44,10 @@ Each system runs in a process of its own (Liger patches transformers' classes mo
 Dynamo's caches and the allocator's pools would carry over), builds the model from the same seed,
 and has its first step timed on the wall clock
 (compilation included), then `warmup` more steps and `steps` timed ones (CUDA events; the median
-is the result). Peak memory is torch.cuda.max_memory_allocated over the timed steps, parameters
+is the result). With `rounds` > 1 the systems run round after round (A B C, A B C, ...), a fresh
+process each time, so that a drift of the GPU's clocks or temperature over the call lands on every
+system alike; a row then holds each round's median (`round_ms`) and the median of those. Peak
+memory is torch.cuda.max_memory_allocated over the timed steps (the largest over rounds), parameters
 and optimizer state included. The first step's loss is recorded: every system starts from the
 same weights and batch, so they must agree to bf16 accuracy. So is the last: each system's loss
 drop over its steps, relative to the bf16 reference's (`coda`, else `hf_eager`), is the row's
@@ -247,35 +250,61 @@ def one(name, system, warmup, steps):
     return measure(system, cfg, ids, warmup, steps, lambda m: print(m, file=sys.stderr))
 
 
+def combine_rounds(rows, tokens):
+    """One system's row from its rounds' rows (the first round's losses and first step): the
+    median of the rounds' medians, each round's median, the fastest step, the largest peak."""
+    row = dict(rows[0])
+    medians = [r["median_step_ms"] for r in rows]
+    ms = statistics.median(medians)
+    row.update(median_step_ms=round(ms, 2), round_ms=medians,
+               min_step_ms=min(r["min_step_ms"] for r in rows),
+               tokens_per_s=round(tokens / ms * 1e3), peak_gib=max(r["peak_gib"] for r in rows))
+    return row
+
+
 def run(progress=print, models=tuple(MODEL_SHAPES), systems=SYSTEMS, warmup=3, steps=10,
-        timeout_s=300, out=None, save=lambda: None):
+        timeout_s=300, out=None, save=lambda: None, rounds=1, launch=subprocess.run):
     """The section's results (filled into `out`, `save()` called after every system, so a run
     cut short keeps what it measured): per model shape, one row per system (or the reason it is
-    absent), each from a process of its own under `timeout_s`."""
+    absent), each from a process of its own under `timeout_s`; with `rounds` > 1 every system runs
+    once a round, the rounds one after another (combine_rounds). A system absent in any round is
+    absent. `launch`: subprocess.run's stand-in (tests)."""
     for system in systems:  # a bad placement suffix fails here, before any process starts
         placement_of(system)
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
     out = {} if out is None else out
-    out.update(config=dict(warmup=warmup, steps=steps, optimizer="AdamW(fused, bf16 params)",
-                           process_per_system=True, timeout_s=timeout_s),
+    out.update(config=dict(warmup=warmup, steps=steps, rounds=rounds,
+                           optimizer="AdamW(fused, bf16 params)", process_per_system=True,
+                           timeout_s=timeout_s),
                models={})
     for name in models:
         res = out["models"][name] = {"shape": MODEL_SHAPES[name], "rows": [], "absent": {}}
-        for system in systems:
-            cmd = [sys.executable, os.path.abspath(__file__), name, system, str(warmup), str(steps)]
-            try:
-                p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-                lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
-                if p.returncode or not lines:
-                    raise RuntimeError(f"rc={p.returncode}: {p.stderr.strip()[-300:]}")
-                row = json.loads(lines[-1])
-                res["rows"].append(row)
-                progress(f"e2e {name} {system}: {row['median_step_ms']} ms/step, "
-                         f"{row['tokens_per_s']} tok/s, peak {row['peak_gib']} GiB, first step "
-                         f"{row['first_step_s']} s")
-            except (subprocess.TimeoutExpired, RuntimeError, ValueError) as ex:
-                res["absent"][system] = f"{type(ex).__name__}: {ex}"[:400]
-                progress(f"e2e {name} {system}: absent ({res['absent'][system][:160]})")
-            save()
+        shape = MODEL_SHAPES[name]
+        per_system = {system: [] for system in systems}
+        for k in range(rounds):
+            for system in systems:
+                if system in res["absent"]:
+                    continue
+                cmd = [sys.executable, os.path.abspath(__file__), name, system, str(warmup),
+                       str(steps)]
+                at = f"e2e {name} {system}" + (f" (round {k + 1}/{rounds})" if rounds > 1 else "")
+                try:
+                    p = launch(cmd, capture_output=True, text=True, timeout=timeout_s)
+                    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+                    if p.returncode or not lines:
+                        raise RuntimeError(f"rc={p.returncode}: {p.stderr.strip()[-300:]}")
+                    row = json.loads(lines[-1])
+                    per_system[system].append(row)
+                    progress(f"{at}: {row['median_step_ms']} ms/step, {row['tokens_per_s']} tok/s, "
+                             f"peak {row['peak_gib']} GiB, first step {row['first_step_s']} s")
+                except (subprocess.TimeoutExpired, RuntimeError, ValueError) as ex:
+                    res["absent"][system] = f"{type(ex).__name__}: {ex}"[:400]
+                    progress(f"{at}: absent ({res['absent'][system][:160]})")
+                res["rows"] = [
+                    r[0] if rounds == 1 else combine_rounds(r, shape["batch"] * shape["seq"])
+                    for s_, r in per_system.items() if r and s_ not in res["absent"]]
+                save()
         for line in loss_check(res):
             progress(line)
         best_peer = max((r for r in res["rows"] if not r["system"].startswith("coda")),
