@@ -60,8 +60,8 @@ class FakeLaunch:
 
 
 def test_rounds_interleave_the_systems_and_take_the_median_of_the_rounds():
-    launch = FakeLaunch({"hf_compile": [220.0, 230.0, 224.0], "coda_fp8_z_recast": [178.0, 185.0,
-                                                                                     179.0]})
+    launch = FakeLaunch({"hf_compile": [220.0, 230.0, 224.0],
+                         "coda_fp8_z_recast": [178.0, 185.0, 179.0]})
     out = suite_e2e.run(progress=lambda m: None, models=["llama3-8B"],
                         systems=["hf_compile", "coda_fp8_z_recast"], rounds=3, launch=launch)
     assert launch.calls == ["hf_compile", "coda_fp8_z_recast"] * 3
