@@ -70,7 +70,7 @@ def test_rounds_interleave_the_systems_and_take_the_median_of_the_rounds():
     assert rows["hf_compile"]["median_step_ms"] == 224.0
     assert rows["coda_fp8_z_recast"]["median_step_ms"] == 179.0
     assert rows["coda_fp8_z_recast"]["min_step_ms"] == 177.0
-    assert rows["coda_fp8_z_recast"]["peak_gib"] == 26.0  # the largest of its rounds (calls 2, 4, 6)
+    assert rows["coda_fp8_z_recast"]["peak_gib"] == 26.0  # its rounds: calls 2, 4, 6
     assert rows["coda_fp8_z_recast"]["tokens_per_s"] == round(2 * 4096 / 179.0 * 1e3)
     assert rows["coda_fp8_z_recast"]["vs_best_peer"] == round(224.0 / 179.0, 3)
     assert out["config"]["rounds"] == 3
