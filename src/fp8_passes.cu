@@ -28,6 +28,8 @@ using fp8_tile::kTile;
 using tiles::check_output;
 using tiles::check_outputs;
 using tiles::check_rows16;
+using tiles::commit_and_wait;
+using tiles::commit_async_copies;
 using tiles::copy16_async;
 using tiles::copy4_async;
 using tiles::InputScales;
@@ -163,16 +165,6 @@ constexpr int kYPitch = 2 * kTile + 8;  // 528 bytes: a warp's 16-byte reads of 
 constexpr int kRmsnormSwigluSmem =
     fp8_tile::kSmemBytes + kTile * kYPitch * 2 + kTile * int(sizeof(float));
 
-// Commits the cp.async copies issued so far as one group; then waits until at most `kPending`
-// groups are still in flight (commit_and_wait).
-__device__ __forceinline__ void commit_async_copies() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-template <int kPending>
-__device__ __forceinline__ void commit_and_wait() {
-  asm volatile("cp.async.commit_group;\ncp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
-
 // F2's epilogue with z saved in FP8, as a pass of its own (kernel/quantize.hpp
 // rmsnorm_swiglu_quantize_fp8): one CTA per 128 rows of one 128-column tile of a, i.e. 256
 // columns of the plain GEMM's output y = h·w_guᵀ. y's tile comes into shared memory by cp.async
@@ -230,9 +222,7 @@ __global__ void __launch_bounds__(kThreads)
       e.p[q] = *reinterpret_cast<const uint32_t*>(&p);
     }
     // z's 1x128 block: this half-warp's 16 lanes (amax8: per-half maxima of the pairs).
-    uint32_t amax = fp8_tile::amax8(e);
-#pragma unroll
-    for (int o = 8; o > 0; o /= 2) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const uint32_t amax = fp8_tile::group_amax<16>(fp8_tile::amax8(e));
     const float sc = E4m3::scale(fp8_tile::as_amax(amax)), inv = E4m3::inverse(sc);
     const int64_t zrow = t.row0 + row;
     if (zrow < ScaleLayout::row_scales_ld(rows) && lane % 16 == 0 && cols_in)

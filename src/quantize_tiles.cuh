@@ -32,9 +32,16 @@ __device__ __forceinline__ void copy4_async(void* dst, const void* src, int byte
   const uint32_t d = uint32_t(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src), "r"(bytes));
 }
-__device__ __forceinline__ void wait_async_copies() {
-  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+// Commits the copies issued so far as one group; commit_and_wait then waits until at most
+// `kPending` groups are still in flight, wait_async_copies until none is.
+__device__ __forceinline__ void commit_async_copies() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
+template <int kPending>
+__device__ __forceinline__ void commit_and_wait() {
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+__device__ __forceinline__ void wait_async_copies() { commit_and_wait<0>(); }
 
 // A row's partial sum over 128 columns held 8 a lane by a half-warp: the half-warp's sum, stored
 // at `at` by its first lane (one writer a row) where `store`.
