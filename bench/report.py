@@ -323,11 +323,20 @@ def same_commit_files(results, pattern):
     return [f for f in files if json.load(open(f)).get("commit") == commit]
 
 
-def fp8_chain_tables(paths):
+def profiled_chain_file(results, pattern):
+    """The newest fp8-chain file whose rows carry the per-stage profile (`--fp8-chain-profile`)."""
+    for f in sorted(glob.glob(os.path.join(results, pattern)), key=run_key, reverse=True):
+        if any(r.get("stages") for r in load(f, "fp8_chain").get("rows", [])):
+            return f
+    return None
+
+
+def fp8_chain_tables(paths, profile_path=None):
     """The suite's fp8-chain section (bench/suite_fp8_chain.py): the layer chain forward + backward
     in blockwise FP8 against the FP8 GEMM-only floor, our bf16 chain and torchao float8 +
     torch.compile, with the issue's targets beside each ratio. `paths`: files of one commit,
-    newest first; each (model, M) comes from the newest file that has it."""
+    newest first; each (model, M) comes from the newest file that has it. The per-stage profile
+    comes from those rows, or where none has one from `profile_path` (an earlier call's, named)."""
     d = load(paths[0], "fp8_chain")
     tagged, several = merged(paths, "fp8_chain", "rows", lambda r: (r["model"], r["m"]))
     source = {id(r): f for r, f in tagged}
@@ -413,9 +422,17 @@ def fp8_chain_tables(paths):
         out.append("Largest relative error per FP8 chain, over the shapes: " + "; ".join(
             f"{k} {e:.3f} ({where})" for k, (where, e) in worst.items()) + ".")
     staged = [r for r in rows if r.get("stages")]
+    profile_from = []
+    if not staged and profile_path:
+        pd = load(profile_path, "fp8_chain")
+        staged = [r for r in pd.get("rows", []) if r.get("stages")]
+        profile_from = ["", f"The rows above carry no profile; this one is an earlier call's: "
+                        f"`{os.path.relpath(profile_path)}`, commit `{pd.get('commit', '?')}`, "
+                        f"{pd.get('device', '?')}.\n"]
     if staged:
         names = list(staged[0]["stages"])
-        out += ["Per stage (`--fp8-chain-profile`): each of our three ops' forward and backward "
+        out += [*profile_from,
+                "Per stage (`--fp8-chain-profile`): each of our three ops' forward and backward "
                 "alone (L2 cleared before each run, the backward from the gradients the chain "
                 "hands it), ms, next to the floor GEMMs it holds on cuBLASLt; `glue`: the whole "
                 "chain's time minus its stages' (autograd between the ops; negative where the "
@@ -565,10 +582,14 @@ def e2e_fp8_table(path, title="Whole-model training step in FP8 (e2e)"):
         peer = max(bf16_peers, key=lambda r: r["tokens_per_s"], default=None)
         ours = next((r for r in rows if r["system"] == "coda"), None)
         s = res["shape"]
+        rounds = any("round_ms" in r for r in rows)  # bench/suite_e2e.py combine_rounds
         out += [f"**{name}** ({s['layers']} layers, {s['batch']}×{s['seq']} tokens; best bf16 "
-                f"peer: {peer['system'] if peer else '—'})\n",
+                f"peer: {peer['system'] if peer else '—'})"
+                + ("; the systems ran round after round, a process each: ms/step is the median "
+                   "of the rounds' medians, each round's in `rounds ms`" if rounds else "") + "\n",
                 "| system | ms/step | tokens/s | vs bf16 peer | peak GiB | peak vs coda bf16 | "
-                "loss drop |", "|---|---|---|---|---|---|---|"]
+                "loss drop |" + (" rounds ms |" if rounds else ""),
+                "|---|---|---|---|---|---|---|" + ("---|" if rounds else "")]
         for r in rows:
             vs = f"{r['tokens_per_s'] / peer['tokens_per_s']:.3f}" if peer else "—"
             if r["system"].startswith("coda_fp8") and name in E2E_TARGETS:
@@ -577,7 +598,9 @@ def e2e_fp8_table(path, title="Whole-model training step in FP8 (e2e)"):
             drop = r.get("loss_drop_vs_ref")
             check = "—" if drop is None else f"{drop:.3f}" + (" **LAGS**" if r["loss_lags"] else "")
             out.append(f"| {r['system']} | {r['median_step_ms']:.2f} | {r['tokens_per_s']} | {vs} "
-                       f"| {r['peak_gib']:.2f} | {dm} | {check} |")
+                       f"| {r['peak_gib']:.2f} | {dm} | {check} |"
+                       + (f" {', '.join(f'{v:.2f}' for v in r.get('round_ms', []))} |"
+                          if rounds else ""))
         out.append("")
     return out
 
@@ -812,7 +835,8 @@ def main():
         if fn in (fp8_chain_tables, fp8_tables):
             paths = (same_commit_files if fn is fp8_chain_tables else fp8_files)(a.results, pattern)
             if paths:
-                lines += fn(paths)
+                lines += (fn(paths, profiled_chain_file(a.results, pattern))
+                          if fn is fp8_chain_tables else fn(paths))
             continue
         path = latest(a.results, pattern)
         if path:

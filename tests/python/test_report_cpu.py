@@ -325,6 +325,48 @@ def test_fp8_chain_rows_come_from_the_newest_call_of_the_commit_that_has_them(tm
     assert not any("run2-fp8-chain.json |" in line for line in single)
 
 
+def test_fp8_chain_profile_comes_from_an_earlier_profiled_call_named_as_such(tmp_path):
+    """Rows of a call without --fp8-chain-profile keep the newest profiled call's per-stage
+    table, with that file and commit named; a profiled current call uses its own."""
+    staged = dict(chain_row("llama3-1B", 8192, 1.4),
+                  stages={"mlp fwd": {"ours_ms": 0.9, "floor_ms": 0.7}, "glue": {"ours_ms": 0.1}})
+    old = fp8_chain_file(tmp_path, "2026-01-01-run1-fp8-chain.json", "old", [staged])
+    new = fp8_chain_file(tmp_path, "2026-01-02-fp8-chain.json", "new",
+                         [chain_row("llama3-1B", 8192, 1.3)])
+    assert report.profiled_chain_file(str(tmp_path), "*-fp8-chain.json") == old
+    lines = report.fp8_chain_tables([new], report.profiled_chain_file(str(tmp_path),
+                                                                      "*-fp8-chain.json"))
+    text = "\n".join(lines)
+    assert "earlier call's" in text and "run1-fp8-chain.json" in text and "`old`" in text
+    assert "| llama3-1B | 8192 | 0.900 / 0.700 (+0.200) | 0.100 |" in lines
+    assert [r.split(" | ")[2] for r in lines if r.startswith("| llama3-1B | 8192 | 1.")] == ["1.300"]
+    # no profile anywhere: no per-stage table
+    assert "Per stage" not in "\n".join(report.fp8_chain_tables([new]))
+    # the current call profiled: its own table, no earlier file named
+    own = report.fp8_chain_tables([old], old)
+    assert "earlier call's" not in "\n".join(own) and any("Per stage" in x for x in own)
+
+
+def test_e2e_rounds_show_each_rounds_median(tmp_path):
+    """Rows combined over rounds (bench/suite_e2e.combine_rounds) list each round's median."""
+    rows = [dict(e2e_row("coda", 63000, 21.0, 12.0, 11.0), round_ms=[260.1, 259.0, 261.5]),
+            dict(e2e_row("liger", 60000, 26.0, 12.0, 11.0), round_ms=[273.0, 272.5, 274.0])]
+    d = {"commit": "abc", "device": "test", "commands": ["synthetic"], "sections": {"e2e": {
+        "models": {"llama3.2-1B": {"shape": {"layers": 16, "batch": 4, "seq": 4096},
+                                   "rows": rows}}}}}
+    path = tmp_path / "2026-01-01-fp8-e2e.json"
+    path.write_text(json.dumps(d))
+    lines = report.e2e_fp8_table(str(path))
+    assert any(line.endswith("| rounds ms |") for line in lines)
+    assert any(line.startswith("| coda |") and line.endswith("| 260.10, 259.00, 261.50 |")
+               for line in lines)
+    # a single round's rows: no rounds column
+    for r in rows:
+        del r["round_ms"]
+    path.write_text(json.dumps(d))
+    assert not any("rounds ms" in line for line in report.e2e_fp8_table(str(path)))
+
+
 def fp8_gemm_row(model, m, p, ours, lt):
     return {"model": model, "M": m, "proj": "gate_up", "pass": p, "gemm": [m, 8, 8], "ok": True,
             "ms": {"coda": ours, "cublaslt": lt, "coda_bf16": 2 * ours},
