@@ -336,7 +336,8 @@ def fp8_chain_tables(paths, profile_path=None):
     in blockwise FP8 against the FP8 GEMM-only floor, our bf16 chain and torchao float8 +
     torch.compile, with the issue's targets beside each ratio. `paths`: files of one commit,
     newest first; each (model, M) comes from the newest file that has it. The per-stage profile
-    comes from those rows, or where none has one from `profile_path` (an earlier call's, named)."""
+    comes from those rows, or where none has one from `profile_path` (another call's, named: a
+    `*-fp8-chain-profile.json` of a later call, or an earlier full run's)."""
     d = load(paths[0], "fp8_chain")
     tagged, several = merged(paths, "fp8_chain", "rows", lambda r: (r["model"], r["m"]))
     source = {id(r): f for r, f in tagged}
@@ -426,7 +427,7 @@ def fp8_chain_tables(paths, profile_path=None):
     if not staged and profile_path:
         pd = load(profile_path, "fp8_chain")
         staged = [r for r in pd.get("rows", []) if r.get("stages")]
-        profile_from = ["", f"The rows above carry no profile; this one is an earlier call's: "
+        profile_from = ["", f"The rows above carry no profile; this one is another call's: "
                         f"`{os.path.relpath(profile_path)}`, commit `{pd.get('commit', '?')}`, "
                         f"{pd.get('device', '?')}.\n"]
     if staged:
@@ -835,7 +836,7 @@ def main():
         if fn in (fp8_chain_tables, fp8_tables):
             paths = (same_commit_files if fn is fp8_chain_tables else fp8_files)(a.results, pattern)
             if paths:
-                lines += (fn(paths, profiled_chain_file(a.results, pattern))
+                lines += (fn(paths, profiled_chain_file(a.results, "*-fp8-chain*.json"))
                           if fn is fp8_chain_tables else fn(paths))
             continue
         path = latest(a.results, pattern)

@@ -337,14 +337,19 @@ def test_fp8_chain_profile_comes_from_an_earlier_profiled_call_named_as_such(tmp
     lines = report.fp8_chain_tables([new], report.profiled_chain_file(str(tmp_path),
                                                                       "*-fp8-chain.json"))
     text = "\n".join(lines)
-    assert "earlier call's" in text and "run1-fp8-chain.json" in text and "`old`" in text
+    assert "another call's" in text and "run1-fp8-chain.json" in text and "`old`" in text
     assert "| llama3-1B | 8192 | 0.900 / 0.700 (+0.200) | 0.100 |" in lines
     assert [r.split(" | ")[2] for r in lines if r.startswith("| llama3-1B | 8192 | 1.")] == ["1.300"]
+    # a later profile-only call (its own name) serves the profile, not the table's rows
+    later = fp8_chain_file(tmp_path, "2026-01-03-fp8-chain-profile.json", "later",
+                           [dict(staged, ms_coda_fp8=1.2)])
+    assert report.same_commit_files(str(tmp_path), "*-fp8-chain.json") == [new]
+    assert report.profiled_chain_file(str(tmp_path), "*-fp8-chain*.json") == later
     # no profile anywhere: no per-stage table
     assert "Per stage" not in "\n".join(report.fp8_chain_tables([new]))
     # the current call profiled: its own table, no earlier file named
     own = report.fp8_chain_tables([old], old)
-    assert "earlier call's" not in "\n".join(own) and any("Per stage" in x for x in own)
+    assert "another call's" not in "\n".join(own) and any("Per stage" in x for x in own)
 
 
 def test_e2e_rounds_show_each_rounds_median(tmp_path):
