@@ -169,3 +169,66 @@ def test_fsdp2_fp8_model_quantizes_each_steps_gathered_weights(per_layer):
     for n, g in ref_grads.items():
         err = (got["grads"][n] - g).abs().max().item()
         assert err <= 1e-5 * g.abs().max().item(), f"d {n}: {err:.3e}"
+
+
+# ---- a Hugging Face model patched in FP8 (coda.integrations.patch_hf) under FSDP2 ---------------
+def build_hf_fp8():
+    """A tiny transformers Llama in fp64 (test_hf_cpu.make_hf), patched with precision="fp8"."""
+    from coda.integrations import patch_hf
+    from test_hf_cpu import make_hf
+    return patch_hf(make_hf("untied", seed=4, vocab=FP8_CFG["vocab_size"]), precision="fp8")
+
+
+def train_hf_fp8(model, ids, labels, rank=0, world=1, refresh=False):
+    """train_fp8's steps on a patched HF model (its loss from HF's output; ``refresh``: the
+    patched model's FP8 weights dropped before every step)."""
+    from coda.integrations import refresh_fp8_weights
+    opt = torch.optim.SGD(model.parameters(), lr=2.0)
+    per = ids.shape[0] // world
+    mine = slice(rank * per, (rank + 1) * per)
+    losses = []
+    for _ in range(FP8_STEPS):
+        if refresh:
+            refresh_fp8_weights(model)
+        loss = model(input_ids=ids[mine], labels=labels[mine]).loss
+        loss.backward()
+        total = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(total)
+        losses.append((total / world).item())
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def hf_fp8_worker(rank: int, world: int, out: dict) -> None:
+    import warnings
+    from coda.integrations import hf as coda_hf
+    model = shard(build_hf_fp8(), world, per_layer=False)
+    ids, labels = fp8_batch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback to HF's forward warns: fail on it
+        losses = train_hf_fp8(model, ids, labels, rank, world)
+    if rank == 0:
+        out["losses"] = losses
+        patch = getattr(model, coda_hf._ATTR)
+        out["kept"] = sum(len(c._entries) for c in patch.fp8_caches.values())
+
+
+def test_fsdp2_hf_model_patched_in_fp8_quantizes_each_steps_gathered_weights():
+    """patch_hf(precision="fp8") on a transformers model, then fully_shard on the model (a unit
+    per decoder layer would hook the layers, whose forward the fused path bypasses: it runs HF's
+    forward then, with a warning): every step quantizes the weights FSDP2 has gathered, keeping
+    none between forwards, so the losses are those of one process whose FP8 weights are dropped
+    before every step (tolerances: test_fsdp2_fp8_model_quantizes_each_steps_gathered_weights')."""
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    pytest.importorskip("transformers")
+    ids, labels = fp8_batch()
+    ref_losses = train_hf_fp8(build_hf_fp8(), ids, labels, refresh=True)
+    assert len(set(ref_losses)) == FP8_STEPS, ref_losses
+    got = run_gloo(hf_fp8_worker, 2)
+    for step, (a, b) in enumerate(zip(got["losses"], ref_losses)):
+        tol = 1e-12 if step == 0 else 1e-3
+        assert abs(a - b) <= tol * abs(b), f"step {step}: loss {a!r} vs one process {b!r}"
+    assert got["kept"] == 0, "FP8 weight operands kept between forwards under FSDP2"

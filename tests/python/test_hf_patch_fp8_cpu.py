@@ -15,7 +15,7 @@ import coda.nn
 from coda import convert
 from coda.integrations import hf as coda_hf
 from coda.integrations import patch_hf, refresh_fp8_weights
-from helpers import assert_rel
+from helpers import CountOps, assert_rel
 from test_hf_cpu import batch, coda_grads_in_hf_layout, make_hf
 from test_hf_patch_cpu import checkpointed
 
@@ -156,6 +156,36 @@ def test_fp8_weights_are_quantized_once_per_change_of_their_parameters(monkeypat
     quantized.clear()
     step(patched, ids, labels)
     assert len(quantized) == 4 * layers, quantized
+
+
+def test_fp8_weight_cache_off_keeps_nothing_and_trains_as_the_kept_cache():
+    """patch_hf(..., fp8_weight_cache=False): every forward quantizes the weights and every
+    backward casts their transposes from them (the layers' recast_w_t) instead of transposing
+    kept codes, nothing is kept between forwards, and the step equals the kept cache's bit for
+    bit (wᵀ's cast and the transpose of w's codes are the same codes). Patching again without
+    the argument keeps them again."""
+    hf = make_hf("llama3", seed=14)
+    ids, labels = batch(seed=15)
+    kept_model = patch_hf(copy.deepcopy(hf), precision="fp8")
+    layers = len(kept_model.model.layers)
+    count = CountOps()
+    with count:
+        kept = step(kept_model, ids, labels)
+    assert count["coda::fp8_quantize_blocks"] == 4 * layers
+    assert count["coda::fp8_transpose_blocks"] == 4 * layers
+    patched = patch_hf(copy.deepcopy(hf), precision="fp8", fp8_weight_cache=False)
+    for _ in range(2):
+        count = CountOps()
+        with count:
+            expect_step(step(patched, ids, labels), kept, 0, "without the cache")
+        assert count["coda::fp8_quantize_blocks"] == 2 * 4 * layers  # w forward, wᵀ backward
+        assert count["coda::fp8_transpose_blocks"] == 0
+        patch = getattr(patched, coda_hf._ATTR)
+        assert all(not c._entries for c in patch.fp8_caches.values()), "an FP8 weight was kept"
+    patch_hf(patched, precision="fp8")
+    step(patched, ids, labels)
+    assert patch.fp8_weight_cache is None
+    assert sum(len(c._entries) for c in patch.fp8_caches.values()) == 4 * layers
 
 
 def test_data_writes_are_seen_after_refresh_fp8_weights():

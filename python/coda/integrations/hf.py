@@ -53,8 +53,8 @@ from torch import Tensor, nn
 
 from .. import ops
 from ..convert import config_from_hf, rope_half_to_adjacent_view
-from ..nn import (FP8_PROJECTIONS, Fp8WeightCache, LlamaConfig, _check_precision, decoder_layer,
-                  decoder_layer_fp8, positions)
+from ..nn import (FP8_PROJECTIONS, Fp8WeightCache, LlamaConfig, _check_precision, _under_fsdp2,
+                  decoder_layer, decoder_layer_fp8, positions)
 
 __all__ = ["patch_hf", "unpatch_hf", "is_patched", "refresh_fp8_weights"]
 
@@ -73,14 +73,19 @@ class _Patch:
     precision: str = "bf16"
     fp8_recompute_a: bool = False  # FP8: a's weight-gradient copy made from z in the backward
     fp8_z: bool = False  # FP8: the MLP's pre-activation z saved for the backward in FP8
+    # FP8: the weights' operands kept between forwards (Fp8WeightCache): None keeps them unless
+    # fully_shard manages the model (CodaLlamaForCausalLM.fp8_weight_cache), False never
+    fp8_weight_cache: bool | None = None
     tables: dict[torch.device, Tensor] = field(default_factory=dict)  # RoPE table per device
     warned: set[str] = field(default_factory=set)
     # precision="fp8": each layer's projection weights in FP8, kept while their HF parameters
     # are unchanged (Fp8WeightCache, keyed on the parameters the packed weight is built from)
     fp8_caches: dict[int, Fp8WeightCache] = field(default_factory=dict)
 
-    def fp8_cache(self, layer: int) -> Fp8WeightCache:
-        return self.fp8_caches.setdefault(layer, Fp8WeightCache())
+    def fp8_cache(self, layer: int, persist: bool) -> Fp8WeightCache:
+        cache = self.fp8_caches.setdefault(layer, Fp8WeightCache())
+        cache.persist = persist  # (not persisting: get() drops what the cache holds)
+        return cache
 
     def __getstate__(self) -> dict:  # a pickled or copied model quantizes its own weights
         return {**vars(self), "fp8_caches": {}}
@@ -127,7 +132,7 @@ def _supported_classes() -> tuple[type, ...]:
 
 
 def patch_hf(model: nn.Module, precision: str = "bf16", fp8_recompute_a: bool = False,
-             fp8_z: bool = False) -> nn.Module:
+             fp8_z: bool = False, fp8_weight_cache: bool | None = None) -> nn.Module:
     """Make ``model`` (a transformers ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` or
     ``Qwen3ForCausalLM``) train through
     coda, in place; returns it. Raises ``NotImplementedError`` for configurations coda does not
@@ -144,8 +149,12 @@ def patch_hf(model: nn.Module, precision: str = "bf16", fp8_recompute_a: bool = 
     in the QKV GEMM's epilogue as in bf16. ``fp8_recompute_a``: as
     ``CodaLlamaForCausalLM.fp8_recompute_a`` (a's weight-gradient copy made from z in the
     backward: about I bytes less kept per token and layer); ``fp8_z``: as
-    ``CodaLlamaForCausalLM.fp8_z`` (z saved in FP8: about 2I bytes less). Patching a patched
-    model again sets all three."""
+    ``CodaLlamaForCausalLM.fp8_z`` (z saved in FP8: about 2I bytes less); ``fp8_weight_cache``:
+    as ``CodaLlamaForCausalLM.fp8_weight_cache`` (None: the FP8 weights kept between forwards
+    unless ``fully_shard`` manages the model, whose gathered weights come back at the same
+    address without a version change, so a kept copy would go stale; False: never kept, each
+    backward casts wᵀ itself, 1 byte a projection parameter less at the peak). Patching a patched
+    model again sets all four."""
     known = [c for c in _supported_classes() if isinstance(model, c)]
     if not known or type(model).forward is not known[0].forward:
         raise TypeError(f"patch_hf: expected a transformers LlamaForCausalLM, Qwen2ForCausalLM or "
@@ -155,6 +164,7 @@ def patch_hf(model: nn.Module, precision: str = "bf16", fp8_recompute_a: bool = 
         _check_precision(patch.config, precision)
         patch.precision, patch.fp8_recompute_a = precision, bool(fp8_recompute_a)
         patch.fp8_z = bool(fp8_z)
+        patch.fp8_weight_cache = None if fp8_weight_cache is None else bool(fp8_weight_cache)
         patch.fp8_caches.clear()
         return model
     if "forward" in vars(model):
@@ -165,7 +175,8 @@ def patch_hf(model: nn.Module, precision: str = "bf16", fp8_recompute_a: bool = 
     if problem:
         raise TypeError(f"patch_hf: {problem}")
     _check_precision(config, precision)
-    patch = _Patch(config, precision, bool(fp8_recompute_a), bool(fp8_z))
+    patch = _Patch(config, precision, bool(fp8_recompute_a), bool(fp8_z),
+                   None if fp8_weight_cache is None else bool(fp8_weight_cache))
     patch.rope_table(model.lm_head.weight.device)  # built eagerly, outside any compiled region
     setattr(model, _ATTR, patch)
     model.forward = _PatchedForward(model)
@@ -543,13 +554,15 @@ def _fused_forward(self, patch, input_ids, inputs_embeds, attention_mask, positi
             h, r = ops.rmsnorm_stats(x, rebuilt.derive(cast, m.layers[0].input_layernorm.weight),
                                      c.rms_norm_eps)
         fp8 = patch.precision == "fp8"
+        persist = fp8 and (not _under_fsdp2(self) if patch.fp8_weight_cache is None
+                           else patch.fp8_weight_cache)
         hs = tuple(torch.ops.coda.fp8_quantize_rows(h)[:2]) if fp8 else (h,)  # one cast pass
         for i, layer in enumerate(m.layers):
             last = i + 1 == len(m.layers)
             gamma_next = m.norm.weight if last else m.layers[i + 1].input_layernorm.weight
             with _RebuiltOnBackward() as rebuilt:
                 run = functools.partial(_layer, c, dtype, layer, gamma_next, pos, table, batch,
-                                        attention, rebuilt, patch.fp8_cache(i) if fp8 else None,
+                                        attention, rebuilt, patch.fp8_cache(i, persist) if fp8 else None,
                                         patch.fp8_recompute_a, patch.fp8_z, last)
                 if layer.gradient_checkpointing:
                     x, r, *hs = layer._gradient_checkpointing_func(run, x, r, *hs)
