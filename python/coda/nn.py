@@ -245,11 +245,15 @@ def _quantize_weight(w: Tensor) -> tuple[Tensor | None, ...]:
 # Optimizer steps per parameter, counted by a global step post-hook: the fused AdamW / Adam / SGD
 # kernels (`fused=True`, TorchTitan's default) update the parameters in place without moving
 # their version counters, so a version counter alone misses those steps (Fp8WeightCache keys on
-# both). Weak keys: an entry goes with its parameter.
+# both). Weak keys: an entry goes with its parameter. `_all_optimizer_steps`: every optimizer's
+# steps together, the key of a weight that trains but that no optimizer holds (see _key).
 _optimizer_steps = WeakIdKeyDictionary()
+_all_optimizer_steps = 0
 
 
 def _count_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    global _all_optimizer_steps
+    _all_optimizer_steps += 1
     for group in optimizer.param_groups:
         for p in group["params"]:
             _optimizer_steps[p] = _optimizer_steps.get(p, 0) + 1
@@ -270,8 +274,9 @@ class Fp8WeightCache:
     backward, see _quantize_weight), remade only when the weight changed: after a step of any
     ``torch.optim`` optimizer holding it (counted by a step post-hook: fused optimizer kernels
     leave the version counter alone) or any other in-place update (its version counter moves),
-    so a weight is quantized once per step, not once per forward or micro-batch. Not module
-    state (no state_dict entries).
+    so a weight is quantized once per step, not once per forward or micro-batch; a weight that
+    trains but that no optimizer holds (a sharding wrapper's gathered copy, a parametrization's
+    output) after every step of any optimizer. Not module state (no state_dict entries).
     Writes through ``.data`` do not move the version counter: after one, call ``refresh()`` (or
     the model's ``refresh_fp8_weights()``). A captured CUDA graph keeps reading the tensors it was
     captured with, and a replay runs no Python to see a weight change: ``refresh()`` writes the new
@@ -332,7 +337,15 @@ class Fp8WeightCache:
 
     @staticmethod
     def _key(w: Tensor) -> tuple:
-        return (w._version, _optimizer_steps.get(w, 0), w.data_ptr(), w.dtype, w.device)
+        steps = _optimizer_steps.get(w)
+        if steps is None and w.requires_grad:
+            # A weight that trains but that no optimizer holds is a copy or a function of the
+            # parameters the optimizer updates: FSDP's gathered weights (FSDP1, or FSDP2 on a
+            # parent module), a parametrization's output, ZeRO's 16-bit copies. Each can come back
+            # changed at the same address with the same version, so it is remade after every
+            # optimizer step.
+            steps = ("any optimizer", _all_optimizer_steps)
+        return (w._version, steps or 0, w.data_ptr(), w.dtype, w.device)
 
 
 class CodaDecoderLayer(nn.Module):
@@ -405,6 +418,14 @@ class CodaDecoderLayer(nn.Module):
         return decoder_layer(self.config, x, h, r, gamma, self.w_qkv, self.w_o, self.gamma_ffn,
                              self.w_gu, self.w_down, pos, rope_table, gamma_next, batch, attention,
                              self.b_qkv, self.q_gamma, self.k_gamma)
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to(), .cuda(), .double(), ... (also through the model) write each parameter through
+        # .data, which moves no version counter, and a round trip can land at the old address:
+        # the FP8 weights are dropped.
+        out = super()._apply(fn, *args, **kwargs)
+        self._fp8_cache.clear()
+        return out
 
 
 class CodaLlamaForCausalLM(nn.Module):

@@ -232,3 +232,90 @@ def test_fsdp2_hf_model_patched_in_fp8_quantizes_each_steps_gathered_weights():
         tol = 1e-12 if step == 0 else 1e-3
         assert abs(a - b) <= tol * abs(b), f"step {step}: loss {a!r} vs one process {b!r}"
     assert got["kept"] == 0, "FP8 weight operands kept between forwards under FSDP2"
+
+
+class Parent(torch.nn.Module):
+    """A module holding the coda model, as a wrapper with a value head would: fully_shard on it
+    alone gathers the model's weights, and the model sees no FSDP2 unit of its own."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids, labels):
+        return self.model(ids, labels)
+
+
+def fp8_parent_worker(rank: int, world: int, out: dict) -> None:
+    parent = shard(Parent(build_fp8()), world, per_layer=False)
+    ids, labels = fp8_batch()
+    opt = torch.optim.SGD(parent.parameters(), lr=2.0)
+    per = ids.shape[0] // world
+    losses = []
+    for _ in range(FP8_STEPS + 3):
+        loss = parent(ids[rank * per:(rank + 1) * per], labels[rank * per:(rank + 1) * per])
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append((total / world).item())
+        opt.step()
+        opt.zero_grad()
+    if rank == 0:
+        out["losses"] = losses
+
+
+def test_fsdp2_on_a_parent_module_requantizes_each_steps_gathered_weights():
+    """fully_shard on a module above the FP8 model only: the model cannot tell (no FSDP2 unit
+    inside it), so its weight cache keys the gathered weights, which no optimizer holds, on every
+    optimizer's steps (Fp8WeightCache._key): each step quantizes the updated weights, and the
+    losses are those of one process whose FP8 weights are dropped before every step (tolerances:
+    test_fsdp2_fp8_model_quantizes_each_steps_gathered_weights')."""
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    ref = build_fp8()
+    ids, labels = fp8_batch()
+    opt = torch.optim.SGD(ref.parameters(), lr=2.0)
+    ref_losses = []
+    for _ in range(FP8_STEPS + 3):
+        for layer in ref.layers:
+            layer._fp8_cache.clear()
+        loss = ref(ids, labels)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss.item())
+    got = run_gloo(fp8_parent_worker, 2)
+    for step, (a, b) in enumerate(zip(got["losses"], ref_losses)):
+        tol = 1e-12 if step == 0 else 1e-3
+        assert abs(a - b) <= tol * abs(b), f"step {step}: loss {a!r} vs one process {b!r}"
+
+
+def hf_fsdp1_worker(rank: int, world: int, out: dict) -> None:
+    import warnings
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    import coda  # noqa: F401
+    model = FullyShardedDataParallel(build_hf_fp8(), use_orig_params=True,
+                                     auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
+                                     device_id=torch.device("cpu"))
+    ids, labels = fp8_batch()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss = model(input_ids=ids[:2], labels=labels[:2]).loss
+        loss.backward()
+    if rank == 0:
+        out["warnings"] = [str(w.message) for w in caught if "coda" in str(w.message)]
+        out["loss"] = loss.item()
+
+
+def test_fsdp1_units_per_decoder_layer_run_hf_forward_with_a_warning():
+    """A patched HF model whose decoder layers are FSDP1 units (the usual accelerate / Trainer
+    FSDP1 setup): the fused path cannot read their flat parameters, so the step runs HF's own
+    forward, with the warning naming the unit (it used to fail inside the fused ops)."""
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    pytest.importorskip("transformers")
+    got = run_gloo(hf_fsdp1_worker, 2)
+    assert any("model.layers.0" in w and "FSDP1" in w for w in got["warnings"]), got["warnings"]
+    assert got["loss"] == got["loss"] and got["loss"] > 0

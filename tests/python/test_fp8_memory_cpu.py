@@ -123,6 +123,82 @@ def test_fp8_weight_cache_off_keeps_nothing_and_requantizes_every_forward():
         assert all(not layer._fp8_cache._entries for layer in model.layers)
 
 
+def train_steps(model, ids, labels, steps, refresh=False):
+    """The losses of ``steps`` SGD steps (``refresh``: the FP8 weights dropped before each)."""
+    opt = torch.optim.SGD(model.parameters(), lr=2.0)
+    losses = []
+    for _ in range(steps):
+        if refresh:
+            for layer in model.layers:
+                layer._fp8_cache.clear()
+        loss = model(ids, labels)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_weights_no_optimizer_holds_are_requantized_after_every_step():
+    """A projection weight that trains but that no optimizer holds is a function of parameters
+    that one updates (here a parametrization's output, made anew every forward, often at the
+    previous one's address with version 0; FSDP's gathered copies and ZeRO's 16-bit ones are the
+    same case): it is quantized again after every optimizer step, so training matches a model
+    whose FP8 weights are dropped before every step (a second forward before the next step
+    reuses them only where the parametrization's new output lands at the old address)."""
+    from torch.nn.utils import parametrize
+
+    class Identity(torch.nn.Module):
+        def forward(self, w):
+            return w * 1.0
+
+    ids, labels = tiny_batch()
+    runs = []
+    for refresh in (False, True):
+        _, model, _ = tiny_models()
+        for layer in model.layers:
+            for name in ("w_qkv", "w_o", "w_gu", "w_down"):
+                parametrize.register_parametrization(layer, name, Identity())
+        runs.append(train_steps(model, ids, labels, 5, refresh))
+    assert len(set(runs[1])) == 5, runs[1]  # the steps moved the weights
+    assert runs[0] == runs[1], runs
+    count = CountOps()
+    with count:
+        model(ids, labels).backward()  # after the last step: every weight, once
+    assert count["coda::fp8_quantize_blocks"] == 4 * len(model.layers)
+    # The key itself (whether the address comes back is up to the allocator): a step of any
+    # optimizer changes a training weight's that no optimizer holds, not a frozen one's nor that
+    # of a parameter another optimizer holds.
+    key = coda.nn.Fp8WeightCache._key
+    trains = torch.ones(8, dtype=torch.float64, requires_grad=True) * 1.0
+    frozen = torch.ones(8, dtype=torch.float64)
+    held = torch.nn.Parameter(torch.ones(8, dtype=torch.float64))
+    held.grad = torch.zeros(8, dtype=torch.float64)
+    torch.optim.SGD([held], lr=0.1).step()  # held: counted by its own optimizer's steps
+    before = [key(t) for t in (trains, frozen, held)]
+    other = torch.nn.Parameter(torch.ones(1))
+    other.grad = torch.ones(1)
+    torch.optim.SGD([other], lr=0.1).step()
+    assert [key(t) != k for t, k in zip((trains, frozen, held), before)] == [True, False, False]
+
+
+def test_a_dtype_round_trip_drops_the_fp8_weights():
+    """.to() writes each parameter through .data (no version change) and a round trip can bring it
+    back at the same address: the layers drop their FP8 weights, and the next step is that of a
+    fresh model holding the converted weights."""
+    _, model, _ = tiny_models()
+    ids, labels = tiny_batch()
+    with torch.no_grad():
+        model(ids, labels)
+    assert all(layer._fp8_cache._entries for layer in model.layers)
+    model.to(torch.float32).to(torch.float64)  # rounds every weight to float32
+    assert all(not layer._fp8_cache._entries for layer in model.layers)
+    _, fresh, _ = tiny_models()
+    fresh.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert torch.equal(model(ids, labels), fresh(ids, labels))
+
+
 def test_refresh_after_a_device_move_makes_new_operands_there():
     """refresh() writes in place only into tensors on the weight's device: after model.to(...)
     (here the Meta device, which the casts' Meta kernels serve) the refreshed operands live there,

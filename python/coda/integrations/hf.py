@@ -235,8 +235,15 @@ def _foreign_module(model: nn.Module, c: LlamaConfig) -> str | None:
 def _hooked_or_sharded(model: nn.Module) -> str | None:
     """A module whose forward (pre-)hooks or parameters the fused path would bypass, or None. The
     model itself and its embedding are called as modules, so their hooks run."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+    except ImportError:  # a torch built without distributed
+        FSDP1 = ()
     skip = {id(model), id(model.model.embed_tokens)}
     for name, m in model.named_modules():
+        if isinstance(m, FSDP1):
+            return (f"{name} is a FullyShardedDataParallel (FSDP1) unit, whose flat parameters "
+                    "the fused path cannot read")
         if id(m) in skip:
             continue
         if m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook"):
