@@ -339,7 +339,8 @@ def test_fp8_chain_profile_comes_from_an_earlier_profiled_call_named_as_such(tmp
     text = "\n".join(lines)
     assert "another call's" in text and "run1-fp8-chain.json" in text and "`old`" in text
     assert "| llama3-1B | 8192 | 0.900 / 0.700 (+0.200) | 0.100 |" in lines
-    assert [r.split(" | ")[2] for r in lines if r.startswith("| llama3-1B | 8192 | 1.")] == ["1.300"]
+    chain_rows = [r for r in lines if r.startswith("| llama3-1B | 8192 | 1.")]
+    assert [r.split(" | ")[2] for r in chain_rows] == ["1.300"]
     # a later profile-only call (its own name) serves the profile, not the table's rows
     later = fp8_chain_file(tmp_path, "2026-01-03-fp8-chain-profile.json", "later",
                            [dict(staged, ms_coda_fp8=1.2)])

@@ -567,10 +567,11 @@ def _fused_forward(self, patch, input_ids, inputs_embeds, attention_mask, positi
         for i, layer in enumerate(m.layers):
             last = i + 1 == len(m.layers)
             gamma_next = m.norm.weight if last else m.layers[i + 1].input_layernorm.weight
+            cache = patch.fp8_cache(i, persist) if fp8 else None
             with _RebuiltOnBackward() as rebuilt:
                 run = functools.partial(_layer, c, dtype, layer, gamma_next, pos, table, batch,
-                                        attention, rebuilt, patch.fp8_cache(i, persist) if fp8 else None,
-                                        patch.fp8_recompute_a, patch.fp8_z, last)
+                                        attention, rebuilt, cache, patch.fp8_recompute_a,
+                                        patch.fp8_z, last)
                 if layer.gradient_checkpointing:
                     x, r, *hs = layer._gradient_checkpointing_func(run, x, r, *hs)
                 else:
