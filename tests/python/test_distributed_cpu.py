@@ -272,18 +272,9 @@ def test_fsdp2_on_a_parent_module_requantizes_each_steps_gathered_weights():
     test_fsdp2_fp8_model_quantizes_each_steps_gathered_weights')."""
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    ref = build_fp8()
+    from test_fp8_memory_cpu import train_steps
     ids, labels = fp8_batch()
-    opt = torch.optim.SGD(ref.parameters(), lr=2.0)
-    ref_losses = []
-    for _ in range(FP8_STEPS + 3):
-        for layer in ref.layers:
-            layer._fp8_cache.clear()
-        loss = ref(ids, labels)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref_losses.append(loss.item())
+    ref_losses = train_steps(build_fp8(), ids, labels, FP8_STEPS + 3, refresh=True)
     got = run_gloo(fp8_parent_worker, 2)
     for step, (a, b) in enumerate(zip(got["losses"], ref_losses)):
         tol = 1e-12 if step == 0 else 1e-3
