@@ -18,6 +18,7 @@ packed with RoPE pairs adjacent inside each Q/K head, and ``w_gu`` interleaves g
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -262,6 +263,18 @@ def _count_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: A
 register_optimizer_step_post_hook(_count_optimizer_step)
 
 
+def _storage_refs(tensors: Sequence[Tensor]) -> tuple:
+    """Weak references to the tensors' storages: a key's address (data_ptr) can come back in a new
+    storage once the old one is freed (a parameter's .data replaced, .to() round trips, a tensor
+    made anew each forward); a storage that died or was replaced tells the entry apart."""
+    return tuple(weakref.ref(t.untyped_storage()) for t in tensors)
+
+
+def _same_storages(refs: tuple, tensors: Sequence[Tensor]) -> bool:
+    return len(refs) == len(tensors) and all(
+        r() is t.untyped_storage() for r, t in zip(refs, tensors))
+
+
 def _same_layout(a: Tensor | None, b: Tensor | None) -> bool:
     """Both absent, or both tensors of one shape, strides, dtype and device."""
     if a is None or b is None:
@@ -277,8 +290,10 @@ class Fp8WeightCache:
     so a weight is quantized once per step, not once per forward or micro-batch; a weight that
     trains but that no optimizer holds (a sharding wrapper's gathered copy, a parametrization's
     output) after every step of any optimizer. Not module state (no state_dict entries).
-    Writes through ``.data`` do not move the version counter: after one, call ``refresh()`` (or
-    the model's ``refresh_fp8_weights()``). A captured CUDA graph keeps reading the tensors it was
+    Writes into a weight's storage through ``.data`` (``w.data.mul_(...)``) do not move the
+    version counter: after one, call ``refresh()`` (or the model's ``refresh_fp8_weights()``).
+    A new storage is seen (``.data`` replaced, ``.to()``): each entry holds a weak reference to
+    the storage it was made from, since a freed storage's address can come back. A captured CUDA graph keeps reading the tensors it was
     captured with, and a replay runs no Python to see a weight change: ``refresh()`` writes the new
     operands into those same tensors, so call it after each update of the weights between
     replays (a version change seen by an eager forward makes new tensors instead, no copy: run
@@ -295,7 +310,8 @@ class Fp8WeightCache:
     hold every layer's full weights in FP8 on every rank."""
 
     def __init__(self) -> None:
-        self._entries: dict[str, tuple[tuple, tuple[Tensor, ...]]] = {}
+        # name -> (key, operands, weak references to the storages the key was taken from)
+        self._entries: dict[str, tuple[tuple, tuple[Tensor, ...], tuple]] = {}
         self.persist = True
 
     def get(self, name: str, w: Tensor, sources: Sequence[Tensor] = ()) -> tuple[Tensor, ...]:
@@ -308,10 +324,11 @@ class Fp8WeightCache:
         if not self.persist:
             self._entries.clear()
             return _quantize_weight(w)
+        held = tuple(sources) if sources else (w,)
         key = tuple(self._key(t) for t in sources) + (w.dtype,) if sources else self._key(w)
         entry = self._entries.get(name)
-        if entry is None or entry[0] != key:
-            entry = self._entries[name] = (key, _quantize_weight(w))
+        if entry is None or entry[0] != key or not _same_storages(entry[2], held):
+            entry = self._entries[name] = (key, _quantize_weight(w), _storage_refs(held))
         return entry[1]
 
     def refresh(self, name: str, w: Tensor) -> None:
@@ -330,7 +347,7 @@ class Fp8WeightCache:
                     if old is not None:
                         old.copy_(t)
             new = entry[1]
-        self._entries[name] = (self._key(w), new)
+        self._entries[name] = (self._key(w), new, _storage_refs((w,)))
 
     def clear(self) -> None:
         self._entries.clear()

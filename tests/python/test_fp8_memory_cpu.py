@@ -90,6 +90,28 @@ def test_fp8_weight_cache_misses_data_writes_until_refreshed():
     assert not torch.equal(scales, old_scales)  # x3 moves every power-of-two scale
 
 
+def test_fp8_weight_cache_tells_two_storages_at_one_address_apart():
+    """A weight's address can come back in a new storage (its .data replaced and the old storage
+    freed, a .to() round trip, a tensor made anew each forward) with the same version: the entry
+    holds a weak reference to the storage it was made from and is remade for another one. Here
+    two tensors over one buffer (torch.frombuffer twice): same address, version, dtype; the
+    second sees the buffer's new values."""
+    vals = torch.randn(128, 128, dtype=torch.float64)
+    buf = bytearray(vals.numpy().tobytes())
+    first = torch.frombuffer(buf, dtype=torch.float64).view(128, 128)
+    cache = coda.nn.Fp8WeightCache()
+    old = cache.get("w", first)
+    second = torch.frombuffer(buf, dtype=torch.float64).view(128, 128)
+    assert second.data_ptr() == first.data_ptr() and second._version == first._version
+    buf[:] = (vals * 3.0).numpy().tobytes()  # (an in-place op would move the version)
+    new = cache.get("w", second)
+    assert new is not old
+    want = weight_cache(second)
+    same_codes(new[0], want[0], "codes of the second tensor")
+    assert torch.equal(new[1], want[1])
+    assert cache.get("w", second) is new  # the same storage again: kept
+
+
 def test_refresh_fp8_weights_is_a_no_op_in_bf16_and_fills_an_empty_cache():
     """On the bf16 path nothing is quantized; on the FP8 path before any forward the refresh makes
     every projection's entry, which the first forward then uses as is."""

@@ -205,6 +205,21 @@ def test_data_writes_are_seen_after_refresh_fp8_weights():
     expect_step(step(patched, ids, labels), want, 1e-12, "refreshed")
 
 
+def test_a_dtype_round_trip_of_a_patched_model_requantizes_its_weights():
+    """.to() replaces each parameter's storage through .data (no version change, and the round
+    trip may land at the old address): the kept FP8 weights hold references to the storages they
+    came from and are remade, so the next step is that of the converted weights."""
+    hf = make_hf("untied", seed=16)
+    ids, labels = batch(seed=17)
+    patched = patch_hf(copy.deepcopy(hf), precision="fp8")
+    step(patched, ids, labels)
+    patched.to(torch.float32).to(F64)  # rounds every weight to float32
+    rounded = copy.deepcopy(hf).to(torch.float32).to(F64)
+    want = converted_step(rounded, ids, labels, "fp8")
+    assert not torch.equal(want[0], converted_step(hf, ids, labels, "fp8")[0]), "no rounding"
+    expect_step(step(patched, ids, labels), want, 1e-12, "after the round trip")
+
+
 def test_copies_of_an_fp8_patched_model_quantize_their_own_weights(tmp_path):
     hf = make_hf("tied", seed=12)
     ids, labels = batch(seed=13)
