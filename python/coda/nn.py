@@ -293,11 +293,12 @@ class Fp8WeightCache:
     Writes into a weight's storage through ``.data`` (``w.data.mul_(...)``) do not move the
     version counter: after one, call ``refresh()`` (or the model's ``refresh_fp8_weights()``).
     A new storage is seen (``.data`` replaced, ``.to()``): each entry holds a weak reference to
-    the storage it was made from, since a freed storage's address can come back. A captured CUDA graph keeps reading the tensors it was
-    captured with, and a replay runs no Python to see a weight change: ``refresh()`` writes the new
-    operands into those same tensors, so call it after each update of the weights between
-    replays (a version change seen by an eager forward makes new tensors instead, no copy: run
-    every step through the graph then, or the graph keeps the tensors the eager step replaced).
+    the storage it was made from, since a freed storage's address can come back. A captured CUDA
+    graph keeps reading the tensors it was captured with, and a replay runs no Python to see a
+    weight change: ``refresh()`` writes the new operands into those same tensors, so call it
+    after each update of the weights between replays (a version change seen by an eager forward
+    makes new tensors instead, no copy: run every step through the graph then, or the graph keeps
+    the tensors the eager step replaced).
 
     Under torch.compile the weights are cast inside the compiled graph in every forward (Dynamo
     cannot guard on a version counter), as torchao's float8 casts them: once per optimizer step
