@@ -229,6 +229,13 @@ def _under_fsdp2(model: nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
+def _keeps_fp8_weights(model: nn.Module, setting: bool | None) -> bool:
+    """Whether ``model`` keeps its FP8 weights between forwards: ``setting`` (its
+    fp8_weight_cache), or where None, unless fully_shard manages the model (its gathered weights
+    come back at the same address with the same version: a kept copy would go stale)."""
+    return not _under_fsdp2(model) if setting is None else bool(setting)
+
+
 # The projection weights the FP8 path runs in FP8 (each layer's Fp8WeightCache entries).
 FP8_PROJECTIONS = ("w_qkv", "w_o", "w_gu", "w_down")
 
@@ -437,14 +444,6 @@ class CodaDecoderLayer(nn.Module):
                              self.w_gu, self.w_down, pos, rope_table, gamma_next, batch, attention,
                              self.b_qkv, self.q_gamma, self.k_gamma)
 
-    def _apply(self, fn, *args, **kwargs):
-        # .to(), .cuda(), .double(), ... (also through the model) write each parameter through
-        # .data, which moves no version counter, and a round trip can land at the old address:
-        # the FP8 weights are dropped.
-        out = super()._apply(fn, *args, **kwargs)
-        self._fp8_cache.clear()
-        return out
-
 
 class CodaLlamaForCausalLM(nn.Module):
     """LLaMA causal LM whose blocks, final norm and LM-head loss are the fused coda ops.
@@ -611,8 +610,7 @@ class CodaLlamaForCausalLM(nn.Module):
         h, r = ops.rmsnorm_stats(x, self.gamma_attn[0], c.rms_norm_eps)
         if self.precision == "fp8":  # the first norm's h through one cast pass
             h = tuple(torch.ops.coda.fp8_quantize_rows(h)[:2])
-            persist = (not _under_fsdp2(self) if self.fp8_weight_cache is None
-                       else self.fp8_weight_cache)
+            persist = _keeps_fp8_weights(self, self.fp8_weight_cache)
             for layer in self.layers:
                 layer._fp8_cache.persist = persist
         for i, layer in enumerate(self.layers):

@@ -204,21 +204,23 @@ def test_weights_no_optimizer_holds_are_requantized_after_every_step():
     assert [key(t) != k for t, k in zip((trains, frozen, held), before)] == [True, False, False]
 
 
-def test_a_dtype_round_trip_drops_the_fp8_weights():
+def test_a_dtype_round_trip_remakes_the_fp8_weights():
     """.to() writes each parameter through .data (no version change) and a round trip can bring it
-    back at the same address: the layers drop their FP8 weights, and the next step is that of a
-    fresh model holding the converted weights."""
+    back at the same address: the new storages are seen (the entries' storage references), so the
+    FP8 weights are made anew and the next step is that of a fresh model holding the converted
+    weights."""
     _, model, _ = tiny_models()
     ids, labels = tiny_batch()
     with torch.no_grad():
         model(ids, labels)
-    assert all(layer._fp8_cache._entries for layer in model.layers)
+    before = [layer.fp8_weights() for layer in model.layers]
     model.to(torch.float32).to(torch.float64)  # rounds every weight to float32
-    assert all(not layer._fp8_cache._entries for layer in model.layers)
     _, fresh, _ = tiny_models()
     fresh.load_state_dict(model.state_dict())
     with torch.no_grad():
         assert torch.equal(model(ids, labels), fresh(ids, labels))
+    for layer, old in zip(model.layers, before):
+        assert all(layer.fp8_weights()[n] is not old[n] for n in old)
 
 
 def test_refresh_after_a_device_move_makes_new_operands_there():

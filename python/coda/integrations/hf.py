@@ -53,8 +53,8 @@ from torch import Tensor, nn
 
 from .. import ops
 from ..convert import config_from_hf, rope_half_to_adjacent_view
-from ..nn import (FP8_PROJECTIONS, Fp8WeightCache, LlamaConfig, _check_precision, _under_fsdp2,
-                  decoder_layer, decoder_layer_fp8, positions)
+from ..nn import (FP8_PROJECTIONS, Fp8WeightCache, LlamaConfig, _check_precision,
+                  _keeps_fp8_weights, decoder_layer, decoder_layer_fp8, positions)
 
 __all__ = ["patch_hf", "unpatch_hf", "is_patched", "refresh_fp8_weights"]
 
@@ -164,7 +164,7 @@ def patch_hf(model: nn.Module, precision: str = "bf16", fp8_recompute_a: bool = 
         _check_precision(patch.config, precision)
         patch.precision, patch.fp8_recompute_a = precision, bool(fp8_recompute_a)
         patch.fp8_z = bool(fp8_z)
-        patch.fp8_weight_cache = None if fp8_weight_cache is None else bool(fp8_weight_cache)
+        patch.fp8_weight_cache = fp8_weight_cache
         patch.fp8_caches.clear()
         return model
     if "forward" in vars(model):
@@ -175,8 +175,7 @@ def patch_hf(model: nn.Module, precision: str = "bf16", fp8_recompute_a: bool = 
     if problem:
         raise TypeError(f"patch_hf: {problem}")
     _check_precision(config, precision)
-    patch = _Patch(config, precision, bool(fp8_recompute_a), bool(fp8_z),
-                   None if fp8_weight_cache is None else bool(fp8_weight_cache))
+    patch = _Patch(config, precision, bool(fp8_recompute_a), bool(fp8_z), fp8_weight_cache)
     patch.rope_table(model.lm_head.weight.device)  # built eagerly, outside any compiled region
     setattr(model, _ATTR, patch)
     model.forward = _PatchedForward(model)
@@ -561,8 +560,7 @@ def _fused_forward(self, patch, input_ids, inputs_embeds, attention_mask, positi
             h, r = ops.rmsnorm_stats(x, rebuilt.derive(cast, m.layers[0].input_layernorm.weight),
                                      c.rms_norm_eps)
         fp8 = patch.precision == "fp8"
-        persist = fp8 and (not _under_fsdp2(self) if patch.fp8_weight_cache is None
-                           else patch.fp8_weight_cache)
+        persist = fp8 and _keeps_fp8_weights(self, patch.fp8_weight_cache)
         hs = tuple(torch.ops.coda.fp8_quantize_rows(h)[:2]) if fp8 else (h,)  # one cast pass
         for i, layer in enumerate(m.layers):
             last = i + 1 == len(m.layers)
