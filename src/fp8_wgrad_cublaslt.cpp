@@ -38,10 +38,10 @@ uint32_t alignment(const void* p) {
 }
 
 // One problem's cuBLASLt objects (descriptor, layouts, the algorithm the heuristic chose), kept
-// per shape, device, alignment and SM count target: building them and asking the heuristic costs
-// tens of microseconds of host time per call otherwise. The scale pointers change with every call
-// and are set on the descriptor under the lock. A failure at any step leaves `why_not` (the plan is
-// then never used again: gemm_fp8_xyt falls back to ours, or with cublaslt-only raises it).
+// per shape, device and alignment: building them and asking the heuristic costs tens of
+// microseconds of host time per call otherwise. The scale pointers change with every call and are
+// set on the descriptor under the lock. A failure at any step leaves `why_not` (the plan is then
+// never used again: gemm_fp8_xyt falls back to ours, or with cublaslt-only raises it).
 struct Plan {
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, cd = nullptr;
@@ -49,7 +49,7 @@ struct Plan {
   std::string why_not;  // empty: usable
 };
 using PlanKey = std::tuple<int, int, int, int, int64_t, int64_t, int64_t, bool, uint32_t, uint32_t,
-                           uint32_t, int>;
+                           uint32_t>;
 
 struct State {
   std::mutex mutex;
@@ -76,7 +76,7 @@ cublasLtHandle_t handle_for(State& s, int device) {
 
 // Each step in order; the first that fails names itself in plan.why_not.
 void build_plan(Plan& plan, cublasLtHandle_t h, const kernel::GemmProblem& p, int64_t ldd,
-                bool accumulate, int sm_count, const void* d) {
+                bool accumulate, const void* d) {
   auto ok = [&](cublasStatus_t status, const char* what) {
     if (status == CUBLAS_STATUS_SUCCESS) return true;
     plan.why_not = failed(what, status);
@@ -97,17 +97,12 @@ void build_plan(Plan& plan, cublasLtHandle_t h, const kernel::GemmProblem& p, in
                                          sizeof(mode)),
           "B_SCALE_MODE (VEC128_32F)") ||
       // The heuristic checks the scale pointers are set: this call's, replaced before each use.
-      !ok(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &p.scale_b,
-                                         sizeof(p.scale_b)),
+      !ok(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                                         &p.scale_b, sizeof(p.scale_b)),
           "A_SCALE_POINTER") ||
-      !ok(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &p.scale_a,
-                                         sizeof(p.scale_a)),
+      !ok(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                                         &p.scale_a, sizeof(p.scale_a)),
           "B_SCALE_POINTER") ||
-      // Fewer SMs than the device has: the heuristic picks for that many, the kernel uses no more.
-      (sm_count > 0 &&
-       !ok(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &sm_count,
-                                          sizeof(sm_count)),
-           "SM_COUNT_TARGET")) ||
       !ok(cublasLtMatrixLayoutCreate(&plan.a, CUDA_R_8F_E4M3, p.k, p.n, p.ldb), "layout of y") ||
       !ok(cublasLtMatrixLayoutCreate(&plan.b, CUDA_R_8F_E4M3, p.k, p.m, p.lda), "layout of x") ||
       !ok(cublasLtMatrixLayoutCreate(&plan.cd, out, p.n, p.m, ldd), "layout of d"))
@@ -149,7 +144,7 @@ void build_plan(Plan& plan, cublasLtHandle_t h, const kernel::GemmProblem& p, in
 }  // namespace
 
 const char* gemm_fp8_xyt_cublaslt(const kernel::GemmProblem& p, void* d, int64_t ldd,
-                                  bool accumulate, int sm_count, cudaStream_t stream) {
+                                  bool accumulate, cudaStream_t stream) {
   // cuBLASLt reads VEC128 scales with the operand's rows as their leading dimension.
   if (p.ld_scale_a != p.m || p.ld_scale_b != p.n)
     return "its VEC128 scales need a row stride of exactly the operand's rows";
@@ -161,12 +156,11 @@ const char* gemm_fp8_xyt_cublaslt(const kernel::GemmProblem& p, void* d, int64_t
   const std::lock_guard<std::mutex> lock(s.mutex);
   const cublasLtHandle_t h = handle_for(s, device);
   if (h == nullptr) return "cublasLtCreate failed on this device";
-  const uint32_t al_a = alignment(p.a), al_b = alignment(p.b), al_d = alignment(d);
-  const PlanKey key{device, p.m,        p.n,  p.k,  p.lda, p.ldb,
-                    ldd,    accumulate, al_a, al_b, al_d,  sm_count};
+  const PlanKey key{device, p.m, p.n, p.k, p.lda, p.ldb, ldd, accumulate, alignment(p.a),
+                    alignment(p.b), alignment(d)};
   auto [it, made] = s.plans.try_emplace(key);
   Plan& plan = it->second;
-  if (made) build_plan(plan, h, p, ldd, accumulate, sm_count, d);
+  if (made) build_plan(plan, h, p, ldd, accumulate, d);
   if (!plan.why_not.empty()) return plan.why_not.c_str();
   // The descriptor is shared by the calls of one plan: set and used under the lock.
   const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;

@@ -571,9 +571,8 @@ bool fp8_epilogue_split(Fp8SplitProgram program, int64_t k) {
 }
 
 void gemm_fp8_xyt(View x, View x_scales, View y, View y_scales, View d, bool accumulate,
-                  cudaStream_t stream, int sm_count) {
+                  cudaStream_t stream) {
   Args c(accumulate ? "coda::ops::gemm_fp8_xyt (accumulate)" : "coda::ops::gemm_fp8_xyt");
-  CODA_CHECK(sm_count >= 0, c.op(), ": sm_count must be >= 0 (0: every SM), got ", sm_count);
   kernel::GemmProblem p =
       fp8_problem(c, {"x", x, "x_scales", x_scales}, {"y", y, "y_scales", y_scales}, false);
   c.matrix("d", d, accumulate ? kF : kBf, p.m, p.n);
@@ -581,7 +580,7 @@ void gemm_fp8_xyt(View x, View x_scales, View y, View y_scales, View d, bool acc
   const Fp8WgradBackend backend = fp8_wgrad_backend();
   if (backend != Fp8WgradBackend::kCutlass) {
     void* out = accumulate ? static_cast<void*>(f32_out(d)) : static_cast<void*>(bf_out(d));
-    const char* why_not = gemm_fp8_xyt_cublaslt(p, out, d.ld, accumulate, sm_count, stream);
+    const char* why_not = gemm_fp8_xyt_cublaslt(p, out, d.ld, accumulate, stream);
     if (why_not == nullptr) return;
     CODA_CHECK(backend != Fp8WgradBackend::kCublasLtOnly, c.op(),
                ": the backend is cuBLASLt only (CODA_FP8_WGRAD=cublaslt-only), and cuBLASLt "

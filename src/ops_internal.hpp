@@ -221,9 +221,8 @@ void rmsnorm_backward_inputs(Args& c, View x, View r, View gamma, View zdz, View
 // D (bf16, or fp32 += with `accumulate`) = X·Yᵀ of a checked 1x128 x 1x128 FP8 problem on
 // cuBLASLt (src/fp8_wgrad_cublaslt.cpp); nullptr when launched, else why cuBLASLt cannot take
 // it (nothing launched): scales whose row stride is not the operand's rows, or no algorithm.
-// sm_count > 0: cuBLASLt's SM count target.
 const char* gemm_fp8_xyt_cublaslt(const kernel::GemmProblem& p, void* d, int64_t ldd,
-                                  bool accumulate, int sm_count, cudaStream_t stream);
+                                  bool accumulate, cudaStream_t stream);
 
 // A process-wide choice (an enum's value) that starts from the environment, read on the first
 // get(), and that set() replaces: the FP8 weight gradient's backend, the FP8 epilogue placement.

@@ -66,10 +66,8 @@ class TorchTensors {
   Tensor fp8_gemm(const Fp8& a, const Tensor& w_codes, const Tensor& w_scales) const {
     return fp8::gemm(a.codes, a.scales, w_codes, w_scales).to(act_dtype());
   }
-  // (beside B2's pass: on the SMs fp8_swiglu_backward gives it)
   Tensor fp8_wgrad(const Fp8& dz, const Fp8& h) const {
-    return fp8::gemm_xyt(dz.codes_t, dz.scales_t, h.codes_t, h.scales_t, beside_sms_)
-        .to(act_dtype());
+    return fp8::gemm_xyt(dz.codes_t, dz.scales_t, h.codes_t, h.scales_t).to(act_dtype());
   }
   std::tuple<Tensor, Fp8, Tensor> fp8_residual_rmsnorm(const Fp8& a, const Fp8& w,
                                                        const Tensor& residual,
@@ -124,22 +122,13 @@ class TorchTensors {
     auto [ct, st] = fp8::swiglu_quantize_t(z, z_scales, act_dtype());
     return Fp8{{}, {}, ct, st};
   }
-  // B2 from dx_out's rows and W_downᵀ's codes (w_down.codes_t): dz (both copies), ZdZ partials,
-  // and beside()'s tensor: work independent of B2, beside its pass (fp8::swiglu_backward).
-  template <class Beside>
-  std::tuple<Fp8, Tensor, Tensor> fp8_swiglu_backward(const Fp8& dx_out, const Fp8& w_down,
-                                                      const Tensor& z, const Tensor& z_scales,
-                                                      Beside&& beside) const {
-    const auto on_sms = [&](int sms) {  // fp8_wgrad inside beside() takes `sms`
-      beside_sms_ = sms;
-      Tensor t = beside();
-      beside_sms_ = 0;
-      return t;
-    };
-    auto [c, s, ct, st, p, made] =
+  // B2 from dx_out's rows and W_downᵀ's codes (w_down.codes_t): dz (both copies), ZdZ partials.
+  std::tuple<Fp8, Tensor> fp8_swiglu_backward(const Fp8& dx_out, const Fp8& w_down, const Tensor& z,
+                                              const Tensor& z_scales) const {
+    auto [c, s, ct, st, p] =
         fp8::swiglu_backward(dx_out.codes, dx_out.scales, w_down.codes_t, w_down.scales_t, z,
-                             z_scales, true, true, act_dtype(), on_sms);
-    return {Fp8{c, s, ct, st}, p, made};
+                             z_scales, true, true, act_dtype());
+    return {Fp8{c, s, ct, st}, p};
   }
   at::ScalarType act_dtype() const { return c10::typeMetaToScalarType(act_.dtype()); }
 
@@ -155,7 +144,6 @@ class TorchTensors {
 
  private:
   at::TensorOptions act_, stat_;
-  mutable int beside_sms_ = 0;  // the SMs fp8_wgrad may take (0: every SM)
 };
 
 // The reference executor's programs in R (float or double) on CPU tensors.

@@ -8,8 +8,6 @@
 
 #include <torch/library.h>
 
-#include <atomic>
-#include <cstdlib>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -144,7 +142,7 @@ std::tuple<Tensor, Tensor> fp8_transpose_blocks(const Tensor& codes, const Tenso
 }
 
 Tensor gemm(const char* op, const Tensor& x, const Tensor& xs, const Tensor& w, const Tensor& ws,
-            bool w_blocks, const Tensor* accumulate, int sm_count = 0) {
+            bool w_blocks, const Tensor* accumulate) {
   const auto [m, n, k] = check_pair(op, "x", x, "x_scales", xs, w, ws, w_blocks);
   if (accumulate) {
     const Tensor& d = *accumulate;
@@ -172,7 +170,7 @@ Tensor gemm(const char* op, const Tensor& x, const Tensor& xs, const Tensor& w, 
   else
     ops::gemm_fp8_xyt(codes_view(x), scales_view(xs), codes_view(w), scales_view(ws),
                       view(d, accumulate ? DType::kF32 : DType::kBF16), accumulate != nullptr,
-                      stream_of(x), sm_count);
+                      stream_of(x));
   return d;
 #else
   TORCH_CHECK(false, op, ": this build has no CUDA kernels");
@@ -245,19 +243,10 @@ std::string set_fp8_epilogue(c10::string_view placement) {
 #endif
 }
 
-// The SMs B2's split pass keeps while the down-projection's weight gradient runs beside it
-// (fp8::overlap_sms); returns the value it replaced.
-int64_t set_fp8_overlap_sms(int64_t sms) {
-  TORCH_CHECK(sms >= 0 && sms <= 4096, "coda::set_fp8_overlap_sms: sms must be in [0, 4096] ",
-              "(0: no overlap), got ", sms);
-  return fp8::set_overlap_sms(int(sms));
-}
-
 namespace names {
 inline constexpr char overrides[] = "coda::set_kernel_overrides";
 inline constexpr char epilogue_placement[] = "coda::set_fp8_epilogue";
 inline constexpr char wgrad_backend[] = "coda::set_fp8_wgrad_backend";
-inline constexpr char overlap_sms[] = "coda::set_fp8_overlap_sms";
 inline constexpr char quantize_rows[] = "coda::fp8_quantize_rows";
 inline constexpr char quantize_blocks[] = "coda::fp8_quantize_blocks";
 inline constexpr char transpose_blocks[] = "coda::fp8_transpose_blocks";
@@ -279,34 +268,14 @@ void register_fp8(torch::Library& m) {
 
 // The casts and GEMMs for the block compositions' backends (torch/fp8_ops.hpp).
 namespace fp8 {
-namespace {
-int overlap_from_environment() {
-  const char* v = std::getenv("CODA_FP8_OVERLAP_SMS");
-  if (v == nullptr || *v == '\0') return kDefaultOverlapSms;
-  char* end = nullptr;
-  const long n = std::strtol(v, &end, 10);
-  TORCH_CHECK(*end == '\0' && n >= 0 && n <= 4096,
-              "CODA_FP8_OVERLAP_SMS must be an integer in [0, 4096] (0: no overlap), got '", v,
-              "'");
-  return int(n);
-}
-std::atomic<int>& overlap_setting() {
-  static std::atomic<int> sms{overlap_from_environment()};
-  return sms;
-}
-}  // namespace
-int overlap_sms() { return overlap_setting().load(std::memory_order_relaxed); }
-int set_overlap_sms(int sms) { return overlap_setting().exchange(sms); }
-
 Quantized quantize_rows(const Tensor& x, bool rows, bool transposed) {
   return fp8_quantize_rows(x, rows, transposed);
 }
 Tensor gemm(const Tensor& x, const Tensor& x_scales, const Tensor& w, const Tensor& w_scales) {
   return fp8_gemm(x, x_scales, w, w_scales);
 }
-Tensor gemm_xyt(const Tensor& x, const Tensor& x_scales, const Tensor& y, const Tensor& y_scales,
-                int sm_count) {
-  return torch_ext::gemm("coda::fp8_gemm_xyt", x, x_scales, y, y_scales, false, nullptr, sm_count);
+Tensor gemm_xyt(const Tensor& x, const Tensor& x_scales, const Tensor& y, const Tensor& y_scales) {
+  return fp8_gemm_xyt(x, x_scales, y, y_scales);
 }
 }  // namespace fp8
 
@@ -370,8 +339,6 @@ TORCH_LIBRARY_FRAGMENT(coda, m) {
         CODA_GUARDED(names::wgrad_backend, set_fp8_wgrad_backend));
   m.def("set_fp8_epilogue(str placement) -> str",
         CODA_GUARDED(names::epilogue_placement, set_fp8_epilogue));
-  m.def("set_fp8_overlap_sms(int sms) -> int",
-        CODA_GUARDED(names::overlap_sms, set_fp8_overlap_sms));
 }
 
 TORCH_LIBRARY_IMPL(coda, CPU, m) { register_fp8(m); }

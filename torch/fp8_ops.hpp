@@ -7,7 +7,6 @@
 
 #include <ATen/ATen.h>
 
-#include <functional>
 #include <tuple>
 
 #include "coda/programs/forward.hpp"
@@ -29,10 +28,8 @@ Quantized empty_quantized(const Tensor& like, const c10::SymInt& rows, const c10
 Quantized quantize_rows(const Tensor& x, bool rows, bool transposed);
 // x (M, K) 1x128 · w (N, K) 128x128 -> (M, N) (bf16 on CUDA, fp64 on the CPU).
 Tensor gemm(const Tensor& x, const Tensor& x_scales, const Tensor& w, const Tensor& w_scales);
-// x (M, K) 1x128 · y (N, K) 1x128 -> (M, N): the weight gradient from the transposed copies; on
-// CUDA with sm_count > 0 on that many SMs (ops::gemm_fp8_xyt's SM count target).
-Tensor gemm_xyt(const Tensor& x, const Tensor& x_scales, const Tensor& y, const Tensor& y_scales,
-                int sm_count = 0);
+// x (M, K) 1x128 · y (N, K) 1x128 -> (M, N): the weight gradient from the transposed copies.
+Tensor gemm_xyt(const Tensor& x, const Tensor& x_scales, const Tensor& y, const Tensor& y_scales);
 // F1: (x, h codes, h scales, h_t codes, h_t scales, Σx² partials).
 Fp8F1 residual_rmsnorm(const Tensor& a, const Tensor& a_scales, const Tensor& w,
                        const Tensor& w_scales, const Tensor& residual, const Tensor& gamma,
@@ -71,23 +68,9 @@ Fp8F2Z rmsnorm_swiglu_fp8_z(const Tensor& h, const Tensor& h_scales, const Tenso
 // `act`), as its transposed 128x1 copy (codes, scales).
 std::tuple<Tensor, Tensor> swiglu_quantize_t(const Tensor& z, const Tensor& z_scales,
                                              at::ScalarType act);
-// Work independent of B2 (fp8_mlp's backward: the down-projection's weight gradient), run once
-// by swiglu_backward with the SMs it may take (0: every SM); it returns the tensor it made.
-using Beside = std::function<Tensor(int sm_count)>;
-// B2: (dz codes, dz scales, dz_t codes, dz_t scales, ZdZ partials, beside's tensor); z as
-// swiglu_quantize_t's. `beside` runs beside B2's elementwise pass where B2 runs split on CUDA
-// and overlap_sms() > 0 (on a high-priority side stream, on all SMs but overlap_sms(); the
-// current stream waits for it, and its tensor is recorded on the current stream), else after B2
-// on the current stream.
-using Fp8B2Beside = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
-Fp8B2Beside swiglu_backward(const Tensor& dx_out, const Tensor& dx_out_scales,
-                            const Tensor& w_down_t, const Tensor& w_down_t_scales, const Tensor& z,
-                            const Tensor& z_scales, bool rows, bool transposed, at::ScalarType act,
-                            const Beside& beside);
-// The SMs B2's split pass keeps to itself while `beside` runs (0: no overlap), process-wide:
-// starts from CODA_FP8_OVERLAP_SMS (read on first use); set_overlap_sms returns the old value.
-inline constexpr int kDefaultOverlapSms = 0;
-int overlap_sms();
-int set_overlap_sms(int sms);
+// B2: (dz codes, dz scales, dz_t codes, dz_t scales, ZdZ partials); z as swiglu_quantize_t's.
+Fp8B2 swiglu_backward(const Tensor& dx_out, const Tensor& dx_out_scales, const Tensor& w_down_t,
+                      const Tensor& w_down_t_scales, const Tensor& z, const Tensor& z_scales,
+                      bool rows, bool transposed, at::ScalarType act);
 
 }  // namespace coda::torch_ext::fp8

@@ -17,8 +17,6 @@
 #include "fp8_common.hpp"
 #include "fp8_ops.hpp"
 #if CODA_TORCH_CUDA
-#include <ATen/cuda/CUDAContext.h>
-#include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAGuard.h>
 #endif
 
@@ -393,21 +391,13 @@ Fp8B1 fp8_gemm_rmsnorm_backward(const Tensor& dz, const Tensor& dz_scales, const
 // 64-column tiles), for zdz_fold. On the CPU z may be float32 or float64.
 // On CUDA the fused kernel, or split (ops::fp8_epilogue_split): the plain GEMM's da in
 // bf16 (M·I·2 bytes, freed on return) and ops::fp8_swiglu_backward_quantize.
-// `beside` (fp8::swiglu_backward's; the op has none): work independent of B2, run once, its
-// tensor into `made`; when split on CUDA with fp8::overlap_sms() > 0, on a high-priority side
-// stream between the GEMM and the pass, on all but that many SMs, the current stream waiting
-// for it before returning; else after B2's kernels on the current stream, on every SM.
 using Fp8B2 = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
-Fp8B2 swiglu_backward_beside(const Tensor& dx_out, const Tensor& dx_out_scales,
-                             const Tensor& w_down_t, const Tensor& w_down_t_scales, const Tensor& z,
-                             bool rows, bool transposed, const std::optional<Tensor>& z_scales,
-                             std::optional<at::ScalarType> dtype, const fp8::Beside& beside,
-                             Tensor& made) {
+Fp8B2 fp8_gemm_swiglu_backward(const Tensor& dx_out, const Tensor& dx_out_scales,
+                               const Tensor& w_down_t, const Tensor& w_down_t_scales,
+                               const Tensor& z, bool rows, bool transposed,
+                               const std::optional<Tensor>& z_scales,
+                               std::optional<at::ScalarType> dtype) {
   const char* op = "coda::fp8_gemm_swiglu_backward";
-  const auto run_after = [&](const Fp8B2& out) {
-    if (beside) made = beside(0);
-    return out;
-  };
   const auto [m, inter, k] =
       check_pair(op, "dx_out", dx_out, "dx_out_scales", dx_out_scales, w_down_t, w_down_t_scales,
                  true, "w_down_t", "w_down_t_scales");
@@ -422,7 +412,7 @@ Fp8B2 swiglu_backward_beside(const Tensor& dx_out, const Tensor& dx_out_scales,
         z_values(z, z_scales));
     cast_on_cpu(f.dz, m, 2 * inter, act, q);
     const Tensor s = from_doubles(f.zdz_partials, f.layout.tiles, f.layout.extent).to(stat_of(act));
-    return run_after({q.codes, q.scales, q.codes_t, q.scales_t, s});
+    return {q.codes, q.scales, q.codes_t, q.scales_t, s};
   }
 #if CODA_TORCH_CUDA
   const c10::cuda::CUDAGuard guard(dx_out.device());
@@ -432,41 +422,12 @@ Fp8B2 swiglu_backward_beside(const Tensor& dx_out, const Tensor& dx_out_scales,
     const Tensor da = at::empty({m, inter}, dx_out.options().dtype(at::kBFloat16));
     ops::gemm_fp8(codes_view(dx_out), scales_view(dx_out_scales), codes_view(w_down_t),
                   scales_view(w_down_t_scales), view(da, DType::kBF16), stream_of(dx_out));
-    // `beside` forked here, so that the pass (memory-bound) shares the SMs with it (a GEMM).
-    // The side stream's work is queued first and has the higher priority: its kernels take the
-    // SMs they ask for, the pass's CTAs the others, then every SM once the side's are done.
-    const int keep = fp8::overlap_sms();
-    const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-    const int device = dx_out.device().index();
-    const c10::cuda::CUDAStream main = c10::cuda::getCurrentCUDAStream(device);
-    std::optional<c10::cuda::CUDAStream> side;
-    if (beside && keep > 0 && keep < sms) side = c10::cuda::getStreamFromPool(true, device);
-    std::optional<at::cuda::CUDAEvent> joined;
-    // (side == main: the caller runs on the pool's stream; then beside runs after.)
-    if (side && *side != main) {
-      at::cuda::CUDAEvent forked;
-      forked.record(main);
-      forked.block(*side);
-      {
-        const c10::cuda::CUDAStreamGuard on_side(*side);
-        made = beside(sms - keep);
-      }
-      joined.emplace();
-      joined->record(*side);
-    }
     const auto l = ops::fp8_swiglu_backward_split_partials_layout(m, inter);
     const Tensor s = at::empty({l.tiles, l.extent}, scale_options(dx_out));
     ops::fp8_swiglu_backward_quantize(
         view(da, DType::kBF16), z_scales ? codes_view(z) : view(z, DType::kBF16),
         z_scales ? scales_view(*z_scales) : TensorView{}, v.codes, v.scales, v.codes_t,
         v.scales_t, view(s, DType::kF32), stream_of(dx_out));
-    if (!joined) return run_after({q.codes, q.scales, q.codes_t, q.scales_t, s});
-    // `made` was allocated on the side stream and is read on this one from here on: recorded,
-    // so that the allocator does not hand its memory to the side stream (another user of the
-    // pool's stream) before this stream is done with it. (The pass's inputs, read on this
-    // stream, outlive the side's work: it joins here.)
-    joined->block(main);
-    if (made.defined()) made.record_stream(main);
     return {q.codes, q.scales, q.codes_t, q.scales_t, s};
   }
   if (z_scales) {
@@ -476,7 +437,7 @@ Fp8B2 swiglu_backward_beside(const Tensor& dx_out, const Tensor& dx_out_scales,
         codes_view(dx_out), scales_view(dx_out_scales), codes_view(w_down_t),
         scales_view(w_down_t_scales), codes_view(z), scales_view(*z_scales), v.codes, v.scales,
         v.codes_t, v.scales_t, view(s, DType::kF32), stream_of(dx_out));
-    return run_after({q.codes, q.scales, q.codes_t, q.scales_t, s});
+    return {q.codes, q.scales, q.codes_t, q.scales_t, s};
   }
   const auto l = ops::fp8_swiglu_backward_partials_layout(m, inter, k);
   const Tensor s = at::empty({l.tiles, l.extent}, scale_options(dx_out));
@@ -484,19 +445,10 @@ Fp8B2 swiglu_backward_beside(const Tensor& dx_out, const Tensor& dx_out_scales,
                                 codes_view(w_down_t), scales_view(w_down_t_scales),
                                 view(z, DType::kBF16), v.codes, v.scales, v.codes_t, v.scales_t,
                                 view(s, DType::kF32), stream_of(dx_out));
-  return run_after({q.codes, q.scales, q.codes_t, q.scales_t, s});
+  return {q.codes, q.scales, q.codes_t, q.scales_t, s};
 #else
   TORCH_CHECK(false, op, ": this build has no CUDA kernels");
 #endif
-}
-Fp8B2 fp8_gemm_swiglu_backward(const Tensor& dx_out, const Tensor& dx_out_scales,
-                               const Tensor& w_down_t, const Tensor& w_down_t_scales,
-                               const Tensor& z, bool rows, bool transposed,
-                               const std::optional<Tensor>& z_scales,
-                               std::optional<at::ScalarType> dtype) {
-  Tensor none;
-  return swiglu_backward_beside(dx_out, dx_out_scales, w_down_t, w_down_t_scales, z, rows,
-                                transposed, z_scales, dtype, {}, none);
 }
 
 // a = silu(g)·u of z (M, 2I) (F2's interleaved pre-activation, in the activation dtype or in FP8
@@ -730,15 +682,12 @@ std::tuple<Tensor, Tensor> swiglu_quantize_t(const Tensor& z, const Tensor& z_sc
                                              at::ScalarType act) {
   return fp8_swiglu_quantize_t(z, scales_or_none(z_scales), dtype_of_fp8_z(z_scales, act));
 }
-Fp8B2Beside swiglu_backward(const Tensor& dx_out, const Tensor& dx_out_scales,
-                            const Tensor& w_down_t, const Tensor& w_down_t_scales, const Tensor& z,
-                            const Tensor& z_scales, bool rows, bool transposed, at::ScalarType act,
-                            const Beside& beside) {
-  Tensor made;
-  auto [c, s, ct, st, p] =
-      swiglu_backward_beside(dx_out, dx_out_scales, w_down_t, w_down_t_scales, z, rows, transposed,
-                             scales_or_none(z_scales), dtype_of_fp8_z(z_scales, act), beside, made);
-  return {c, s, ct, st, p, made};
+Fp8B2 swiglu_backward(const Tensor& dx_out, const Tensor& dx_out_scales, const Tensor& w_down_t,
+                      const Tensor& w_down_t_scales, const Tensor& z, const Tensor& z_scales,
+                      bool rows, bool transposed, at::ScalarType act) {
+  return fp8_gemm_swiglu_backward(dx_out, dx_out_scales, w_down_t, w_down_t_scales, z, rows,
+                                  transposed, scales_or_none(z_scales),
+                                  dtype_of_fp8_z(z_scales, act));
 }
 }  // namespace fp8
 

@@ -297,10 +297,9 @@ void set_fp8_epilogue_placement(Fp8EpiloguePlacement placement);
 bool fp8_epilogue_split(Fp8SplitProgram program, int64_t k);
 // d (M, N) = x · yᵀ with x (M, K) and y (N, K) both in 1x128 blocks (the weight gradient from
 // the transposed copies, K = tokens): d bf16, or with `accumulate` fp32 d += x · yᵀ. Runs on
-// the backend fp8_wgrad_backend() names. sm_count > 0 asks cuBLASLt to run it on that many SMs
-// (its SM count target), leaving the others to work on another stream; ours takes them all.
+// the backend fp8_wgrad_backend() names.
 void gemm_fp8_xyt(View x, View x_scales, View y, View y_scales, View d, bool accumulate,
-                  cudaStream_t stream, int sm_count = 0);
+                  cudaStream_t stream);
 // gemm_fp8_xyt's backend, process-wide: our CUTLASS kernel (kCutlass), or cuBLASLt's
 // blockwise-scaled GEMM where it takes the problem (scales whose row stride is exactly the
 // operand's rows, as the casts and epilogues write the transposed copies' scales; a D type this

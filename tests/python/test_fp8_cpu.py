@@ -627,21 +627,6 @@ def test_set_fp8_wgrad_backend_names_the_choices():
     assert CODA.set_fp8_wgrad_backend(old) == "cutlass"
 
 
-def test_set_fp8_overlap_sms_checks_its_range():
-    """coda::set_fp8_overlap_sms returns the value it replaces and refuses one outside [0, 4096]
-    (the CPU build keeps it too: its fp8_mlp backward runs dW_down after B2 whatever it says)."""
-    old = CODA.set_fp8_overlap_sms(24)
-    try:
-        assert CODA.set_fp8_overlap_sms(8) == 24
-        for bad in (-2, 4097):
-            with pytest.raises(RuntimeError,
-                               match=rf"sms must be in \[0, 4096\] \(0: no overlap\), got {bad}"):
-                CODA.set_fp8_overlap_sms(bad)
-        assert CODA.set_fp8_overlap_sms(0) == 8
-    finally:
-        CODA.set_fp8_overlap_sms(old)
-
-
 def test_set_fp8_epilogue_names_the_choices_and_leaves_the_cpu_recipe_alone():
     """coda::set_fp8_epilogue refuses other names and returns the placement it replaces (a build
     without CUDA kernels: "auto", having none to place); the CPU op runs the recipe either way."""

@@ -28,10 +28,8 @@
 //                                                                      codes), h_out's copy
 //   fp8_swiglu_copy(z, z_scales) -> Fp8       a = silu(g)·u of z, rounded, as its copy (only
 //                                             codes_t, scales_t): a not kept by the forward
-//   fp8_swiglu_backward(dx_out, w_down, z, z_scales, beside) -> (dz, partials, beside())
-//                                       B2 (W_downᵀ's), dz both copies; beside(): work
-//                                       independent of B2, run once (beside B2's own work where
-//                                       the backend can)
+//   fp8_swiglu_backward(dx_out, w_down, z, z_scales) -> (dz, partials)      B2 (W_downᵀ's), dz
+//                                                                           both copies
 // and may provide
 //   fp8_rope_backward(qkv, dqkv, pos, rope_table) -> (dpre, partials)       B3 and the cast of
 //                                                                           its output in one
@@ -172,12 +170,10 @@ InputGrads<B> fp8_mlp_backward(B& b, const T<B>& dx_out, const T<B>& x, const T<
                                const T<B>& z, const T<B>& z_scales, const Fp8<B>& a) {
   const int64_t m = b.rows(x), hidden = b.cols(x);
   const Fp8<B> dxo = b.fp8_cast(dx_out, true, true);
-  // dW_down beside B2: it needs neither B2's output nor B2 its.
-  auto [dz, p, dw_down] = b.fp8_swiglu_backward(dxo, w_down, z, z_scales, [&] {
-    return b.fp8_wgrad(dxo, b.present(a.codes_t) ? a : b.fp8_swiglu_copy(z, z_scales));
-  });
+  auto [dz, p] = b.fp8_swiglu_backward(dxo, w_down, z, z_scales);
   T<B> zdz = b.stat(m);
   b.zdz_fold(p, hidden, zdz);
+  T<B> dw_down = b.fp8_wgrad(dxo, b.present(a.codes_t) ? a : b.fp8_swiglu_copy(z, z_scales));
   InputGrads<B> g = fp8_rmsnorm_backward(b, dz, w_gu, x, r, gamma, zdz, dx_out);
   g.dw2 = dw_down;
   return g;
