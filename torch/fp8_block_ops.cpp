@@ -17,6 +17,7 @@
 #include <tuple>
 
 #include "coda/kernel/args.hpp"
+#include "meta_kernel.hpp"
 #include "on_backend.hpp"
 #include "typed_op.hpp"
 #include "validate.hpp"
@@ -98,10 +99,20 @@ void check_fp8_act(const OpContext& c, const std::string& name, const Fp8& q, in
     check_scales(c, ts.c_str(), q.scales_t, blocks(m), n, false);
   }
 }
-// FP8 activations' widths: 16-byte rows of codes.
+// FP8 activations' widths: 16-byte rows of codes. Each op checks every width its forward or
+// backward quantizes, on every device, so that the forward refuses what its backward could not
+// run and an error names this op's arguments rather than an inner cast's.
 void fp8_width(const OpContext& c, const char* what, int64_t width) {
   TORCH_CHECK(width % 16 == 0, c.op, ": ", what, " = ", width,
               " must be a multiple of 16 (16-byte rows of e4m3 codes)");
+}
+void fp8_mlp_widths(const OpContext& c, const MlpSizes& s) {
+  fp8_width(c, "H (x.size(1))", s.hidden);
+  fp8_width(c, "I (w_gu.size(0) / 2)", s.intermediate);
+}
+void fp8_qkv_widths(const OpContext& c, const ProjSizes& s) {
+  fp8_width(c, "H (x.size(1))", s.hidden);
+  fp8_width(c, "the QKV width (w_qkv.size(0))", s.n);
 }
 
 Tensor empty_like_stat(const Tensor& like) {
@@ -149,9 +160,7 @@ MlpOut fp8_mlp(const Tensor& x, const Tensor& gamma, const Tensor& w_gu, const T
   check_fp8_weight(c, "dn", "H (w_down.size(0))", w_down, dn, true, recast_w_t);
   const Fp8 hq{h, h_scales, {}, {}};
   check_fp8_act(c, "h", hq, s.m, s.hidden, true, false);
-  fp8_width(c, "H (x.size(1))", s.hidden);
-  TORCH_CHECK(s.intermediate % 16 == 0, c.op, ": I (w_gu.size(0) / 2) = ", s.intermediate,
-              " must be a multiple of 16 (16-byte rows of a's codes)");
+  fp8_mlp_widths(c, s);
   return on_backend(x, [&](auto& b) {
     const auto o =
         block::fp8_mlp(b, x, hq, r, gu, dn, gamma_next, eps, act_h_out, copies, recompute_a, fp8_z);
@@ -180,7 +189,7 @@ Tensor fp8_norm_qkv(const Tensor& x, const Tensor& gamma, const Tensor& w_qkv,
   check_fp8_weight(c, "w", "the QKV width (w_qkv.size(0))", w_qkv, w, true, recast_w_t);
   const Fp8 hq{h, h_scales, {}, {}};
   check_fp8_act(c, "h", hq, s.m, s.hidden, true, false);
-  fp8_width(c, "H (x.size(1))", s.hidden);
+  fp8_qkv_widths(c, s);
   return on_backend(
       x, [&](auto& b) { return block::fp8_norm_qkv(b, hq, r, w, b_qkv, pos, rope_table); });
 }
@@ -200,7 +209,7 @@ std::tuple<Tensor, Tensor> fp8_norm_qkv_qk_norm(
   check_fp8_weight(c, "w", "the QKV width (w_qkv.size(0))", w_qkv, w, true, recast_w_t);
   const Fp8 hq{h, h_scales, {}, {}};
   check_fp8_act(c, "h", hq, s.proj.m, s.proj.hidden, true, false);
-  fp8_width(c, "H (x.size(1))", s.proj.hidden);
+  fp8_qkv_widths(c, s.proj);
   return on_backend(x, [&](auto& b) {
     const auto o =
         block::fp8_norm_qkv_qk_norm(b, hq, r, w, q_gamma, k_gamma, s.qk, pos, rope_table);
@@ -271,6 +280,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_mlp_backward(
     a = Fp8{{}, {}, *a_t, *a_t_scales};
     check_fp8_act(c, "a", a, s.m, s.intermediate, false, true);
   }
+  fp8_mlp_widths(c, s);
   return on_backend(x, [&](auto& b) {
     const auto g =
         block::fp8_mlp_backward(b, dx_out, x, gamma, gu, dn, r, z, z_scales.value_or(Tensor()), a);
@@ -289,6 +299,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_norm_qkv_backward(
   check_positions(c, pos);
   const Fp8 w{{}, {}, w_codes_t, w_scales_t};
   check_fp8_weight(c, "w", "the QKV width (w_qkv.size(0))", w_qkv, w, false);
+  fp8_qkv_widths(c, s);
   return on_backend(x, [&](auto& b) {
     const auto g =
         block::fp8_norm_qkv_backward(b, dqkv, qkv, x, gamma, w, b_qkv, r, pos, rope_table);
@@ -309,6 +320,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fp8_norm_qkv_qk_norm_backward
   check_positions(c, pos);
   const Fp8 w{{}, {}, w_codes_t, w_scales_t};
   check_fp8_weight(c, "w", "the QKV width (w_qkv.size(0))", w_qkv, w, false);
+  fp8_qkv_widths(c, s.proj);
   return on_backend(x, [&](auto& b) {
     const auto g = block::fp8_norm_qkv_qk_norm_backward(b, dqkv, qkv, qk_pre, x, gamma, w, q_gamma,
                                                         k_gamma, s.qk, r, pos, rope_table);
@@ -718,14 +730,14 @@ TORCH_LIBRARY_IMPL(coda, CUDA, m) { register_kernels(m); }
 #endif
 
 TORCH_LIBRARY_IMPL(coda, Meta, m) {
-  m.impl("fp8_out_proj_residual_norm", &fp8_out_proj_residual_norm_meta);
-  m.impl("fp8_mlp", &fp8_mlp_meta);
-  m.impl("fp8_norm_qkv", &fp8_norm_qkv_meta);
-  m.impl("fp8_linear_backward", &fp8_linear_backward_meta);
-  m.impl("fp8_mlp_backward", &fp8_mlp_backward_meta);
-  m.impl("fp8_norm_qkv_backward", &fp8_norm_qkv_backward_meta);
-  m.impl("fp8_norm_qkv_qk_norm", &fp8_norm_qkv_qk_norm_meta);
-  m.impl("fp8_norm_qkv_qk_norm_backward", &fp8_norm_qkv_qk_norm_backward_meta);
+  impl_meta(m, "fp8_out_proj_residual_norm", &fp8_out_proj_residual_norm_meta);
+  impl_meta(m, "fp8_mlp", &fp8_mlp_meta);
+  impl_meta(m, "fp8_norm_qkv", &fp8_norm_qkv_meta);
+  impl_meta(m, "fp8_linear_backward", &fp8_linear_backward_meta);
+  impl_meta(m, "fp8_mlp_backward", &fp8_mlp_backward_meta);
+  impl_meta(m, "fp8_norm_qkv_backward", &fp8_norm_qkv_backward_meta);
+  impl_meta(m, "fp8_norm_qkv_qk_norm", &fp8_norm_qkv_qk_norm_meta);
+  impl_meta(m, "fp8_norm_qkv_qk_norm_backward", &fp8_norm_qkv_qk_norm_backward_meta);
 }
 
 TORCH_LIBRARY_IMPL(coda, Autograd, m) {

@@ -15,6 +15,7 @@
 #include "checks.hpp"
 #include "coda/reference/fp8.hpp"
 #include "fp8_common.hpp"
+#include "meta_kernel.hpp"
 #if CODA_TORCH_CUDA
 #include <c10/cuda/CUDAGuard.h>
 
@@ -29,7 +30,7 @@ using namespace fp8_detail;  // NOLINT(google-build-using-namespace): the shared
 
 // The four outputs of a cast; the ones not asked for are empty.
 Quantized quantize(const char* op, const Tensor& x, bool rows, bool transposed, bool tiles) {
-  check_input(op, "x", x);
+  check_input(op, tiles ? "w" : "x", x);
   TORCH_CHECK(rows || transposed, op, ": neither rows nor transposed is asked for");
   const int64_t m = x.size(0), k = x.size(1);
   TORCH_CHECK(!(tiles && transposed) || m % 16 == 0, op,
@@ -141,15 +142,20 @@ std::tuple<Tensor, Tensor> fp8_transpose_blocks(const Tensor& codes, const Tenso
 #endif
 }
 
+// x · wᵀ (w in 128x128 blocks: fp8_gemm) or x · yᵀ (y in 1x128 blocks: the fp8_gemm_xyt ops),
+// into `accumulate` when given.
 Tensor gemm(const char* op, const Tensor& x, const Tensor& xs, const Tensor& w, const Tensor& ws,
             bool w_blocks, const Tensor* accumulate) {
-  const auto [m, n, k] = check_pair(op, "x", x, "x_scales", xs, w, ws, w_blocks);
+  const auto [m, n, k] = check_pair(op, "x", x, "x_scales", xs, w, ws, w_blocks,
+                                    w_blocks ? "w" : "y", w_blocks ? "w_scales" : "y_scales");
   if (accumulate) {
     const Tensor& d = *accumulate;
-    TORCH_CHECK(d.defined() && d.device() == x.device() && d.scalar_type() == at::kFloat &&
+    TORCH_CHECK(d.defined(), op, ": d is undefined");
+    TORCH_CHECK(d.device() == x.device() && d.scalar_type() == at::kFloat &&
                     d.sizes() == c10::IntArrayRef({m, n}) && d.is_contiguous(),
                 op, ": d must be a contiguous float32 (", m, ", ", n, ") tensor on ", x.device(),
-                ", got ", d.defined() ? shape_string(d.sizes()) : "undefined");
+                ", got ", d.scalar_type(), " ", shape_string(d.sizes()), " with strides ",
+                shape_string(d.strides()), " on ", d.device());
   }
   if (x.is_cpu()) {
     const auto a = read_operand(x, xs, false), b = read_operand(w, ws, w_blocks);
@@ -284,17 +290,19 @@ namespace {
 // the outputs at the input's sizes, symbolic ones too (dynamic shapes); at concrete sizes the
 // CPU and CUDA kernels' checks, at symbolic ones those that need no size's value.
 Quantized quantize_meta(const char* op, const Tensor& x, bool rows, bool transposed, bool tiles) {
-  TORCH_CHECK(x.defined() && x.dim() == 2, op, ": x must be a matrix");
+  const char* name = tiles ? "w" : "x";
+  TORCH_CHECK(x.defined() && x.dim() == 2, op, ": ", name, " must be a matrix, got ",
+              x.defined() ? std::to_string(x.dim()) + " dimensions" : "undefined");
   if (!x.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
-    check_input(op, "x", x);
+    check_input(op, name, x);
     TORCH_CHECK(!(tiles && transposed) || x.size(0) % 16 == 0, op,
                 ": the transposed copy of a 128x128-blocked tensor needs rows a multiple of 16, "
                 "got ",
                 x.size(0));
   }
   const auto t = x.scalar_type();
-  TORCH_CHECK(t == at::kBFloat16 || t == at::kFloat || t == at::kDouble, op,
-              ": x must be bfloat16 (or float32 / float64 on the CPU), got ", t);
+  TORCH_CHECK(t == at::kBFloat16 || t == at::kFloat || t == at::kDouble, op, ": ", name,
+              " must be bfloat16 (or float32 / float64 on the CPU), got ", t);
   TORCH_CHECK(rows || transposed, op, ": neither rows nor transposed is asked for");
   return empty_quantized_outputs(x, x.sym_size(0), x.sym_size(1), rows, transposed, tiles);
 }
@@ -313,9 +321,9 @@ std::tuple<Tensor, Tensor> fp8_transpose_blocks_meta(const Tensor& codes, const 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(coda, Meta, m) {
-  m.impl("fp8_quantize_rows", &fp8_quantize_rows_meta);
-  m.impl("fp8_quantize_blocks", &fp8_quantize_blocks_meta);
-  m.impl("fp8_transpose_blocks", &fp8_transpose_blocks_meta);
+  impl_meta(m, "fp8_quantize_rows", &fp8_quantize_rows_meta);
+  impl_meta(m, "fp8_quantize_blocks", &fp8_quantize_blocks_meta);
+  impl_meta(m, "fp8_transpose_blocks", &fp8_transpose_blocks_meta);
 }
 
 TORCH_LIBRARY_FRAGMENT(coda, m) {

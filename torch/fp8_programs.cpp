@@ -16,6 +16,7 @@
 #include "coda/epilogue/elementwise.hpp"
 #include "fp8_common.hpp"
 #include "fp8_ops.hpp"
+#include "meta_kernel.hpp"
 #if CODA_TORCH_CUDA
 #include <c10/cuda/CUDAGuard.h>
 #endif
@@ -460,7 +461,8 @@ std::tuple<Tensor, Tensor> fp8_swiglu_quantize_t(const Tensor& z,
                                                  const std::optional<Tensor>& z_scales,
                                                  std::optional<at::ScalarType> dtype) {
   const char* op = "coda::fp8_swiglu_quantize_t";
-  TORCH_CHECK(z.defined() && z.dim() == 2, op, ": z must be a matrix");
+  TORCH_CHECK(z.defined() && z.dim() == 2, op, ": z must be a matrix, got ",
+              z.defined() ? std::to_string(z.dim()) + " dimensions" : "undefined");
   const at::ScalarType act = check_z(op, z, z_scales, dtype, z.size(0), z.size(1), z);
   TORCH_CHECK(z.size(1) % 32 == 0, op, ": z's columns (2I) must be a multiple of 32 (I a ",
               "multiple of 16), got ", z.size(1));
@@ -698,7 +700,8 @@ std::tuple<Tensor, Tensor> fp8_swiglu_quantize_t_meta(const Tensor& z,
                                                       const std::optional<Tensor>& z_scales,
                                                       std::optional<at::ScalarType> dtype) {
   const char* op = "coda::fp8_swiglu_quantize_t";
-  TORCH_CHECK(z.defined() && z.dim() == 2, op, ": z must be a matrix");
+  TORCH_CHECK(z.defined() && z.dim() == 2, op, ": z must be a matrix, got ",
+              z.defined() ? std::to_string(z.dim()) + " dimensions" : "undefined");
   TORCH_CHECK((z.scalar_type() == at::kFloat8_e4m3fn) == z_scales.has_value(), op,
               ": pass z_scales exactly when z is float8_e4m3fn (z saved in FP8); got z of dtype ",
               z.scalar_type(), z_scales ? " with z_scales" : " without z_scales");
@@ -713,7 +716,9 @@ std::tuple<Tensor, Tensor> fp8_swiglu_quantize_t_meta(const Tensor& z,
 }
 }  // namespace
 
-TORCH_LIBRARY_IMPL(coda, Meta, m) { m.impl("fp8_swiglu_quantize_t", &fp8_swiglu_quantize_t_meta); }
+TORCH_LIBRARY_IMPL(coda, Meta, m) {
+  impl_meta(m, "fp8_swiglu_quantize_t", &fp8_swiglu_quantize_t_meta);
+}
 
 TORCH_LIBRARY_FRAGMENT(coda, m) {
   m.def(

@@ -6,6 +6,7 @@
 
 #include "checks.hpp"
 #include "coda/programs/rope.hpp"
+#include "meta_kernel.hpp"
 
 namespace coda::torch_ext {
 namespace {
@@ -238,21 +239,22 @@ TORCH_LIBRARY_IMPL(coda, CPU, m) {
 }
 
 TORCH_LIBRARY_IMPL(coda, Meta, m) {
-  m.impl("rope_table", &rope_table_meta);
-  m.impl("scale_grad_", [](const at::Tensor&, const at::Tensor&) {});
-  m.impl("rmsnorm_stats", &rmsnorm_stats_meta);
-  m.impl("norm_qkv", &norm_qkv_meta);
-  m.impl("out_proj_residual_norm", &out_proj_residual_norm_meta);
-  m.impl("mlp", &mlp_meta);
-  m.impl("mlp_partial", &mlp_partial_meta);
-  m.impl("lm_head_loss", &lm_head_loss_meta);
-  m.impl("lm_head_loss_grad", &lm_head_loss_grad_meta);
-  m.impl("norm_qkv_backward", &norm_qkv_backward_meta);
-  m.impl("norm_qkv_qk_norm", &norm_qkv_qk_norm_meta);
-  m.impl("norm_qkv_qk_norm_backward", &norm_qkv_qk_norm_backward_meta);
-  m.impl("linear_backward", &linear_backward_meta);
-  m.impl("mlp_backward", &mlp_backward_meta);
-  m.impl("lm_head_loss_backward", &lm_head_loss_backward_meta);
+  impl_meta(m, "rope_table", &rope_table_meta);
+  impl_meta(
+      m, "scale_grad_", +[](const at::Tensor&, const at::Tensor&) {});
+  impl_meta(m, "rmsnorm_stats", &rmsnorm_stats_meta);
+  impl_meta(m, "norm_qkv", &norm_qkv_meta);
+  impl_meta(m, "out_proj_residual_norm", &out_proj_residual_norm_meta);
+  impl_meta(m, "mlp", &mlp_meta);
+  impl_meta(m, "mlp_partial", &mlp_partial_meta);
+  impl_meta(m, "lm_head_loss", &lm_head_loss_meta);
+  impl_meta(m, "lm_head_loss_grad", &lm_head_loss_grad_meta);
+  impl_meta(m, "norm_qkv_backward", &norm_qkv_backward_meta);
+  impl_meta(m, "norm_qkv_qk_norm", &norm_qkv_qk_norm_meta);
+  impl_meta(m, "norm_qkv_qk_norm_backward", &norm_qkv_qk_norm_backward_meta);
+  impl_meta(m, "linear_backward", &linear_backward_meta);
+  impl_meta(m, "mlp_backward", &mlp_backward_meta);
+  impl_meta(m, "lm_head_loss_backward", &lm_head_loss_backward_meta);
 }
 
 }  // namespace coda::torch_ext

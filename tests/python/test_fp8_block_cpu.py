@@ -492,6 +492,64 @@ def test_fp8_block_ops_bad_arguments_name_the_argument():
                                         torch.ones(40, dtype=F64), EPS)
 
 
+def test_fp8_widths_are_checked_by_the_op_whose_argument_they_are():
+    """A width the FP8 backward cannot quantize is refused by the forward on every device (not
+    first met by the backward's inner cast), and each backward op checks its own widths."""
+    g = torch.Generator().manual_seed(3)
+    m, hidden = 19, 64
+    x = torch.randn(m, hidden, generator=g, dtype=F64, requires_grad=True)
+    gamma = torch.ones(hidden, dtype=F64)
+    r = torch.rsqrt((x.detach() ** 2).mean(1) + EPS)
+    h, hs = CODA.fp8_quantize_rows(x.detach())[:2]
+    pos = torch.arange(m, dtype=torch.int32)
+    _, table = rope_inputs(3, 1, 8)  # QKV width (3 + 2) * 8 = 40
+    w = torch.randn(40, hidden, generator=g, dtype=F64)
+    with pytest.raises(RuntimeError, match=r"fp8_norm_qkv: the QKV width \(w_qkv.size\(0\)\) = 40 "
+                                           r"must be a multiple of 16"):
+        CODA.fp8_norm_qkv(x, gamma, w, *weight_cache(w), h, hs, r, pos, table, None)
+    with pytest.raises(RuntimeError, match=r"fp8_norm_qkv_backward: the QKV width "
+                                           r"\(w_qkv.size\(0\)\) = 40 must be a multiple of 16"):
+        CODA.fp8_norm_qkv_backward(torch.randn(m, 40, dtype=F64), torch.randn(m, 40, dtype=F64),
+                                   x.detach(), gamma, w, *weight_cache(w)[2:], r, pos, table)
+    # The MLP's backward: H = 40 and I = 40 (a_t given, which the backward reads as it is).
+    mm, hh, ii = 19, 40, 40
+    xb = torch.randn(mm, hh, generator=g, dtype=F64)
+    w_gu = torch.randn(2 * ii, hh, generator=g, dtype=F64)
+    w_down = torch.randn(hh, ii, generator=g, dtype=F64)
+    gu, dn = weight_cache(w_gu), weight_cache(w_down)
+    args = [torch.randn(mm, hh, dtype=F64), xb, torch.ones(hh, dtype=F64), w_gu, *gu[2:], w_down,
+            *dn[2:], torch.ones(mm, dtype=F64), torch.randn(mm, 2 * ii, dtype=F64)]
+    a_t = (torch.zeros(ii, 32).to(E4M3), torch.ones(1, ii))
+    with pytest.raises(RuntimeError, match=r"fp8_mlp_backward: H \(x.size\(1\)\) = 40 must be a "
+                                           r"multiple of 16"):
+        CODA.fp8_mlp_backward(*args, *a_t)
+    xb, w_gu, w_down = xb[:, :32].contiguous(), w_gu[:, :32].contiguous(), w_down[:32]
+    gu, dn = weight_cache(w_gu), weight_cache(w_down.contiguous())
+    args = [torch.randn(mm, 32, dtype=F64), xb, torch.ones(32, dtype=F64), w_gu, *gu[2:],
+            w_down.contiguous(), *dn[2:], torch.ones(mm, dtype=F64),
+            torch.randn(mm, 2 * ii, dtype=F64)]
+    with pytest.raises(RuntimeError, match=r"fp8_mlp_backward: I \(w_gu.size\(0\) / 2\) = 40 must "
+                                           r"be a multiple of 16"):
+        CODA.fp8_mlp_backward(*args, *a_t)
+
+
+def test_a_meta_argument_among_cpu_ones_is_refused():
+    """The dispatcher runs the Meta kernel when any argument is on meta: mixed with CPU tensors
+    it raises, naming both (it returned uninitialized CPU tensors before)."""
+    case = small_case()
+    args = mlp_args(case)
+    args[1] = args[1].to("meta")  # gamma
+    with pytest.raises(RuntimeError, match=r"fp8_mlp: x is on cpu but gamma is on meta"):
+        CODA.fp8_mlp(*args)
+    args = qkv_args(case, w_scales_t=case[3]["w_qkv"][3].to("meta"))
+    with pytest.raises(RuntimeError, match=r"fp8_norm_qkv: x is on cpu but w_scales_t is on meta"):
+        CODA.fp8_norm_qkv(*args)
+    # every argument on meta: the Meta kernel's shapes
+    meta = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in mlp_args(case)]
+    out = CODA.fp8_mlp(*meta)
+    assert out[0].device.type == "meta" and out[0].shape == case[4][0].shape
+
+
 def test_fp8_mlp_weight_cache_errors_name_which_weight():
     """fp8_mlp has two weight caches: an error names the schema's argument (dn_codes_t)."""
     case = small_case()

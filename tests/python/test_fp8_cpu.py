@@ -235,8 +235,20 @@ def test_bad_arguments_name_what_is_wrong(g):
         CODA.fp8_gemm(xc, xs, wc, torch.ones(1, 2))
     with pytest.raises(RuntimeError, match=r"their K differ"):
         CODA.fp8_gemm(xc, xs, CODA.fp8_quantize_blocks(wide(16, 48, g))[0], ws)
-    with pytest.raises(RuntimeError, match=r"d must be a contiguous float32 \(19, 19\)"):
+    with pytest.raises(RuntimeError, match=r"d must be a contiguous float32 \(19, 19\) tensor on "
+                                           r"cpu, got Double \(19, 19\) with strides \(19, 1\)"):
         CODA.fp8_gemm_xyt_accumulate_(torch.zeros(19, 19, dtype=torch.float64), xc, xs, xc, xs)
+    with pytest.raises(RuntimeError, match=r"got Float \(19, 19\) with strides \(1, 19\)"):
+        CODA.fp8_gemm_xyt_accumulate_(torch.zeros(19, 19).t(), xc, xs, xc, xs)
+    # each op's messages use its own schema's names
+    with pytest.raises(RuntimeError, match=r"fp8_quantize_blocks: w's columns must be a multiple"):
+        CODA.fp8_quantize_blocks(wide(32, 40, g))
+    with pytest.raises(RuntimeError, match=r"fp8_gemm_xyt: y_scales must be float32, got Double"):
+        CODA.fp8_gemm_xyt(xc, xs, xc, xs.double())
+    with pytest.raises(RuntimeError, match=r"fp8_gemm_xyt: x is \(19, 32\) and y is \(19, 16\)"):
+        CODA.fp8_gemm_xyt(xc, xs, *CODA.fp8_quantize_rows(wide(19, 16, g))[:2])
+    with pytest.raises(RuntimeError, match=r"fp8_swiglu_quantize_t: z must be a matrix, got 3 "):
+        CODA.fp8_swiglu_quantize_t(torch.randn(4, 2, 64, dtype=torch.float64))
 
 
 def per_row_partials(v):

@@ -822,6 +822,19 @@ def test_bad_input_names_the_argument(case):
         op(*args)
 
 
+def test_a_meta_argument_among_cpu_ones_names_both():
+    """The dispatcher picks the Meta kernel when any argument is on meta; mixed with CPU tensors
+    it raises instead of returning uninitialized CPU outputs."""
+    x = torch.randn(8, 16, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match=r"rmsnorm_stats: x is on cpu but gamma is on meta"):
+        CODA.rmsnorm_stats(x, torch.ones(16, dtype=torch.float64, device="meta"), EPS)
+    with pytest.raises(RuntimeError, match=r"rmsnorm_stats: gamma is on cpu but x is on meta"):
+        CODA.rmsnorm_stats(x.to("meta"), torch.ones(16, dtype=torch.float64), EPS)
+    x2, r = CODA.rmsnorm_stats(x.to("meta"), torch.ones(16, dtype=torch.float64, device="meta"),
+                               EPS)
+    assert x2.device.type == "meta" and x2.shape == x.shape and r.shape == (8,)
+
+
 @pytest.mark.skipif(
     not torch.cuda.is_available()
     or not torch._C._dispatch_has_kernel_for_dispatch_key("coda::rmsnorm_stats", "CUDA"),
