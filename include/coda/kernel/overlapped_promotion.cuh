@@ -14,7 +14,8 @@
 //
 // Cost: 64 more accumulator registers a thread (three 64x128 fragments: 192 of the 232 the
 // cooperative kernel gives its MMA warpgroups). A stage is held as in Base, until the k-tile
-// after it has been issued and its own MMAs are done and promoted.
+// after it has been issued and its own MMAs are done and promoted; its scales are read before
+// its wgmmas are issued, as Base reads them (mma below says why that order is needed).
 
 #include <cute/tensor.hpp>
 #include <cutlass/gemm/collective/collective_builder.hpp>
@@ -121,20 +122,25 @@ struct OverlappedPromotion : Base {
     PipelineState smem_pipe_release = smem_pipe_read;
     // k-tile 0 into acc0.
     pipeline.consumer_wait(smem_pipe_read);
-    issue(acc0, smem_pipe_read.index());
     load_scales(smem_pipe_read.index(), sa0);
+    issue(acc0, smem_pipe_read.index());
     ++smem_pipe_read;
 
-    // Issue k-tile k into one temporary, wait for k - 1's (the other) and promote it, read k's
-    // scales, release k - 1's stage. A stage's scales are read a whole step before its release
-    // (reading them at the promotion, just before the release, let the producer's refill of the
-    // stage overtake the read under racecheck: F2z's codes wrong). One scale set is live at a time.
+    // Read k-tile k's scales, issue k into one temporary, wait for k - 1's (the other) and promote
+    // it, release k - 1's stage. Every warp reads a stage's scales before it issues the stage's
+    // wgmmas: a stage is released (here, or the last one by mma_tail) once its wgmma group is
+    // complete, which proves that all four warps of the warpgroup have issued it, and under a
+    // cluster only one thread of the warpgroup arrives on the stage's empty barrier, so nothing
+    // else holds the release back for a warp still behind. Read after the issue, a lagging warp's
+    // scales could come from the producer's refill of the stage (the next tile's, on a CTA that
+    // runs more than one tile): wrong z from F2 under memcheck, whose slow shared-memory loads
+    // open that window. Two scale sets are live at a time (a few registers: one scale per row).
     auto step = [&](auto& acc_next, Scales& sa_next, auto& acc_prev, Scales const& sa_prev) {
       pipeline.consumer_wait(smem_pipe_read);
+      load_scales(smem_pipe_read.index(), sa_next);
       issue(acc_next, smem_pipe_read.index());
       cute::warpgroup_wait<1>();
       promote(acc_prev, sa_prev);
-      load_scales(smem_pipe_read.index(), sa_next);
       ++smem_pipe_read;
       pipeline.consumer_release(smem_pipe_release);
       ++smem_pipe_release;
