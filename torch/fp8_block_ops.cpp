@@ -52,10 +52,19 @@ void check_scales(const OpContext& c, const char* name, const Tensor& t, int64_t
               ": ", name, " must be row-major with a row stride >= ", least,
               tma_rows ? " and a multiple of 4" : "", ", got strides ", shape_string(t.strides()));
 }
+// FP8 widths: 16-byte rows of codes. Each op checks every width its forward or backward
+// quantizes (a weight's N in check_fp8_weight, the other in the op), on every device, so that the
+// forward refuses what its backward could not run and an error names this op's arguments rather
+// than an inner cast's.
+void fp8_width(const OpContext& c, const char* what, int64_t width) {
+  TORCH_CHECK(width % 16 == 0, c.op, ": ", what, " = ", width,
+              " must be a multiple of 16 (16-byte rows of e4m3 codes)");
+}
 // An FP8 weight cache of w (N, K), its arguments named `prefix`_codes, ..: codes (N, K), scales
 // (ceil(N/128), ceil(K/128)) where `forward`, and wᵀ's codes (K, N), scales (ceil(K/128),
 // ceil(N/128)), which a forward may leave out (its backward transposes the codes then, or with
-// `recast` casts wᵀ from w); `width` names N, a multiple of 16 (the transposed codes' rows).
+// `recast` casts wᵀ from w); `width` names N, a multiple of 16 on every device (wᵀ's codes have N
+// columns, and the data gradient's operand, quantized along N, 16-byte rows of codes).
 void check_fp8_weight(const OpContext& c, const std::string& prefix, const char* width,
                       const Tensor& w, const Fp8& q, bool forward, bool recast = false) {
   const int64_t n = w.size(0), k = w.size(1);
@@ -74,10 +83,7 @@ void check_fp8_weight(const OpContext& c, const std::string& prefix, const char*
     check_codes(c, codes_t.c_str(), q.codes_t, k, n);
     check_scales(c, scales_t.c_str(), q.scales_t, blocks(k), blocks(n), false);
   }
-  TORCH_CHECK(q.codes_t.defined() || n % 16 == 0, c.op, ": ", width, " = ", n,
-              " must be a multiple of 16 for the backward to make wᵀ's codes (16-byte rows); pass ",
-              codes_t, " and ", scales_t, " otherwise");
-  c.cuda_width(width, n, 16);
+  fp8_width(c, width, n);
 }
 // A forward's weight operands; wᵀ's may be absent (None).
 Fp8 fp8_weight(const Tensor& codes, const Tensor& scales, const std::optional<Tensor>& codes_t,
@@ -99,21 +105,6 @@ void check_fp8_act(const OpContext& c, const std::string& name, const Fp8& q, in
     check_scales(c, ts.c_str(), q.scales_t, blocks(m), n, false);
   }
 }
-// FP8 activations' widths: 16-byte rows of codes. Each op checks every width its forward or
-// backward quantizes, on every device, so that the forward refuses what its backward could not
-// run and an error names this op's arguments rather than an inner cast's.
-void fp8_width(const OpContext& c, const char* what, int64_t width) {
-  TORCH_CHECK(width % 16 == 0, c.op, ": ", what, " = ", width,
-              " must be a multiple of 16 (16-byte rows of e4m3 codes)");
-}
-void fp8_mlp_widths(const OpContext& c, const MlpSizes& s) {
-  fp8_width(c, "H (x.size(1))", s.hidden);
-  fp8_width(c, "I (w_gu.size(0) / 2)", s.intermediate);
-}
-void fp8_qkv_widths(const OpContext& c, const ProjSizes& s) {
-  fp8_width(c, "H (x.size(1))", s.hidden);
-  fp8_width(c, "the QKV width (w_qkv.size(0))", s.n);
-}
 
 Tensor empty_like_stat(const Tensor& like) {
   return at::empty({0}, like.options().dtype(at::kFloat));
@@ -132,7 +123,6 @@ OutProj fp8_out_proj_residual_norm(const Tensor& y, const Tensor& w_o, const Ten
   const Fp8 w = fp8_weight(w_codes, w_scales, w_codes_t, w_scales_t);
   check_fp8_weight(c, "w", "H (w_o.size(0))", w_o, w, true, recast_w_t);
   fp8_width(c, "K (y.size(1))", s.k);
-  fp8_width(c, "H (w_o.size(0))", s.hidden);
   return on_backend(y, [&](auto& b) {
     const auto o =
         block::fp8_out_proj_residual_norm(b, y, w, residual, gamma, eps, copies && !recompute_y);
@@ -160,7 +150,7 @@ MlpOut fp8_mlp(const Tensor& x, const Tensor& gamma, const Tensor& w_gu, const T
   check_fp8_weight(c, "dn", "H (w_down.size(0))", w_down, dn, true, recast_w_t);
   const Fp8 hq{h, h_scales, {}, {}};
   check_fp8_act(c, "h", hq, s.m, s.hidden, true, false);
-  fp8_mlp_widths(c, s);
+  fp8_width(c, "I (w_gu.size(0) / 2)", s.intermediate);
   return on_backend(x, [&](auto& b) {
     const auto o =
         block::fp8_mlp(b, x, hq, r, gu, dn, gamma_next, eps, act_h_out, copies, recompute_a, fp8_z);
@@ -189,7 +179,7 @@ Tensor fp8_norm_qkv(const Tensor& x, const Tensor& gamma, const Tensor& w_qkv,
   check_fp8_weight(c, "w", "the QKV width (w_qkv.size(0))", w_qkv, w, true, recast_w_t);
   const Fp8 hq{h, h_scales, {}, {}};
   check_fp8_act(c, "h", hq, s.m, s.hidden, true, false);
-  fp8_qkv_widths(c, s);
+  fp8_width(c, "H (x.size(1))", s.hidden);
   return on_backend(
       x, [&](auto& b) { return block::fp8_norm_qkv(b, hq, r, w, b_qkv, pos, rope_table); });
 }
@@ -209,7 +199,7 @@ std::tuple<Tensor, Tensor> fp8_norm_qkv_qk_norm(
   check_fp8_weight(c, "w", "the QKV width (w_qkv.size(0))", w_qkv, w, true, recast_w_t);
   const Fp8 hq{h, h_scales, {}, {}};
   check_fp8_act(c, "h", hq, s.proj.m, s.proj.hidden, true, false);
-  fp8_qkv_widths(c, s.proj);
+  fp8_width(c, "H (x.size(1))", s.proj.hidden);
   return on_backend(x, [&](auto& b) {
     const auto o =
         block::fp8_norm_qkv_qk_norm(b, hq, r, w, q_gamma, k_gamma, s.qk, pos, rope_table);
@@ -247,7 +237,6 @@ std::tuple<Tensor, Tensor> fp8_linear_backward(const Tensor& dout,
   } else {
     c.activation("input", *input, {m, k});
   }
-  fp8_width(c, "N (dout.size(1))", n);
   fp8_width(c, "K (weight.size(1))", k);
   return on_backend(dout, [&](auto& b) {
     const auto g = block::fp8_linear_backward(b, dout, in, w, input.value_or(Tensor()));
@@ -280,7 +269,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_mlp_backward(
     a = Fp8{{}, {}, *a_t, *a_t_scales};
     check_fp8_act(c, "a", a, s.m, s.intermediate, false, true);
   }
-  fp8_mlp_widths(c, s);
+  fp8_width(c, "I (w_gu.size(0) / 2)", s.intermediate);
   return on_backend(x, [&](auto& b) {
     const auto g =
         block::fp8_mlp_backward(b, dx_out, x, gamma, gu, dn, r, z, z_scales.value_or(Tensor()), a);
@@ -299,7 +288,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_norm_qkv_backward(
   check_positions(c, pos);
   const Fp8 w{{}, {}, w_codes_t, w_scales_t};
   check_fp8_weight(c, "w", "the QKV width (w_qkv.size(0))", w_qkv, w, false);
-  fp8_qkv_widths(c, s);
+  fp8_width(c, "H (x.size(1))", s.hidden);
   return on_backend(x, [&](auto& b) {
     const auto g =
         block::fp8_norm_qkv_backward(b, dqkv, qkv, x, gamma, w, b_qkv, r, pos, rope_table);
@@ -320,7 +309,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fp8_norm_qkv_qk_norm_backward
   check_positions(c, pos);
   const Fp8 w{{}, {}, w_codes_t, w_scales_t};
   check_fp8_weight(c, "w", "the QKV width (w_qkv.size(0))", w_qkv, w, false);
-  fp8_qkv_widths(c, s.proj);
+  fp8_width(c, "H (x.size(1))", s.proj.hidden);
   return on_backend(x, [&](auto& b) {
     const auto g = block::fp8_norm_qkv_qk_norm_backward(b, dqkv, qkv, qk_pre, x, gamma, w, q_gamma,
                                                         k_gamma, s.qk, r, pos, rope_table);

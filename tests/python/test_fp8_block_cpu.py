@@ -482,14 +482,12 @@ def test_fp8_block_ops_bad_arguments_name_the_argument():
     y, w = torch.randn(5, 32, generator=g, dtype=F64), torch.randn(40, 32, generator=g, dtype=F64)
     wc = (torch.zeros(40, 32).to(E4M3), torch.ones(1, 1), torch.zeros(32, 40).to(E4M3),
           torch.ones(1, 1))
-    with pytest.raises(RuntimeError, match=r"H \(w_o.size\(0\)\) = 40 must be a multiple of 16"):
-        CODA.fp8_out_proj_residual_norm(y, w, *wc, torch.zeros(5, 40, dtype=F64),
-                                        torch.ones(40, dtype=F64), EPS)
-    # ... and wᵀ's rows, for the backward to make them when wᵀ's operand is left out.
-    with pytest.raises(RuntimeError, match=r"H \(w_o.size\(0\)\) = 40 must be a multiple of 16 "
-                                           r"for the backward to make wᵀ's codes"):
-        CODA.fp8_out_proj_residual_norm(y, w, *wc[:2], None, None, torch.zeros(5, 40, dtype=F64),
-                                        torch.ones(40, dtype=F64), EPS)
+    # with wᵀ's operand passed or left out (the backward would make it)
+    for cache in (wc, (*wc[:2], None, None)):
+        with pytest.raises(RuntimeError, match=r"H \(w_o.size\(0\)\) = 40 must be a multiple of "
+                                               r"16 \(16-byte rows of e4m3 codes\)"):
+            CODA.fp8_out_proj_residual_norm(y, w, *cache, torch.zeros(5, 40, dtype=F64),
+                                            torch.ones(40, dtype=F64), EPS)
 
 
 def test_fp8_widths_are_checked_by_the_op_whose_argument_they_are():
@@ -511,26 +509,22 @@ def test_fp8_widths_are_checked_by_the_op_whose_argument_they_are():
                                            r"\(w_qkv.size\(0\)\) = 40 must be a multiple of 16"):
         CODA.fp8_norm_qkv_backward(torch.randn(m, 40, dtype=F64), torch.randn(m, 40, dtype=F64),
                                    x.detach(), gamma, w, *weight_cache(w)[2:], r, pos, table)
-    # The MLP's backward: H = 40 and I = 40 (a_t given, which the backward reads as it is).
-    mm, hh, ii = 19, 40, 40
-    xb = torch.randn(mm, hh, generator=g, dtype=F64)
-    w_gu = torch.randn(2 * ii, hh, generator=g, dtype=F64)
-    w_down = torch.randn(hh, ii, generator=g, dtype=F64)
-    gu, dn = weight_cache(w_gu), weight_cache(w_down)
-    args = [torch.randn(mm, hh, dtype=F64), xb, torch.ones(hh, dtype=F64), w_gu, *gu[2:], w_down,
-            *dn[2:], torch.ones(mm, dtype=F64), torch.randn(mm, 2 * ii, dtype=F64)]
-    a_t = (torch.zeros(ii, 32).to(E4M3), torch.ones(1, ii))
-    with pytest.raises(RuntimeError, match=r"fp8_mlp_backward: H \(x.size\(1\)\) = 40 must be a "
-                                           r"multiple of 16"):
-        CODA.fp8_mlp_backward(*args, *a_t)
-    xb, w_gu, w_down = xb[:, :32].contiguous(), w_gu[:, :32].contiguous(), w_down[:32]
-    gu, dn = weight_cache(w_gu), weight_cache(w_down.contiguous())
-    args = [torch.randn(mm, 32, dtype=F64), xb, torch.ones(32, dtype=F64), w_gu, *gu[2:],
-            w_down.contiguous(), *dn[2:], torch.ones(mm, dtype=F64),
-            torch.randn(mm, 2 * ii, dtype=F64)]
+    # The MLP's backward at H = 40, then at I = 40 (a_t given, which the backward reads as it is).
+    def mlp_backward(hh, ii):
+        x = torch.randn(m, hh, generator=g, dtype=F64)
+        w_gu = torch.randn(2 * ii, hh, generator=g, dtype=F64)
+        w_down = torch.randn(hh, ii, generator=g, dtype=F64)
+        return CODA.fp8_mlp_backward(
+            torch.randn(m, hh, dtype=F64), x, torch.ones(hh, dtype=F64), w_gu,
+            *weight_cache(w_gu)[2:], w_down, *weight_cache(w_down)[2:], torch.ones(m, dtype=F64),
+            torch.randn(m, 2 * ii, dtype=F64), torch.zeros(ii, 32).to(E4M3), torch.ones(1, ii))
+
+    with pytest.raises(RuntimeError, match=r"fp8_mlp_backward: H \(w_down.size\(0\)\) = 40 must "
+                                           r"be a multiple of 16"):
+        mlp_backward(40, 32)
     with pytest.raises(RuntimeError, match=r"fp8_mlp_backward: I \(w_gu.size\(0\) / 2\) = 40 must "
                                            r"be a multiple of 16"):
-        CODA.fp8_mlp_backward(*args, *a_t)
+        mlp_backward(32, 40)
 
 
 def test_a_meta_argument_among_cpu_ones_is_refused():
