@@ -450,6 +450,18 @@ def fp8_chain_tables(paths, profile_path=None):
                 cells.append(c)
             out.append(f"| {r['model']} | {r['m']} | " + " | ".join(cells) + " |")
         out.append("")
+        hosts = [r for r in staged if r.get("host")]
+        if hosts:
+            out += ["Launch waits: the CPU's time to enqueue one step, and the step timed as "
+                    "above beside the same step with the GPU held asleep until all of it is "
+                    "enqueued (its GPU time alone), ms.\n",
+                    "| model | M | CPU enqueue | step | GPU alone | waiting on launches |",
+                    "|---|---|---|---|---|---|"]
+            for r in hosts:
+                h = r["host"]
+                out.append(f"| {r['model']} | {r['m']} | {h['cpu_enqueue_ms']:.3f} | "
+                           f"{h['suite_ms']:.3f} | {h['queued_ms']:.3f} | {h['gap_ms']:+.3f} |")
+            out.append("")
     # the run's own reasons (torchao, Liger, ...) and the section's (coda_fp8, cuBLASLt)
     absent = {**json.load(open(paths[0])).get("absent", {}), **d.get("absent", {})}
     out += [f"- {k} absent: {v}" for k, v in absent.items() if k not in ("liger", "flashinfer")]

@@ -470,7 +470,8 @@ def main():
                          "'fp8' for FP8_COMPARISON")
     ap.add_argument("--fp8-chain-profile", action="store_true",
                     help="fp8-chain: also our FP8 chain per stage (each op's forward, backward) "
-                         "next to the floor GEMMs each stage holds")
+                         "next to the floor GEMMs each stage holds, and whether the chain "
+                         "waits on the CPU's launches (the row's host)")
     ap.add_argument("--fp8-programs", default=None, metavar="F1,F2,...",
                     help="fp8 / fp8-fused: only these fused programs (F1, F2, F2z, B1, B2, B2z)")
     ap.add_argument("--e2e-timeout", type=int, default=300,

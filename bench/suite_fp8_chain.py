@@ -64,7 +64,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import statistics
 import sys
+import time
 
 if __name__ == "__main__":  # run as a script: suite_chain beside it, a source checkout's coda
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -460,7 +462,7 @@ def run_shape(model, m, sec, progress, torchao=None, time_it=True, dev="cuda", d
     of MODELS, or (hidden, q heads, kv heads, head dim, ffn) for a check at another shape
     (time_it=False, dev="cpu": the CPU check). `profile`: also our chain per stage (STAGES) next
     to the floor GEMMs each stage holds (the row's "stages"; stage_calls' cut chain checked
-    against the whole chain's gradients first)."""
+    against the whole chain's gradients first) and host_bound's check (the row's "host")."""
     if isinstance(model, str) and model not in MODELS:  # the paper's shapes have no FP8 rows
         return None
     name = model if isinstance(model, str) else "x".join(map(str, model))
@@ -572,6 +574,7 @@ def run_shape(model, m, sec, progress, torchao=None, time_it=True, dev="cuda", d
         if row["check"].get("stages") == "PASS":
             row["stages"] = profile_stages(stages, calls, checks, times, progress,
                                            f"{name} M={m}")
+            row["host"] = host_bound(variants["coda_fp8"], progress, f"{name} M={m}")
     sec["rows"].append(row)
     line = f"fp8-chain {name:11s} M={m:5d} "
     if time_it:
@@ -613,6 +616,43 @@ def profile_stages(stages, calls, checks, times, progress, label):
         out["glue"] = {"ours_ms": times["coda_fp8"] - sum(ours.values())}
     for name, r in out.items():
         print(f"  stage {name:13s} " + " ".join(f"{k}={v:.3f}" for k, v in r.items()), flush=True)
+    return out
+
+
+def sleep_cycles_per_ms():
+    """torch.cuda._sleep's cycles in one millisecond on this GPU (timed, not read off a clock
+    property: the SM clock under load is what the sleep counts)."""
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    torch.cuda._sleep(20_000_000)
+    e.record()
+    torch.cuda.synchronize()
+    return 20_000_000 / s.elapsed_time(e)
+
+
+def host_bound(step, progress, label):
+    """Whether our chain waits on the CPU: the CPU's time to enqueue one step (median of 10, the
+    GPU held in a sleep kernel meanwhile, so no launch waits on a full queue), and the step timed
+    as the suite times it (L2 flush, then the step) beside the same step with the GPU asleep
+    until the CPU has enqueued all of it (`queued_ms`: the step's GPU time alone). `gap_ms`, the
+    difference, is the time the GPU spent waiting for launches."""
+    per_ms = sleep_cycles_per_ms()
+    cpu = []
+    for _ in range(10):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(50 * per_ms))
+        t0 = time.perf_counter()
+        step()
+        cpu.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    enqueue_ms = statistics.median(cpu)
+    hold = int((2 * max(cpu) + 1) * per_ms)
+    ms = bench_interleaved({"suite": step,
+                            "queued": (lambda: torch.cuda._sleep(hold), lambda _: step())},
+                           progress, f"fp8 chain host-bound check {label}")
+    out = {"cpu_enqueue_ms": enqueue_ms, "suite_ms": ms["suite"], "queued_ms": ms["queued"],
+           "gap_ms": ms["suite"] - ms["queued"]}
+    print("  host " + " ".join(f"{k}={v:.3f}" for k, v in out.items()), flush=True)
     return out
 
 
