@@ -165,6 +165,32 @@ MlpOut fp8_mlp(const Tensor& x, const Tensor& gamma, const Tensor& w_gu, const T
   });
 }
 
+// The MLP branch alone (tensor parallelism; mlp_partial's FP8 counterpart): y = a · W_downᵀ
+// after F2, no residual add and no next norm; z (activation dtype) and a's copy for the backward.
+using MlpPartialOut = std::tuple<Tensor, Tensor, Tensor, Tensor>;
+MlpPartialOut fp8_mlp_partial(const Tensor& x, const Tensor& gamma, const Tensor& w_gu,
+                              const Tensor& gu_codes, const Tensor& gu_scales,
+                              const std::optional<Tensor>& gu_codes_t,
+                              const std::optional<Tensor>& gu_scales_t, const Tensor& w_down,
+                              const Tensor& dn_codes, const Tensor& dn_scales,
+                              const std::optional<Tensor>& dn_codes_t,
+                              const std::optional<Tensor>& dn_scales_t, const Tensor& h,
+                              const Tensor& h_scales, const Tensor& r, bool recast_w_t) {
+  const auto c = OpContext::from("coda::fp8_mlp_partial", "x", x);
+  const auto s = validate_mlp(c, x, gamma, w_gu, w_down, nullptr, r);
+  const Fp8 gu = fp8_weight(gu_codes, gu_scales, gu_codes_t, gu_scales_t);
+  const Fp8 dn = fp8_weight(dn_codes, dn_scales, dn_codes_t, dn_scales_t);
+  check_fp8_weight(c, "gu", "2I (w_gu.size(0))", w_gu, gu, true, recast_w_t);
+  check_fp8_weight(c, "dn", "H (w_down.size(0))", w_down, dn, true, recast_w_t);
+  const Fp8 hq{h, h_scales, {}, {}};
+  check_fp8_act(c, "h", hq, s.m, s.hidden, true, false);
+  fp8_width(c, "I (w_gu.size(0) / 2)", s.intermediate);
+  return on_backend(x, [&](auto& b) {
+    const auto o = block::fp8_mlp_partial(b, hq, r, gu, dn);
+    return std::make_tuple(o.y, o.z, o.a.codes_t, o.a.scales_t);
+  });
+}
+
 Tensor fp8_norm_qkv(const Tensor& x, const Tensor& gamma, const Tensor& w_qkv,
                     const Tensor& w_codes, const Tensor& w_scales,
                     const std::optional<Tensor>& w_codes_t, const std::optional<Tensor>& w_scales_t,
@@ -249,7 +275,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_mlp_backward(
     const Tensor& gu_codes_t, const Tensor& gu_scales_t, const Tensor& w_down,
     const Tensor& dn_codes_t, const Tensor& dn_scales_t, const Tensor& r, const Tensor& z,
     const std::optional<Tensor>& a_t, const std::optional<Tensor>& a_t_scales,
-    const std::optional<Tensor>& z_scales) {
+    const std::optional<Tensor>& z_scales, bool residual) {
   const auto c = OpContext::from("coda::fp8_mlp_backward", "x", x);
   // z as fp8_mlp saved it: in the activation dtype, or (fp8_z) its codes with z_scales.
   const auto s = z_scales ? validate_mlp(c, x, gamma, w_gu, w_down, nullptr, r)
@@ -271,8 +297,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_mlp_backward(
   }
   fp8_width(c, "I (w_gu.size(0) / 2)", s.intermediate);
   return on_backend(x, [&](auto& b) {
-    const auto g =
-        block::fp8_mlp_backward(b, dx_out, x, gamma, gu, dn, r, z, z_scales.value_or(Tensor()), a);
+    const auto g = block::fp8_mlp_backward(b, dx_out, x, gamma, gu, dn, r, z,
+                                           z_scales.value_or(Tensor()), a, residual);
     return std::make_tuple(g.dx, g.dgamma, g.dw, g.dw2);
   });
 }
@@ -367,6 +393,17 @@ MlpOut fp8_mlp_meta(const Tensor& x, const Tensor&, const Tensor& w_gu, const Te
   const fp8::Quantized h = fp8::empty_quantized(x, m, hidden, true, false);
   return {at::empty_like(x), std::get<0>(h), std::get<1>(h), r, z, a_t, a_t_scales, z_scales};
 }
+MlpPartialOut fp8_mlp_partial_meta(const Tensor& x, const Tensor&, const Tensor& w_gu,
+                                   const Tensor&, const Tensor&, const std::optional<Tensor>&,
+                                   const std::optional<Tensor>&, const Tensor&, const Tensor&,
+                                   const Tensor&, const std::optional<Tensor>&,
+                                   const std::optional<Tensor>&, const Tensor&, const Tensor&,
+                                   const Tensor&, bool) {
+  const c10::SymInt m = x.sym_size(0), two_i = w_gu.sym_size(0);
+  const fp8::Quantized a_copy = fp8::empty_quantized(x, m, two_i / 2, false, true);
+  return {at::empty_like(x), at::empty_symint({m, two_i}, x.options()), std::get<2>(a_copy),
+          std::get<3>(a_copy)};
+}
 Tensor fp8_norm_qkv_meta(const Tensor& x, const Tensor&, const Tensor& w_qkv, const Tensor&,
                          const Tensor&, const std::optional<Tensor>&, const std::optional<Tensor>&,
                          const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
@@ -400,7 +437,8 @@ std::tuple<Tensor, Tensor> fp8_linear_backward_meta(const Tensor& dout,
 std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_mlp_backward_meta(
     const Tensor&, const Tensor& x, const Tensor& gamma, const Tensor& w_gu, const Tensor&,
     const Tensor&, const Tensor& w_down, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-    const std::optional<Tensor>&, const std::optional<Tensor>&, const std::optional<Tensor>&) {
+    const std::optional<Tensor>&, const std::optional<Tensor>&, const std::optional<Tensor>&,
+    bool) {
   return {at::empty_like(x), at::empty_like(gamma), at::empty_like(w_gu), at::empty_like(w_down)};
 }
 std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_norm_qkv_backward_meta(
@@ -540,11 +578,51 @@ class Fp8Mlp : public torch::autograd::Function<Fp8Mlp> {
     const bool kept = !ctx->saved_data["recompute_a"].toBool();
     const auto [gut, guts] = weight_t(ctx, "gu_t", s[3], s[4], s[2]);
     const auto [dnt, dnts] = weight_t(ctx, "dn_t", s[6], s[7], s[5]);
+    auto [dx, dgamma, dw_gu, dw_down] = b.call(
+        g[0].contiguous(), s[0], s[1], s[2], gut, guts, s[5], dnt, dnts, s[8], s[9],
+        kept ? std::optional<Tensor>(s[10]) : std::nullopt,
+        kept ? std::optional<Tensor>(s[11]) : std::nullopt,
+        ctx->saved_data["fp8_z"].toBool() ? std::optional<Tensor>(s[12]) : std::nullopt, true);
+    out[0] = dx;
+    out[1] = dgamma;
+    out[2] = dw_gu;
+    out[7] = dw_down;
+    return out;
+  }
+};
+
+// fp8_mlp_partial: its backward is fp8_mlp_backward without the residual's dx_out, so under
+// tensor parallelism each rank's dx is its share of the sum.
+class Fp8MlpPartial : public torch::autograd::Function<Fp8MlpPartial> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& gamma,
+                               const Tensor& w_gu, const Tensor& guc, const Tensor& gus,
+                               const std::optional<Tensor>& guct, const std::optional<Tensor>& gust,
+                               const Tensor& w_down, const Tensor& dnc, const Tensor& dns,
+                               const std::optional<Tensor>& dnct, const std::optional<Tensor>& dnst,
+                               const Tensor& h, const Tensor& hs, const Tensor& r,
+                               bool recast_w_t) {
+    ctx->set_materialize_grads(false);
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static const auto f = op<decltype(fp8_mlp_partial)>("coda::fp8_mlp_partial");
+    auto [y, z, at, ats] = f.call(x, gamma, w_gu, guc, gus, guct, gust, w_down, dnc, dns, dnct,
+                                  dnst, h, hs, r, recast_w_t);
+    ctx->mark_non_differentiable({z, at, ats});
+    const auto [gut, guts] = weight_t_to_save(ctx, "gu_t", guc, gus, guct, gust, recast_w_t);
+    const auto [dnt, dnts] = weight_t_to_save(ctx, "dn_t", dnc, dns, dnct, dnst, recast_w_t);
+    ctx->save_for_backward({x, gamma, w_gu, gut, guts, w_down, dnt, dnts, r, z, at, ats});
+    return {y, z, at, ats};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    variable_list out(16);
+    if (!g[0].defined()) return out;
+    const auto s = ctx->get_saved_variables();
+    static auto b = op<decltype(fp8_mlp_backward)>("coda::fp8_mlp_backward");
+    const auto [gut, guts] = weight_t(ctx, "gu_t", s[3], s[4], s[2]);
+    const auto [dnt, dnts] = weight_t(ctx, "dn_t", s[6], s[7], s[5]);
     auto [dx, dgamma, dw_gu, dw_down] =
-        b.call(g[0].contiguous(), s[0], s[1], s[2], gut, guts, s[5], dnt, dnts, s[8], s[9],
-               kept ? std::optional<Tensor>(s[10]) : std::nullopt,
-               kept ? std::optional<Tensor>(s[11]) : std::nullopt,
-               ctx->saved_data["fp8_z"].toBool() ? std::optional<Tensor>(s[12]) : std::nullopt);
+        b.call(g[0].contiguous(), s[0], s[1], s[2], gut, guts, s[5], dnt, dnts, s[8], s[9], s[10],
+               s[11], std::nullopt, false);
     out[0] = dx;
     out[1] = dgamma;
     out[2] = dw_gu;
@@ -635,6 +713,7 @@ class Fp8NormQkvQkNorm : public torch::autograd::Function<Fp8NormQkvQkNorm> {
 namespace names {
 inline constexpr char out_proj[] = "coda::fp8_out_proj_residual_norm";
 inline constexpr char mlp[] = "coda::fp8_mlp";
+inline constexpr char mlp_partial[] = "coda::fp8_mlp_partial";
 inline constexpr char norm_qkv[] = "coda::fp8_norm_qkv";
 inline constexpr char linear_backward[] = "coda::fp8_linear_backward";
 inline constexpr char mlp_backward[] = "coda::fp8_mlp_backward";
@@ -646,6 +725,7 @@ inline constexpr char norm_qkv_qk_norm_backward[] = "coda::fp8_norm_qkv_qk_norm_
 void register_kernels(torch::Library& m) {
   m.impl("fp8_out_proj_residual_norm", CODA_GUARDED(names::out_proj, fp8_out_proj_residual_norm));
   m.impl("fp8_mlp", CODA_GUARDED(names::mlp, fp8_mlp));
+  m.impl("fp8_mlp_partial", CODA_GUARDED(names::mlp_partial, fp8_mlp_partial));
   m.impl("fp8_norm_qkv", CODA_GUARDED(names::norm_qkv, fp8_norm_qkv));
   m.impl("fp8_linear_backward", CODA_GUARDED(names::linear_backward, fp8_linear_backward));
   m.impl("fp8_mlp_backward", CODA_GUARDED(names::mlp_backward, fp8_mlp_backward));
@@ -679,6 +759,14 @@ TORCH_LIBRARY_FRAGMENT(coda, m) {
       "bool recompute_a=False, bool recast_w_t=False, bool fp8_z=False) -> (Tensor x_out, "
       "Tensor h_out, Tensor h_out_scales, Tensor r_out, Tensor z, Tensor a_t, Tensor a_t_scales, "
       "Tensor z_scales)");
+  // The MLP branch alone (mlp_partial's FP8 counterpart, for tensor parallelism): y = a · W_downᵀ,
+  // no residual add, no next norm; z and a's copy for its backward (fp8_mlp_backward with
+  // residual=False).
+  m.def(
+      "fp8_mlp_partial(Tensor x, Tensor gamma, Tensor w_gu, Tensor gu_codes, Tensor gu_scales, "
+      "Tensor? gu_codes_t, Tensor? gu_scales_t, Tensor w_down, Tensor dn_codes, "
+      "Tensor dn_scales, Tensor? dn_codes_t, Tensor? dn_scales_t, Tensor h, Tensor h_scales, "
+      "Tensor r, bool recast_w_t=False) -> (Tensor y, Tensor z, Tensor a_t, Tensor a_t_scales)");
   m.def(
       "fp8_norm_qkv(Tensor x, Tensor gamma, Tensor w_qkv, Tensor w_codes, Tensor w_scales, "
       "Tensor? w_codes_t, Tensor? w_scales_t, Tensor h, Tensor h_scales, Tensor r, Tensor pos, "
@@ -699,8 +787,8 @@ TORCH_LIBRARY_FRAGMENT(coda, m) {
   m.def(
       "fp8_mlp_backward(Tensor dx_out, Tensor x, Tensor gamma, Tensor w_gu, Tensor gu_codes_t, "
       "Tensor gu_scales_t, Tensor w_down, Tensor dn_codes_t, Tensor dn_scales_t, Tensor r, "
-      "Tensor z, Tensor? a_t, Tensor? a_t_scales, Tensor? z_scales=None) -> (Tensor dx, "
-      "Tensor dgamma, Tensor dw_gu, Tensor dw_down)");
+      "Tensor z, Tensor? a_t, Tensor? a_t_scales, Tensor? z_scales=None, bool residual=True) "
+      "-> (Tensor dx, Tensor dgamma, Tensor dw_gu, Tensor dw_down)");
   m.def(
       "fp8_norm_qkv_qk_norm_backward(Tensor dqkv, Tensor qkv, Tensor qk_pre, Tensor x, "
       "Tensor gamma, Tensor w_qkv, Tensor w_codes_t, Tensor w_scales_t, Tensor r, Tensor pos, "
@@ -721,6 +809,7 @@ TORCH_LIBRARY_IMPL(coda, CUDA, m) { register_kernels(m); }
 TORCH_LIBRARY_IMPL(coda, Meta, m) {
   impl_meta(m, "fp8_out_proj_residual_norm", &fp8_out_proj_residual_norm_meta);
   impl_meta(m, "fp8_mlp", &fp8_mlp_meta);
+  impl_meta(m, "fp8_mlp_partial", &fp8_mlp_partial_meta);
   impl_meta(m, "fp8_norm_qkv", &fp8_norm_qkv_meta);
   impl_meta(m, "fp8_linear_backward", &fp8_linear_backward_meta);
   impl_meta(m, "fp8_mlp_backward", &fp8_mlp_backward_meta);
@@ -779,6 +868,16 @@ TORCH_LIBRARY_IMPL(coda, Autograd, m) {
                            hs, r, gamma_next, eps, act_h_out, recompute_a, recast_w_t, fp8_z);
     return std::make_tuple(o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7]);
   });
+  m.impl("fp8_mlp_partial",
+         [](const Tensor& x, const Tensor& gamma, const Tensor& w_gu, const Tensor& guc,
+            const Tensor& gus, const std::optional<Tensor>& guct, const std::optional<Tensor>& gust,
+            const Tensor& w_down, const Tensor& dnc, const Tensor& dns,
+            const std::optional<Tensor>& dnct, const std::optional<Tensor>& dnst, const Tensor& h,
+            const Tensor& hs, const Tensor& r, bool recast_w_t) {
+           auto o = Fp8MlpPartial::apply(x, gamma, w_gu, guc, gus, guct, gust, w_down, dnc, dns,
+                                         dnct, dnst, h, hs, r, recast_w_t);
+           return std::make_tuple(o[0], o[1], o[2], o[3]);
+         });
   m.impl("fp8_norm_qkv",
          [](const Tensor& x, const Tensor& gamma, const Tensor& w_qkv, const Tensor& wc,
             const Tensor& ws, const std::optional<Tensor>& wct, const std::optional<Tensor>& wst,

@@ -289,6 +289,69 @@ def test_fp8_norm_qkv_qk_norm_matches_the_recipe(shape):
         close(got_g, want_g, f"d {name}")
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fp8_mlp_partial_matches_the_recipe(shape):
+    """The MLP branch alone (fp8_mlp_partial, tensor parallelism's): y = a · W_downᵀ after F2, no
+    residual add and no next norm, and its backward without the residual's gradient (B2, B1
+    without dres, both weight gradients), against the recipe unfused in fp64; z, a's copy."""
+    p, up, _, _ = chain_inputs(shape, False, seed=5)
+    x, gamma, w_gu, w_down, dy = p["x0"], p["gamma_ffn"], p["w_gu"], p["w_down"], up["dx2"]
+    hidden = x.shape[1]
+    r = torch.rsqrt((x * x).mean(1) + EPS)
+    h_codes, h_scales = CODA.fp8_quantize_rows(x * gamma)[:2]
+    leaves = [t.clone().requires_grad_() for t in (x, gamma, w_gu, w_down)]
+    y, z, a_t, a_ts = CODA.fp8_mlp_partial(leaves[0], leaves[1], leaves[2], *weight_cache(w_gu),
+                                           leaves[3], *weight_cache(w_down), h_codes, h_scales, r)
+    got = torch.autograd.grad(y, leaves, dy)
+
+    h = cast(x * gamma, what="h")
+    w_gu_deq, w_dn_deq = (cast(w, 128, "w", guard=False).deq for w in (w_gu, w_down))
+    want_z = r[:, None] * (h.deq @ w_gu_deq.t())
+    gate, upv = want_z[:, 0::2], want_z[:, 1::2]
+    a = F.silu(gate) * upv
+    aq, at = cast(a, what="a"), cast(a.t(), what="aᵀ")
+    close(z, want_z, "z")
+    close(y.detach(), aq.deq @ w_dn_deq.t(), "y")
+    same_copy_cast(a_t, a_ts, at, "aᵀ")
+    # B2 from dy's cast, then B1 without dres: dx = r·(g·γ − x·r·ZdZ).
+    dyq, dyt = cast(dy, what="dy"), cast(dy.t(), what="dyᵀ")
+    da = dyq.deq @ w_dn_deq
+    sig = torch.sigmoid(gate)
+    dg, du = da * upv * sig * (1 + gate * (1 - sig)), da * F.silu(gate)
+    dz = torch.stack([dg, du], 2).flatten(1)
+    zdz = (gate * dg + upv * du).sum(1)[:, None] / hidden
+    dzq, dzt = cast(dz, what="dz"), cast(dz.t(), what="dzᵀ")
+    g1, n = dzq.deq @ w_gu_deq, x * r[:, None]
+    hout = cast((n * gamma).t(), what="h_outᵀ")
+    want = dict(x=r[:, None] * (g1 * gamma - n * zdz), gamma=(g1 * n).sum(0),
+                w_gu=dzt.deq @ hout.deq.t(), w_down=dyt.deq @ at.deq.t())
+    for (name, want_g), got_g in zip(want.items(), got):
+        close(got_g, want_g, f"d {name}")
+
+
+def test_fp8_mlp_partial_is_fp8_mlp_without_the_residual():
+    """The same F2 and down-projection as fp8_mlp: y = x_out − x for fp8_mlp's x_out, and the
+    backward differs by the residual's gradient alone (dx_partial = dx − dy)."""
+    p, up, _, _ = chain_inputs("M150", False, seed=9)
+    x, gamma, w_gu, w_down, dy = p["x0"], p["gamma_ffn"], p["w_gu"], p["w_down"], up["dx2"]
+    r = torch.rsqrt((x * x).mean(1) + EPS)
+    hq = CODA.fp8_quantize_rows(x * gamma)[:2]
+    qs = (*weight_cache(w_gu), None, *weight_cache(w_down))  # the weights' FP8 operands
+    leaves = [t.clone().requires_grad_() for t in (x, gamma, w_gu, w_down)]
+    y, z = CODA.fp8_mlp_partial(leaves[0], leaves[1], leaves[2], *qs[:4], leaves[3], *qs[5:],
+                                *hq, r)[:2]
+    full = [t.clone().requires_grad_() for t in (x, gamma, w_gu, w_down)]
+    x_out, _, _, _, z_full, *_ = CODA.fp8_mlp(full[0], full[1], full[2], *qs[:4], full[3],
+                                              *qs[5:], *hq, r, p["gamma_attn"], EPS)
+    close(y.detach(), (x_out - x).detach(), "y")
+    assert torch.equal(z, z_full)
+    d_partial = torch.autograd.grad(y, leaves, dy)
+    d_full = torch.autograd.grad(x_out, full, dy)
+    close(d_partial[0], d_full[0] - dy, "dx")
+    for name, a, b in zip(("gamma", "w_gu", "w_down"), d_partial[1:], d_full[1:]):
+        close(a, b, f"d {name}")
+
+
 def test_fp8_mlp_act_h_out_keeps_h_in_the_activation_dtype():
     """The last layer's MLP (act_h_out): x_out, r_out, z, a's copy and every gradient as without
     it; h_out = x_out ⊙ γ_next unquantized, h_out_scales empty."""
@@ -565,6 +628,10 @@ def opcheck_cases():
     return {
         "out_proj": (CODA.fp8_out_proj_residual_norm.default, out_proj_args(case)),
         "mlp": (CODA.fp8_mlp.default, mlp_args(case)),
+        "mlp_partial": (CODA.fp8_mlp_partial.default, mlp_args(case)[:15]),
+        "mlp_partial_recast_w_t": (CODA.fp8_mlp_partial.default, mlp_args(
+            case, gu_codes_t=None, gu_scales_t=None, dn_codes_t=None, dn_scales_t=None)[:15]
+            + [True]),
         # y's copy made in the backward, from y
         "out_proj_recompute_y": (CODA.fp8_out_proj_residual_norm.default,
                                  out_proj_args(case) + [True, True]),
@@ -601,7 +668,8 @@ def e4m3_as_bytes(outs):
 
 OPCHECK_CASES = ("out_proj", "out_proj_recompute_y", "out_proj_recast_w_t", "mlp",
                  "mlp_recompute_a", "mlp_fp8_z", "mlp_fp8_z_recompute_a",
-                 "mlp_transpose_in_backward", "mlp_recast_w_t", "norm_qkv",
+                 "mlp_transpose_in_backward", "mlp_recast_w_t", "mlp_partial",
+                 "mlp_partial_recast_w_t", "norm_qkv",
                  "norm_qkv_transpose_in_backward", "norm_qkv_qk_norm")
 
 
@@ -645,7 +713,7 @@ def test_opcheck_fp8_block_ops(name):
                              fullgraph=True, dynamic=True)
     (eager, d_eager), (traced, d_traced) = grads(lambda *a: e4m3_as_bytes(op(*a))), grads(compiled)
     # out-proj's γ and the MLP's γ_next are not differentiable (their consumer differentiates).
-    assert sum(d is None for d in d_eager) == (not name.startswith("norm_qkv"))
+    assert sum(d is None for d in d_eager) == (not name.startswith(("norm_qkv", "mlp_partial")))
     for a, b in zip(eager + d_eager, traced + d_traced):
         assert (a is None and b is None) or torch.equal(a, b)
 

@@ -201,6 +201,41 @@ def test_fp8_mlp_matches_the_cpu_op(shape, act_h_out):
     normwise(dgu, dgu64, near_tie_bound(2), "dW_gu")
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fp8_mlp_partial_matches_the_cpu_op(shape):
+    """The MLP branch alone (tensor parallelism's): z by the GEMM tolerance, a's copy dequantized
+    against the CPU's silu(g)·u, y normwise with a's rows cast inside (one near-tie cast); the
+    backward (no residual) through autograd against the CPU's fp8_mlp_backward(residual=False)
+    on the GPU forward's z and a's copy, with the tolerances of the MLP's test."""
+    p, up, _, _ = inputs(shape, False, seed=4)
+    m = p["x0"].shape[0]
+    q = caches(p)
+    x, gamma = p["x0"], p["gamma_ffn"]
+    v = leaves_on("cuda", dict(p, x=x), ("x", "gamma_ffn", "w_gu", "w_down"))
+    h, hs, r = norm_caches(x, gamma, "cuda")
+    y, z, at, ats = CODA.fp8_mlp_partial(
+        v["x"], v["gamma_ffn"], v["w_gu"], *q["w_gu"]["cuda"], v["w_down"], *q["w_down"]["cuda"],
+        h, hs, r)
+    grads = torch.autograd.grad(y, list(v.values()), up["dx2"].cuda())
+    h64, hs64, r64 = norm_caches(x, gamma, "cpu")
+    y64, z64, _, _ = CODA.fp8_mlp_partial(
+        x.double(), gamma.double(), p["w_gu"].double(), *q["w_gu"]["cpu"], p["w_down"].double(),
+        *q["w_down"]["cpu"], h64, hs64, r64)
+    fp8_gemm_close(z, z64, "z")
+    fp8_codes_near(at[:, :m], ats, (F.silu(z64[:, 0::2]) * z64[:, 1::2]).t(), "aᵀ")
+    normwise(y, y64, near_tie_bound(1), "y")
+    gu, dn = q["w_gu"]["cpu"], q["w_down"]["cpu"]
+    dx64, dg64, dgu64, ddn64 = CODA.fp8_mlp_backward(
+        up["dx2"].double(), x.double(), gamma.double(), p["w_gu"].double(), gu[2], gu[3],
+        p["w_down"].double(), dn[2], dn[3], r64, z.double().cpu(), at.cpu(), ats.cpu(), None,
+        False)
+    dx, dg, dgu, ddn = grads
+    fp8_gemm_close(ddn, ddn64, "dW_down")
+    normwise(dx, dx64, near_tie_bound(1), "dx")
+    normwise(dg, dg64, near_tie_bound(1), "dγ")
+    normwise(dgu, dgu64, near_tie_bound(2), "dW_gu")
+
+
 @pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_fp8_norm_qkv_matches_the_cpu_op(shape, bias):

@@ -117,6 +117,23 @@ Fp8Mlp<B> fp8_mlp(B& b, const T<B>& x, const Fp8<B>& h, const T<B>& r, const Fp8
   return o;
 }
 
+template <class B>
+struct Fp8MlpPartial {
+  T<B> y;    // this rank's share of the MLP branch, a · W_downᵀ, in the activation dtype
+  T<B> z;    // F2's pre-activation, saved for the backward (activation dtype)
+  Fp8<B> a;  // F2's a; its copy (codes_t, scales_t) is the down-projection's dW operand
+};
+
+// F2 then the plain FP8 GEMM: the MLP branch alone, y = a · W_downᵀ, no residual add and no
+// next norm (tensor parallelism: each rank's y is its share of the sum, reduced before the add;
+// docs/tensor-parallel.md). Its backward is fp8_mlp_backward without the residual.
+template <class B>
+Fp8MlpPartial<B> fp8_mlp_partial(B& b, const Fp8<B>& h, const T<B>& r, const Fp8<B>& w_gu,
+                                 const Fp8<B>& w_down) {
+  auto [z, z_scales, a] = b.fp8_rmsnorm_swiglu(h, w_gu, r, true, false);
+  return {b.fp8_gemm(a, w_down.codes, w_down.scales), z, a};
+}
+
 // F3 on FP8 operands: qkv = rope(r ⊙ (h · W_qkvᵀ) + b_qkv).
 template <class B>
 T<B> fp8_norm_qkv(B& b, const Fp8<B>& h, const T<B>& r, const Fp8<B>& w_qkv, const T<B>& b_qkv,
@@ -161,20 +178,22 @@ InputGrads<B> fp8_linear_backward(B& b, const T<B>& dout, const Fp8<B>& input, c
 }
 
 // B2 (+ dW_down) → B1 (+ dW_gu): fp8_mlp's backward, dx_out cast once (B2's A, dW_down's B);
-// the residual add's gradient enters B1 as dres. dw = dW_gu, dw2 = dW_down. `a` holds a's copy
+// the residual add's gradient enters B1 as dres (`residual`; fp8_mlp_partial's backward has no
+// residual add: dx is then the branch's alone). dw = dW_gu, dw2 = dW_down. `a` holds a's copy
 // as F2 wrote it, or nothing (recompute_a): then it is made from z here, as the bf16 B2
 // recomputes a. z as fp8_mlp saved it (z_scales empty: in the activation dtype).
 template <class B>
 InputGrads<B> fp8_mlp_backward(B& b, const T<B>& dx_out, const T<B>& x, const T<B>& gamma,
                                const Fp8<B>& w_gu, const Fp8<B>& w_down, const T<B>& r,
-                               const T<B>& z, const T<B>& z_scales, const Fp8<B>& a) {
+                               const T<B>& z, const T<B>& z_scales, const Fp8<B>& a,
+                               bool residual = true) {
   const int64_t m = b.rows(x), hidden = b.cols(x);
   const Fp8<B> dxo = b.fp8_cast(dx_out, true, true);
   auto [dz, p] = b.fp8_swiglu_backward(dxo, w_down, z, z_scales);
   T<B> zdz = b.stat(m);
   b.zdz_fold(p, hidden, zdz);
   T<B> dw_down = b.fp8_wgrad(dxo, b.present(a.codes_t) ? a : b.fp8_swiglu_copy(z, z_scales));
-  InputGrads<B> g = fp8_rmsnorm_backward(b, dz, w_gu, x, r, gamma, zdz, dx_out);
+  InputGrads<B> g = fp8_rmsnorm_backward(b, dz, w_gu, x, r, gamma, zdz, residual ? dx_out : T<B>{});
   g.dw2 = dw_down;
   return g;
 }
