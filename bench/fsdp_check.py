@@ -12,8 +12,9 @@ difference, and tokens/s per GPU (median step time after warm-up).
                                                                   # compared with R-single.json
     torchrun --nproc-per-node 2 bench/fsdp_check.py --mode tp --out R     # writes R-tp.json
     ... --mode tp-unfused   the same sharding with plain PyTorch ops (the unfused TP baseline)
-    ... --precision fp8     (single and fsdp) the FP8 model (precision="fp8"): R-single-fp8.json,
-                            R-fsdp-fp8.json, compared with each other
+    ... --precision fp8     (single, fsdp and tp) the FP8 model (precision="fp8"):
+                            R-single-fp8.json, R-fsdp-fp8.json, R-tp-fp8.json, each sharded run
+                            compared with the single FP8 run
 
 NCCL runs through PyTorch's process group with NVLink multicast off (NCCL_NVLS_ENABLE=0,
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1), as the GPU machines require.
@@ -61,12 +62,12 @@ def main():
     ap.add_argument("--lm-head", choices=["vocab", "sequence"], default="vocab",
                     help="TP only: vocabulary- or sequence-parallel LM head")
     ap.add_argument("--precision", choices=["bf16", "fp8"], default="bf16",
-                    help="the model's projections (fp8: blockwise FP8; FSDP2 and single only)")
+                    help="the model's projections (fp8: blockwise FP8; not with tp-unfused)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    if args.precision == "fp8" and args.mode not in ("single", "fsdp"):
-        raise SystemExit("fsdp_check: --precision fp8 runs with --mode single or fsdp "
-                         "(coda.parallel refuses FP8 models)")
+    if args.precision == "fp8" and args.mode == "tp-unfused":
+        raise SystemExit("fsdp_check: --precision fp8 runs with --mode single, fsdp or tp (the "
+                         "unfused TP baseline runs in bf16)")
     fsdp, tp = args.mode == "fsdp", args.mode in ("tp", "tp-unfused")
     if fsdp or tp:
         dist.init_process_group("nccl")

@@ -13,7 +13,9 @@ ranks' log-sum-exps and target logits are combined with two collectives of M flo
 backward (B4 -> B1 with the global LSE) is its slice's share of dx and dγ. ``lm_head="sequence"``
 keeps the whole vocabulary on every rank and runs the op on the rank's own rows.
 ``fused=False`` runs the same sharding and collectives with plain PyTorch ops: the unfused
-tensor-parallel baseline.
+tensor-parallel baseline. A model with ``precision="fp8"`` runs the shards' projection GEMMs in
+blockwise FP8 (fp8_norm_qkv; fp8_mlp_partial; the out-projection's partial GEMM on y's cast),
+the rest as in bf16.
 
     tp = TensorParallelLlama(model)     # shards a CodaLlamaForCausalLM's weights
     loss = tp(input_ids, labels)        # this rank's share: the sum over ranks is the loss
@@ -29,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import ops
-from .nn import CodaLlamaForCausalLM, sdpa_causal
+from .nn import CodaLlamaForCausalLM, Fp8WeightCache, sdpa_causal
 
 
 def _rows(t: Tensor, group) -> tuple[int, int]:
@@ -162,6 +164,28 @@ class _VocabParallelLossSum(torch.autograd.Function):
         return dx, dgamma, dw, None, None, None, None, None, None, None
 
 
+class _Fp8LinearPartial(torch.autograd.Function):
+    """y · wᵀ on FP8 operands: y cast once (its 1x128 rows for the GEMM, its 128x1 copy kept for
+    dW), w's 128x128 codes and scales given (q: Fp8WeightCache's, wᵀ's None). The backward is
+    fp8_linear_backward on wᵀ's codes (transposed from w's): the row-parallel out-projection's
+    partial product, whose residual add follows the reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, y, w, codes, scales):
+        coda = torch.ops.coda
+        yc, ys, yt, yts = coda.fp8_quantize_rows(y, True, True)
+        ctx.save_for_backward(yt, yts, w, codes, scales)
+        return coda.fp8_gemm(yc, ys, codes, scales)
+
+    @staticmethod
+    def backward(ctx, g):
+        coda = torch.ops.coda
+        yt, yts, w, codes, scales = ctx.saved_tensors
+        wt, wts = coda.fp8_transpose_blocks(codes, scales)
+        dy, dw = coda.fp8_linear_backward(g.contiguous(), yt, yts, w, wt, wts)
+        return dy, dw, None, None
+
+
 def _share(p: Tensor, dim: int, lo: int, hi: int) -> nn.Parameter:
     return nn.Parameter(p.detach().narrow(dim, lo, hi - lo).clone())
 
@@ -202,14 +226,24 @@ class TensorParallelLlama(nn.Module):
         c = model.config
         if lm_head not in ("vocab", "sequence"):
             raise ValueError(f"coda.parallel: lm_head must be 'vocab' or 'sequence', got {lm_head!r}")
-        if model.precision != "bf16":
-            raise NotImplementedError(f"coda.parallel: tensor parallelism runs the bf16 ops; got a "
-                                      f"model with precision={model.precision!r}")
+        if model.precision == "fp8" and not fused:
+            raise NotImplementedError("coda.parallel: fused=False (the plain PyTorch baseline) "
+                                      "runs in the activation dtype; got a model with "
+                                      "precision='fp8'")
+        if model.precision == "fp8":
+            kept_less = [n for n in ("fp8_z", "fp8_recompute_a") if getattr(model, n)]
+            if model.fp8_weight_cache is False:
+                kept_less.append("fp8_weight_cache=False")
+            if kept_less:
+                raise NotImplementedError(
+                    f"coda.parallel: the FP8 shards keep what the FP8 model keeps by default; "
+                    f"{', '.join(kept_less)} is not supported under tensor parallelism")
         if c.qkv_bias or c.qk_norm:
             raise NotImplementedError("coda.parallel: tensor parallelism of a model with a Q/K/V "
                                       "bias (config.qkv_bias) or QK-norm (config.qk_norm) is "
                                       "not supported")
         self.config, self.group, self.fused, self.lm_head = c, group, fused, lm_head
+        self.precision = model.precision
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         if c.num_kv_heads % world or c.num_heads % world or c.intermediate_size % world:
             raise ValueError(
@@ -222,6 +256,13 @@ class TensorParallelLlama(nn.Module):
             c.head_dim,
             c.intermediate_size // world,
         )
+        if self.precision == "fp8":  # each rank's widths: 16-byte rows of e4m3 codes
+            for what, width in (("num_heads / world * head_dim", hq * d),
+                                ("num_kv_heads / world * head_dim", hkv * d),
+                                ("intermediate_size / world", i)):
+                if width % 16:
+                    raise ValueError(f"coda.parallel: precision='fp8' needs {what} a multiple "
+                                     f"of 16 (16-byte rows of e4m3 codes), got {width}")
         self.heads, self.kv_heads = hq, hkv
         rows = qkv_rows(c, rank, world)
         self.layers = nn.ModuleList()
@@ -232,6 +273,7 @@ class TensorParallelLlama(nn.Module):
             shard.gamma_ffn = nn.Parameter(layer.gamma_ffn.detach().clone())
             shard.w_gu = _share(layer.w_gu, 0, 2 * rank * i, 2 * (rank + 1) * i)  # (g, u) pairs
             shard.w_down = _share(layer.w_down, 1, rank * i, (rank + 1) * i)
+            shard.fp8_cache = Fp8WeightCache()  # a plain object: not module state
             self.layers.append(shard)
         self.embed = nn.Parameter(model.embed_tokens.weight.detach().clone())
         self.gamma_attn = nn.ParameterList(
@@ -279,13 +321,13 @@ class TensorParallelLlama(nn.Module):
         rope = None if self.fused else self._rope(pos, x.dtype)
         for n, layer in enumerate(self.layers):
             # attention: gathered rows, this rank's heads; out-proj partial -> reduce-scatter
-            qkv = self._qkv(_GatherRows.apply(x, g), self.gamma_attn[n], layer.w_qkv, pos, rope)
+            qkv = self._qkv(_GatherRows.apply(x, g), self.gamma_attn[n], layer, pos, rope)
             qkv = qkv.view(batch, seq, self.heads + 2 * self.kv_heads, d)
             # split, not sliced: one concatenation of the gradients (nn._attention)
             q, k, v = (t.transpose(1, 2) for t in qkv.split(
                 [self.heads, self.kv_heads, self.kv_heads], dim=2))
             y = sdpa_causal(q, k, v).transpose(1, 2).reshape(M, self.heads * d)
-            x = x + _ReduceScatterRows.apply(F.linear(y, layer.w_o), g)
+            x = x + _ReduceScatterRows.apply(self._out_proj(y, layer), g)
             # MLP: gathered rows, this rank's intermediate slice; partial -> reduce-scatter
             x = x + _ReduceScatterRows.apply(self._mlp(_GatherRows.apply(x, g), layer), g)
         targets = F.pad(labels[:, 1:].to(torch.int64), (0, 1), value=ignore_index).reshape(M)
@@ -304,6 +346,22 @@ class TensorParallelLlama(nn.Module):
         """The fused ops' norm caches (h, r) of the rows they get."""
         return ops.rmsnorm_stats(x.detach(), gamma, self.config.rms_norm_eps)
 
+    def _fp8_caches(self, x: Tensor, gamma: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The FP8 ops' caches of the rows they get: h's 1x128 codes and scales (one cast pass,
+        as the FP8 model makes its first norm's) and r."""
+        h, r = self._caches(x, gamma)
+        return (*torch.ops.coda.fp8_quantize_rows(h)[:2], r)
+
+    def _fp8(self, layer: nn.Module, name: str) -> tuple[Tensor, ...]:
+        """A shard weight's FP8 operands (quantized once per change of the weight)."""
+        return layer.fp8_cache.get(name, getattr(layer, name))
+
+    def _out_proj(self, y: Tensor, layer: nn.Module) -> Tensor:
+        """This rank's partial out-projection (row-parallel: its heads' columns of w_o)."""
+        if self.precision == "fp8":
+            return _Fp8LinearPartial.apply(y, layer.w_o, *self._fp8(layer, "w_o")[:2])
+        return F.linear(y, layer.w_o)
+
     def _norm(self, x: Tensor, gamma: Tensor) -> Tensor:
         return F.rms_norm(x, (x.shape[1],), gamma, self.config.rms_norm_eps)
 
@@ -312,7 +370,11 @@ class TensorParallelLlama(nn.Module):
         logits = F.linear(self._norm(x, self.gamma_final), self._vocab_weight())
         return logits.float() if logits.dtype == torch.bfloat16 else logits
 
-    def _qkv(self, x: Tensor, gamma: Tensor, w_qkv: Tensor, pos: Tensor, rope) -> Tensor:
+    def _qkv(self, x: Tensor, gamma: Tensor, layer: nn.Module, pos: Tensor, rope) -> Tensor:
+        w_qkv = layer.w_qkv
+        if self.precision == "fp8":
+            return torch.ops.coda.fp8_norm_qkv(x, gamma, w_qkv, *self._fp8(layer, "w_qkv"),
+                                               *self._fp8_caches(x, gamma), pos, self.rope_table)
         if self.fused:
             return ops.norm_qkv(x, gamma, w_qkv, *self._caches(x, gamma), pos, self.rope_table)
         qkv = F.linear(self._norm(x, gamma), w_qkv)
@@ -321,6 +383,10 @@ class TensorParallelLlama(nn.Module):
 
     def _mlp(self, x: Tensor, layer: nn.Module) -> Tensor:
         g = layer.gamma_ffn
+        if self.precision == "fp8":
+            return torch.ops.coda.fp8_mlp_partial(
+                x, g, layer.w_gu, *self._fp8(layer, "w_gu"), layer.w_down,
+                *self._fp8(layer, "w_down"), *self._fp8_caches(x, g))[0]
         if self.fused:
             return ops.mlp_partial(x, g, layer.w_gu, layer.w_down, *self._caches(x, g))[0]
         gu = F.linear(self._norm(x, g), layer.w_gu)

@@ -105,12 +105,21 @@ def test_column_parallel_norm_qkv_with_sequence_parallel_inputs_matches_unsharde
 # ---- the whole model: coda.parallel.TensorParallelLlama vs CodaLlamaForCausalLM ----------------
 
 
+# FP8 shards quantize in the unsharded model's blocks when every rank's share of a quantized
+# width is whole 128-column blocks: a head (d = 128) of Q, K or V, I / world = 128.
+FP8_TP_CFG = dict(hidden_size=256, intermediate_size=256, head_dim=128)
+
+
 def model_worker(
-    rank: int, world: int, tie: bool, fused: bool, lm_head: str, vocab: int, ignore: int, out: dict
+    rank: int, world: int, tie: bool, fused: bool, lm_head: str, vocab: int, ignore: int,
+    precision: str, out: dict,
 ) -> None:
     from coda.parallel import TensorParallelLlama, qkv_rows, vocab_range
 
-    model = build(tie, vocab_size=vocab)  # 44: splits unevenly over the ranks
+    fp8 = precision == "fp8"
+    model = build(tie, vocab_size=vocab, **(FP8_TP_CFG if fp8 else {}))  # 44: splits unevenly
+    model.precision = precision
+    c = model.config
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab, (2, 8), generator=g)
     ids[0, 5], ids[1, 2] = 0, vocab - 1  # targets at both ends: owned by the first and last rank
@@ -132,10 +141,9 @@ def model_worker(
     # A wrong choice of Q/K/V rows would also change the loss, so the module's own is used here.
     rows = qkv_rows(model.config, rank, world)
     o = slice(  # w_o's columns: this rank's Q heads
-        rank * CFG["num_heads"] // world * CFG["head_dim"],
-        (rank + 1) * CFG["num_heads"] // world * CFG["head_dim"],
+        rank * c.num_heads // world * c.head_dim, (rank + 1) * c.num_heads // world * c.head_dim
     )
-    i = CFG["intermediate_size"] // world
+    i = c.intermediate_size // world
     pairs = {
         "embed": (tp.embed.grad, model.embed_tokens.weight.grad),
         "gamma_final": (tp.gamma_final.grad, model.gamma_final.grad),
@@ -167,7 +175,7 @@ def test_tensor_parallel_model_matches_unsharded_fp64(tie, fused, lm_head, vocab
     rank's shard of the sharded weights, the summed replicated ones) in fp64; with fused=False
     (plain PyTorch ops: the unfused TP baseline) as well. The vocabulary-parallel LM head is
     checked with a vocabulary that splits unevenly (16 + 28 rows) and targets on both ranks."""
-    got = run_gloo(model_worker, WORLD, tie, fused, lm_head, vocab, -100)
+    got = run_gloo(model_worker, WORLD, tie, fused, lm_head, vocab, -100, "bf16")
     check_model_errors(got, tie)
 
 
@@ -175,7 +183,7 @@ def test_tensor_parallel_model_matches_unsharded_fp64(tie, fused, lm_head, vocab
 def test_vocab_parallel_head_with_a_nonnegative_ignore_index(fused):
     """ignore_index = 5: the second rank's slice starts at 16, so the counted target 21 has the
     local index 5 there and must still count (the op runs with a local ignore value)."""
-    got = run_gloo(model_worker, WORLD, False, fused, "vocab", 44, 5)
+    got = run_gloo(model_worker, WORLD, False, fused, "vocab", 44, 5, "bf16")
     check_model_errors(got, False)
 
 
@@ -187,12 +195,54 @@ def check_model_errors(got: dict, tie: bool) -> None:
         assert not bad, f"rank {rank}: relative errors above 1e-12: {bad}"
 
 
-def test_tensor_parallel_refuses_an_fp8_model():
-    """The TP shards run the bf16 ops: an FP8 model is refused by name, not run in bf16."""
-    from coda.nn import CodaLlamaForCausalLM, LlamaConfig
+@pytest.mark.parametrize(
+    "lm_head,vocab",
+    [("vocab", 44), ("sequence", CFG["vocab_size"])],
+    ids=["vocab-parallel-uneven", "sequence-parallel"],
+)
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_tensor_parallel_fp8_model_matches_unsharded_fp64(tie, lm_head, vocab):
+    """precision="fp8": two ranks of TensorParallelLlama (fp8_norm_qkv on the gathered rows, the
+    out-projection's partial GEMM on y's cast, fp8_mlp_partial) give the unsharded FP8 model's
+    loss and every gradient in fp64. Each rank's shares of Q, K, V (one head of 128 columns
+    each), of I and of the heads' columns are whole 128-column blocks, so every shard quantizes
+    in the unsharded model's blocks: the same codes and scales, the same numbers but for fp64
+    summation order (a code one step apart would move them by ~1e-3)."""
+    got = run_gloo(model_worker, WORLD, tie, True, lm_head, vocab, -100, "fp8")
+    check_model_errors(got, tie)
+
+
+def test_tensor_parallel_fp8_checks_each_ranks_widths():
+    """An FP8 shard's quantized widths (a rank's heads, its slice of I) must be whole 16-byte rows
+    of codes; the unfused baseline has no FP8 form, the shards none of the FP8 model's options
+    that keep less for the backward: each refused by name."""
+    got = run_gloo(fp8_refusals_worker, WORLD)
+    assert "num_kv_heads / world * head_dim a multiple of 16" in got["widths"], got
+    assert got["widths"].endswith("got 8"), got
+    assert "fused=False" in got["unfused"], got
+    for key, option in (("fp8_z", "fp8_z"), ("recompute_a", "fp8_recompute_a"),
+                        ("no_cache", "fp8_weight_cache=False")):
+        assert f"{option} is not supported under tensor parallelism" in got[key], got
+
+
+def fp8_refusals_worker(rank: int, world: int, out: dict) -> None:
     from coda.parallel import TensorParallelLlama
 
-    config = LlamaConfig(**{**CFG, "intermediate_size": 32})  # FP8 extents: multiples of 16
-    model = CodaLlamaForCausalLM(config, dtype=torch.float64, precision="fp8")
-    with pytest.raises(NotImplementedError, match="precision='fp8'"):
-        TensorParallelLlama(model)
+    # The model's FP8 widths are whole 16-byte rows (H, hq·d = 32, the QKV width 64, I = 32), and
+    # a rank's Q heads (2·8) and I (16) too, but not its K / V head (8).
+    model = build(False, hidden_size=32, intermediate_size=32, head_dim=8)
+    model.precision = "fp8"
+    for key, kwargs, option in (("widths", {}, None), ("unfused", {"fused": False}, None),
+                                ("fp8_z", {}, "fp8_z"), ("recompute_a", {}, "fp8_recompute_a"),
+                                ("no_cache", {}, "fp8_weight_cache")):
+        if option:  # a memory option the shards do not have, on a model they would accept
+            model = build(False, hidden_size=32, intermediate_size=32, head_dim=16)
+            model.precision = "fp8"
+            setattr(model, option, option != "fp8_weight_cache")
+        try:
+            TensorParallelLlama(model, **kwargs)
+            msg = "accepted"
+        except (ValueError, NotImplementedError) as ex:
+            msg = str(ex)
+        if rank == 0:
+            out[key] = msg
