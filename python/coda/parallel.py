@@ -211,8 +211,9 @@ class TensorParallelLlama(nn.Module):
 
     Requires the head counts and the intermediate size to split evenly over the group (K/V
     groups stay whole on one rank) and ``batch * seq`` rows to split evenly. Replicated
-    parameters (norm weights, embedding, LM head) hold this rank's share of their gradient after
-    ``backward``; :meth:`all_reduce_replicated_grads` sums them.
+    parameters (norm weights, QK-norm weights, embedding, LM head) hold this rank's share of
+    their gradient after ``backward``; :meth:`all_reduce_replicated_grads` sums them. A Q/K/V
+    bias (Qwen2) is sharded with w_qkv's rows.
     """
 
     def __init__(
@@ -238,10 +239,6 @@ class TensorParallelLlama(nn.Module):
                 raise NotImplementedError(
                     f"coda.parallel: the FP8 shards keep what the FP8 model keeps by default; "
                     f"{', '.join(kept_less)} is not supported under tensor parallelism")
-        if c.qkv_bias or c.qk_norm:
-            raise NotImplementedError("coda.parallel: tensor parallelism of a model with a Q/K/V "
-                                      "bias (config.qkv_bias) or QK-norm (config.qk_norm) is "
-                                      "not supported")
         self.config, self.group, self.fused, self.lm_head = c, group, fused, lm_head
         self.precision = model.precision
         world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -269,6 +266,14 @@ class TensorParallelLlama(nn.Module):
         for layer in model.layers:
             shard = nn.Module()
             shard.w_qkv = nn.Parameter(layer.w_qkv.detach()[rows.to(layer.w_qkv.device)].clone())
+            # Qwen2's Q/K/V bias: this rank's rows, as w_qkv's; Qwen3's QK-norm weights: one per
+            # head dimension, shared by every head, so replicated (each rank's gradient is its
+            # heads' share, summed by all_reduce_replicated_grads).
+            shard.b_qkv = (nn.Parameter(layer.b_qkv.detach()[rows.to(layer.b_qkv.device)].clone())
+                           if c.qkv_bias else None)
+            shard.q_gamma, shard.k_gamma = (
+                (nn.Parameter(layer.q_gamma.detach().clone()),
+                 nn.Parameter(layer.k_gamma.detach().clone())) if c.qk_norm else (None, None))
             shard.w_o = _share(layer.w_o, 1, rank * hq * d, (rank + 1) * hq * d)
             shard.gamma_ffn = nn.Parameter(layer.gamma_ffn.detach().clone())
             shard.w_gu = _share(layer.w_gu, 0, 2 * rank * i, 2 * (rank + 1) * i)  # (g, u) pairs
@@ -296,6 +301,8 @@ class TensorParallelLlama(nn.Module):
     def replicated_parameters(self) -> list[nn.Parameter]:
         ps = [self.embed, self.gamma_final, *self.gamma_attn]
         ps += [layer.gamma_ffn for layer in self.layers]
+        if self.config.qk_norm:
+            ps += [g for layer in self.layers for g in (layer.q_gamma, layer.k_gamma)]
         sharded = self.lm_head == "vocab" or self.config.tie_word_embeddings
         return ps if sharded else ps + [self.w_vocab]
 
@@ -371,15 +378,31 @@ class TensorParallelLlama(nn.Module):
         return logits.float() if logits.dtype == torch.bfloat16 else logits
 
     def _qkv(self, x: Tensor, gamma: Tensor, layer: nn.Module, pos: Tensor, rope) -> Tensor:
-        w_qkv = layer.w_qkv
+        """This rank's heads' q, k, v of the gathered rows (with the layer's Q/K/V bias or its
+        QK-norm over each of these heads)."""
+        c, w_qkv, table = self.config, layer.w_qkv, self.rope_table
+        hq, hkv, eps = self.heads, self.kv_heads, c.rms_norm_eps
         if self.precision == "fp8":
-            return torch.ops.coda.fp8_norm_qkv(x, gamma, w_qkv, *self._fp8(layer, "w_qkv"),
-                                               *self._fp8_caches(x, gamma), pos, self.rope_table)
+            coda, q = torch.ops.coda, self._fp8(layer, "w_qkv")
+            if c.qk_norm:
+                return coda.fp8_norm_qkv_qk_norm(x, gamma, w_qkv, *q, *self._fp8_caches(x, gamma),
+                                                 pos, table, layer.q_gamma, layer.k_gamma, hq,
+                                                 hkv, eps)[0]
+            return coda.fp8_norm_qkv(x, gamma, w_qkv, *q, *self._fp8_caches(x, gamma), pos,
+                                     table, layer.b_qkv)
         if self.fused:
-            return ops.norm_qkv(x, gamma, w_qkv, *self._caches(x, gamma), pos, self.rope_table)
-        qkv = F.linear(self._norm(x, gamma), w_qkv)
-        qk = (self.heads + self.kv_heads) * self.config.head_dim
-        return torch.cat([rope(qkv[:, :qk]), qkv[:, qk:]], dim=1)
+            if c.qk_norm:
+                return ops.norm_qkv_qk_norm(x, gamma, w_qkv, *self._caches(x, gamma), pos, table,
+                                            layer.q_gamma, layer.k_gamma, hq, hkv, eps)
+            return ops.norm_qkv(x, gamma, w_qkv, *self._caches(x, gamma), pos, table,
+                                layer.b_qkv)
+        qkv = F.linear(self._norm(x, gamma), w_qkv, layer.b_qkv)
+        d = c.head_dim
+        q, k = qkv[:, :hq * d], qkv[:, hq * d:(hq + hkv) * d]
+        if c.qk_norm:  # an RMSNorm over each head's d values, before RoPE
+            q, k = (F.rms_norm(t.reshape(-1, n, d), (d,), w, eps).flatten(1)
+                    for t, n, w in ((q, hq, layer.q_gamma), (k, hkv, layer.k_gamma)))
+        return torch.cat([rope(torch.cat([q, k], dim=1)), qkv[:, (hq + hkv) * d:]], dim=1)
 
     def _mlp(self, x: Tensor, layer: nn.Module) -> Tensor:
         g = layer.gamma_ffn

@@ -6,6 +6,8 @@ the unchanged fused op on its own output columns, and its backward (B3 -> B1) yi
 share of the RMSNorm backward, dx_r = r·γ·(dz_r·W_r) − x·r²·ZdZ_r with ZdZ_r summed over its
 columns only (both terms are linear in per-column sums). The reduce-scatter that sequence
 parallelism performs anyway completes dx, one all-reduce completes dγ: no extra collective.
+The whole model too: bf16 fused and unfused, the FP8 model, Qwen2's Q/K/V bias and Qwen3's
+QK-norm.
 """
 
 from __future__ import annotations
@@ -110,16 +112,24 @@ def test_column_parallel_norm_qkv_with_sequence_parallel_inputs_matches_unsharde
 FP8_TP_CFG = dict(hidden_size=256, intermediate_size=256, head_dim=128)
 
 
+# The Q/K/V variants of ARCHS: Qwen2's bias, Qwen3's QK-norm.
+ARCHS = {"llama": {}, "qkv_bias": {"qkv_bias": True}, "qk_norm": {"qk_norm": True}}
+
+
 def model_worker(
     rank: int, world: int, tie: bool, fused: bool, lm_head: str, vocab: int, ignore: int,
-    precision: str, out: dict,
+    precision: str, arch: str, out: dict,
 ) -> None:
     from coda.parallel import TensorParallelLlama, qkv_rows, vocab_range
 
     fp8 = precision == "fp8"
-    model = build(tie, vocab_size=vocab, **(FP8_TP_CFG if fp8 else {}))  # 44: splits unevenly
-    model.precision = precision
+    model = build(tie, vocab_size=vocab, **(FP8_TP_CFG if fp8 else {}), **ARCHS[arch])  # 44:
+    model.precision = precision  # splits unevenly over the ranks
     c = model.config
+    if c.qkv_bias:  # reset_parameters zeroes it: a bias that matters
+        with torch.no_grad():
+            for layer in model.layers:
+                layer.b_qkv.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(5))
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab, (2, 8), generator=g)
     ids[0, 5], ids[1, 2] = 0, vocab - 1  # targets at both ends: owned by the first and last rank
@@ -158,6 +168,11 @@ def model_worker(
         pairs[f"{n}.w_o"] = (sl.w_o.grad, full.w_o.grad[:, o])
         pairs[f"{n}.w_gu"] = (sl.w_gu.grad, full.w_gu.grad[2 * rank * i : 2 * (rank + 1) * i])
         pairs[f"{n}.w_down"] = (sl.w_down.grad, full.w_down.grad[:, rank * i : (rank + 1) * i])
+        if c.qkv_bias:
+            pairs[f"{n}.b_qkv"] = (sl.b_qkv.grad, full.b_qkv.grad[rows])
+        if c.qk_norm:
+            pairs[f"{n}.q_gamma"] = (sl.q_gamma.grad, full.q_gamma.grad)
+            pairs[f"{n}.k_gamma"] = (sl.k_gamma.grad, full.k_gamma.grad)
     errs = {k: ((a - b).abs().max() / b.abs().max()).item() for k, (a, b) in pairs.items()}
     errs["loss"] = abs(total.item() - ref_loss.item()) / abs(ref_loss.item())
     out[rank] = errs
@@ -175,7 +190,7 @@ def test_tensor_parallel_model_matches_unsharded_fp64(tie, fused, lm_head, vocab
     rank's shard of the sharded weights, the summed replicated ones) in fp64; with fused=False
     (plain PyTorch ops: the unfused TP baseline) as well. The vocabulary-parallel LM head is
     checked with a vocabulary that splits unevenly (16 + 28 rows) and targets on both ranks."""
-    got = run_gloo(model_worker, WORLD, tie, fused, lm_head, vocab, -100, "bf16")
+    got = run_gloo(model_worker, WORLD, tie, fused, lm_head, vocab, -100, "bf16", "llama")
     check_model_errors(got, tie)
 
 
@@ -183,14 +198,15 @@ def test_tensor_parallel_model_matches_unsharded_fp64(tie, fused, lm_head, vocab
 def test_vocab_parallel_head_with_a_nonnegative_ignore_index(fused):
     """ignore_index = 5: the second rank's slice starts at 16, so the counted target 21 has the
     local index 5 there and must still count (the op runs with a local ignore value)."""
-    got = run_gloo(model_worker, WORLD, False, fused, "vocab", 44, 5, "bf16")
+    got = run_gloo(model_worker, WORLD, False, fused, "vocab", 44, 5, "bf16", "llama")
     check_model_errors(got, False)
 
 
-def check_model_errors(got: dict, tie: bool) -> None:
+def check_model_errors(got: dict, tie: bool, per_layer: int = 0) -> None:
+    """Every rank's relative errors (per_layer: the layer parameters beyond LLaMA's)."""
     assert sorted(got) == list(range(WORLD))
     for rank, errs in got.items():
-        assert len(errs) == 6 * CFG["num_layers"] + 3 + (0 if tie else 1)
+        assert len(errs) == (6 + per_layer) * CFG["num_layers"] + 3 + (0 if tie else 1)
         bad = {k: v for k, v in errs.items() if not v <= 1e-12}
         assert not bad, f"rank {rank}: relative errors above 1e-12: {bad}"
 
@@ -208,8 +224,19 @@ def test_tensor_parallel_fp8_model_matches_unsharded_fp64(tie, lm_head, vocab):
     each), of I and of the heads' columns are whole 128-column blocks, so every shard quantizes
     in the unsharded model's blocks: the same codes and scales, the same numbers but for fp64
     summation order (a code one step apart would move them by ~1e-3)."""
-    got = run_gloo(model_worker, WORLD, tie, True, lm_head, vocab, -100, "fp8")
+    got = run_gloo(model_worker, WORLD, tie, True, lm_head, vocab, -100, "fp8", "llama")
     check_model_errors(got, tie)
+
+
+@pytest.mark.parametrize("fused,precision", [(True, "bf16"), (False, "bf16"), (True, "fp8")],
+                         ids=["fused", "unfused-baseline", "fp8"])
+@pytest.mark.parametrize("arch", ["qkv_bias", "qk_norm"])
+def test_tensor_parallel_qwen_layers_match_unsharded_fp64(arch, fused, precision):
+    """Qwen2's Q/K/V bias (sharded with w_qkv's rows) and Qwen3's QK-norm (an RMSNorm over each
+    of a rank's heads; its weights replicated, their gradient shares summed): the unsharded
+    model's loss and every gradient, the bias's and the QK-norm weights' too, in fp64."""
+    got = run_gloo(model_worker, WORLD, False, fused, "vocab", 44, -100, precision, arch)
+    check_model_errors(got, False, per_layer=1 if arch == "qkv_bias" else 2)
 
 
 def test_tensor_parallel_fp8_checks_each_ranks_widths():
