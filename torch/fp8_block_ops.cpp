@@ -166,8 +166,9 @@ MlpOut fp8_mlp(const Tensor& x, const Tensor& gamma, const Tensor& w_gu, const T
 }
 
 // The MLP branch alone (tensor parallelism; mlp_partial's FP8 counterpart): y = a · W_downᵀ
-// after F2, no residual add and no next norm; z (activation dtype) and a's copy for the backward.
-using MlpPartialOut = std::tuple<Tensor, Tensor, Tensor, Tensor>;
+// after F2, no residual add and no next norm; z and a's copy for the backward, with
+// recompute_a and fp8_z as fp8_mlp's.
+using MlpPartialOut = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
 MlpPartialOut fp8_mlp_partial(const Tensor& x, const Tensor& gamma, const Tensor& w_gu,
                               const Tensor& gu_codes, const Tensor& gu_scales,
                               const std::optional<Tensor>& gu_codes_t,
@@ -175,7 +176,8 @@ MlpPartialOut fp8_mlp_partial(const Tensor& x, const Tensor& gamma, const Tensor
                               const Tensor& dn_codes, const Tensor& dn_scales,
                               const std::optional<Tensor>& dn_codes_t,
                               const std::optional<Tensor>& dn_scales_t, const Tensor& h,
-                              const Tensor& h_scales, const Tensor& r, bool recast_w_t) {
+                              const Tensor& h_scales, const Tensor& r, bool recompute_a,
+                              bool recast_w_t, bool fp8_z) {
   const auto c = OpContext::from("coda::fp8_mlp_partial", "x", x);
   const auto s = validate_mlp(c, x, gamma, w_gu, w_down, nullptr, r);
   const Fp8 gu = fp8_weight(gu_codes, gu_scales, gu_codes_t, gu_scales_t);
@@ -186,8 +188,9 @@ MlpPartialOut fp8_mlp_partial(const Tensor& x, const Tensor& gamma, const Tensor
   check_fp8_act(c, "h", hq, s.m, s.hidden, true, false);
   fp8_width(c, "I (w_gu.size(0) / 2)", s.intermediate);
   return on_backend(x, [&](auto& b) {
-    const auto o = block::fp8_mlp_partial(b, hq, r, gu, dn);
-    return std::make_tuple(o.y, o.z, o.a.codes_t, o.a.scales_t);
+    const auto o = block::fp8_mlp_partial(b, hq, r, gu, dn, recompute_a, fp8_z);
+    return std::make_tuple(o.y, o.z, o.a.codes_t, o.a.scales_t,
+                           fp8_z ? o.z_scales : empty_like_stat(x));
   });
 }
 
@@ -398,11 +401,17 @@ MlpPartialOut fp8_mlp_partial_meta(const Tensor& x, const Tensor&, const Tensor&
                                    const std::optional<Tensor>&, const Tensor&, const Tensor&,
                                    const Tensor&, const std::optional<Tensor>&,
                                    const std::optional<Tensor>&, const Tensor&, const Tensor&,
-                                   const Tensor&, bool) {
+                                   const Tensor&, bool recompute_a, bool, bool fp8_z) {
   const c10::SymInt m = x.sym_size(0), two_i = w_gu.sym_size(0);
-  const fp8::Quantized a_copy = fp8::empty_quantized(x, m, two_i / 2, false, true);
-  return {at::empty_like(x), at::empty_symint({m, two_i}, x.options()), std::get<2>(a_copy),
-          std::get<3>(a_copy)};
+  const fp8::Quantized a_copy = fp8::empty_quantized(x, m, two_i / 2, false, !recompute_a);
+  Tensor z = at::empty_symint({m, two_i}, x.options());
+  Tensor z_scales = at::empty({0}, x.options().dtype(at::kFloat));
+  if (fp8_z) {
+    const fp8::Quantized zq = fp8::empty_quantized(x, m, two_i, true, false);
+    z = std::get<0>(zq);
+    z_scales = std::get<1>(zq);
+  }
+  return {at::empty_like(x), z, std::get<2>(a_copy), std::get<3>(a_copy), z_scales};
 }
 Tensor fp8_norm_qkv_meta(const Tensor& x, const Tensor&, const Tensor& w_qkv, const Tensor&,
                          const Tensor&, const std::optional<Tensor>&, const std::optional<Tensor>&,
@@ -600,29 +609,35 @@ class Fp8MlpPartial : public torch::autograd::Function<Fp8MlpPartial> {
                                const std::optional<Tensor>& guct, const std::optional<Tensor>& gust,
                                const Tensor& w_down, const Tensor& dnc, const Tensor& dns,
                                const std::optional<Tensor>& dnct, const std::optional<Tensor>& dnst,
-                               const Tensor& h, const Tensor& hs, const Tensor& r,
-                               bool recast_w_t) {
+                               const Tensor& h, const Tensor& hs, const Tensor& r, bool recompute_a,
+                               bool recast_w_t, bool fp8_z) {
     ctx->set_materialize_grads(false);
     at::AutoDispatchBelowADInplaceOrView guard;
     static const auto f = op<decltype(fp8_mlp_partial)>("coda::fp8_mlp_partial");
-    auto [y, z, at, ats] = f.call(x, gamma, w_gu, guc, gus, guct, gust, w_down, dnc, dns, dnct,
-                                  dnst, h, hs, r, recast_w_t);
-    ctx->mark_non_differentiable({z, at, ats});
+    auto [y, z, at, ats, zs] = f.call(x, gamma, w_gu, guc, gus, guct, gust, w_down, dnc, dns, dnct,
+                                      dnst, h, hs, r, recompute_a, recast_w_t, fp8_z);
+    ctx->mark_non_differentiable({z, at, ats, zs});
     const auto [gut, guts] = weight_t_to_save(ctx, "gu_t", guc, gus, guct, gust, recast_w_t);
     const auto [dnt, dnts] = weight_t_to_save(ctx, "dn_t", dnc, dns, dnct, dnst, recast_w_t);
-    ctx->save_for_backward({x, gamma, w_gu, gut, guts, w_down, dnt, dnts, r, z, at, ats});
-    return {y, z, at, ats};
+    ctx->save_for_backward({x, gamma, w_gu, gut, guts, w_down, dnt, dnts, r, z, at, ats, zs});
+    ctx->saved_data["recompute_a"] = recompute_a;
+    ctx->saved_data["fp8_z"] = fp8_z;
+    return {y, z, at, ats, zs};
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
-    variable_list out(16);
+    variable_list out(18);
     if (!g[0].defined()) return out;
     const auto s = ctx->get_saved_variables();
     static auto b = op<decltype(fp8_mlp_backward)>("coda::fp8_mlp_backward");
+    // a's copy, or none (recompute_a): made from z.
+    const bool kept = !ctx->saved_data["recompute_a"].toBool();
     const auto [gut, guts] = weight_t(ctx, "gu_t", s[3], s[4], s[2]);
     const auto [dnt, dnts] = weight_t(ctx, "dn_t", s[6], s[7], s[5]);
-    auto [dx, dgamma, dw_gu, dw_down] =
-        b.call(g[0].contiguous(), s[0], s[1], s[2], gut, guts, s[5], dnt, dnts, s[8], s[9], s[10],
-               s[11], std::nullopt, false);
+    auto [dx, dgamma, dw_gu, dw_down] = b.call(
+        g[0].contiguous(), s[0], s[1], s[2], gut, guts, s[5], dnt, dnts, s[8], s[9],
+        kept ? std::optional<Tensor>(s[10]) : std::nullopt,
+        kept ? std::optional<Tensor>(s[11]) : std::nullopt,
+        ctx->saved_data["fp8_z"].toBool() ? std::optional<Tensor>(s[12]) : std::nullopt, false);
     out[0] = dx;
     out[1] = dgamma;
     out[2] = dw_gu;
@@ -761,12 +776,13 @@ TORCH_LIBRARY_FRAGMENT(coda, m) {
       "Tensor z_scales)");
   // The MLP branch alone (mlp_partial's FP8 counterpart, for tensor parallelism): y = a · W_downᵀ,
   // no residual add, no next norm; z and a's copy for its backward (fp8_mlp_backward with
-  // residual=False).
+  // residual=False); recompute_a, recast_w_t and fp8_z as fp8_mlp's.
   m.def(
       "fp8_mlp_partial(Tensor x, Tensor gamma, Tensor w_gu, Tensor gu_codes, Tensor gu_scales, "
       "Tensor? gu_codes_t, Tensor? gu_scales_t, Tensor w_down, Tensor dn_codes, "
       "Tensor dn_scales, Tensor? dn_codes_t, Tensor? dn_scales_t, Tensor h, Tensor h_scales, "
-      "Tensor r, bool recast_w_t=False) -> (Tensor y, Tensor z, Tensor a_t, Tensor a_t_scales)");
+      "Tensor r, bool recompute_a=False, bool recast_w_t=False, bool fp8_z=False) -> (Tensor y, "
+      "Tensor z, Tensor a_t, Tensor a_t_scales, Tensor z_scales)");
   m.def(
       "fp8_norm_qkv(Tensor x, Tensor gamma, Tensor w_qkv, Tensor w_codes, Tensor w_scales, "
       "Tensor? w_codes_t, Tensor? w_scales_t, Tensor h, Tensor h_scales, Tensor r, Tensor pos, "
@@ -873,10 +889,10 @@ TORCH_LIBRARY_IMPL(coda, Autograd, m) {
             const Tensor& gus, const std::optional<Tensor>& guct, const std::optional<Tensor>& gust,
             const Tensor& w_down, const Tensor& dnc, const Tensor& dns,
             const std::optional<Tensor>& dnct, const std::optional<Tensor>& dnst, const Tensor& h,
-            const Tensor& hs, const Tensor& r, bool recast_w_t) {
+            const Tensor& hs, const Tensor& r, bool recompute_a, bool recast_w_t, bool fp8_z) {
            auto o = Fp8MlpPartial::apply(x, gamma, w_gu, guc, gus, guct, gust, w_down, dnc, dns,
-                                         dnct, dnst, h, hs, r, recast_w_t);
-           return std::make_tuple(o[0], o[1], o[2], o[3]);
+                                         dnct, dnst, h, hs, r, recompute_a, recast_w_t, fp8_z);
+           return std::make_tuple(o[0], o[1], o[2], o[3], o[4]);
          });
   m.impl("fp8_norm_qkv",
          [](const Tensor& x, const Tensor& gamma, const Tensor& w_qkv, const Tensor& wc,

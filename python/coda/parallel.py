@@ -166,24 +166,27 @@ class _VocabParallelLossSum(torch.autograd.Function):
 
 class _Fp8LinearPartial(torch.autograd.Function):
     """y · wᵀ on FP8 operands: y cast once (its 1x128 rows for the GEMM, its 128x1 copy kept for
-    dW), w's 128x128 codes and scales given (q: Fp8WeightCache's, wᵀ's None). The backward is
-    fp8_linear_backward on wᵀ's codes (transposed from w's): the row-parallel out-projection's
-    partial product, whose residual add follows the reduce-scatter."""
+    dW), w's 128x128 codes and scales given (an Fp8WeightCache's). The backward is
+    fp8_linear_backward on wᵀ's codes, transposed from w's, or with ``recast`` cast from w (no FP8
+    copy of w kept from the forward): the row-parallel out-projection's partial product, whose
+    residual add follows the reduce-scatter."""
 
     @staticmethod
-    def forward(ctx, y, w, codes, scales):
+    def forward(ctx, y, w, codes, scales, recast):
         coda = torch.ops.coda
         yc, ys, yt, yts = coda.fp8_quantize_rows(y, True, True)
-        ctx.save_for_backward(yt, yts, w, codes, scales)
+        ctx.recast = recast
+        ctx.save_for_backward(yt, yts, w, *(() if recast else (codes, scales)))
         return coda.fp8_gemm(yc, ys, codes, scales)
 
     @staticmethod
     def backward(ctx, g):
         coda = torch.ops.coda
-        yt, yts, w, codes, scales = ctx.saved_tensors
-        wt, wts = coda.fp8_transpose_blocks(codes, scales)
+        yt, yts, w, *q = ctx.saved_tensors
+        wt, wts = (coda.fp8_quantize_blocks(w, False, True)[2:] if ctx.recast
+                   else coda.fp8_transpose_blocks(*q))
         dy, dw = coda.fp8_linear_backward(g.contiguous(), yt, yts, w, wt, wts)
-        return dy, dw, None, None
+        return dy, dw, None, None, None
 
 
 def _share(p: Tensor, dim: int, lo: int, hi: int) -> nn.Parameter:
@@ -231,16 +234,11 @@ class TensorParallelLlama(nn.Module):
             raise NotImplementedError("coda.parallel: fused=False (the plain PyTorch baseline) "
                                       "runs in the activation dtype; got a model with "
                                       "precision='fp8'")
-        if model.precision == "fp8":
-            kept_less = [n for n in ("fp8_z", "fp8_recompute_a") if getattr(model, n)]
-            if model.fp8_weight_cache is False:
-                kept_less.append("fp8_weight_cache=False")
-            if kept_less:
-                raise NotImplementedError(
-                    f"coda.parallel: the FP8 shards keep what the FP8 model keeps by default; "
-                    f"{', '.join(kept_less)} is not supported under tensor parallelism")
         self.config, self.group, self.fused, self.lm_head = c, group, fused, lm_head
         self.precision = model.precision
+        # The FP8 model's options (coda.nn.CodaLlamaForCausalLM's), read in every forward.
+        self.fp8_recompute_a, self.fp8_z = model.fp8_recompute_a, model.fp8_z
+        self.fp8_weight_cache = model.fp8_weight_cache
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         if c.num_kv_heads % world or c.num_heads % world or c.intermediate_size % world:
             raise ValueError(
@@ -359,14 +357,23 @@ class TensorParallelLlama(nn.Module):
         h, r = self._caches(x, gamma)
         return (*torch.ops.coda.fp8_quantize_rows(h)[:2], r)
 
+    @property
+    def _recast(self) -> bool:
+        """fp8_weight_cache=False: no FP8 copy of a weight kept between forwards, nor from a
+        layer's forward to its backward, which casts wᵀ from the weight (as the FP8 model)."""
+        return self.fp8_weight_cache is False
+
     def _fp8(self, layer: nn.Module, name: str) -> tuple[Tensor, ...]:
-        """A shard weight's FP8 operands (quantized once per change of the weight)."""
+        """A shard weight's FP8 operands (quantized once per change of the weight, or in every
+        forward without the cache)."""
+        layer.fp8_cache.persist = not self._recast
         return layer.fp8_cache.get(name, getattr(layer, name))
 
     def _out_proj(self, y: Tensor, layer: nn.Module) -> Tensor:
         """This rank's partial out-projection (row-parallel: its heads' columns of w_o)."""
         if self.precision == "fp8":
-            return _Fp8LinearPartial.apply(y, layer.w_o, *self._fp8(layer, "w_o")[:2])
+            return _Fp8LinearPartial.apply(y, layer.w_o, *self._fp8(layer, "w_o")[:2],
+                                           self._recast)
         return F.linear(y, layer.w_o)
 
     def _norm(self, x: Tensor, gamma: Tensor) -> Tensor:
@@ -387,9 +394,9 @@ class TensorParallelLlama(nn.Module):
             if c.qk_norm:
                 return coda.fp8_norm_qkv_qk_norm(x, gamma, w_qkv, *q, *self._fp8_caches(x, gamma),
                                                  pos, table, layer.q_gamma, layer.k_gamma, hq,
-                                                 hkv, eps)[0]
+                                                 hkv, eps, self._recast)[0]
             return coda.fp8_norm_qkv(x, gamma, w_qkv, *q, *self._fp8_caches(x, gamma), pos,
-                                     table, layer.b_qkv)
+                                     table, layer.b_qkv, self._recast)
         if self.fused:
             if c.qk_norm:
                 return ops.norm_qkv_qk_norm(x, gamma, w_qkv, *self._caches(x, gamma), pos, table,
@@ -409,7 +416,8 @@ class TensorParallelLlama(nn.Module):
         if self.precision == "fp8":
             return torch.ops.coda.fp8_mlp_partial(
                 x, g, layer.w_gu, *self._fp8(layer, "w_gu"), layer.w_down,
-                *self._fp8(layer, "w_down"), *self._fp8_caches(x, g))[0]
+                *self._fp8(layer, "w_down"), *self._fp8_caches(x, g), self.fp8_recompute_a,
+                self._recast, self.fp8_z)[0]
         if self.fused:
             return ops.mlp_partial(x, g, layer.w_gu, layer.w_down, *self._caches(x, g))[0]
         gu = F.linear(self._norm(x, g), layer.w_gu)

@@ -300,8 +300,10 @@ def test_fp8_mlp_partial_matches_the_recipe(shape):
     r = torch.rsqrt((x * x).mean(1) + EPS)
     h_codes, h_scales = CODA.fp8_quantize_rows(x * gamma)[:2]
     leaves = [t.clone().requires_grad_() for t in (x, gamma, w_gu, w_down)]
-    y, z, a_t, a_ts = CODA.fp8_mlp_partial(leaves[0], leaves[1], leaves[2], *weight_cache(w_gu),
-                                           leaves[3], *weight_cache(w_down), h_codes, h_scales, r)
+    y, z, a_t, a_ts, z_scales = CODA.fp8_mlp_partial(
+        leaves[0], leaves[1], leaves[2], *weight_cache(w_gu), leaves[3], *weight_cache(w_down),
+        h_codes, h_scales, r)
+    assert z_scales.numel() == 0
     got = torch.autograd.grad(y, leaves, dy)
 
     h = cast(x * gamma, what="h")
@@ -631,7 +633,9 @@ def opcheck_cases():
         "mlp_partial": (CODA.fp8_mlp_partial.default, mlp_args(case)[:15]),
         "mlp_partial_recast_w_t": (CODA.fp8_mlp_partial.default, mlp_args(
             case, gu_codes_t=None, gu_scales_t=None, dn_codes_t=None, dn_scales_t=None)[:15]
-            + [True]),
+            + [False, True]),
+        "mlp_partial_fp8_z_recompute_a": (CODA.fp8_mlp_partial.default,
+                                          mlp_args(case)[:15] + [True, False, True]),
         # y's copy made in the backward, from y
         "out_proj_recompute_y": (CODA.fp8_out_proj_residual_norm.default,
                                  out_proj_args(case) + [True, True]),
@@ -669,7 +673,7 @@ def e4m3_as_bytes(outs):
 OPCHECK_CASES = ("out_proj", "out_proj_recompute_y", "out_proj_recast_w_t", "mlp",
                  "mlp_recompute_a", "mlp_fp8_z", "mlp_fp8_z_recompute_a",
                  "mlp_transpose_in_backward", "mlp_recast_w_t", "mlp_partial",
-                 "mlp_partial_recast_w_t", "norm_qkv",
+                 "mlp_partial_recast_w_t", "mlp_partial_fp8_z_recompute_a", "norm_qkv",
                  "norm_qkv_transpose_in_backward", "norm_qkv_qk_norm")
 
 

@@ -122,9 +122,12 @@ def model_worker(
 ) -> None:
     from coda.parallel import TensorParallelLlama, qkv_rows, vocab_range
 
+    precision, _, option = precision.partition(":")  # "fp8:<option>": one of the FP8 model's
     fp8 = precision == "fp8"
     model = build(tie, vocab_size=vocab, **(FP8_TP_CFG if fp8 else {}), **ARCHS[arch])  # 44:
     model.precision = precision  # splits unevenly over the ranks
+    if option:  # options, on the model before sharding (fp8_weight_cache: set to False)
+        setattr(model, option, option != "fp8_weight_cache")
     c = model.config
     if c.qkv_bias:  # reset_parameters zeroes it: a bias that matters
         with torch.no_grad():
@@ -176,6 +179,26 @@ def model_worker(
     errs = {k: ((a - b).abs().max() / b.abs().max()).item() for k, (a, b) in pairs.items()}
     errs["loss"] = abs(total.item() - ref_loss.item()) / abs(ref_loss.item())
     out[rank] = errs
+    if option:  # what a forward saves for the backward, with the option and without it
+        on = getattr(tp, option)
+        out[f"saved bytes {rank}"] = {
+            flag: saved_bytes(lambda: tp(ids, labels, ignore_index=ignore))
+            for flag, tp_value in (("on", on), ("off", None if option == "fp8_weight_cache"
+                                                         else False))
+            if setattr(tp, option, tp_value) is None}
+
+
+def saved_bytes(forward) -> int:
+    """The bytes of the distinct storages autograd saves for the backward during forward()."""
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
+    return sum(seen.values())
 
 
 @pytest.mark.parametrize(
@@ -239,17 +262,27 @@ def test_tensor_parallel_qwen_layers_match_unsharded_fp64(arch, fused, precision
     check_model_errors(got, False, per_layer=1 if arch == "qkv_bias" else 2)
 
 
+@pytest.mark.parametrize("option", ["fp8_z", "fp8_recompute_a", "fp8_weight_cache"])
+def test_tensor_parallel_fp8_options_match_unsharded_fp64(option):
+    """The FP8 model's options that keep less for the backward (z saved in FP8, a's copy made
+    from z, no weight cache: wᵀ cast from each weight in the backward), set on the model before
+    sharding: the unsharded model's loss and every gradient with the same option, in fp64, and
+    on every rank fewer bytes saved for the backward than without the option."""
+    got = run_gloo(model_worker, WORLD, False, True, "vocab", 44, -100, "fp8:" + option, "llama")
+    saved = {k: got.pop(k) for k in [k for k in got if isinstance(k, str)]}
+    check_model_errors(got, False)
+    assert len(saved) == WORLD
+    for rank, b in saved.items():  # each keeps less on every rank
+        assert b["on"] < b["off"], f"{rank}: {b}"
+
+
 def test_tensor_parallel_fp8_checks_each_ranks_widths():
     """An FP8 shard's quantized widths (a rank's heads, its slice of I) must be whole 16-byte rows
-    of codes; the unfused baseline has no FP8 form, the shards none of the FP8 model's options
-    that keep less for the backward: each refused by name."""
+    of codes; the unfused baseline has no FP8 form: each refused by name."""
     got = run_gloo(fp8_refusals_worker, WORLD)
     assert "num_kv_heads / world * head_dim a multiple of 16" in got["widths"], got
     assert got["widths"].endswith("got 8"), got
     assert "fused=False" in got["unfused"], got
-    for key, option in (("fp8_z", "fp8_z"), ("recompute_a", "fp8_recompute_a"),
-                        ("no_cache", "fp8_weight_cache=False")):
-        assert f"{option} is not supported under tensor parallelism" in got[key], got
 
 
 def fp8_refusals_worker(rank: int, world: int, out: dict) -> None:
@@ -259,13 +292,7 @@ def fp8_refusals_worker(rank: int, world: int, out: dict) -> None:
     # a rank's Q heads (2·8) and I (16) too, but not its K / V head (8).
     model = build(False, hidden_size=32, intermediate_size=32, head_dim=8)
     model.precision = "fp8"
-    for key, kwargs, option in (("widths", {}, None), ("unfused", {"fused": False}, None),
-                                ("fp8_z", {}, "fp8_z"), ("recompute_a", {}, "fp8_recompute_a"),
-                                ("no_cache", {}, "fp8_weight_cache")):
-        if option:  # a memory option the shards do not have, on a model they would accept
-            model = build(False, hidden_size=32, intermediate_size=32, head_dim=16)
-            model.precision = "fp8"
-            setattr(model, option, option != "fp8_weight_cache")
+    for key, kwargs in (("widths", {}), ("unfused", {"fused": False})):
         try:
             TensorParallelLlama(model, **kwargs)
             msg = "accepted"

@@ -119,19 +119,22 @@ Fp8Mlp<B> fp8_mlp(B& b, const T<B>& x, const Fp8<B>& h, const T<B>& r, const Fp8
 
 template <class B>
 struct Fp8MlpPartial {
-  T<B> y;    // this rank's share of the MLP branch, a · W_downᵀ, in the activation dtype
-  T<B> z;    // F2's pre-activation, saved for the backward (activation dtype)
-  Fp8<B> a;  // F2's a; its copy (codes_t, scales_t) is the down-projection's dW operand
+  T<B> y;         // this rank's share of the MLP branch, a · W_downᵀ, in the activation dtype
+  T<B> z;         // F2's pre-activation, saved for the backward: in the activation dtype, or
+  T<B> z_scales;  // (fp8_z) its 1x128 codes with these scales; else empty
+  Fp8<B> a;       // F2's a; its copy (codes_t, scales_t) is the down-projection's dW operand
 };
 
 // F2 then the plain FP8 GEMM: the MLP branch alone, y = a · W_downᵀ, no residual add and no
 // next norm (tensor parallelism: each rank's y is its share of the sum, reduced before the add;
 // docs/tensor-parallel.md). Its backward is fp8_mlp_backward without the residual.
+// `recompute_a`, `fp8_z`: as fp8_mlp's.
 template <class B>
 Fp8MlpPartial<B> fp8_mlp_partial(B& b, const Fp8<B>& h, const T<B>& r, const Fp8<B>& w_gu,
-                                 const Fp8<B>& w_down) {
-  auto [z, z_scales, a] = b.fp8_rmsnorm_swiglu(h, w_gu, r, true, false);
-  return {b.fp8_gemm(a, w_down.codes, w_down.scales), z, a};
+                                 const Fp8<B>& w_down, bool recompute_a = false,
+                                 bool fp8_z = false) {
+  auto [z, z_scales, a] = b.fp8_rmsnorm_swiglu(h, w_gu, r, !recompute_a, fp8_z);
+  return {b.fp8_gemm(a, w_down.codes, w_down.scales), z, z_scales, a};
 }
 
 // F3 on FP8 operands: qkv = rope(r ⊙ (h · W_qkvᵀ) + b_qkv).
