@@ -131,6 +131,28 @@ OutProj fp8_out_proj_residual_norm(const Tensor& y, const Tensor& w_o, const Ten
   });
 }
 
+// y · wᵀ alone (tensor parallelism's row-parallel out-projection): y cast, the FP8 GEMM; y's
+// transposed copy for the backward (fp8_linear_backward).
+std::tuple<Tensor, Tensor, Tensor> fp8_linear(const Tensor& y, const Tensor& w,
+                                              const Tensor& w_codes, const Tensor& w_scales,
+                                              const std::optional<Tensor>& w_codes_t,
+                                              const std::optional<Tensor>& w_scales_t,
+                                              bool recast_w_t) {
+  const auto c = OpContext::from("coda::fp8_linear", "y", y);
+  c.matrix("y", y);
+  c.matrix("w", w);
+  const int64_t k = y.size(1);
+  TORCH_CHECK(w.size(1) == k, c.op, ": w must have shape (N, ", k, ") for y of shape ",
+              shape_string(y.sizes()), ", got ", shape_string(w.sizes()));
+  const Fp8 wq = fp8_weight(w_codes, w_scales, w_codes_t, w_scales_t);
+  check_fp8_weight(c, "w", "N (w.size(0))", w, wq, true, recast_w_t);
+  fp8_width(c, "K (y.size(1))", k);
+  return on_backend(y, [&](auto& b) {
+    const auto o = block::fp8_linear(b, y, wq);
+    return std::make_tuple(o.out, o.input.codes_t, o.input.scales_t);
+  });
+}
+
 using MlpOut = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
 MlpOut fp8_mlp(const Tensor& x, const Tensor& gamma, const Tensor& w_gu, const Tensor& gu_codes,
                const Tensor& gu_scales, const std::optional<Tensor>& gu_codes_t,
@@ -366,6 +388,13 @@ OutProj fp8_out_proj_residual_norm_meta(const Tensor& y, const Tensor& w_o, cons
           std::get<2>(y_copy),
           std::get<3>(y_copy)};
 }
+std::tuple<Tensor, Tensor, Tensor> fp8_linear_meta(const Tensor& y, const Tensor& w, const Tensor&,
+                                                   const Tensor&, const std::optional<Tensor>&,
+                                                   const std::optional<Tensor>&, bool) {
+  const c10::SymInt m = y.sym_size(0), k = y.sym_size(1);
+  const fp8::Quantized copy = fp8::empty_quantized(y, m, k, false, true);
+  return {at::empty_symint({m, w.sym_size(0)}, y.options()), std::get<2>(copy), std::get<3>(copy)};
+}
 MlpOut fp8_mlp_meta(const Tensor& x, const Tensor&, const Tensor& w_gu, const Tensor&,
                     const Tensor&, const std::optional<Tensor>&, const std::optional<Tensor>&,
                     const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&,
@@ -600,6 +629,33 @@ class Fp8Mlp : public torch::autograd::Function<Fp8Mlp> {
   }
 };
 
+class Fp8Linear : public torch::autograd::Function<Fp8Linear> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const Tensor& y, const Tensor& w,
+                               const Tensor& wc, const Tensor& ws, const std::optional<Tensor>& wct,
+                               const std::optional<Tensor>& wst, bool recast_w_t) {
+    ctx->set_materialize_grads(false);
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static const auto f = op<decltype(fp8_linear)>("coda::fp8_linear");
+    auto [out, yt, yts] = f.call(y, w, wc, ws, wct, wst, recast_w_t);
+    ctx->mark_non_differentiable({yt, yts});
+    const auto [wt, wts] = weight_t_to_save(ctx, "w_t", wc, ws, wct, wst, recast_w_t);
+    ctx->save_for_backward({yt, yts, w, wt, wts});
+    return {out, yt, yts};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    variable_list out(7);
+    if (!g[0].defined()) return out;
+    const auto s = ctx->get_saved_variables();
+    static const auto b = op<decltype(fp8_linear_backward)>("coda::fp8_linear_backward");
+    const auto [wt, wts] = weight_t(ctx, "w_t", s[3], s[4], s[2]);
+    auto [dy, dw] = b.call(g[0].contiguous(), s[0], s[1], s[2], wt, wts, std::nullopt);
+    out[0] = dy;
+    out[1] = dw;
+    return out;
+  }
+};
+
 // fp8_mlp_partial: its backward is fp8_mlp_backward without the residual's dx_out, so under
 // tensor parallelism each rank's dx is its share of the sum.
 class Fp8MlpPartial : public torch::autograd::Function<Fp8MlpPartial> {
@@ -729,6 +785,7 @@ namespace names {
 inline constexpr char out_proj[] = "coda::fp8_out_proj_residual_norm";
 inline constexpr char mlp[] = "coda::fp8_mlp";
 inline constexpr char mlp_partial[] = "coda::fp8_mlp_partial";
+inline constexpr char linear[] = "coda::fp8_linear";
 inline constexpr char norm_qkv[] = "coda::fp8_norm_qkv";
 inline constexpr char linear_backward[] = "coda::fp8_linear_backward";
 inline constexpr char mlp_backward[] = "coda::fp8_mlp_backward";
@@ -741,6 +798,7 @@ void register_kernels(torch::Library& m) {
   m.impl("fp8_out_proj_residual_norm", CODA_GUARDED(names::out_proj, fp8_out_proj_residual_norm));
   m.impl("fp8_mlp", CODA_GUARDED(names::mlp, fp8_mlp));
   m.impl("fp8_mlp_partial", CODA_GUARDED(names::mlp_partial, fp8_mlp_partial));
+  m.impl("fp8_linear", CODA_GUARDED(names::linear, fp8_linear));
   m.impl("fp8_norm_qkv", CODA_GUARDED(names::norm_qkv, fp8_norm_qkv));
   m.impl("fp8_linear_backward", CODA_GUARDED(names::linear_backward, fp8_linear_backward));
   m.impl("fp8_mlp_backward", CODA_GUARDED(names::mlp_backward, fp8_mlp_backward));
@@ -783,6 +841,13 @@ TORCH_LIBRARY_FRAGMENT(coda, m) {
       "Tensor dn_scales, Tensor? dn_codes_t, Tensor? dn_scales_t, Tensor h, Tensor h_scales, "
       "Tensor r, bool recompute_a=False, bool recast_w_t=False, bool fp8_z=False) -> (Tensor y, "
       "Tensor z, Tensor a_t, Tensor a_t_scales, Tensor z_scales)");
+  // y · wᵀ alone (tensor parallelism's row-parallel out-projection, whose residual add follows
+  // the reduce-scatter): y cast once, its transposed copy returned for the backward
+  // (fp8_linear_backward).
+  m.def(
+      "fp8_linear(Tensor y, Tensor w, Tensor w_codes, Tensor w_scales, Tensor? w_codes_t, "
+      "Tensor? w_scales_t, bool recast_w_t=False) -> (Tensor out, Tensor y_t, "
+      "Tensor y_t_scales)");
   m.def(
       "fp8_norm_qkv(Tensor x, Tensor gamma, Tensor w_qkv, Tensor w_codes, Tensor w_scales, "
       "Tensor? w_codes_t, Tensor? w_scales_t, Tensor h, Tensor h_scales, Tensor r, Tensor pos, "
@@ -826,6 +891,7 @@ TORCH_LIBRARY_IMPL(coda, Meta, m) {
   impl_meta(m, "fp8_out_proj_residual_norm", &fp8_out_proj_residual_norm_meta);
   impl_meta(m, "fp8_mlp", &fp8_mlp_meta);
   impl_meta(m, "fp8_mlp_partial", &fp8_mlp_partial_meta);
+  impl_meta(m, "fp8_linear", &fp8_linear_meta);
   impl_meta(m, "fp8_norm_qkv", &fp8_norm_qkv_meta);
   impl_meta(m, "fp8_linear_backward", &fp8_linear_backward_meta);
   impl_meta(m, "fp8_mlp_backward", &fp8_mlp_backward_meta);
@@ -884,6 +950,12 @@ TORCH_LIBRARY_IMPL(coda, Autograd, m) {
                            hs, r, gamma_next, eps, act_h_out, recompute_a, recast_w_t, fp8_z);
     return std::make_tuple(o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7]);
   });
+  m.impl("fp8_linear",
+         [](const Tensor& y, const Tensor& w, const Tensor& wc, const Tensor& ws,
+            const std::optional<Tensor>& wct, const std::optional<Tensor>& wst, bool recast_w_t) {
+           auto o = Fp8Linear::apply(y, w, wc, ws, wct, wst, recast_w_t);
+           return std::make_tuple(o[0], o[1], o[2]);
+         });
   m.impl("fp8_mlp_partial",
          [](const Tensor& x, const Tensor& gamma, const Tensor& w_gu, const Tensor& guc,
             const Tensor& gus, const std::optional<Tensor>& guct, const std::optional<Tensor>& gust,

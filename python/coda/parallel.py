@@ -14,8 +14,8 @@ backward (B4 -> B1 with the global LSE) is its slice's share of dx and dγ. ``lm
 keeps the whole vocabulary on every rank and runs the op on the rank's own rows.
 ``fused=False`` runs the same sharding and collectives with plain PyTorch ops: the unfused
 tensor-parallel baseline. A model with ``precision="fp8"`` runs the shards' projection GEMMs in
-blockwise FP8 (fp8_norm_qkv; fp8_mlp_partial; the out-projection's partial GEMM on y's cast),
-the rest as in bf16.
+blockwise FP8 (fp8_norm_qkv, fp8_linear for the out-projection's partial product,
+fp8_mlp_partial), the rest as in bf16.
 
     tp = TensorParallelLlama(model)     # shards a CodaLlamaForCausalLM's weights
     loss = tp(input_ids, labels)        # this rank's share: the sum over ranks is the loss
@@ -162,31 +162,6 @@ class _VocabParallelLossSum(torch.autograd.Function):
             s, x, gamma, w, h, r, t_bwd, lse, ctx.ignore_index, "sum", 0.0, 1 << 30
         )
         return dx, dgamma, dw, None, None, None, None, None, None, None
-
-
-class _Fp8LinearPartial(torch.autograd.Function):
-    """y · wᵀ on FP8 operands: y cast once (its 1x128 rows for the GEMM, its 128x1 copy kept for
-    dW), w's 128x128 codes and scales given (an Fp8WeightCache's). The backward is
-    fp8_linear_backward on wᵀ's codes, transposed from w's, or with ``recast`` cast from w (no FP8
-    copy of w kept from the forward): the row-parallel out-projection's partial product, whose
-    residual add follows the reduce-scatter."""
-
-    @staticmethod
-    def forward(ctx, y, w, codes, scales, recast):
-        coda = torch.ops.coda
-        yc, ys, yt, yts = coda.fp8_quantize_rows(y, True, True)
-        ctx.recast = recast
-        ctx.save_for_backward(yt, yts, w, *(() if recast else (codes, scales)))
-        return coda.fp8_gemm(yc, ys, codes, scales)
-
-    @staticmethod
-    def backward(ctx, g):
-        coda = torch.ops.coda
-        yt, yts, w, *q = ctx.saved_tensors
-        wt, wts = (coda.fp8_quantize_blocks(w, False, True)[2:] if ctx.recast
-                   else coda.fp8_transpose_blocks(*q))
-        dy, dw = coda.fp8_linear_backward(g.contiguous(), yt, yts, w, wt, wts)
-        return dy, dw, None, None, None
 
 
 def _share(p: Tensor, dim: int, lo: int, hi: int) -> nn.Parameter:
@@ -371,9 +346,9 @@ class TensorParallelLlama(nn.Module):
 
     def _out_proj(self, y: Tensor, layer: nn.Module) -> Tensor:
         """This rank's partial out-projection (row-parallel: its heads' columns of w_o)."""
-        if self.precision == "fp8":
-            return _Fp8LinearPartial.apply(y, layer.w_o, *self._fp8(layer, "w_o")[:2],
-                                           self._recast)
+        if self.precision == "fp8":  # y cast once; its copy kept for dW_o
+            return torch.ops.coda.fp8_linear(y, layer.w_o, *self._fp8(layer, "w_o"),
+                                             self._recast)[0]
         return F.linear(y, layer.w_o)
 
     def _norm(self, x: Tensor, gamma: Tensor) -> Tensor:

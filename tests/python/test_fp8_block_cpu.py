@@ -331,6 +331,25 @@ def test_fp8_mlp_partial_matches_the_recipe(shape):
         close(got_g, want_g, f"d {name}")
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fp8_linear_matches_the_recipe(shape):
+    """y · wᵀ alone (fp8_linear, tensor parallelism's out-projection): y's cast, the GEMM, y's
+    returned copy, and the backward (dout cast once: dy on wᵀ's blocks, dW on the copies),
+    against the recipe unfused in fp64."""
+    p, up, _, _ = chain_inputs(shape, False, seed=6)
+    y, w, dout = p["y"], p["w_o"], up["dx2"]
+    leaves = [t.clone().requires_grad_() for t in (y, w)]
+    out, y_t, y_ts = CODA.fp8_linear(leaves[0], leaves[1], *weight_cache(w))
+    got = torch.autograd.grad(out, leaves, dout)
+    yq, yt = cast(y, guard=False), cast(y.t(), guard=False)
+    w_deq = cast(w, 128, "w", guard=False).deq
+    close(out.detach(), yq.deq @ w_deq.t(), "out")
+    same_copy_cast(y_t, y_ts, yt, "yᵀ")
+    dq, dt = cast(dout, what="dout"), cast(dout.t(), what="doutᵀ")
+    close(got[0], dq.deq @ w_deq, "dy")
+    close(got[1], dt.deq @ yt.deq.t(), "dW")
+
+
 def test_fp8_mlp_partial_is_fp8_mlp_without_the_residual():
     """The same F2 and down-projection as fp8_mlp: y = x_out − x for fp8_mlp's x_out, and the
     backward differs by the residual's gradient alone (dx_partial = dx − dy)."""
@@ -338,13 +357,13 @@ def test_fp8_mlp_partial_is_fp8_mlp_without_the_residual():
     x, gamma, w_gu, w_down, dy = p["x0"], p["gamma_ffn"], p["w_gu"], p["w_down"], up["dx2"]
     r = torch.rsqrt((x * x).mean(1) + EPS)
     hq = CODA.fp8_quantize_rows(x * gamma)[:2]
-    qs = (*weight_cache(w_gu), None, *weight_cache(w_down))  # the weights' FP8 operands
+    q_gu, q_down = weight_cache(w_gu), weight_cache(w_down)  # the weights' FP8 operands
     leaves = [t.clone().requires_grad_() for t in (x, gamma, w_gu, w_down)]
-    y, z = CODA.fp8_mlp_partial(leaves[0], leaves[1], leaves[2], *qs[:4], leaves[3], *qs[5:],
+    y, z = CODA.fp8_mlp_partial(leaves[0], leaves[1], leaves[2], *q_gu, leaves[3], *q_down,
                                 *hq, r)[:2]
     full = [t.clone().requires_grad_() for t in (x, gamma, w_gu, w_down)]
-    x_out, _, _, _, z_full, *_ = CODA.fp8_mlp(full[0], full[1], full[2], *qs[:4], full[3],
-                                              *qs[5:], *hq, r, p["gamma_attn"], EPS)
+    x_out, _, _, _, z_full, *_ = CODA.fp8_mlp(full[0], full[1], full[2], *q_gu, full[3], *q_down,
+                                              *hq, r, p["gamma_attn"], EPS)
     close(y.detach(), (x_out - x).detach(), "y")
     assert torch.equal(z, z_full)
     d_partial = torch.autograd.grad(y, leaves, dy)
@@ -631,6 +650,9 @@ def opcheck_cases():
         "out_proj": (CODA.fp8_out_proj_residual_norm.default, out_proj_args(case)),
         "mlp": (CODA.fp8_mlp.default, mlp_args(case)),
         "mlp_partial": (CODA.fp8_mlp_partial.default, mlp_args(case)[:15]),
+        "linear": (CODA.fp8_linear.default, out_proj_args(case)[:6]),
+        "linear_recast_w_t": (CODA.fp8_linear.default,
+                              out_proj_args(case, w_codes_t=None, w_scales_t=None)[:6] + [True]),
         "mlp_partial_recast_w_t": (CODA.fp8_mlp_partial.default, mlp_args(
             case, gu_codes_t=None, gu_scales_t=None, dn_codes_t=None, dn_scales_t=None)[:15]
             + [False, True]),
@@ -673,7 +695,8 @@ def e4m3_as_bytes(outs):
 OPCHECK_CASES = ("out_proj", "out_proj_recompute_y", "out_proj_recast_w_t", "mlp",
                  "mlp_recompute_a", "mlp_fp8_z", "mlp_fp8_z_recompute_a",
                  "mlp_transpose_in_backward", "mlp_recast_w_t", "mlp_partial",
-                 "mlp_partial_recast_w_t", "mlp_partial_fp8_z_recompute_a", "norm_qkv",
+                 "mlp_partial_recast_w_t", "mlp_partial_fp8_z_recompute_a", "linear",
+                 "linear_recast_w_t", "norm_qkv",
                  "norm_qkv_transpose_in_backward", "norm_qkv_qk_norm")
 
 
@@ -717,7 +740,8 @@ def test_opcheck_fp8_block_ops(name):
                              fullgraph=True, dynamic=True)
     (eager, d_eager), (traced, d_traced) = grads(lambda *a: e4m3_as_bytes(op(*a))), grads(compiled)
     # out-proj's γ and the MLP's γ_next are not differentiable (their consumer differentiates).
-    assert sum(d is None for d in d_eager) == (not name.startswith(("norm_qkv", "mlp_partial")))
+    assert sum(d is None for d in d_eager) == (
+        not name.startswith(("norm_qkv", "mlp_partial", "linear")))
     for a, b in zip(eager + d_eager, traced + d_traced):
         assert (a is None and b is None) or torch.equal(a, b)
 

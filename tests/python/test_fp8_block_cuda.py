@@ -154,6 +154,28 @@ def test_fp8_out_proj_residual_norm_matches_the_cpu_op(shape):
     assert torch.equal(dx0.cpu(), up["dx1"]) and torch.equal(dx064, up["dx1"].double())
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fp8_linear_matches_the_cpu_op(shape):
+    """y · wᵀ alone (tensor parallelism's out-projection): out by the GEMM tolerance (y's codes
+    are the same on both sides), y's copy bit for bit, dy and dW by the GEMM tolerance."""
+    p, up, _, _ = inputs(shape, False, seed=5)
+    q = caches(p)
+    res = {}
+    for dev in ("cuda", "cpu"):
+        v = leaves_on(dev, p, ("y", "w_o"))
+        outs = CODA.fp8_linear(v["y"], v["w_o"], *q["w_o"][dev])
+        grads = torch.autograd.grad(outs[0], list(v.values()), on(dev, up["dx1"]))
+        res[dev] = [o.detach() for o in outs], grads
+    (out, yt, yts), (dy, dw) = res["cuda"]
+    (out64, yt64, yts64), (dy64, dw64) = res["cpu"]
+    assert out.dtype == BF16 and out64.dtype == F64
+    fp8_gemm_close(out, out64, "out")
+    same_bits(yt, yt64, "yᵀ codes")
+    same_bits(yts, yts64, "yᵀ scales")
+    fp8_gemm_close(dy, dy64, "dy")
+    fp8_gemm_close(dw, dw64, "dW")
+
+
 @pytest.mark.parametrize("act_h_out", [False, True], ids=["", "act_h_out"])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_fp8_mlp_matches_the_cpu_op(shape, act_h_out):
@@ -223,6 +245,7 @@ def test_fp8_mlp_partial_matches_the_cpu_op(shape):
         *q["w_down"]["cpu"], h64, hs64, r64)
     fp8_gemm_close(z, z64, "z")
     fp8_codes_near(at[:, :m], ats, (F.silu(z64[:, 0::2]) * z64[:, 1::2]).t(), "aᵀ")
+    assert (at[:, m:].cpu().view(torch.uint8) == 0).all(), "aᵀ padding"
     normwise(y, y64, near_tie_bound(1), "y")
     gu, dn = q["w_gu"]["cpu"], q["w_down"]["cpu"]
     dx64, dg64, dgu64, ddn64 = CODA.fp8_mlp_backward(

@@ -86,6 +86,21 @@ Fp8OutProj<B> fp8_out_proj_residual_norm(B& b, const T<B>& y, const Fp8<B>& w_o,
 }
 
 template <class B>
+struct Fp8Linear {
+  T<B> out;      // y · Wᵀ in the activation dtype
+  Fp8<B> input;  // y's transposed copy (codes_t, scales_t), for dW
+};
+
+// y · Wᵀ on FP8 operands, no epilogue: y cast once (its rows for the GEMM; with `copies` its
+// copy for the weight gradient). Tensor parallelism's row-parallel out-projection, whose residual
+// add and norm follow the reduce-scatter of `out`; its backward is fp8_linear_backward.
+template <class B>
+Fp8Linear<B> fp8_linear(B& b, const T<B>& y, const Fp8<B>& w, bool copies = true) {
+  const Fp8<B> yq = b.fp8_cast(y, true, copies);
+  return {b.fp8_gemm(yq, w.codes, w.scales), yq};
+}
+
+template <class B>
 struct Fp8Mlp {
   Fp8Norm<B> out;  // x_out, h_out quantized (empty with act_h_out), r_out
   T<B> h_act;      // with act_h_out: h_out unquantized (the LM head's input); else empty
