@@ -584,6 +584,31 @@ class Fp8OutProjResidualNorm : public torch::autograd::Function<Fp8OutProjResidu
   }
 };
 
+// fp8_mlp_backward from what Fp8Mlp and Fp8MlpPartial save (the same list: x, gamma, w_gu, wᵀ's
+// two, w_down, wᵀ's two, r, z, a's copy, its scales, z_scales) into the gradients of the op's
+// `inputs` inputs (x, gamma, w_gu at 0-2, w_down at 7); `residual` as the op's.
+variable_list mlp_backward_from_saved(AutogradContext* ctx, const Tensor& dout, size_t inputs,
+                                      bool residual) {
+  variable_list out(inputs);
+  if (!dout.defined()) return out;
+  const auto s = ctx->get_saved_variables();
+  static auto b = op<decltype(fp8_mlp_backward)>("coda::fp8_mlp_backward");
+  // a's copy, or none (recompute_a: F2 wrote no copy, an empty tensor): made from z.
+  const bool kept = !ctx->saved_data["recompute_a"].toBool();
+  const auto [gut, guts] = weight_t(ctx, "gu_t", s[3], s[4], s[2]);
+  const auto [dnt, dnts] = weight_t(ctx, "dn_t", s[6], s[7], s[5]);
+  auto [dx, dgamma, dw_gu, dw_down] = b.call(
+      dout.contiguous(), s[0], s[1], s[2], gut, guts, s[5], dnt, dnts, s[8], s[9],
+      kept ? std::optional<Tensor>(s[10]) : std::nullopt,
+      kept ? std::optional<Tensor>(s[11]) : std::nullopt,
+      ctx->saved_data["fp8_z"].toBool() ? std::optional<Tensor>(s[12]) : std::nullopt, residual);
+  out[0] = dx;
+  out[1] = dgamma;
+  out[2] = dw_gu;
+  out[7] = dw_down;
+  return out;
+}
+
 class Fp8Mlp : public torch::autograd::Function<Fp8Mlp> {
  public:
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& gamma,
@@ -608,24 +633,7 @@ class Fp8Mlp : public torch::autograd::Function<Fp8Mlp> {
     return {x_out, h_out, h_outs, r_out, z, at, ats, zs};
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
-    variable_list out(21);
-    if (!g[0].defined()) return out;
-    const auto s = ctx->get_saved_variables();
-    static auto b = op<decltype(fp8_mlp_backward)>("coda::fp8_mlp_backward");
-    // a's copy, or none (recompute_a: F2 wrote no copy, an empty tensor): made from z.
-    const bool kept = !ctx->saved_data["recompute_a"].toBool();
-    const auto [gut, guts] = weight_t(ctx, "gu_t", s[3], s[4], s[2]);
-    const auto [dnt, dnts] = weight_t(ctx, "dn_t", s[6], s[7], s[5]);
-    auto [dx, dgamma, dw_gu, dw_down] = b.call(
-        g[0].contiguous(), s[0], s[1], s[2], gut, guts, s[5], dnt, dnts, s[8], s[9],
-        kept ? std::optional<Tensor>(s[10]) : std::nullopt,
-        kept ? std::optional<Tensor>(s[11]) : std::nullopt,
-        ctx->saved_data["fp8_z"].toBool() ? std::optional<Tensor>(s[12]) : std::nullopt, true);
-    out[0] = dx;
-    out[1] = dgamma;
-    out[2] = dw_gu;
-    out[7] = dw_down;
-    return out;
+    return mlp_backward_from_saved(ctx, g[0], 21, true);
   }
 };
 
@@ -681,24 +689,7 @@ class Fp8MlpPartial : public torch::autograd::Function<Fp8MlpPartial> {
     return {y, z, at, ats, zs};
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
-    variable_list out(18);
-    if (!g[0].defined()) return out;
-    const auto s = ctx->get_saved_variables();
-    static auto b = op<decltype(fp8_mlp_backward)>("coda::fp8_mlp_backward");
-    // a's copy, or none (recompute_a): made from z.
-    const bool kept = !ctx->saved_data["recompute_a"].toBool();
-    const auto [gut, guts] = weight_t(ctx, "gu_t", s[3], s[4], s[2]);
-    const auto [dnt, dnts] = weight_t(ctx, "dn_t", s[6], s[7], s[5]);
-    auto [dx, dgamma, dw_gu, dw_down] = b.call(
-        g[0].contiguous(), s[0], s[1], s[2], gut, guts, s[5], dnt, dnts, s[8], s[9],
-        kept ? std::optional<Tensor>(s[10]) : std::nullopt,
-        kept ? std::optional<Tensor>(s[11]) : std::nullopt,
-        ctx->saved_data["fp8_z"].toBool() ? std::optional<Tensor>(s[12]) : std::nullopt, false);
-    out[0] = dx;
-    out[1] = dgamma;
-    out[2] = dw_gu;
-    out[7] = dw_down;
-    return out;
+    return mlp_backward_from_saved(ctx, g[0], 18, false);
   }
 };
 
