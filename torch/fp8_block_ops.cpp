@@ -153,6 +153,16 @@ std::tuple<Tensor, Tensor, Tensor> fp8_linear(const Tensor& y, const Tensor& w,
   });
 }
 
+// The MLP forwards' FP8 operands (fp8_mlp, fp8_mlp_partial): both weights' and h's rows.
+void check_fp8_mlp_operands(const OpContext& c, const MlpSizes& s, const Tensor& w_gu,
+                            const Fp8& gu, const Tensor& w_down, const Fp8& dn, const Fp8& h,
+                            bool recast_w_t) {
+  check_fp8_weight(c, "gu", "2I (w_gu.size(0))", w_gu, gu, true, recast_w_t);
+  check_fp8_weight(c, "dn", "H (w_down.size(0))", w_down, dn, true, recast_w_t);
+  check_fp8_act(c, "h", h, s.m, s.hidden, true, false);
+  fp8_width(c, "I (w_gu.size(0) / 2)", s.intermediate);
+}
+
 using MlpOut = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
 MlpOut fp8_mlp(const Tensor& x, const Tensor& gamma, const Tensor& w_gu, const Tensor& gu_codes,
                const Tensor& gu_scales, const std::optional<Tensor>& gu_codes_t,
@@ -168,11 +178,8 @@ MlpOut fp8_mlp(const Tensor& x, const Tensor& gamma, const Tensor& w_gu, const T
   check_eps(c.op, eps);
   const Fp8 gu = fp8_weight(gu_codes, gu_scales, gu_codes_t, gu_scales_t);
   const Fp8 dn = fp8_weight(dn_codes, dn_scales, dn_codes_t, dn_scales_t);
-  check_fp8_weight(c, "gu", "2I (w_gu.size(0))", w_gu, gu, true, recast_w_t);
-  check_fp8_weight(c, "dn", "H (w_down.size(0))", w_down, dn, true, recast_w_t);
   const Fp8 hq{h, h_scales, {}, {}};
-  check_fp8_act(c, "h", hq, s.m, s.hidden, true, false);
-  fp8_width(c, "I (w_gu.size(0) / 2)", s.intermediate);
+  check_fp8_mlp_operands(c, s, w_gu, gu, w_down, dn, hq, recast_w_t);
   return on_backend(x, [&](auto& b) {
     const auto o =
         block::fp8_mlp(b, x, hq, r, gu, dn, gamma_next, eps, act_h_out, copies, recompute_a, fp8_z);
@@ -204,11 +211,8 @@ MlpPartialOut fp8_mlp_partial(const Tensor& x, const Tensor& gamma, const Tensor
   const auto s = validate_mlp(c, x, gamma, w_gu, w_down, nullptr, r);
   const Fp8 gu = fp8_weight(gu_codes, gu_scales, gu_codes_t, gu_scales_t);
   const Fp8 dn = fp8_weight(dn_codes, dn_scales, dn_codes_t, dn_scales_t);
-  check_fp8_weight(c, "gu", "2I (w_gu.size(0))", w_gu, gu, true, recast_w_t);
-  check_fp8_weight(c, "dn", "H (w_down.size(0))", w_down, dn, true, recast_w_t);
   const Fp8 hq{h, h_scales, {}, {}};
-  check_fp8_act(c, "h", hq, s.m, s.hidden, true, false);
-  fp8_width(c, "I (w_gu.size(0) / 2)", s.intermediate);
+  check_fp8_mlp_operands(c, s, w_gu, gu, w_down, dn, hq, recast_w_t);
   return on_backend(x, [&](auto& b) {
     const auto o = block::fp8_mlp_partial(b, hq, r, gu, dn, recompute_a, fp8_z);
     return std::make_tuple(o.y, o.z, o.a.codes_t, o.a.scales_t,
