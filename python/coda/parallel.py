@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import ops
-from .nn import CodaLlamaForCausalLM, Fp8WeightCache, sdpa_causal
+from .nn import FP8_PROJECTIONS, CodaLlamaForCausalLM, Fp8WeightCache, sdpa_causal
 
 
 def _rows(t: Tensor, group) -> tuple[int, int]:
@@ -278,6 +278,17 @@ class TensorParallelLlama(nn.Module):
             ps += [g for layer in self.layers for g in (layer.q_gamma, layer.k_gamma)]
         sharded = self.lm_head == "vocab" or self.config.tie_word_embeddings
         return ps if sharded else ps + [self.w_vocab]
+
+    def refresh_fp8_weights(self) -> None:
+        """As :meth:`CodaLlamaForCausalLM.refresh_fp8_weights`, for the shards: quantizes their
+        projection weights now into the FP8 operands' own tensors. Needed after writes that do not
+        move a weight's version counter (through ``.data``) and between the replays of a captured
+        CUDA graph whenever the weights changed; optimizer steps are seen on their own."""
+        if self.precision != "fp8" or self._recast:
+            return
+        for layer in self.layers:
+            for name in FP8_PROJECTIONS:
+                layer.fp8_cache.refresh(name, getattr(layer, name))
 
     def _vocab_weight(self) -> Tensor:
         if self.config.tie_word_embeddings:

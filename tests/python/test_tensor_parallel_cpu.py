@@ -328,3 +328,31 @@ def test_tensor_parallel_model_compiles_in_one_graph(precision):
     got = run_gloo(compile_worker, WORLD, precision)
     assert sorted(got) == list(range(WORLD))
     assert all(e <= 1e-12 for e in got.values()), got
+
+
+def refresh_worker(rank: int, world: int, out: dict) -> None:
+    from coda.parallel import TensorParallelLlama
+
+    model = build(False, vocab_size=44, **FP8_TP_CFG)
+    model.precision = "fp8"
+    tp = TensorParallelLlama(model)
+    ids = torch.randint(0, 44, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = tp(ids, ids)
+        for layer in tp.layers:  # a write the version counter does not see
+            layer.w_down.data.mul_(0.5)
+        stale = tp(ids, ids)
+        tp.refresh_fp8_weights()
+        fresh = tp(ids, ids)
+        for layer in tp.layers:  # the same weights quantized from scratch
+            layer.fp8_cache.clear()
+        want = tp(ids, ids)
+    out[rank] = (before.item(), stale.item(), fresh.item(), want.item())
+
+
+def test_tensor_parallel_refresh_fp8_weights_sees_writes_through_data():
+    """A write through .data leaves a shard's FP8 operands stale until refresh_fp8_weights(),
+    after which the loss is that of the weights quantized anew."""
+    got = run_gloo(refresh_worker, WORLD)
+    for before, stale, fresh, want in got.values():
+        assert stale == before and fresh != before and fresh == want, got
