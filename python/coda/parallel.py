@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import ops
-from .nn import FP8_PROJECTIONS, CodaLlamaForCausalLM, Fp8WeightCache, sdpa_causal
+from .nn import (FP8_PROJECTIONS, CodaLlamaForCausalLM, Fp8WeightCache, _keeps_fp8_weights,
+                 sdpa_causal)
 
 
 def _rows(t: Tensor, group) -> tuple[int, int]:
@@ -164,6 +165,25 @@ class _VocabParallelLossSum(torch.autograd.Function):
         return dx, dgamma, dw, None, None, None, None, None, None, None
 
 
+class _TensorParallelLayer(nn.Module):
+    """One decoder layer's shard: its parameters (set by TensorParallelLlama) and FP8 weight cache.
+    Its forward runs the layer, so that module hooks see it (FSDP2's unshard of a per-layer unit
+    over a data-parallel mesh dimension: tensor x data parallelism)."""
+
+    def forward(self, tp: "TensorParallelLlama", x: Tensor, gamma_attn: Tensor, pos: Tensor,
+                rope, batch: int, seq: int) -> Tensor:
+        g, d, hq, hkv = tp.group, tp.config.head_dim, tp.heads, tp.kv_heads
+        # attention: gathered rows, this rank's heads; out-proj partial -> reduce-scatter
+        qkv = tp._qkv(_GatherRows.apply(x, g), gamma_attn, self, pos, rope)
+        qkv = qkv.view(batch, seq, hq + 2 * hkv, d)
+        # split, not sliced: one concatenation of the gradients (nn._attention)
+        q, k, v = (t.transpose(1, 2) for t in qkv.split([hq, hkv, hkv], dim=2))
+        y = sdpa_causal(q, k, v).transpose(1, 2).reshape(batch * seq, hq * d)
+        x = x + _ReduceScatterRows.apply(tp._out_proj(y, self), g)
+        # MLP: gathered rows, this rank's intermediate slice; partial -> reduce-scatter
+        return x + _ReduceScatterRows.apply(tp._mlp(_GatherRows.apply(x, g), self), g)
+
+
 def _share(p: Tensor, dim: int, lo: int, hi: int) -> nn.Parameter:
     return nn.Parameter(p.detach().narrow(dim, lo, hi - lo).clone())
 
@@ -237,7 +257,7 @@ class TensorParallelLlama(nn.Module):
         rows = qkv_rows(c, rank, world)
         self.layers = nn.ModuleList()
         for layer in model.layers:
-            shard = nn.Module()
+            shard = _TensorParallelLayer()
             shard.w_qkv = nn.Parameter(layer.w_qkv.detach()[rows.to(layer.w_qkv.device)].clone())
             # Qwen2's Q/K/V bias: this rank's rows, as w_qkv's; Qwen3's QK-norm weights: one per
             # head dimension, shared by every head, so replicated (each rank's gradient is its
@@ -297,30 +317,22 @@ class TensorParallelLlama(nn.Module):
 
     def all_reduce_replicated_grads(self) -> None:
         for p in self.replicated_parameters():
-            if p.grad is not None:
-                dist.all_reduce(p.grad, group=self.group)
+            if p.grad is not None:  # under FSDP2 a DTensor: its shard, the same on each TP rank
+                grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                dist.all_reduce(grad, group=self.group)
 
     def forward(self, input_ids: Tensor, labels: Tensor, ignore_index: int = -100) -> Tensor:
         """This rank's share of the mean loss over the batch's counted targets (labels shifted as
         in :meth:`CodaLlamaForCausalLM.forward`); the shares sum to the loss."""
-        c, g = self.config, self.group
+        g = self.group
         batch, seq = input_ids.shape
-        M, d = batch * seq, c.head_dim
+        M = batch * seq
         lo, hi = _rows(input_ids.reshape(M), g)
         pos = torch.arange(seq, dtype=torch.int32, device=input_ids.device).repeat(batch)
         x = F.embedding(input_ids.reshape(M)[lo:hi], self.embed)
         rope = None if self.fused else self._rope(pos, x.dtype)
-        for n, layer in enumerate(self.layers):
-            # attention: gathered rows, this rank's heads; out-proj partial -> reduce-scatter
-            qkv = self._qkv(_GatherRows.apply(x, g), self.gamma_attn[n], layer, pos, rope)
-            qkv = qkv.view(batch, seq, self.heads + 2 * self.kv_heads, d)
-            # split, not sliced: one concatenation of the gradients (nn._attention)
-            q, k, v = (t.transpose(1, 2) for t in qkv.split(
-                [self.heads, self.kv_heads, self.kv_heads], dim=2))
-            y = sdpa_causal(q, k, v).transpose(1, 2).reshape(M, self.heads * d)
-            x = x + _ReduceScatterRows.apply(self._out_proj(y, layer), g)
-            # MLP: gathered rows, this rank's intermediate slice; partial -> reduce-scatter
-            x = x + _ReduceScatterRows.apply(self._mlp(_GatherRows.apply(x, g), layer), g)
+        for n, layer in enumerate(self.layers):  # a module call: its hooks (FSDP2's) run
+            x = layer(self, x, self.gamma_attn[n], pos, rope, batch, seq)
         targets = F.pad(labels[:, 1:].to(torch.int64), (0, 1), value=ignore_index).reshape(M)
         count = targets.ne(ignore_index).sum()  # over the whole batch: every rank has the labels
         if self.lm_head == "sequence":
@@ -345,9 +357,11 @@ class TensorParallelLlama(nn.Module):
 
     @property
     def _recast(self) -> bool:
-        """fp8_weight_cache=False: no FP8 copy of a weight kept between forwards, nor from a
-        layer's forward to its backward, which casts wᵀ from the weight (as the FP8 model)."""
-        return self.fp8_weight_cache is False
+        """No FP8 copy of a weight kept between forwards, nor from a layer's forward to its
+        backward, which casts wᵀ from the weight: with fp8_weight_cache=False, or where None under
+        FSDP2 (its gathered weights come back at the same address unchanged in version), as the
+        FP8 model decides."""
+        return not _keeps_fp8_weights(self, self.fp8_weight_cache)
 
     def _fp8(self, layer: nn.Module, name: str) -> tuple[Tensor, ...]:
         """A shard weight's FP8 operands (quantized once per change of the weight, or in every

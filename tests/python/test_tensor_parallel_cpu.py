@@ -120,7 +120,7 @@ def model_worker(
     rank: int, world: int, tie: bool, fused: bool, lm_head: str, vocab: int, ignore: int,
     precision: str, arch: str, out: dict,
 ) -> None:
-    from coda.parallel import TensorParallelLlama, qkv_rows, vocab_range
+    from coda.parallel import TensorParallelLlama, vocab_range
 
     precision, _, option = precision.partition(":")  # "fp8:<option>": one of the FP8 model's
     fp8 = precision == "fp8"
@@ -152,6 +152,25 @@ def model_worker(
     total = loss.detach().clone()
     dist.all_reduce(total)
 
+    pairs = grad_pairs(tp, model, rank, world, tie, lm_head, vocab)
+    errs = {k: ((a - b).abs().max() / b.abs().max()).item() for k, (a, b) in pairs.items()}
+    errs["loss"] = abs(total.item() - ref_loss.item()) / abs(ref_loss.item())
+    out[rank] = errs
+    if option:  # what a forward saves for the backward, with the option and without it
+        saved = {}
+        off = None if option == "fp8_weight_cache" else False
+        for flag, value in (("on", getattr(tp, option)), ("off", off)):
+            setattr(tp, option, value)
+            saved[flag] = saved_bytes(lambda: tp(ids, labels, ignore_index=ignore))
+        out[f"saved bytes {rank}"] = saved
+
+
+def grad_pairs(tp, model, rank: int, world: int, tie: bool, lm_head: str, vocab: int) -> dict:
+    """{parameter: (the TP rank's gradient, the unsharded model's gradient of that shard)}; a
+    gradient under FSDP2 (a DTensor) in full."""
+    from coda.parallel import qkv_rows, vocab_range
+
+    c = model.config
     # A wrong choice of Q/K/V rows would also change the loss, so the module's own is used here.
     rows = qkv_rows(model.config, rank, world)
     o = slice(  # w_o's columns: this rank's Q heads
@@ -177,16 +196,8 @@ def model_worker(
         if c.qk_norm:
             pairs[f"{n}.q_gamma"] = (sl.q_gamma.grad, full.q_gamma.grad)
             pairs[f"{n}.k_gamma"] = (sl.k_gamma.grad, full.k_gamma.grad)
-    errs = {k: ((a - b).abs().max() / b.abs().max()).item() for k, (a, b) in pairs.items()}
-    errs["loss"] = abs(total.item() - ref_loss.item()) / abs(ref_loss.item())
-    out[rank] = errs
-    if option:  # what a forward saves for the backward, with the option and without it
-        saved = {}
-        off = None if option == "fp8_weight_cache" else False
-        for flag, value in (("on", getattr(tp, option)), ("off", off)):
-            setattr(tp, option, value)
-            saved[flag] = saved_bytes(lambda: tp(ids, labels, ignore_index=ignore))
-        out[f"saved bytes {rank}"] = saved
+    return {k: (a.full_tensor() if hasattr(a, "full_tensor") else a, b)
+            for k, (a, b) in pairs.items()}
 
 
 def saved_bytes(forward) -> int:
@@ -356,3 +367,56 @@ def test_tensor_parallel_refresh_fp8_weights_sees_writes_through_data():
     got = run_gloo(refresh_worker, WORLD)
     for before, stale, fresh, want in got.values():
         assert stale == before and fresh != before and fresh == want, got
+
+
+def tp_fsdp_worker(rank: int, world: int, precision: str, out: dict) -> None:
+    """Tensor x data parallelism on a 2 x 2 mesh: TensorParallelLlama over the "tp" dimension,
+    FSDP2 over "dp" (a unit per layer, then the root); each dp half of the batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from coda.parallel import TensorParallelLlama
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp, tp_rank = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
+    model = build(False, vocab_size=44, **(FP8_TP_CFG if precision == "fp8" else {}))
+    model.precision = precision
+    ids = torch.randint(0, 44, (4, 8), generator=torch.Generator().manual_seed(1))
+    ref = model(ids, ids)  # every sequence counts 7 targets: the halves' mean is the mean
+    ref.backward()
+    tp = TensorParallelLlama(model, group=mesh["tp"].get_group())
+    for layer in tp.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(tp, mesh=mesh["dp"])
+    half = slice(2 * dp, 2 * dp + 2)
+    loss = tp(ids[half], ids[half])
+    loss.backward()  # FSDP2 averages the gradients over dp
+    tp.all_reduce_replicated_grads()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    pairs = grad_pairs(tp, model, tp_rank, 2, False, "vocab", 44)
+    errs = {k: ((a - b).abs().max() / b.abs().max()).item() for k, (a, b) in pairs.items()}
+    errs["loss"] = abs(total.item() / 2 - ref.item()) / abs(ref.item())
+    out[rank] = errs
+    out[f"kept {rank}"] = sum(len(layer.fp8_cache._entries) for layer in tp.layers)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_tensor_parallel_under_fsdp2_matches_unsharded_fp64(precision):
+    """TensorParallelLlama inside FSDP2 (2-D: tensor parallel within a pair of ranks, data
+    parallel across the pairs, four gloo ranks): each layer runs as a module call, so FSDP2
+    gathers its shard's parameters, and the FP8 shards quantize the gathered weights in every
+    forward, keeping none. The unsharded model's loss over the whole batch and every gradient, in
+    fp64; in FP8 the weight gradients to 1e-5 of their largest entry: their operands' 128x1 blocks
+    along the tokens hold each data-parallel half's tokens, not the whole batch's (see
+    test_distributed_cpu's FSDP2 FP8 test: the block scales differ by a power of two, which moves
+    subnormal codes only)."""
+    got = run_gloo(tp_fsdp_worker, 4, precision)
+    kept = {k: got.pop(k) for k in [k for k in got if isinstance(k, str)]}
+    assert sorted(got) == [0, 1, 2, 3]
+    assert not any(kept.values()), f"FP8 weight operands kept between forwards: {kept}"
+    for rank, errs in got.items():
+        assert len(errs) == 6 * CFG["num_layers"] + 4, errs
+        bad = {k: v for k, v in errs.items()
+               if not v <= (1e-5 if precision == "fp8" and ".w_" in k else 1e-12)}
+        assert not bad, f"rank {rank}: relative errors above the bound: {bad}"
