@@ -234,6 +234,7 @@ class TensorParallelLlama(nn.Module):
         # The FP8 model's options (coda.nn.CodaLlamaForCausalLM's), read in every forward.
         self.fp8_recompute_a, self.fp8_z = model.fp8_recompute_a, model.fp8_z
         self.fp8_weight_cache = model.fp8_weight_cache
+        self._keep_fp8 = True  # this forward's decision (forward sets it)
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         if c.num_kv_heads % world or c.num_heads % world or c.intermediate_size % world:
             raise ValueError(
@@ -304,7 +305,9 @@ class TensorParallelLlama(nn.Module):
         projection weights now into the FP8 operands' own tensors. Needed after writes that do not
         move a weight's version counter (through ``.data``) and between the replays of a captured
         CUDA graph whenever the weights changed; optimizer steps are seen on their own."""
-        if self.precision != "fp8" or self._recast:
+        if self.precision != "fp8" or not _keeps_fp8_weights(self, self.fp8_weight_cache):
+            for layer in self.layers:  # nothing kept (under FSDP2 the weights are shards now)
+                layer.fp8_cache.clear()
             return
         for layer in self.layers:
             for name in FP8_PROJECTIONS:
@@ -318,8 +321,9 @@ class TensorParallelLlama(nn.Module):
     def all_reduce_replicated_grads(self) -> None:
         for p in self.replicated_parameters():
             if p.grad is not None:  # under FSDP2 a DTensor: its shard, the same on each TP rank
-                grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                dist.all_reduce(grad, group=self.group)
+                with torch.no_grad():
+                    grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                    dist.all_reduce(grad, group=self.group)
 
     def forward(self, input_ids: Tensor, labels: Tensor, ignore_index: int = -100) -> Tensor:
         """This rank's share of the mean loss over the batch's counted targets (labels shifted as
@@ -327,6 +331,10 @@ class TensorParallelLlama(nn.Module):
         g = self.group
         batch, seq = input_ids.shape
         M = batch * seq
+        if self.precision == "fp8":  # FP8 weight copies kept: fp8_weight_cache, or where None
+            self._keep_fp8 = _keeps_fp8_weights(self, self.fp8_weight_cache)  # unless under
+            for layer in self.layers:  # FSDP2 (as the FP8 model decides)
+                layer.fp8_cache.persist = self._keep_fp8
         lo, hi = _rows(input_ids.reshape(M), g)
         pos = torch.arange(seq, dtype=torch.int32, device=input_ids.device).repeat(batch)
         x = F.embedding(input_ids.reshape(M)[lo:hi], self.embed)
@@ -358,15 +366,12 @@ class TensorParallelLlama(nn.Module):
     @property
     def _recast(self) -> bool:
         """No FP8 copy of a weight kept between forwards, nor from a layer's forward to its
-        backward, which casts wᵀ from the weight: with fp8_weight_cache=False, or where None under
-        FSDP2 (its gathered weights come back at the same address unchanged in version), as the
-        FP8 model decides."""
-        return not _keeps_fp8_weights(self, self.fp8_weight_cache)
+        backward, which casts wᵀ from the weight (decided once per forward, see forward)."""
+        return not self._keep_fp8
 
     def _fp8(self, layer: nn.Module, name: str) -> tuple[Tensor, ...]:
         """A shard weight's FP8 operands (quantized once per change of the weight, or in every
         forward without the cache)."""
-        layer.fp8_cache.persist = not self._recast
         return layer.fp8_cache.get(name, getattr(layer, name))
 
     def _out_proj(self, y: Tensor, layer: nn.Module) -> Tensor:

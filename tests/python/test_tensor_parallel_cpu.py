@@ -358,15 +358,21 @@ def refresh_worker(rank: int, world: int, out: dict) -> None:
         for layer in tp.layers:  # the same weights quantized from scratch
             layer.fp8_cache.clear()
         want = tp(ids, ids)
-    out[rank] = (before.item(), stale.item(), fresh.item(), want.item())
+        tp.fp8_weight_cache = False  # nothing kept: refresh has nothing to quantize
+        tp(ids, ids)
+        tp.refresh_fp8_weights()
+        kept = sum(len(layer.fp8_cache._entries) for layer in tp.layers)
+    out[rank] = (before.item(), stale.item(), fresh.item(), want.item(), kept)
 
 
 def test_tensor_parallel_refresh_fp8_weights_sees_writes_through_data():
     """A write through .data leaves a shard's FP8 operands stale until refresh_fp8_weights(),
-    after which the loss is that of the weights quantized anew."""
+    after which the loss is that of the weights quantized anew; with fp8_weight_cache=False
+    nothing is kept, refresh included."""
     got = run_gloo(refresh_worker, WORLD)
-    for before, stale, fresh, want in got.values():
+    for before, stale, fresh, want, kept in got.values():
         assert stale == before and fresh != before and fresh == want, got
+        assert kept == 0, got
 
 
 def tp_fsdp_worker(rank: int, world: int, precision: str, out: dict) -> None:
