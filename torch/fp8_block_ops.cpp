@@ -1,10 +1,10 @@
 // The block ops in blockwise FP8 (docs/torch-ops.md, "FP8 block ops"; docs/math.md §6): schemas,
 // the CPU and CUDA kernels (one definition each: block/compose_fp8.hpp on the tensors' backend,
-// the FP8 programs of torch/fp8_ops.hpp), Meta kernels and C++ autograd. They mirror
-// out_proj_residual_norm, mlp and norm_qkv, with every projection GEMM on FP8 operands: each
-// weight comes with its FP8 operands, made once per optimizer step by the caller (the 128x128
-// codes and scales of w, and of wᵀ or None: the backward transposes w's codes then, so wᵀ's
-// exist only while it runs), and the norms' h travels
+// the FP8 programs of torch/fp8_ops.hpp) and C++ autograd; their Meta kernels are in
+// torch/fp8_block_meta.cpp. They mirror out_proj_residual_norm, mlp and norm_qkv, with every
+// projection GEMM on FP8 operands: each weight comes with its FP8 operands, made once per
+// optimizer step by the caller (the 128x128 codes and scales of w, and of wᵀ or None: the
+// backward transposes w's codes then, so wᵀ's exist only while it runs), and the norms' h travels
 // quantized (its 1x128 rows, the next GEMM's A; the weight gradients' copy of the normalized
 // input comes from B1 in the backward). The residual stream, r, z and the gradients autograd
 // hands between ops stay in the activation dtype.
@@ -17,7 +17,6 @@
 #include <tuple>
 
 #include "coda/kernel/args.hpp"
-#include "meta_kernel.hpp"
 #include "on_backend.hpp"
 #include "typed_op.hpp"
 #include "validate.hpp"
@@ -370,125 +369,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fp8_norm_qkv_qk_norm_backward
                                                         k_gamma, s.qk, r, pos, rope_table);
     return std::make_tuple(g.dx, g.dgamma, g.dw, g.dq_gamma, g.dk_gamma);
   });
-}
-
-// ---- Meta kernels ---------------------------------------------------------------------------
-
-at::ScalarType stat_of(const Tensor& act) {
-  return act.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-}
-
-OutProj fp8_out_proj_residual_norm_meta(const Tensor& y, const Tensor& w_o, const Tensor&,
-                                        const Tensor&, const std::optional<Tensor>&,
-                                        const std::optional<Tensor>&, const Tensor&, const Tensor&,
-                                        double, bool copies, bool recompute_y, bool) {
-  const c10::SymInt m = y.sym_size(0), k = y.sym_size(1), hidden = w_o.sym_size(0);
-  const fp8::Quantized h = fp8::empty_quantized(y, m, hidden, true, false);
-  const fp8::Quantized y_copy = fp8::empty_quantized(y, m, k, false, copies && !recompute_y);
-  return {at::empty_symint({m, hidden}, y.options()),
-          std::get<0>(h),
-          std::get<1>(h),
-          at::empty_symint({m}, y.options().dtype(stat_of(y))),
-          std::get<2>(y_copy),
-          std::get<3>(y_copy)};
-}
-std::tuple<Tensor, Tensor, Tensor> fp8_linear_meta(const Tensor& y, const Tensor& w, const Tensor&,
-                                                   const Tensor&, const std::optional<Tensor>&,
-                                                   const std::optional<Tensor>&, bool) {
-  const c10::SymInt m = y.sym_size(0), k = y.sym_size(1);
-  const fp8::Quantized copy = fp8::empty_quantized(y, m, k, false, true);
-  return {at::empty_symint({m, w.sym_size(0)}, y.options()), std::get<2>(copy), std::get<3>(copy)};
-}
-MlpOut fp8_mlp_meta(const Tensor& x, const Tensor&, const Tensor& w_gu, const Tensor&,
-                    const Tensor&, const std::optional<Tensor>&, const std::optional<Tensor>&,
-                    const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&,
-                    const std::optional<Tensor>&, const Tensor&, const Tensor&, const Tensor&,
-                    const Tensor&, double, bool act_h_out, bool copies, bool recompute_a, bool,
-                    bool fp8_z) {
-  const c10::SymInt m = x.sym_size(0), hidden = x.sym_size(1), two_i = w_gu.sym_size(0);
-  const fp8::Quantized a_copy =
-      fp8::empty_quantized(x, m, two_i / 2, false, copies && !recompute_a);
-  const Tensor r = at::empty_symint({m}, x.options().dtype(stat_of(x)));
-  Tensor z = at::empty_symint({m, two_i}, x.options());
-  Tensor z_scales = at::empty({0}, x.options().dtype(at::kFloat));
-  if (fp8_z) {
-    const fp8::Quantized zq = fp8::empty_quantized(x, m, two_i, true, false);
-    z = std::get<0>(zq);
-    z_scales = std::get<1>(zq);
-  }
-  const Tensor &a_t = std::get<2>(a_copy), &a_t_scales = std::get<3>(a_copy);
-  if (act_h_out)
-    return {at::empty_like(x),
-            at::empty_like(x),
-            at::empty({0}, x.options().dtype(at::kFloat)),
-            r,
-            z,
-            a_t,
-            a_t_scales,
-            z_scales};
-  const fp8::Quantized h = fp8::empty_quantized(x, m, hidden, true, false);
-  return {at::empty_like(x), std::get<0>(h), std::get<1>(h), r, z, a_t, a_t_scales, z_scales};
-}
-MlpPartialOut fp8_mlp_partial_meta(const Tensor& x, const Tensor&, const Tensor& w_gu,
-                                   const Tensor&, const Tensor&, const std::optional<Tensor>&,
-                                   const std::optional<Tensor>&, const Tensor&, const Tensor&,
-                                   const Tensor&, const std::optional<Tensor>&,
-                                   const std::optional<Tensor>&, const Tensor&, const Tensor&,
-                                   const Tensor&, bool recompute_a, bool, bool fp8_z) {
-  const c10::SymInt m = x.sym_size(0), two_i = w_gu.sym_size(0);
-  const fp8::Quantized a_copy = fp8::empty_quantized(x, m, two_i / 2, false, !recompute_a);
-  Tensor z = at::empty_symint({m, two_i}, x.options());
-  Tensor z_scales = at::empty({0}, x.options().dtype(at::kFloat));
-  if (fp8_z) {
-    const fp8::Quantized zq = fp8::empty_quantized(x, m, two_i, true, false);
-    z = std::get<0>(zq);
-    z_scales = std::get<1>(zq);
-  }
-  return {at::empty_like(x), z, std::get<2>(a_copy), std::get<3>(a_copy), z_scales};
-}
-Tensor fp8_norm_qkv_meta(const Tensor& x, const Tensor&, const Tensor& w_qkv, const Tensor&,
-                         const Tensor&, const std::optional<Tensor>&, const std::optional<Tensor>&,
-                         const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                         const std::optional<Tensor>&, bool) {
-  return at::empty_symint({x.sym_size(0), w_qkv.sym_size(0)}, x.options());
-}
-std::tuple<Tensor, Tensor> fp8_norm_qkv_qk_norm_meta(
-    const Tensor& x, const Tensor&, const Tensor& w_qkv, const Tensor&, const Tensor&,
-    const std::optional<Tensor>&, const std::optional<Tensor>&, const Tensor&, const Tensor&,
-    const Tensor&, const Tensor&, const Tensor&, const Tensor& q_gamma, const Tensor&,
-    int64_t n_heads, int64_t n_kv_heads, double, bool) {
-  const c10::SymInt m = x.sym_size(0), normed = (n_heads + n_kv_heads) * q_gamma.sym_size(0);
-  return {at::empty_symint({m, w_qkv.sym_size(0)}, x.options()),
-          at::empty_symint({m, normed}, x.options())};
-}
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fp8_norm_qkv_qk_norm_backward_meta(
-    const Tensor&, const Tensor&, const Tensor&, const Tensor& x, const Tensor& gamma,
-    const Tensor& w_qkv, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-    const Tensor& q_gamma, const Tensor& k_gamma, int64_t, int64_t, double) {
-  return {at::empty_like(x), at::empty_like(gamma), at::empty_like(w_qkv), at::empty_like(q_gamma),
-          at::empty_like(k_gamma)};
-}
-std::tuple<Tensor, Tensor> fp8_linear_backward_meta(const Tensor& dout,
-                                                    const std::optional<Tensor>&,
-                                                    const std::optional<Tensor>&,
-                                                    const Tensor& weight, const Tensor&,
-                                                    const Tensor&, const std::optional<Tensor>&) {
-  return {at::empty_symint({dout.sym_size(0), weight.sym_size(1)}, dout.options()),
-          at::empty_like(weight)};
-}
-std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_mlp_backward_meta(
-    const Tensor&, const Tensor& x, const Tensor& gamma, const Tensor& w_gu, const Tensor&,
-    const Tensor&, const Tensor& w_down, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-    const std::optional<Tensor>&, const std::optional<Tensor>&, const std::optional<Tensor>&,
-    bool) {
-  return {at::empty_like(x), at::empty_like(gamma), at::empty_like(w_gu), at::empty_like(w_down)};
-}
-std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_norm_qkv_backward_meta(
-    const Tensor&, const Tensor&, const Tensor& x, const Tensor& gamma, const Tensor& w_qkv,
-    const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-    const std::optional<Tensor>& b_qkv) {
-  return {at::empty_like(x), at::empty_like(gamma), at::empty_like(w_qkv),
-          b_qkv ? at::empty_like(*b_qkv) : at::empty({0}, x.options())};
 }
 
 // ---- autograd -------------------------------------------------------------------------------
@@ -881,19 +761,6 @@ TORCH_LIBRARY_IMPL(coda, CPU, m) { register_kernels(m); }
 #if CODA_TORCH_CUDA
 TORCH_LIBRARY_IMPL(coda, CUDA, m) { register_kernels(m); }
 #endif
-
-TORCH_LIBRARY_IMPL(coda, Meta, m) {
-  impl_meta(m, "fp8_out_proj_residual_norm", &fp8_out_proj_residual_norm_meta);
-  impl_meta(m, "fp8_mlp", &fp8_mlp_meta);
-  impl_meta(m, "fp8_mlp_partial", &fp8_mlp_partial_meta);
-  impl_meta(m, "fp8_linear", &fp8_linear_meta);
-  impl_meta(m, "fp8_norm_qkv", &fp8_norm_qkv_meta);
-  impl_meta(m, "fp8_linear_backward", &fp8_linear_backward_meta);
-  impl_meta(m, "fp8_mlp_backward", &fp8_mlp_backward_meta);
-  impl_meta(m, "fp8_norm_qkv_backward", &fp8_norm_qkv_backward_meta);
-  impl_meta(m, "fp8_norm_qkv_qk_norm", &fp8_norm_qkv_qk_norm_meta);
-  impl_meta(m, "fp8_norm_qkv_qk_norm_backward", &fp8_norm_qkv_qk_norm_backward_meta);
-}
 
 TORCH_LIBRARY_IMPL(coda, Autograd, m) {
   for (const char* name : {"fp8_linear_backward", "fp8_mlp_backward", "fp8_norm_qkv_backward",

@@ -234,7 +234,6 @@ class TensorParallelLlama(nn.Module):
         # The FP8 model's options (coda.nn.CodaLlamaForCausalLM's), read in every forward.
         self.fp8_recompute_a, self.fp8_z = model.fp8_recompute_a, model.fp8_z
         self.fp8_weight_cache = model.fp8_weight_cache
-        self._keep_fp8 = True  # this forward's decision (forward sets it)
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         if c.num_kv_heads % world or c.num_heads % world or c.intermediate_size % world:
             raise ValueError(
@@ -332,9 +331,9 @@ class TensorParallelLlama(nn.Module):
         batch, seq = input_ids.shape
         M = batch * seq
         if self.precision == "fp8":  # FP8 weight copies kept: fp8_weight_cache, or where None
-            self._keep_fp8 = _keeps_fp8_weights(self, self.fp8_weight_cache)  # unless under
-            for layer in self.layers:  # FSDP2 (as the FP8 model decides)
-                layer.fp8_cache.persist = self._keep_fp8
+            keep = _keeps_fp8_weights(self, self.fp8_weight_cache)  # unless under FSDP2 (as
+            for layer in self.layers:  # the FP8 model decides), once per forward
+                layer.fp8_cache.persist = keep
         lo, hi = _rows(input_ids.reshape(M), g)
         pos = torch.arange(seq, dtype=torch.int32, device=input_ids.device).repeat(batch)
         x = F.embedding(input_ids.reshape(M)[lo:hi], self.embed)
@@ -363,11 +362,11 @@ class TensorParallelLlama(nn.Module):
         h, r = self._caches(x, gamma)
         return (*torch.ops.coda.fp8_quantize_rows(h)[:2], r)
 
-    @property
-    def _recast(self) -> bool:
-        """No FP8 copy of a weight kept between forwards, nor from a layer's forward to its
-        backward, which casts wᵀ from the weight (decided once per forward, see forward)."""
-        return not self._keep_fp8
+    @staticmethod
+    def _recast(layer: nn.Module) -> bool:
+        """No FP8 copy of the layer's weights kept between forwards, nor from its forward to its
+        backward, which casts wᵀ from the weight (the cache's persist, set by forward)."""
+        return not layer.fp8_cache.persist
 
     def _fp8(self, layer: nn.Module, name: str) -> tuple[Tensor, ...]:
         """A shard weight's FP8 operands (quantized once per change of the weight, or in every
@@ -378,7 +377,7 @@ class TensorParallelLlama(nn.Module):
         """This rank's partial out-projection (row-parallel: its heads' columns of w_o)."""
         if self.precision == "fp8":  # y cast once; its copy kept for dW_o
             return torch.ops.coda.fp8_linear(y, layer.w_o, *self._fp8(layer, "w_o"),
-                                             self._recast)[0]
+                                             self._recast(layer))[0]
         return F.linear(y, layer.w_o)
 
     def _norm(self, x: Tensor, gamma: Tensor) -> Tensor:
@@ -399,9 +398,9 @@ class TensorParallelLlama(nn.Module):
             if c.qk_norm:
                 return coda.fp8_norm_qkv_qk_norm(x, gamma, w_qkv, *q, *self._fp8_caches(x, gamma),
                                                  pos, table, layer.q_gamma, layer.k_gamma, hq,
-                                                 hkv, eps, self._recast)[0]
+                                                 hkv, eps, self._recast(layer))[0]
             return coda.fp8_norm_qkv(x, gamma, w_qkv, *q, *self._fp8_caches(x, gamma), pos,
-                                     table, layer.b_qkv, self._recast)
+                                     table, layer.b_qkv, self._recast(layer))
         if self.fused:
             if c.qk_norm:
                 return ops.norm_qkv_qk_norm(x, gamma, w_qkv, *self._caches(x, gamma), pos, table,
@@ -422,7 +421,7 @@ class TensorParallelLlama(nn.Module):
             return torch.ops.coda.fp8_mlp_partial(
                 x, g, layer.w_gu, *self._fp8(layer, "w_gu"), layer.w_down,
                 *self._fp8(layer, "w_down"), *self._fp8_caches(x, g), self.fp8_recompute_a,
-                self._recast, self.fp8_z)[0]
+                self._recast(layer), self.fp8_z)[0]
         if self.fused:
             return ops.mlp_partial(x, g, layer.w_gu, layer.w_down, *self._caches(x, g))[0]
         gu = F.linear(self._norm(x, g), layer.w_gu)

@@ -91,12 +91,12 @@ struct Fp8Linear {
   Fp8<B> input;  // y's transposed copy (codes_t, scales_t), for dW
 };
 
-// y · Wᵀ on FP8 operands, no epilogue: y cast once (its rows for the GEMM; with `copies` its
-// copy for the weight gradient). Tensor parallelism's row-parallel out-projection, whose residual
-// add and norm follow the reduce-scatter of `out`; its backward is fp8_linear_backward.
+// y · Wᵀ on FP8 operands, no epilogue: y cast once (its rows for the GEMM, its copy for the
+// weight gradient). Tensor parallelism's row-parallel out-projection, whose residual add and
+// norm follow the reduce-scatter of `out`; its backward is fp8_linear_backward.
 template <class B>
-Fp8Linear<B> fp8_linear(B& b, const T<B>& y, const Fp8<B>& w, bool copies = true) {
-  const Fp8<B> yq = b.fp8_cast(y, true, copies);
+Fp8Linear<B> fp8_linear(B& b, const T<B>& y, const Fp8<B>& w) {
+  const Fp8<B> yq = b.fp8_cast(y, true, true);
   return {b.fp8_gemm(yq, w.codes, w.scales), yq};
 }
 
