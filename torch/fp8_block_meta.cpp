@@ -6,6 +6,7 @@
 
 #include <optional>
 #include <tuple>
+#include <utility>
 
 #include "fp8_ops.hpp"
 #include "meta_kernel.hpp"
@@ -43,6 +44,16 @@ std::tuple<Tensor, Tensor, Tensor> fp8_linear_meta(const Tensor& y, const Tensor
   const fp8::Quantized copy = fp8::empty_quantized(y, m, k, false, true);
   return {at::empty_symint({m, w.sym_size(0)}, y.options()), std::get<2>(copy), std::get<3>(copy)};
 }
+// The MLP's saved z (M, 2I): in the activation dtype with empty z_scales, or (fp8_z) its 1x128
+// codes and their scales.
+std::pair<Tensor, Tensor> saved_z(const Tensor& x, const c10::SymInt& m, const c10::SymInt& two_i,
+                                  bool fp8_z) {
+  if (!fp8_z)
+    return {at::empty_symint({m, two_i}, x.options()),
+            at::empty({0}, x.options().dtype(at::kFloat))};
+  const fp8::Quantized zq = fp8::empty_quantized(x, m, two_i, true, false);
+  return {std::get<0>(zq), std::get<1>(zq)};
+}
 MlpOut fp8_mlp_meta(const Tensor& x, const Tensor&, const Tensor& w_gu, const Tensor&,
                     const Tensor&, const std::optional<Tensor>&, const std::optional<Tensor>&,
                     const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&,
@@ -53,13 +64,7 @@ MlpOut fp8_mlp_meta(const Tensor& x, const Tensor&, const Tensor& w_gu, const Te
   const fp8::Quantized a_copy =
       fp8::empty_quantized(x, m, two_i / 2, false, copies && !recompute_a);
   const Tensor r = at::empty_symint({m}, x.options().dtype(stat_of(x)));
-  Tensor z = at::empty_symint({m, two_i}, x.options());
-  Tensor z_scales = at::empty({0}, x.options().dtype(at::kFloat));
-  if (fp8_z) {
-    const fp8::Quantized zq = fp8::empty_quantized(x, m, two_i, true, false);
-    z = std::get<0>(zq);
-    z_scales = std::get<1>(zq);
-  }
+  const auto [z, z_scales] = saved_z(x, m, two_i, fp8_z);
   const Tensor &a_t = std::get<2>(a_copy), &a_t_scales = std::get<3>(a_copy);
   if (act_h_out)
     return {at::empty_like(x),
@@ -81,13 +86,7 @@ MlpPartialOut fp8_mlp_partial_meta(const Tensor& x, const Tensor&, const Tensor&
                                    const Tensor&, bool recompute_a, bool, bool fp8_z) {
   const c10::SymInt m = x.sym_size(0), two_i = w_gu.sym_size(0);
   const fp8::Quantized a_copy = fp8::empty_quantized(x, m, two_i / 2, false, !recompute_a);
-  Tensor z = at::empty_symint({m, two_i}, x.options());
-  Tensor z_scales = at::empty({0}, x.options().dtype(at::kFloat));
-  if (fp8_z) {
-    const fp8::Quantized zq = fp8::empty_quantized(x, m, two_i, true, false);
-    z = std::get<0>(zq);
-    z_scales = std::get<1>(zq);
-  }
+  const auto [z, z_scales] = saved_z(x, m, two_i, fp8_z);
   return {at::empty_like(x), z, std::get<2>(a_copy), std::get<3>(a_copy), z_scales};
 }
 Tensor fp8_norm_qkv_meta(const Tensor& x, const Tensor&, const Tensor& w_qkv, const Tensor&,
