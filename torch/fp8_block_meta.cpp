@@ -39,9 +39,10 @@ OutProj fp8_out_proj_residual_norm_meta(const Tensor& y, const Tensor& w_o, cons
 }
 std::tuple<Tensor, Tensor, Tensor> fp8_linear_meta(const Tensor& y, const Tensor& w, const Tensor&,
                                                    const Tensor&, const std::optional<Tensor>&,
-                                                   const std::optional<Tensor>&, bool) {
+                                                   const std::optional<Tensor>&, bool copies,
+                                                   bool) {
   const c10::SymInt m = y.sym_size(0), k = y.sym_size(1);
-  const fp8::Quantized copy = fp8::empty_quantized(y, m, k, false, true);
+  const fp8::Quantized copy = fp8::empty_quantized(y, m, k, false, copies);
   return {at::empty_symint({m, w.sym_size(0)}, y.options()), std::get<2>(copy), std::get<3>(copy)};
 }
 // The MLP's saved z (M, 2I): in the activation dtype with empty z_scales, or (fp8_z) its 1x128
@@ -83,9 +84,10 @@ MlpPartialOut fp8_mlp_partial_meta(const Tensor& x, const Tensor&, const Tensor&
                                    const std::optional<Tensor>&, const Tensor&, const Tensor&,
                                    const Tensor&, const std::optional<Tensor>&,
                                    const std::optional<Tensor>&, const Tensor&, const Tensor&,
-                                   const Tensor&, bool recompute_a, bool, bool fp8_z) {
+                                   const Tensor&, bool copies, bool recompute_a, bool, bool fp8_z) {
   const c10::SymInt m = x.sym_size(0), two_i = w_gu.sym_size(0);
-  const fp8::Quantized a_copy = fp8::empty_quantized(x, m, two_i / 2, false, !recompute_a);
+  const fp8::Quantized a_copy =
+      fp8::empty_quantized(x, m, two_i / 2, false, copies && !recompute_a);
   const auto [z, z_scales] = saved_z(x, m, two_i, fp8_z);
   return {at::empty_like(x), z, std::get<2>(a_copy), std::get<3>(a_copy), z_scales};
 }

@@ -131,11 +131,11 @@ OutProj fp8_out_proj_residual_norm(const Tensor& y, const Tensor& w_o, const Ten
 }
 
 // y · wᵀ alone (tensor parallelism's row-parallel out-projection): y cast, the FP8 GEMM; y's
-// transposed copy for the backward (fp8_linear_backward).
+// transposed copy for the backward (fp8_linear_backward), empty without `copies`.
 std::tuple<Tensor, Tensor, Tensor> fp8_linear(const Tensor& y, const Tensor& w,
                                               const Tensor& w_codes, const Tensor& w_scales,
                                               const std::optional<Tensor>& w_codes_t,
-                                              const std::optional<Tensor>& w_scales_t,
+                                              const std::optional<Tensor>& w_scales_t, bool copies,
                                               bool recast_w_t) {
   const auto c = OpContext::from("coda::fp8_linear", "y", y);
   c.matrix("y", y);
@@ -147,7 +147,7 @@ std::tuple<Tensor, Tensor, Tensor> fp8_linear(const Tensor& y, const Tensor& w,
   check_fp8_weight(c, "w", "N (w.size(0))", w, wq, true, recast_w_t);
   fp8_width(c, "K (y.size(1))", k);
   return on_backend(y, [&](auto& b) {
-    const auto o = block::fp8_linear(b, y, wq);
+    const auto o = block::fp8_linear(b, y, wq, copies);
     return std::make_tuple(o.out, o.input.codes_t, o.input.scales_t);
   });
 }
@@ -194,7 +194,7 @@ MlpOut fp8_mlp(const Tensor& x, const Tensor& gamma, const Tensor& w_gu, const T
 }
 
 // The MLP branch alone (tensor parallelism; mlp_partial's FP8 counterpart): y = a · W_downᵀ
-// after F2, no residual add and no next norm; z and a's copy for the backward, with
+// after F2, no residual add and no next norm; z and a's copy for the backward, with copies,
 // recompute_a and fp8_z as fp8_mlp's.
 using MlpPartialOut = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
 MlpPartialOut fp8_mlp_partial(const Tensor& x, const Tensor& gamma, const Tensor& w_gu,
@@ -204,8 +204,8 @@ MlpPartialOut fp8_mlp_partial(const Tensor& x, const Tensor& gamma, const Tensor
                               const Tensor& dn_codes, const Tensor& dn_scales,
                               const std::optional<Tensor>& dn_codes_t,
                               const std::optional<Tensor>& dn_scales_t, const Tensor& h,
-                              const Tensor& h_scales, const Tensor& r, bool recompute_a,
-                              bool recast_w_t, bool fp8_z) {
+                              const Tensor& h_scales, const Tensor& r, bool copies,
+                              bool recompute_a, bool recast_w_t, bool fp8_z) {
   const auto c = OpContext::from("coda::fp8_mlp_partial", "x", x);
   const auto s = validate_mlp(c, x, gamma, w_gu, w_down, nullptr, r);
   const Fp8 gu = fp8_weight(gu_codes, gu_scales, gu_codes_t, gu_scales_t);
@@ -213,7 +213,7 @@ MlpPartialOut fp8_mlp_partial(const Tensor& x, const Tensor& gamma, const Tensor
   const Fp8 hq{h, h_scales, {}, {}};
   check_fp8_mlp_operands(c, s, w_gu, gu, w_down, dn, hq, recast_w_t);
   return on_backend(x, [&](auto& b) {
-    const auto o = block::fp8_mlp_partial(b, hq, r, gu, dn, recompute_a, fp8_z);
+    const auto o = block::fp8_mlp_partial(b, hq, r, gu, dn, copies, recompute_a, fp8_z);
     return std::make_tuple(o.y, o.z, o.a.codes_t, o.a.scales_t,
                            fp8_z ? o.z_scales : empty_like_stat(x));
   });
@@ -373,7 +373,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fp8_norm_qkv_qk_norm_backward
 
 // ---- autograd -------------------------------------------------------------------------------
 
-// The two forward ops with copies, typed by their kernels' own signatures: what the autograd
+// The forward ops with copies, typed by their kernels' own signatures: what the autograd
 // functions and the no-copies path call below autograd.
 const c10::TypedOperatorHandle<decltype(fp8_out_proj_residual_norm)>& out_proj_op() {
   static const auto f =
@@ -382,6 +382,14 @@ const c10::TypedOperatorHandle<decltype(fp8_out_proj_residual_norm)>& out_proj_o
 }
 const c10::TypedOperatorHandle<decltype(fp8_mlp)>& mlp_op() {
   static const auto f = op<decltype(fp8_mlp)>("coda::fp8_mlp");
+  return f;
+}
+const c10::TypedOperatorHandle<decltype(fp8_linear)>& linear_op() {
+  static const auto f = op<decltype(fp8_linear)>("coda::fp8_linear");
+  return f;
+}
+const c10::TypedOperatorHandle<decltype(fp8_mlp_partial)>& mlp_partial_op() {
+  static const auto f = op<decltype(fp8_mlp_partial)>("coda::fp8_mlp_partial");
   return f;
 }
 
@@ -528,8 +536,7 @@ class Fp8Linear : public torch::autograd::Function<Fp8Linear> {
                                const std::optional<Tensor>& wst, bool recast_w_t) {
     ctx->set_materialize_grads(false);
     at::AutoDispatchBelowADInplaceOrView guard;
-    static const auto f = op<decltype(fp8_linear)>("coda::fp8_linear");
-    auto [out, yt, yts] = f.call(y, w, wc, ws, wct, wst, recast_w_t);
+    auto [out, yt, yts] = linear_op().call(y, w, wc, ws, wct, wst, true, recast_w_t);
     ctx->mark_non_differentiable({yt, yts});
     const auto [wt, wts] = weight_t_to_save(ctx, "w_t", wc, ws, wct, wst, recast_w_t);
     ctx->save_for_backward({yt, yts, w, wt, wts});
@@ -561,9 +568,9 @@ class Fp8MlpPartial : public torch::autograd::Function<Fp8MlpPartial> {
                                bool recast_w_t, bool fp8_z) {
     ctx->set_materialize_grads(false);
     at::AutoDispatchBelowADInplaceOrView guard;
-    static const auto f = op<decltype(fp8_mlp_partial)>("coda::fp8_mlp_partial");
-    auto [y, z, at, ats, zs] = f.call(x, gamma, w_gu, guc, gus, guct, gust, w_down, dnc, dns, dnct,
-                                      dnst, h, hs, r, recompute_a, recast_w_t, fp8_z);
+    auto [y, z, at, ats, zs] =
+        mlp_partial_op().call(x, gamma, w_gu, guc, gus, guct, gust, w_down, dnc, dns, dnct, dnst, h,
+                              hs, r, true, recompute_a, recast_w_t, fp8_z);
     ctx->mark_non_differentiable({z, at, ats, zs});
     const auto [gut, guts] = weight_t_to_save(ctx, "gu_t", guc, gus, guct, gust, recast_w_t);
     const auto [dnt, dnts] = weight_t_to_save(ctx, "dn_t", dnc, dns, dnct, dnst, recast_w_t);
@@ -709,20 +716,21 @@ TORCH_LIBRARY_FRAGMENT(coda, m) {
       "Tensor z_scales)");
   // The MLP branch alone (mlp_partial's FP8 counterpart, for tensor parallelism): y = a · W_downᵀ,
   // no residual add, no next norm; z and a's copy for its backward (fp8_mlp_backward with
-  // residual=False); recompute_a, recast_w_t and fp8_z as fp8_mlp's.
+  // residual=False); copies, recompute_a, recast_w_t and fp8_z as fp8_mlp's.
   m.def(
       "fp8_mlp_partial(Tensor x, Tensor gamma, Tensor w_gu, Tensor gu_codes, Tensor gu_scales, "
       "Tensor? gu_codes_t, Tensor? gu_scales_t, Tensor w_down, Tensor dn_codes, "
       "Tensor dn_scales, Tensor? dn_codes_t, Tensor? dn_scales_t, Tensor h, Tensor h_scales, "
-      "Tensor r, bool recompute_a=False, bool recast_w_t=False, bool fp8_z=False) -> (Tensor y, "
-      "Tensor z, Tensor a_t, Tensor a_t_scales, Tensor z_scales)");
+      "Tensor r, bool copies=True, bool recompute_a=False, bool recast_w_t=False, "
+      "bool fp8_z=False) -> (Tensor y, Tensor z, Tensor a_t, Tensor a_t_scales, "
+      "Tensor z_scales)");
   // y · wᵀ alone (tensor parallelism's row-parallel out-projection, whose residual add follows
   // the reduce-scatter): y cast once, its transposed copy returned for the backward
-  // (fp8_linear_backward).
+  // (fp8_linear_backward; empty without copies).
   m.def(
       "fp8_linear(Tensor y, Tensor w, Tensor w_codes, Tensor w_scales, Tensor? w_codes_t, "
-      "Tensor? w_scales_t, bool recast_w_t=False) -> (Tensor out, Tensor y_t, "
-      "Tensor y_t_scales)");
+      "Tensor? w_scales_t, bool copies=True, bool recast_w_t=False) -> (Tensor out, "
+      "Tensor y_t, Tensor y_t_scales)");
   m.def(
       "fp8_norm_qkv(Tensor x, Tensor gamma, Tensor w_qkv, Tensor w_codes, Tensor w_scales, "
       "Tensor? w_codes_t, Tensor? w_scales_t, Tensor h, Tensor h_scales, Tensor r, Tensor pos, "
@@ -812,18 +820,31 @@ TORCH_LIBRARY_IMPL(coda, Autograd, m) {
                            hs, r, gamma_next, eps, act_h_out, recompute_a, recast_w_t, fp8_z);
     return std::make_tuple(o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7]);
   });
-  m.impl("fp8_linear",
-         [](const Tensor& y, const Tensor& w, const Tensor& wc, const Tensor& ws,
-            const std::optional<Tensor>& wct, const std::optional<Tensor>& wst, bool recast_w_t) {
-           auto o = Fp8Linear::apply(y, w, wc, ws, wct, wst, recast_w_t);
-           return std::make_tuple(o[0], o[1], o[2]);
-         });
+  m.impl("fp8_linear", [](const Tensor& y, const Tensor& w, const Tensor& wc, const Tensor& ws,
+                          const std::optional<Tensor>& wct, const std::optional<Tensor>& wst,
+                          bool copies, bool recast_w_t) {
+    if (!copies) {
+      no_copies_without_grad("coda::fp8_linear", {&y, &w});
+      at::AutoDispatchBelowADInplaceOrView guard;
+      return linear_op().call(y, w, wc, ws, wct, wst, false, recast_w_t);
+    }
+    auto o = Fp8Linear::apply(y, w, wc, ws, wct, wst, recast_w_t);
+    return std::make_tuple(o[0], o[1], o[2]);
+  });
   m.impl("fp8_mlp_partial",
          [](const Tensor& x, const Tensor& gamma, const Tensor& w_gu, const Tensor& guc,
             const Tensor& gus, const std::optional<Tensor>& guct, const std::optional<Tensor>& gust,
             const Tensor& w_down, const Tensor& dnc, const Tensor& dns,
             const std::optional<Tensor>& dnct, const std::optional<Tensor>& dnst, const Tensor& h,
-            const Tensor& hs, const Tensor& r, bool recompute_a, bool recast_w_t, bool fp8_z) {
+            const Tensor& hs, const Tensor& r, bool copies, bool recompute_a, bool recast_w_t,
+            bool fp8_z) {
+           if (!copies) {
+             no_copies_without_grad("coda::fp8_mlp_partial", {&x, &gamma, &w_gu, &w_down, &r});
+             at::AutoDispatchBelowADInplaceOrView guard;
+             return mlp_partial_op().call(x, gamma, w_gu, guc, gus, guct, gust, w_down, dnc, dns,
+                                          dnct, dnst, h, hs, r, false, recompute_a, recast_w_t,
+                                          fp8_z);
+           }
            auto o = Fp8MlpPartial::apply(x, gamma, w_gu, guc, gus, guct, gust, w_down, dnc, dns,
                                          dnct, dnst, h, hs, r, recompute_a, recast_w_t, fp8_z);
            return std::make_tuple(o[0], o[1], o[2], o[3], o[4]);

@@ -375,9 +375,9 @@ class TensorParallelLlama(nn.Module):
 
     def _out_proj(self, y: Tensor, layer: nn.Module) -> Tensor:
         """This rank's partial out-projection (row-parallel: its heads' columns of w_o)."""
-        if self.precision == "fp8":  # y cast once; its copy kept for dW_o
+        if self.precision == "fp8":  # y cast once; its copy kept for dW_o (none without grad)
             return torch.ops.coda.fp8_linear(y, layer.w_o, *self._fp8(layer, "w_o"),
-                                             self._recast(layer))[0]
+                                             torch.is_grad_enabled(), self._recast(layer))[0]
         return F.linear(y, layer.w_o)
 
     def _norm(self, x: Tensor, gamma: Tensor) -> Tensor:
@@ -420,8 +420,8 @@ class TensorParallelLlama(nn.Module):
         if self.precision == "fp8":
             return torch.ops.coda.fp8_mlp_partial(
                 x, g, layer.w_gu, *self._fp8(layer, "w_gu"), layer.w_down,
-                *self._fp8(layer, "w_down"), *self._fp8_caches(x, g), self.fp8_recompute_a,
-                self._recast(layer), self.fp8_z)[0]
+                *self._fp8(layer, "w_down"), *self._fp8_caches(x, g), torch.is_grad_enabled(),
+                self.fp8_recompute_a, self._recast(layer), self.fp8_z)[0]
         if self.fused:
             return ops.mlp_partial(x, g, layer.w_gu, layer.w_down, *self._caches(x, g))[0]
         gu = F.linear(self._norm(x, g), layer.w_gu)

@@ -652,12 +652,13 @@ def opcheck_cases():
         "mlp_partial": (CODA.fp8_mlp_partial.default, mlp_args(case)[:15]),
         "linear": (CODA.fp8_linear.default, out_proj_args(case)[:6]),
         "linear_recast_w_t": (CODA.fp8_linear.default,
-                              out_proj_args(case, w_codes_t=None, w_scales_t=None)[:6] + [True]),
+                              out_proj_args(case, w_codes_t=None, w_scales_t=None)[:6]
+                              + [True, True]),
         "mlp_partial_recast_w_t": (CODA.fp8_mlp_partial.default, mlp_args(
             case, gu_codes_t=None, gu_scales_t=None, dn_codes_t=None, dn_scales_t=None)[:15]
-            + [False, True]),
+            + [True, False, True]),
         "mlp_partial_fp8_z_recompute_a": (CODA.fp8_mlp_partial.default,
-                                          mlp_args(case)[:15] + [True, False, True]),
+                                          mlp_args(case)[:15] + [True, True, False, True]),
         # y's copy made in the backward, from y
         "out_proj_recompute_y": (CODA.fp8_out_proj_residual_norm.default,
                                  out_proj_args(case) + [True, True]),

@@ -157,7 +157,8 @@ def test_fp8_out_proj_residual_norm_matches_the_cpu_op(shape):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_fp8_linear_matches_the_cpu_op(shape):
     """y · wᵀ alone (tensor parallelism's out-projection): out by the GEMM tolerance (y's codes
-    are the same on both sides), y's copy bit for bit, dy and dW by the GEMM tolerance."""
+    are the same on both sides), y's copy bit for bit, dy and dW by the GEMM tolerance; under
+    no_grad with copies=False out as close, no copy."""
     p, up, _, _ = inputs(shape, False, seed=5)
     q = caches(p)
     res = {}
@@ -174,6 +175,10 @@ def test_fp8_linear_matches_the_cpu_op(shape):
     same_bits(yts, yts64, "yᵀ scales")
     fp8_gemm_close(dy, dy64, "dy")
     fp8_gemm_close(dw, dw64, "dW")
+    with torch.no_grad():
+        lean = CODA.fp8_linear(on("cuda", p["y"]), on("cuda", p["w_o"]), *q["w_o"]["cuda"], False)
+    fp8_gemm_close(lean[0], out64, "out without copies")
+    assert lean[1].numel() == 0 and lean[2].numel() == 0, "no copy of y without copies"
 
 
 @pytest.mark.parametrize("act_h_out", [False, True], ids=["", "act_h_out"])
@@ -228,7 +233,8 @@ def test_fp8_mlp_partial_matches_the_cpu_op(shape):
     """The MLP branch alone (tensor parallelism's): z by the GEMM tolerance, a's copy dequantized
     against the CPU's silu(g)·u, y normwise with a's rows cast inside (one near-tie cast); the
     backward (no residual) through autograd against the CPU's fp8_mlp_backward(residual=False)
-    on the GPU forward's z and a's copy, with the tolerances of the MLP's test."""
+    on the GPU forward's z and a's copy, with the tolerances of the MLP's test; under no_grad
+    with copies=False y and z as close, no copy of a."""
     p, up, _, _ = inputs(shape, False, seed=4)
     m = p["x0"].shape[0]
     q = caches(p)
@@ -257,6 +263,13 @@ def test_fp8_mlp_partial_matches_the_cpu_op(shape):
     normwise(dx, dx64, near_tie_bound(1), "dx")
     normwise(dg, dg64, near_tie_bound(1), "dγ")
     normwise(dgu, dgu64, near_tie_bound(2), "dW_gu")
+    with torch.no_grad():
+        lean = CODA.fp8_mlp_partial(
+            v["x"], v["gamma_ffn"], v["w_gu"], *q["w_gu"]["cuda"], v["w_down"],
+            *q["w_down"]["cuda"], h, hs, r, False)
+    fp8_gemm_close(lean[1], z64, "z without copies")
+    normwise(lean[0], y64, near_tie_bound(1), "y without copies")
+    assert lean[2].numel() == 0 and lean[3].numel() == 0, "no copy of a without copies"
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])

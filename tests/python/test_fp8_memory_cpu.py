@@ -241,15 +241,17 @@ def test_refresh_after_a_device_move_makes_new_operands_there():
 
 
 def test_copies_false_leaves_out_the_weight_gradients_copies():
-    """copies=False (what coda.nn passes without grad mode) leaves out y's transposed copy in
-    out-proj and a's in the MLP (the weight gradients' operands only); every other output is the
-    same, byte for byte; the Meta kernels give the same shapes. Where a gradient would be
-    recorded it is refused, naming the way out; under no_grad it runs. The FP8 model's loss under
-    no_grad equals its loss with grad."""
+    """copies=False (what coda.nn and TensorParallelLlama pass without grad mode) leaves out y's
+    transposed copy in out-proj and fp8_linear and a's in the MLP and fp8_mlp_partial (the weight
+    gradients' operands only); every other output is the same, byte for byte; the Meta kernels
+    give the same shapes. Where a gradient would be recorded it is refused, naming the way out;
+    under no_grad it runs. The FP8 model's loss under no_grad equals its loss with grad."""
     case = small_case()
     for op, args_of, copy, flags in (
             (CODA.fp8_out_proj_residual_norm, out_proj_args, (4, 5), ()),
-            (CODA.fp8_mlp, mlp_args, (5, 6), (False,))):  # the MLP's act_h_out comes first
+            (CODA.fp8_mlp, mlp_args, (5, 6), (False,)),  # the MLP's act_h_out comes first
+            (CODA.fp8_linear, lambda c: out_proj_args(c)[:6], (1, 2), ()),
+            (CODA.fp8_mlp_partial, lambda c: mlp_args(c)[:15], (2, 3), ())):
         full = op(*args_of(case))
         lean = op(*args_of(case), *flags, False)
         for i, (a, b) in enumerate(zip(full, lean)):

@@ -155,6 +155,9 @@ def model_worker(
     pairs = grad_pairs(tp, model, rank, world, tie, lm_head, vocab)
     errs = {k: ((a - b).abs().max() / b.abs().max()).item() for k, (a, b) in pairs.items()}
     errs["loss"] = abs(total.item() - ref_loss.item()) / abs(ref_loss.item())
+    with torch.no_grad():  # evaluation: the FP8 ops without the weight gradients' copies
+        eval_loss = tp(ids, labels, ignore_index=ignore)
+    errs["loss under no_grad"] = abs(eval_loss.item() - loss.item()) / abs(loss.item())
     out[rank] = errs
     if option:  # what a forward saves for the backward, with the option and without it
         saved = {}
@@ -238,10 +241,11 @@ def test_vocab_parallel_head_with_a_nonnegative_ignore_index(fused):
 
 
 def check_model_errors(got: dict, tie: bool, per_layer: int = 0) -> None:
-    """Every rank's relative errors (per_layer: the layer parameters beyond LLaMA's)."""
+    """Every rank's relative errors (per_layer: the layer parameters beyond LLaMA's; the loss,
+    and the loss of a forward under no_grad against the rank's loss with grad)."""
     assert sorted(got) == list(range(WORLD))
     for rank, errs in got.items():
-        assert len(errs) == (6 + per_layer) * CFG["num_layers"] + 3 + (0 if tie else 1)
+        assert len(errs) == (6 + per_layer) * CFG["num_layers"] + 4 + (0 if tie else 1)
         bad = {k: v for k, v in errs.items() if not v <= 1e-12}
         assert not bad, f"rank {rank}: relative errors above 1e-12: {bad}"
 

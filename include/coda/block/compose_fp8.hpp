@@ -92,11 +92,12 @@ struct Fp8Linear {
 };
 
 // y · Wᵀ on FP8 operands, no epilogue: y cast once (its rows for the GEMM, its copy for the
-// weight gradient). Tensor parallelism's row-parallel out-projection, whose residual add and
-// norm follow the reduce-scatter of `out`; its backward is fp8_linear_backward.
+// weight gradient; without `copies` its rows only: no backward). Tensor parallelism's
+// row-parallel out-projection, whose residual add and norm follow the reduce-scatter of `out`;
+// its backward is fp8_linear_backward.
 template <class B>
-Fp8Linear<B> fp8_linear(B& b, const T<B>& y, const Fp8<B>& w) {
-  const Fp8<B> yq = b.fp8_cast(y, true, true);
+Fp8Linear<B> fp8_linear(B& b, const T<B>& y, const Fp8<B>& w, bool copies = true) {
+  const Fp8<B> yq = b.fp8_cast(y, true, copies);
   return {b.fp8_gemm(yq, w.codes, w.scales), yq};
 }
 
@@ -143,12 +144,12 @@ struct Fp8MlpPartial {
 // F2 then the plain FP8 GEMM: the MLP branch alone, y = a · W_downᵀ, no residual add and no
 // next norm (tensor parallelism: each rank's y is its share of the sum, reduced before the add;
 // docs/tensor-parallel.md). Its backward is fp8_mlp_backward without the residual.
-// `recompute_a`, `fp8_z`: as fp8_mlp's.
+// `copies`, `recompute_a`, `fp8_z`: as fp8_mlp's.
 template <class B>
 Fp8MlpPartial<B> fp8_mlp_partial(B& b, const Fp8<B>& h, const T<B>& r, const Fp8<B>& w_gu,
-                                 const Fp8<B>& w_down, bool recompute_a = false,
+                                 const Fp8<B>& w_down, bool copies = true, bool recompute_a = false,
                                  bool fp8_z = false) {
-  auto [z, z_scales, a] = b.fp8_rmsnorm_swiglu(h, w_gu, r, !recompute_a, fp8_z);
+  auto [z, z_scales, a] = b.fp8_rmsnorm_swiglu(h, w_gu, r, copies && !recompute_a, fp8_z);
   return {b.fp8_gemm(a, w_down.codes, w_down.scales), z, z_scales, a};
 }
 
