@@ -93,15 +93,25 @@ std::vector<Real> gemm_fp8_blockwise(const BlockQuantized& a, const BlockQuantiz
              "gemm_fp8_blockwise: A and B must be blocked along K in ", k_block,
              " columns, got A ", a.block_rows, "x", a.block_cols, ", B ", b.block_rows, "x",
              b.block_cols);
+  // Each code decoded once (a table of the 256 values), not once per product: the same values
+  // summed in the same order.
+  const auto decoded = [](const BlockQuantized& q) {
+    std::vector<Acc> table(256);
+    for (int c = 0; c < 256; ++c)
+      table[c] = static_cast<Acc>(epilogue::E4m3::decode(static_cast<uint8_t>(c)));
+    std::vector<Acc> v(q.codes.size());
+    for (size_t e = 0; e < v.size(); ++e) v[e] = table[q.codes[e]];
+    return v;
+  };
+  const std::vector<Acc> av = decoded(a), bv = decoded(b);
   std::vector<Real> d(static_cast<size_t>(a.rows * b.rows), Real(0));
   for (int64_t i = 0; i < a.rows; ++i)
     for (int64_t j = 0; j < b.rows; ++j) {
+      const Acc *ar = av.data() + i * a.cols, *br = bv.data() + j * b.cols;
       Real sum = 0;
       for (int64_t k0 = 0; k0 < a.cols; k0 += k_block) {
         Acc part = 0;
-        for (int64_t k = k0; k < std::min(a.cols, k0 + k_block); ++k)
-          part += static_cast<Acc>(epilogue::E4m3::decode(a.code_at(i, k))) *
-                  static_cast<Acc>(epilogue::E4m3::decode(b.code_at(j, k)));
+        for (int64_t k = k0; k < std::min(a.cols, k0 + k_block); ++k) part += ar[k] * br[k];
         sum += static_cast<Real>(part) * static_cast<Real>(a.scale_at(i, k0)) *
                static_cast<Real>(b.scale_at(j, k0));
       }
