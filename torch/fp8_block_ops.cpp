@@ -476,6 +476,30 @@ class Fp8OutProjResidualNorm : public torch::autograd::Function<Fp8OutProjResidu
   }
 };
 
+// The MLP forwards' inputs (fp8_mlp's and fp8_mlp_partial's first twelve: x, gamma, both weights
+// with their four FP8 tensors each) and F2's outputs for the backward (z, a's copy, z_scales):
+// what mlp_backward_from_saved reads, each weight's wᵀ operand as weight_t_to_save decides.
+struct MlpInputs {
+  const Tensor &x, &gamma, &w_gu, &guc, &gus;
+  const std::optional<Tensor>&guct, &gust;
+  const Tensor &w_down, &dnc, &dns;
+  const std::optional<Tensor>&dnct, &dnst;
+};
+struct MlpSaved {
+  const Tensor &z, &a_t, &a_t_scales, &z_scales;
+};
+void save_mlp_for_backward(AutogradContext* ctx, const MlpInputs& in, const Tensor& r,
+                           const MlpSaved& f2, bool recompute_a, bool recast_w_t, bool fp8_z) {
+  const auto [gut, guts] =
+      weight_t_to_save(ctx, "gu_t", in.guc, in.gus, in.guct, in.gust, recast_w_t);
+  const auto [dnt, dnts] =
+      weight_t_to_save(ctx, "dn_t", in.dnc, in.dns, in.dnct, in.dnst, recast_w_t);
+  ctx->save_for_backward({in.x, in.gamma, in.w_gu, gut, guts, in.w_down, dnt, dnts, r, f2.z, f2.a_t,
+                          f2.a_t_scales, f2.z_scales});
+  ctx->saved_data["recompute_a"] = recompute_a;
+  ctx->saved_data["fp8_z"] = fp8_z;
+}
+
 // fp8_mlp_backward from what Fp8Mlp and Fp8MlpPartial save (the same list: x, gamma, w_gu, wᵀ's
 // two, w_down, wᵀ's two, r, z, a's copy, its scales, z_scales) into the gradients of the op's
 // `inputs` inputs (x, gamma, w_gu at 0-2, w_down at 7); `residual` as the op's.
@@ -517,11 +541,8 @@ class Fp8Mlp : public torch::autograd::Function<Fp8Mlp> {
         mlp_op().call(x, gamma, w_gu, guc, gus, guct, gust, w_down, dnc, dns, dnct, dnst, h, hs, r,
                       gamma_next, eps, act_h_out, true, recompute_a, recast_w_t, fp8_z);
     ctx->mark_non_differentiable({h_out, h_outs, r_out, z, at, ats, zs});
-    const auto [gut, guts] = weight_t_to_save(ctx, "gu_t", guc, gus, guct, gust, recast_w_t);
-    const auto [dnt, dnts] = weight_t_to_save(ctx, "dn_t", dnc, dns, dnct, dnst, recast_w_t);
-    ctx->save_for_backward({x, gamma, w_gu, gut, guts, w_down, dnt, dnts, r, z, at, ats, zs});
-    ctx->saved_data["recompute_a"] = recompute_a;
-    ctx->saved_data["fp8_z"] = fp8_z;
+    save_mlp_for_backward(ctx, {x, gamma, w_gu, guc, gus, guct, gust, w_down, dnc, dns, dnct, dnst},
+                          r, {z, at, ats, zs}, recompute_a, recast_w_t, fp8_z);
     return {x_out, h_out, h_outs, r_out, z, at, ats, zs};
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
@@ -572,11 +593,8 @@ class Fp8MlpPartial : public torch::autograd::Function<Fp8MlpPartial> {
         mlp_partial_op().call(x, gamma, w_gu, guc, gus, guct, gust, w_down, dnc, dns, dnct, dnst, h,
                               hs, r, true, recompute_a, recast_w_t, fp8_z);
     ctx->mark_non_differentiable({z, at, ats, zs});
-    const auto [gut, guts] = weight_t_to_save(ctx, "gu_t", guc, gus, guct, gust, recast_w_t);
-    const auto [dnt, dnts] = weight_t_to_save(ctx, "dn_t", dnc, dns, dnct, dnst, recast_w_t);
-    ctx->save_for_backward({x, gamma, w_gu, gut, guts, w_down, dnt, dnts, r, z, at, ats, zs});
-    ctx->saved_data["recompute_a"] = recompute_a;
-    ctx->saved_data["fp8_z"] = fp8_z;
+    save_mlp_for_backward(ctx, {x, gamma, w_gu, guc, gus, guct, gust, w_down, dnc, dns, dnct, dnst},
+                          r, {z, at, ats, zs}, recompute_a, recast_w_t, fp8_z);
     return {y, z, at, ats, zs};
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
