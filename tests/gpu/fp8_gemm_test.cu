@@ -228,24 +228,35 @@ TEST_F(GpuKernelTest, BlockTransposeMatchesTheRecipeOfTheTranspose) {
 const Shape kShapes[] = {{1, 200, 144},    {19, 8, 16},      {111, 200, 400},
                          {300, 264, 1040}, {4097, 264, 272}, {256, 1024, 2048}};
 
+// One GEMM of shape s on the recipe's operands from fresh wide values: x (M, K) in 1x128 blocks
+// and the second operand (N, K) in b_block_rows x 128 blocks (128: a weight; 1: the tokens of a
+// weight gradient), on the device, and their product by the host recipe in fp64.
+struct RecipeGemm {
+  Fp8Operand a, b;
+  std::vector<double> ref;
+};
+RecipeGemm recipe_gemm(const Shape& s, testing::Rng& rng, int b_block_rows) {
+  const std::vector<double> x = wide_values(s.m, s.k, rng), y = wide_values(s.n, s.k, rng);
+  const auto qx = quantized(x, s.m, s.k, 1), qy = quantized(y, s.n, s.k, b_block_rows);
+  return {upload_rows(qx), b_block_rows == 1 ? upload_rows(qy) : upload_blocks(qy),
+          reference::gemm_fp8_blockwise<double>(qx, qy)};
+}
+
 TEST_F(GpuKernelTest, Fp8GemmMatchesTheBlockwiseRecipe) {
   const auto configs = compiled_configs(Program::kPlain, Operands::kFp8XWt);
   ASSERT_FALSE(configs.empty());
   testing::Rng rng(13);
   for (const Shape& s : kShapes) {
     if (skip_large(s)) continue;
-    const std::vector<double> x = wide_values(s.m, s.k, rng), w = wide_values(s.n, s.k, rng);
-    const auto qx = quantized(x, s.m, s.k, 1), qw = quantized(w, s.n, s.k, 128);
-    const Fp8Operand a = upload_rows(qx), b = upload_blocks(qw);
-    const std::vector<double> ref = reference::gemm_fp8_blockwise<double>(qx, qw);
+    const RecipeGemm g = recipe_gemm(s, rng, 128);  // the reference once, for every config
     for (Config c : configs) {
       DeviceBuffer<bf16> d(size_t(s.m) * s.n);
       d.poison();
-      GemmProblem p = fp8_problem(s, a, b);
+      GemmProblem p = fp8_problem(s, g.a, g.b);
       p.d = d.get();
       p.ldd = s.n;
       run<Program::kPlain>(c, p, {}, Operands::kFp8XWt);
-      expect_close("fp8 " + label(c, s), download_bf16(d), ref);
+      expect_close("fp8 " + label(c, s), download_bf16(d), g.ref);
     }
   }
 }
@@ -254,11 +265,9 @@ TEST_F(GpuKernelTest, Fp8WeightGradientMatchesTheBlockwiseRecipe) {
   testing::Rng rng(14);
   for (const Shape& s : kShapes) {
     if (skip_large(s)) continue;
-    const std::vector<double> x = wide_values(s.m, s.k, rng), y = wide_values(s.n, s.k, rng);
-    const auto qx = quantized(x, s.m, s.k, 1), qy = quantized(y, s.n, s.k, 1);
-    const Fp8Operand a = upload_rows(qx), b = upload_rows(qy);
-    const std::vector<double> ref = reference::gemm_fp8_blockwise<double>(qx, qy);
-    const GemmProblem p = fp8_problem(s, a, b);
+    const RecipeGemm g = recipe_gemm(s, rng, 1);
+    const std::vector<double>& ref = g.ref;
+    const GemmProblem p = fp8_problem(s, g.a, g.b);
     for (Config c : compiled_configs(Program::kPlain, Operands::kFp8XYt)) {
       DeviceBuffer<bf16> d(size_t(s.m) * s.n);
       d.poison();
